@@ -1,0 +1,234 @@
+"""The one module that calls ``torch.distributed``.
+
+Every collective and point-to-point transfer in meshwise goes through here, so
+byte counting, timing of exposed waits and debugging live in one place.
+
+A ``Group`` wraps a process group with this rank's position in it and a shared
+``CommCounters``. Counters record the bytes *this rank* puts on the wire per
+category (``"grad"``, ``"param"``, ``"p2p"``, ...), using the bandwidth-optimal
+ring cost of each collective (Patarasuk & Yuan 2009; Thakur et al. 2005):
+all-reduce sends ``2 (n-1)/n`` of the buffer, reduce-scatter and all-gather
+``(n-1)/n`` of the full buffer, a send its whole payload.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class CommCounters:
+    """Bytes sent, calls made and seconds spent waiting, per category."""
+
+    def __init__(self):
+        self.bytes_sent = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.wait_s = defaultdict(float)
+
+    def record(self, category: str, nbytes: float) -> None:
+        self.bytes_sent[category] += nbytes
+        self.calls[category] += 1
+
+    def reset(self) -> None:
+        self.bytes_sent.clear()
+        self.calls.clear()
+        self.wait_s.clear()
+
+
+class Group:
+    """A process group, this rank's index in it, and the counters it feeds."""
+
+    def __init__(self, pg, ranks: list[int], name: str, counters: CommCounters):
+        self.pg = pg
+        self.ranks = list(ranks)
+        self.name = name
+        self.counters = counters
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank())
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, rank {self.rank} of {self.ranks})"
+
+
+class Handle:
+    """An in-flight async operation. ``wait()`` exactly once."""
+
+    def __init__(self, works, counters: CommCounters | None, category: str,
+                 on_done=None, keep=None):
+        self._works = works if isinstance(works, list) else [works]
+        self._keep = keep  # tensors that must outlive the transfer
+        self._counters = counters
+        self._category = category
+        self._on_done = on_done
+        self.done = False
+
+    def wait(self) -> None:
+        assert not self.done, "Handle.wait() called twice"
+        start = time.perf_counter()
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        if self._counters is not None:
+            self._counters.wait_s[self._category] += time.perf_counter() - start
+        self.done = True
+        self._keep = None
+        if self._on_done is not None:
+            self._on_done()
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """Initialise from the ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` env."""
+    kwargs = {}
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_group(counters: CommCounters | None = None) -> Group:
+    return Group(dist.group.WORLD, list(range(dist.get_world_size())), "world",
+                 counters or CommCounters())
+
+
+def new_group(ranks: list[int], name: str, counters: CommCounters) -> Group | None:
+    """Create a subgroup. Every rank must call this for every group, in order;
+    ranks outside ``ranks`` get ``None``."""
+    pg = dist.new_group(ranks=list(ranks))
+    if dist.get_rank() not in ranks:
+        return None
+    return Group(pg, ranks, name, counters)
+
+
+def _finish(work, group: Group, category: str, async_op: bool, on_done=None, keep=None):
+    if async_op:
+        return Handle(work, group.counters, category, on_done, keep)
+    if work is not None:
+        start = time.perf_counter()
+        work.wait()
+        group.counters.wait_s[category] += time.perf_counter() - start
+    if on_done is not None:
+        on_done()
+    return None
+
+
+def _ring_fraction(group: Group) -> float:
+    return (group.size - 1) / group.size
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum",
+               category: str = "other", async_op: bool = False):
+    """In-place all-reduce; returns a ``Handle`` when ``async_op``."""
+    if group.size == 1:
+        return Handle([], None, category) if async_op else None
+    group.counters.record(category, 2 * _ring_fraction(group) * _nbytes(tensor))
+    work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=True)
+    return _finish(work, group, category, async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
+                   category: str = "other", async_op: bool = False):
+    """Sum ``input`` (``group.size`` equal chunks) across ranks; this rank's chunk -> ``output``."""
+    assert input.numel() == output.numel() * group.size, "input must be size * output"
+    if group.size == 1:
+        output.copy_(input)
+        return Handle([], None, category) if async_op else None
+    group.counters.record(category, _ring_fraction(group) * _nbytes(input))
+    work = dist.reduce_scatter_tensor(output, input, group=group.pg, async_op=True)
+    return _finish(work, group, category, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
+               category: str = "other", async_op: bool = False):
+    """Concatenate every rank's ``input`` into ``output`` (flat, rank order)."""
+    assert output.numel() == input.numel() * group.size, "output must be size * input"
+    if group.size == 1:
+        output.copy_(input.view_as(output))
+        return Handle([], None, category) if async_op else None
+    group.counters.record(category, _ring_fraction(group) * _nbytes(output))
+    work = dist.all_gather_into_tensor(output, input, group=group.pg, async_op=True)
+    return _finish(work, group, category, async_op)
+
+
+def all_gather_list(tensors: list[torch.Tensor], tensor: torch.Tensor, group: Group,
+                    category: str = "other") -> None:
+    """All-gather into a list of tensors (one per rank), for non-flat layouts."""
+    if group.size == 1:
+        tensors[0].copy_(tensor)
+        return
+    group.counters.record(category, _ring_fraction(group) * _nbytes(tensor) * group.size)
+    dist.all_gather(tensors, tensor.contiguous(), group=group.pg)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group, category: str = "other") -> None:
+    """Broadcast from group rank ``src`` in place."""
+    if group.size == 1:
+        return
+    if group.rank == src:
+        group.counters.record(category, _nbytes(tensor))
+    dist.broadcast(tensor, src=group.global_rank(src), group=group.pg)
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        dist.barrier(group=group.pg)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0,
+         category: str = "p2p", async_op: bool = False):
+    """Send to group rank ``dst`` with a tag."""
+    group.counters.record(category, _nbytes(tensor))
+    tensor = tensor.contiguous()
+    work = dist.isend(tensor, dst=group.global_rank(dst), group=group.pg, tag=tag)
+    return _finish(work, group, category, async_op, keep=tensor)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0,
+         category: str = "p2p", async_op: bool = False):
+    """Receive from group rank ``src`` into ``tensor`` with a tag."""
+    work = dist.irecv(tensor, src=group.global_rank(src), group=group.pg, tag=tag)
+    return _finish(work, group, category, async_op)
+
+
+def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
+              recvs: list[tuple[torch.Tensor, int, int]], group: Group,
+              category: str = "p2p", async_op: bool = False):
+    """Post several sends and receives together: ``(tensor, group_rank, tag)`` each.
+
+    Posting them at once (rather than one blocking call after another) is what
+    lets two neighbours exchange in both directions without deadlock.
+    """
+    ops, keep = [], []
+    for tensor, dst, tag in sends:
+        group.counters.record(category, _nbytes(tensor))
+        keep.append(tensor.contiguous())
+        ops.append(dist.P2POp(dist.isend, keep[-1], group.global_rank(dst),
+                              group=group.pg, tag=tag))
+    for tensor, src, tag in recvs:
+        ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(src),
+                              group=group.pg, tag=tag))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if async_op:
+        return Handle(list(works), group.counters, category, keep=keep)
+    start = time.perf_counter()
+    for work in works:
+        work.wait()
+    group.counters.wait_s[category] += time.perf_counter() - start
+    return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

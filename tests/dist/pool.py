@@ -1,0 +1,121 @@
+"""A pool of gloo ranks kept alive across distributed tests.
+
+Spawning fresh ranks costs several seconds per test on a small machine; a pool
+costs that once per world size. ``run(fn, *args)`` executes the module-level
+function ``fn`` on every rank and returns the per-rank results. A rank that
+raises fails the call with that rank's traceback, and the pool is torn down (its
+other ranks may be stuck in a collective) and started again on next use.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+class RankError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r],
+                                                        self.results), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 90, **kwargs) -> list:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        out = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            if dead:
+                raise RankError(f"rank(s) {dead} of the test pool died")
+            try:
+                rank, ok, value = self.results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise RankError(f"ranks {sorted(pending)} did not finish in {timeout}s")
+                continue
+            if not ok:
+                raise RankError(f"rank {rank} raised:\n{value}")
+            out[rank] = value
+            pending.discard(rank)
+        return out
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=5)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+class Pools:
+    """One pool per world size, created on first use, restarted after a failure."""
+
+    def __init__(self):
+        self._pools: dict[int, WorkerPool] = {}
+
+    def run(self, world_size: int, fn, *args, timeout: float = 90, **kwargs) -> list:
+        pool = self._pools.get(world_size)
+        if pool is None:
+            pool = self._pools[world_size] = WorkerPool(world_size)
+        try:
+            return pool.run(fn, *args, timeout=timeout, **kwargs)
+        except BaseException:
+            self._pools.pop(world_size).close(graceful=False)
+            raise
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
