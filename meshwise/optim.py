@@ -1,0 +1,60 @@
+"""AdamW on flat tensors and the learning-rate schedule (pure functions).
+
+Every optimizer path in meshwise (plain data parallel, ZeRO 1/2/3) calls
+``adamw_update`` on whatever slice of parameters it owns, so the update is the
+same arithmetic whatever the layout. It matches ``torch.optim.AdamW``'s
+single-tensor implementation (Loshchilov & Hutter 2019: decoupled weight decay,
+Adam's bias correction).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@torch.no_grad()
+def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, step: int, lr: float, cfg: AdamWConfig,
+                 weight_decay: float | None = None) -> None:
+    """One AdamW step in place. ``step`` is 1-based; ``weight_decay`` overrides ``cfg``."""
+    beta1, beta2 = cfg.betas
+    wd = cfg.weight_decay if weight_decay is None else weight_decay
+    if wd:
+        param.mul_(1 - lr * wd)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Weight decay applies to matrices, not to biases, norms or other vectors."""
+    return param.dim() >= 2
+
+
+def lr_at(step: int, max_lr: float, warmup_steps: int, total_steps: int,
+          min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup to ``max_lr``, then cosine decay to ``min_lr_ratio * max_lr``.
+
+    ``step`` is 1-based (the step about to be taken).
+    """
+    min_lr = max_lr * min_lr_ratio
+    if warmup_steps > 0 and step <= warmup_steps:
+        return max_lr * step / warmup_steps
+    if total_steps <= warmup_steps:
+        return max_lr
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (max_lr - min_lr)
