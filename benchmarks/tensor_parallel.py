@@ -1,0 +1,200 @@
+"""Tensor-parallel step time: meshwise vs PyTorch's DTensor tensor parallel.
+
+Two gloo ranks on CPU (one thread each) train the same stack of pre-norm MLP
+blocks (LayerNorm -> Linear d->4d -> GELU -> Linear 4d->d, residual), split the
+Megatron way (Shoeybi et al. 2019, section 3: first GEMM by columns, second by
+rows, one all-reduce forward and one backward per block):
+
+* meshwise: ``ColumnParallelLinear`` + ``RowParallelLinear``;
+* torch: ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``
+  on a ``DeviceMesh`` over the gloo world.
+
+Both start from identical full weights and use ``torch.optim.AdamW``. Steps
+(forward + backward + optimizer step) alternate between the two so that drift
+in the machine's speed hits both alike; each step time is the slowest rank's,
+and the median after warm-up is reported. For scale, the unsharded model's step
+time in one process is reported as ``single_step_s``. The last line printed is
+one JSON object.
+
+    python benchmarks/tensor_parallel.py [--d-model 512 --n-layer 4 --tokens 1024 --steps 20]
+
+The PyTorch side calls ``torch.distributed`` directly (a benchmark, not the library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+# Run from a checkout without installing: the repository root holds ``meshwise``.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WORLD_SIZE = 2
+
+
+class Block(nn.Module):
+    """Pre-norm MLP block; ``fc1`` / ``fc2`` are whatever linear layers are passed in."""
+
+    def __init__(self, d_model: int, fc1: nn.Module, fc2: nn.Module):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.fc1, self.fc2 = fc1, fc2
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def build_reference(args) -> nn.Sequential:
+    """The unsharded model every variant copies its weights from (same on every rank)."""
+    torch.manual_seed(0)
+    d, h = args.d_model, 4 * args.d_model
+    return nn.Sequential(*[Block(d, nn.Linear(d, h), nn.Linear(h, d)) for _ in range(args.n_layer)])
+
+
+def build_meshwise(args, reference: nn.Sequential, tp_group) -> nn.Sequential:
+    from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    d, h = args.d_model, 4 * args.d_model
+    blocks = [Block(d, ColumnParallelLinear(d, h, tp_group), RowParallelLinear(h, d, tp_group))
+              for _ in range(args.n_layer)]
+    rank, size = tp_group.rank, tp_group.size
+    with torch.no_grad():
+        for mine, ref in zip(blocks, reference):
+            mine.norm.load_state_dict(ref.norm.state_dict())
+            mine.fc1.weight.copy_(ref.fc1.weight.chunk(size, dim=0)[rank])
+            mine.fc1.bias.copy_(ref.fc1.bias.chunk(size, dim=0)[rank])
+            mine.fc2.weight.copy_(ref.fc2.weight.chunk(size, dim=1)[rank])
+            mine.fc2.bias.copy_(ref.fc2.bias)
+    return nn.Sequential(*blocks)
+
+
+def build_torch_tp(args, reference: nn.Sequential):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
+    model = copy.deepcopy(reference)
+    for block in model:
+        parallelize_module(block, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return model
+
+
+def make_step(model: nn.Module, lr: float = 1e-4):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step(x, target) -> float:
+        loss = F.mse_loss(model(x), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def timed(step, x, target) -> tuple[float, float]:
+    dist.barrier()  # both ranks start together: the step is bounded by the slower one
+    start = time.perf_counter()
+    loss = step(x, target)
+    return time.perf_counter() - start, loss
+
+
+def slowest_rank_median(times: list[float]) -> float:
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def single_process_median(args, reference, x, target) -> float:
+    import copy
+
+    step = make_step(copy.deepcopy(reference))
+    times = []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        step(x, target)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def worker(rank: int, args, port: int, results) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(WORLD_SIZE))
+    dist.init_process_group("gloo")
+    from meshwise.mesh import Mesh, ParallelDims
+
+    mesh = Mesh.build(ParallelDims(tp=WORLD_SIZE))
+    reference = build_reference(args)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.tokens, args.d_model, generator=gen)
+    target = torch.randn(args.tokens, args.d_model, generator=gen)
+    steps = {"meshwise": make_step(build_meshwise(args, reference, mesh.tp)),
+             "torch_tp": make_step(build_torch_tp(args, reference))}
+    times = {name: [] for name in steps}
+    losses = {name: [] for name in steps}
+    for i in range(args.warmup + args.steps):
+        order = list(steps) if i % 2 == 0 else list(reversed(steps))  # alternate who goes first
+        for name in order:
+            dt, loss = timed(steps[name], x, target)
+            losses[name].append(loss)
+            if i >= args.warmup:
+                times[name].append(dt)
+    medians = {name: slowest_rank_median(t) for name, t in times.items()}
+    single = single_process_median(args, reference, x, target) if rank == 0 else None
+    dist.barrier()
+    if rank == 0:
+        drift = max(abs(a - b) / abs(b) for a, b in zip(losses["meshwise"], losses["torch_tp"]))
+        results.put({"medians": medians, "single": single, "loss_rel_diff": drift})
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=1024, help="rows of the input batch")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    if args.steps < 1 or args.d_model % WORLD_SIZE:
+        parser.error("--steps must be >= 1 and --d-model divisible by 2")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(worker, args=(args, port, results), nprocs=WORLD_SIZE,
+                       start_method="spawn", join=True)
+    res = results.get()
+    med = res["medians"]
+    print(f"d_model={args.d_model} n_layer={args.n_layer} tokens={args.tokens} "
+          f"steps={args.steps}: meshwise {med['meshwise'] * 1e3:.1f} ms, "
+          f"torch TP {med['torch_tp'] * 1e3:.1f} ms, one process {res['single'] * 1e3:.1f} ms; "
+          f"max relative loss difference {res['loss_rel_diff']:.2e}")
+    print(json.dumps({"meshwise_step_s": med["meshwise"], "torch_tp_step_s": med["torch_tp"],
+                      "ratio": med["meshwise"] / med["torch_tp"], "single_step_s": res["single"],
+                      "loss_rel_diff": res["loss_rel_diff"], "world_size": WORLD_SIZE,
+                      "d_model": args.d_model, "n_layer": args.n_layer, "tokens": args.tokens,
+                      "steps": args.steps}))
+
+
+if __name__ == "__main__":
+    main()

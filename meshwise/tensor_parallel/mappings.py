@@ -1,0 +1,160 @@
+"""Communication at the edges of tensor-parallel regions, as paired autograd functions.
+
+Shoeybi et al. 2019 (Megatron-LM), section 3, split a transformer's matrices
+across the ranks of a tensor-parallel (tp) group and need only two conjugate
+operators at the boundaries of each parallel region:
+
+* ``f`` = :func:`copy_to_tp`: identity forward, all-reduce backward. It enters a
+  region whose ranks each hold part of the weights, so every rank contributes a
+  partial gradient of the (replicated) input that must be summed.
+* ``g`` = :func:`reduce_from_tp`: all-reduce forward, identity backward. It leaves
+  a region whose ranks each computed a partial sum of the output.
+
+Two more pairs move between a replicated tensor and its slices along a dim:
+
+* :func:`scatter_to_tp`: keep this rank's chunk forward, all-gather backward.
+* :func:`gather_from_tp`: all-gather forward, keep this rank's chunk backward.
+
+Every public function takes the tp group explicitly (a
+:class:`meshwise.comm.ops.Group`). ``None`` or a group of size 1 means no tensor
+parallelism: the function returns its input untouched and adds no autograd node,
+so a tp=1 model is bit-for-bit the plain PyTorch model. All traffic is counted
+under the ``"tp"`` category.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshwise.comm import ops
+
+CATEGORY = "tp"
+
+
+def tp_size_of(group: ops.Group | None) -> int:
+    """Number of ranks in the tp group; 1 when ``group`` is ``None``."""
+    return 1 if group is None else group.size
+
+
+def tp_rank_of(group: ops.Group | None) -> int:
+    """This rank's index in the tp group; 0 when ``group`` is ``None``."""
+    return 0 if group is None else group.rank
+
+
+# ---------------------------------------------------------------- raw collectives
+def _all_reduce(x: torch.Tensor, group: ops.Group) -> torch.Tensor:
+    # Out of place: the input may be saved by autograd or shared with another
+    # consumer (an incoming gradient can be), so never reduce it in place.
+    out = x.clone(memory_format=torch.contiguous_format)
+    ops.all_reduce(out, group, category=CATEGORY)
+    return out
+
+
+def _split_own_chunk(x: torch.Tensor, group: ops.Group, dim: int) -> torch.Tensor:
+    size = x.shape[dim]
+    if size % group.size != 0:
+        raise ValueError(f"dim {dim} of size {size} is not divisible by tp size {group.size}")
+    chunk = size // group.size
+    # Contiguous so the slice owns its memory and feeds collectives / matmuls directly.
+    return x.narrow(dim, group.rank * chunk, chunk).contiguous()
+
+
+def _all_gather(x: torch.Tensor, group: ops.Group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+    dim = dim % x.dim()
+    flat_in = x.contiguous().view(-1)                       # (numel,)
+    flat_out = x.new_empty(group.size * flat_in.numel())     # (tp * numel,)
+    ops.all_gather(flat_out, flat_in, group, category=CATEGORY)
+    stacked = flat_out.view(group.size, *x.shape)           # (tp, s0, .., s_dim, .., s_n)
+    if dim == 0:
+        return stacked.view(group.size * x.shape[0], *x.shape[1:])  # (tp * s0, ...)
+    # Bring the rank axis next to ``dim`` so that merging the two keeps rank order.
+    moved = stacked.movedim(0, dim)                         # (s0, .., tp, s_dim, .., s_n)
+    shape = list(x.shape)
+    shape[dim] *= group.size
+    return moved.reshape(shape)                             # (s0, .., tp * s_dim, .., s_n)
+
+
+# ---------------------------------------------------------------- autograd pairs
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Keep this rank's chunk along ``dim``; the gradient is all-gathered back."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split_own_chunk(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along ``dim``; backward keeps this rank's chunk of the gradient.
+
+    The consumer of the gathered tensor is replicated across tp ranks, so each
+    rank already holds the full (identical) gradient: no reduction is needed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_own_chunk(grad, ctx.group, ctx.dim), None, None
+
+
+# ---------------------------------------------------------------- public functions
+def copy_to_tp(x: torch.Tensor, group: ops.Group | None) -> torch.Tensor:
+    """Enter a tp region (``f``): forward identity, backward all-reduce."""
+    if tp_size_of(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ops.Group | None) -> torch.Tensor:
+    """Leave a tp region (``g``): forward all-reduce (sum), backward identity."""
+    if tp_size_of(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group: ops.Group | None, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's chunk of ``x`` along ``dim``; backward all-gathers the gradient."""
+    if tp_size_of(group) == 1:
+        return x
+    return _ScatterToTP.apply(x, group, dim)
+
+
+def gather_from_tp(x: torch.Tensor, group: ops.Group | None, dim: int = -1) -> torch.Tensor:
+    """All-gather ``x`` along ``dim`` in rank order; backward keeps this rank's chunk."""
+    if tp_size_of(group) == 1:
+        return x
+    return _GatherFromTP.apply(x, group, dim)
