@@ -1,0 +1,117 @@
+"""ZeRO-3 in one process: a size-1 group never reaches torch.distributed."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from meshwise.comm.ops import CommCounters
+from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.optim import AdamWConfig, decays
+from meshwise.zero.flat_unit import FlatUnit, cut_into_units
+from meshwise.zero.params import ZeroStage3
+
+CFG = AdamWConfig(lr=1e-2, weight_decay=0.1)
+
+
+def _group(size=1, rank=0):
+    return SimpleNamespace(size=size, rank=rank, counters=CommCounters())
+
+
+def _reference_adamw(model):
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
+              {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, foreach=False)
+
+
+class CheckpointedBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _gpt():
+    return GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8, vocab_size=32)).double()
+
+
+@pytest.mark.parametrize("make", [_gpt, lambda: CheckpointedBlocks().double()])
+def test_single_rank_matches_adamw(make):
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    zero, opt = ZeroStage3(model, _group(), CFG), _reference_adamw(ref)
+    gpt = isinstance(model, GPT)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x = (torch.randint(0, 32, (4, 8), generator=gen) if gpt
+             else torch.randn(4, 6, generator=gen, dtype=torch.float64))
+        losses = []
+        for net in (zero, ref):
+            loss = net(x, x).sum() if gpt else net(x).pow(2).sum()
+            loss.backward()
+            losses.append(loss.item())
+        zero.step(CFG.lr)
+        opt.step()
+        zero.zero_grad()
+        opt.zero_grad()
+        assert losses[0] == losses[1]
+        assert all(u.gathered_bytes() == 0 for u in zero.units)
+    full = zero.full_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p, rtol=0, atol=1e-12)
+
+
+def test_tied_embedding_stays_in_root():
+    zero = ZeroStage3(_gpt(), _group(), CFG)
+    assert [u.name for u in zero.units] == ["root", "blocks.0", "blocks.1"]
+    assert "wte.weight" in [s.name for s in zero.root.slots]
+    assert zero.param_names[0] == "wte.weight"
+
+
+def test_eval_forward_frees_everything():
+    zero = ZeroStage3(_gpt(), _group(), CFG)
+    with torch.no_grad():
+        zero(torch.zeros(2, 8, dtype=torch.long))
+    assert all(u.gathered_bytes() == 0 for u in zero.units)
+
+
+def test_bad_units_are_rejected_before_touching_the_model():
+    model = _gpt()
+    with pytest.raises(ValueError, match="disjoint"):
+        cut_into_units(model, [model.blocks[0], model.blocks[0].mlp])
+    with pytest.raises(ValueError, match="not a submodule"):
+        cut_into_units(model, [nn.Linear(2, 2)])
+    tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="shared by several units"):
+        cut_into_units(tied, [tied[0], tied[1]])
+    assert len(list(tied.parameters())) == 3  # nothing unregistered
+
+
+def test_shard_segments_and_decay_runs():
+    """weight (4x3=12) + bias (4) = 16: over 3 ranks padded to 18, shards of 6."""
+    lin = nn.Linear(3, 4)
+    weight = lin.weight.detach().clone()
+    _, root_params = cut_into_units(lin, [])
+    unit = FlatUnit("u", root_params, _group(size=3, rank=1))
+    assert unit.plan.shard_numel == 6 and unit.plan.padding == 2
+    assert [(s.name, s.start, s.end, s.decays) for s in unit.segments] == [
+        ("weight", 0, 6, True)]
+    assert torch.equal(unit.shard, weight.reshape(-1)[6:12])
+    assert unit.gathered_bytes() == 0 and lin.weight.numel() == 0  # placeholder while freed
+    last = FlatUnit("u", root_params, _group(size=3, rank=2))
+    assert [(s.name, s.start, s.end) for s in last.segments] == [("bias", 0, 4)]
+    mixed = FlatUnit("u", root_params, _group(size=2, rank=1))  # elements 8..16
+    assert [(s.name, s.start, s.end, s.decays) for s in mixed.segments] == [
+        ("weight", 0, 4, True), ("bias", 4, 8, False)]
+    assert mixed._runs() == [(0, 4, True), (4, 8, False)]
