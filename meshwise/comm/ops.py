@@ -56,6 +56,10 @@ class Group:
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
+    def __deepcopy__(self, memo):
+        # A process group is a handle to shared state, never copied with a model.
+        return self
+
     def __repr__(self) -> str:
         return f"Group({self.name}, rank {self.rank} of {self.ranks})"
 
@@ -125,6 +129,15 @@ def _finish(work, group: Group, category: str, async_op: bool, on_done=None, kee
     return None
 
 
+def backend(group: Group) -> str:
+    """The backend that carries ``group``'s collectives: ``"gloo"``, ``"nccl"``, ...
+
+    Callers pick a collective formulation per backend (gloo's reduce-scatter is
+    slower than its all-reduce; NCCL's is not).
+    """
+    return str(dist.get_backend(group.pg))
+
+
 def _ring_fraction(group: Group) -> float:
     return (group.size - 1) / group.size
 
@@ -148,7 +161,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
         return Handle([], None, category) if async_op else None
     group.counters.record(category, _ring_fraction(group) * _nbytes(input))
     work = dist.reduce_scatter_tensor(output, input, group=group.pg, async_op=True)
-    return _finish(work, group, category, async_op)
+    return _finish(work, group, category, async_op, keep=input)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -160,7 +173,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
         return Handle([], None, category) if async_op else None
     group.counters.record(category, _ring_fraction(group) * _nbytes(output))
     work = dist.all_gather_into_tensor(output, input, group=group.pg, async_op=True)
-    return _finish(work, group, category, async_op)
+    return _finish(work, group, category, async_op, keep=input)
 
 
 def all_gather_list(tensors: list[torch.Tensor], tensor: torch.Tensor, group: Group,
