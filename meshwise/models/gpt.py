@@ -8,6 +8,12 @@ the single-process model would have (DESIGN section 1).
 Blocks live in ``self.blocks`` (a ModuleList); ``layer_ids`` holds their global
 indices, which name their parameters (``blocks.5.attn.qkv.weight``) whatever
 chunk they are in.
+
+With a tensor-parallel group (Megatron-LM, Shoeybi et al. 2019, section 3) the
+heads are split across tp ranks (QKV column-parallel, output projection
+row-parallel), the MLP is column then row parallel, and the tied embedding /
+head is vocab-parallel with a loss that never gathers the logits. Without one,
+the same layers are plain ``F.linear`` / ``F.embedding``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                             VocabParallelEmbedding,
+                                             vocab_parallel_cross_entropy)
+from meshwise.tensor_parallel.mappings import tp_size_of
 
 
 @dataclass(frozen=True)
@@ -36,41 +47,50 @@ def param_seed(seed: int, name: str) -> int:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, name: str, seed: int, tp_group, residual_std: float):
         super().__init__()
-        self.n_head = cfg.n_head
+        tp = tp_size_of(tp_group)
+        if cfg.n_head % tp:
+            raise ValueError(f"n_head {cfg.n_head} is not divisible by tp {tp}")
         self.head_dim = cfg.d_model // cfg.n_head
-        # Output rows laid out head by head, (n_head, 3, head_dim), so a
-        # contiguous split of the rows gives each tensor-parallel rank whole heads.
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        # Output rows laid out head by head, (n_head, 3, head_dim), so the
+        # column split gives each tensor-parallel rank whole heads.
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp_group,
+                                        init_seed=param_seed(seed, f"{name}.qkv.weight"))
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp_group, init_std=residual_std,
+                                      init_seed=param_seed(seed, f"{name}.proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh/tp, 3, hd)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh/tp, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh/tp, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/tp)
         return self.proj(y)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, name: str, seed: int, tp_group, residual_std: float):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fc = ColumnParallelLinear(cfg.d_model, 4 * cfg.d_model, tp_group,
+                                       init_seed=param_seed(seed, f"{name}.fc.weight"))
+        self.proj = RowParallelLinear(4 * cfg.d_model, cfg.d_model, tp_group,
+                                      init_std=residual_std,
+                                      init_seed=param_seed(seed, f"{name}.proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # (B, T, C)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer_id: int, seed: int, tp_group):
         super().__init__()
+        name = f"blocks.{layer_id}"
+        residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scaled residual init
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, f"{name}.attn", seed, tp_group, residual_std)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, f"{name}.mlp", seed, tp_group, residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -80,22 +100,26 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2 style decoder. A chunk holds ``layers`` (global indices), plus the
     embeddings when ``has_embedding`` and the final norm, head and loss when
-    ``has_head``. The head reuses the token embedding matrix (tied weights)."""
+    ``has_head``. The head reuses the token embedding matrix (tied weights); a
+    pipeline's last stage holds its own copy, kept in sync by the trainer."""
 
     def __init__(self, cfg: GPTConfig, seed: int = 0, layers: range | None = None,
-                 has_embedding: bool = True, has_head: bool = True):
+                 has_embedding: bool = True, has_head: bool = True, tp_group=None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp_group = cfg, tp_group
         self.layer_ids = list(range(cfg.n_layer) if layers is None else layers)
         self.has_embedding, self.has_head = has_embedding, has_head
         if has_embedding or has_head:
-            self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group,
+                                              init_seed=param_seed(seed, "wte.weight"))
         if has_embedding:
             self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in self.layer_ids)
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(param_seed(seed, "wpe.weight"))
+                self.wpe.weight.normal_(0.0, 0.02, generator=gen)
+        self.blocks = nn.ModuleList(Block(cfg, i, seed, tp_group) for i in self.layer_ids)
         if has_head:
             self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.init_weights(seed)
 
     def global_name(self, local_name: str) -> str:
         """``blocks.0.x`` in a chunk starting at layer 4 is ``blocks.4.x`` globally."""
@@ -104,24 +128,11 @@ class GPT(nn.Module):
             return f"blocks.{self.layer_ids[int(idx)]}.{rest}"
         return local_name
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        for name, p in self.named_parameters():
-            name = self.global_name(name)
-            if name.endswith("bias") or ".ln" in name or name.startswith("ln_f"):
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-                continue
-            std = residual_std if name.endswith("proj.weight") else 0.02
-            gen = torch.Generator().manual_seed(param_seed(seed, name))
-            full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            p.copy_(full)
-
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: token ids (B, T) on the first chunk, else hidden states (B, T, C).
 
-        Returns hidden states, or with ``has_head`` the logits (B, T, V), or with
-        ``targets`` the SUM of token losses (callers divide by global tokens).
+        Returns hidden states, or with ``has_head`` the full logits (B, T, V), or
+        with ``targets`` the SUM of token losses (callers divide by global tokens).
         """
         if self.has_embedding:
             pos = torch.arange(x.shape[1], device=x.device)
@@ -130,7 +141,9 @@ class GPT(nn.Module):
             x = block(x)
         if not self.has_head:
             return x
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # (B, T, V)
+        x = self.ln_f(x)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            return self.wte.logits(x, gather_output=True)  # (B, T, V)
+        logits = self.wte.logits(x)  # (B, T, V_padded/tp)
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group,
+                                            vocab_size=self.cfg.vocab_size, reduction="sum")

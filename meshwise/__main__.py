@@ -1,0 +1,5 @@
+import sys
+
+from meshwise.cli import main
+
+sys.exit(main())

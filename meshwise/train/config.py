@@ -1,0 +1,177 @@
+"""Training configuration: nested typed dataclasses, validated in one place.
+
+``TrainConfig.validate()`` checks everything that can be checked before any rank
+starts and raises ``ValueError`` with a one-line message naming the bad value
+and what would be valid; the CLI turns that into exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from meshwise.mesh import ParallelDims
+
+MODEL_PRESETS = {
+    # name: (n_layer, n_head, d_model, block_size)
+    "tiny": (4, 4, 128, 256),
+    "small": (6, 6, 384, 512),
+    "medium": (12, 12, 768, 1024),
+}
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+ZERO_STAGES = (0, 1, 2, 3)
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("fp32", "bf16")
+ON_NAN = ("stop", "skip")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batches: int = 0  # 0: pp when pp > 1, else 1
+    zero: int = 0
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp)
+
+    @property
+    def num_micro_batches(self) -> int:
+        if self.micro_batches:
+            return self.micro_batches
+        return self.pp if self.pp > 1 else 1
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    n_layer: int = 0  # 0: from the preset
+    n_head: int = 0
+    d_model: int = 0
+    block_size: int = 0
+    vocab_size: int = 256
+
+    def resolved(self) -> "ModelConfig":
+        """A copy with every size filled in from the preset."""
+        n_layer, n_head, d_model, block_size = MODEL_PRESETS[self.preset]
+        return dataclasses.replace(
+            self, n_layer=self.n_layer or n_layer, n_head=self.n_head or n_head,
+            d_model=self.d_model or d_model, block_size=self.block_size or block_size)
+
+
+@dataclass
+class OptimConfig:
+    steps: int = 200
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    on_nan: str = "stop"
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    cache_dir: str | None = None
+    seq_len: int = 128
+    batch_size: int = 16
+    grad_accum: int = 1
+    seed: int = 1234
+    eval_every: int = 0
+    eval_batches: int = 4
+    sample_tokens: int = 0
+
+
+@dataclass
+class CommConfig:
+    bucket_mb: float = 25.0
+    timeout_s: float = 300.0
+
+
+@dataclass
+class RuntimeConfig:
+    device: str = "auto"
+    dtype: str = "fp32"
+    metrics: str | None = None
+    log_every: int = 10
+    quiet: bool = False
+
+
+@dataclass
+class TrainConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def validate(self) -> "TrainConfig":
+        """Raise ``ValueError`` naming the first bad value; return self."""
+        p, m, o, d = self.parallel, self.model, self.optim, self.data
+        _positive(dp=p.dp, tp=p.tp, pp=p.pp, virtual_stages=p.virtual_stages,
+                  seq_len=d.seq_len, batch_size=d.batch_size, grad_accum=d.grad_accum,
+                  steps=o.steps, bucket_mb=self.comm.bucket_mb, timeout_s=self.comm.timeout_s,
+                  eval_batches=d.eval_batches, log_every=self.runtime.log_every)
+        _non_negative(micro_batches=p.micro_batches, warmup_steps=o.warmup_steps,
+                      eval_every=d.eval_every, sample_tokens=d.sample_tokens, clip=o.clip,
+                      weight_decay=o.weight_decay, n_layer=m.n_layer, n_head=m.n_head,
+                      d_model=m.d_model, block_size=m.block_size)
+        if not o.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {o.lr}")
+        _choice("--model", m.preset, MODEL_PRESETS)
+        _choice("--schedule", p.schedule, SCHEDULES)
+        _choice("--zero", p.zero, ZERO_STAGES)
+        _choice("--device", self.runtime.device, DEVICES)
+        _choice("--dtype", self.runtime.dtype, DTYPES)
+        _choice("--on-nan", o.on_nan, ON_NAN)
+        self._validate_model()
+        self._validate_layout()
+        return self
+
+    def _validate_model(self) -> None:
+        m, d = self.model.resolved(), self.data
+        if m.d_model % m.n_head:
+            raise ValueError(f"--d-model {m.d_model} is not divisible by --n-head {m.n_head}")
+        if d.seq_len > m.block_size:
+            raise ValueError(f"--seq-len {d.seq_len} exceeds the model's context of "
+                             f"{m.block_size} tokens (preset {m.preset}); use --seq-len <= "
+                             f"{m.block_size}")
+
+    def _validate_layout(self) -> None:
+        p, m, d = self.parallel, self.model.resolved(), self.data
+        if p.tp > 1:
+            raise ValueError(f"--tp {p.tp}: tensor parallelism is not available yet; valid: --tp 1")
+        if p.pp > 1 or p.virtual_stages > 1:
+            raise ValueError(f"--pp {p.pp}: pipeline parallelism is not available yet; "
+                             "valid: --pp 1 --virtual-stages 1")
+        per_step = p.dp * d.grad_accum * p.num_micro_batches
+        if d.batch_size % per_step:
+            raise ValueError(
+                f"--batch-size {d.batch_size} is not divisible by dp x grad-accum x "
+                f"micro-batches = {p.dp} x {d.grad_accum} x {p.num_micro_batches} = {per_step}")
+        del m
+
+
+def _positive(**values) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def _non_negative(**values) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+
+def _choice(flag: str, value, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"{flag} {value!r} is not valid; valid: "
+                         f"{', '.join(str(v) for v in valid)}")

@@ -1,0 +1,104 @@
+"""Per-step metrics: JSON lines, a live progress line, and the final summary.
+
+Only the logging rank (global rank 0) writes; every value it writes was reduced
+over the ranks first (see ``Trainer._reduce_metrics``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("meshwise")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class MetricsLog:
+    """Writes one JSON object per optimizer step and shows progress.
+
+    On a terminal the progress is one line rewritten in place; otherwise a plain
+    line every ``log_every`` steps (and on the last step).
+    """
+
+    def __init__(self, path: str | None, total_steps: int, log_every: int, stream=None):
+        self.path = Path(path) if path else None
+        self.total_steps = total_steps
+        self.log_every = log_every
+        self.stream = stream or sys.stdout
+        self.interactive = self.stream.isatty()
+        self.history: list[dict] = []
+        self.start = time.perf_counter()
+        self._file = None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self.history.append(record)
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+        self._show(record)
+
+    def _show(self, record: dict) -> None:
+        step = record["step"]
+        elapsed = time.perf_counter() - self.start
+        done = len(self.history)
+        eta = elapsed / done * (self.total_steps - step) if done else float("nan")
+        line = (f"step {step:>5}/{self.total_steps}  loss {record['loss']:.4f}  "
+                f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+                f"{record['tokens_per_s']:,.0f} tok/s  ETA {_format_duration(eta)}")
+        if "val_loss" in record:
+            line += f"  val_loss {record['val_loss']:.4f}"
+        if self.interactive:
+            end = "\n" if step == self.total_steps else ""
+            self.stream.write("\r\033[K" + line + end)
+            self.stream.flush()
+        elif step % self.log_every == 0 or step == self.total_steps or step == 1:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """A message between progress lines (evaluations, samples)."""
+        if self.interactive:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def summary(self, val_loss: float | None) -> str:
+        if not self.history:
+            return "no steps run"
+        rates = [r["tokens_per_s"] for r in self.history[1:]] or [self.history[0]["tokens_per_s"]]
+        first, last = self.history[0], self.history[-1]
+        lines = [
+            f"trained {len(self.history)} steps in {_format_duration(time.perf_counter() - self.start)}",
+            f"  loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+            f"(step {last['step']})",
+            f"  median throughput {statistics.median(rates):,.0f} tokens/s",
+        ]
+        if val_loss is not None:
+            lines.append(f"  validation loss {val_loss:.4f}")
+        if self.path:
+            lines.append(f"  metrics: {self.path}")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None

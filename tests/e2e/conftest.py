@@ -1,0 +1,33 @@
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+# A small model and corpus so a whole run takes seconds.
+SMALL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--seq-len", "32",
+         "--batch-size", "8", "--warmup-steps", "2", "--lr", "3e-3", "-q"]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """About 200 KB of Python source from the standard library."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = b"".join((stdlib / name).read_bytes() for name in ("inspect.py", "argparse.py"))
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_bytes(text)
+    return path
+
+
+def run_cli(*args, cwd=None, env_extra=None, timeout=240):
+    env = dict(os.environ, MESHWISE_CACHE=str(Path(cwd or ".") / "cache"), PYTHONUNBUFFERED="1")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "meshwise", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
