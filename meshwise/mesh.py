@@ -84,13 +84,16 @@ class Mesh:
     (see ``meshwise.launch``). Pass it explicitly to whatever needs a group.
     """
 
-    def __init__(self, dims: ParallelDims, rank: int, world, dp, pp, tp):
+    def __init__(self, dims: ParallelDims, rank: int, world, dp, pp, tp, embed=None):
         self.dims = dims
         self.rank = rank
         self.world = world
         self.dp = dp
         self.pp = pp
         self.tp = tp
+        # First and last pipeline stage of this (dp, tp) position, which both hold
+        # the tied token embedding; None on other stages and when pp == 1.
+        self.embed = embed
         coords = dims.coords(rank)
         self.dp_rank, self.pp_rank, self.tp_rank = coords["dp"], coords["pp"], coords["tp"]
 
@@ -111,7 +114,12 @@ class Mesh:
                 group = ops.new_group(ranks, axis, world.counters)
                 if world.rank in ranks:
                     groups[axis] = group
-        return cls(dims, world.rank, world, groups["dp"], groups["pp"], groups["tp"])
+        embed = None
+        if dims.pp > 1:
+            for ranks in dims.axis_groups("pp"):
+                group = ops.new_group([ranks[0], ranks[-1]], "embed", world.counters)
+                embed = group or embed
+        return cls(dims, world.rank, world, groups["dp"], groups["pp"], groups["tp"], embed)
 
     @property
     def is_first_stage(self) -> bool:

@@ -218,11 +218,13 @@ def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0,
 
 def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
               recvs: list[tuple[torch.Tensor, int, int]], group: Group,
-              category: str = "p2p", async_op: bool = False):
+              category: str = "p2p", wait_sends: bool = True) -> Handle | None:
     """Post several sends and receives together: ``(tensor, group_rank, tag)`` each.
 
     Posting them at once (rather than one blocking call after another) is what
-    lets two neighbours exchange in both directions without deadlock.
+    lets two neighbours exchange in both directions without deadlock. Returns
+    after the receives complete; with ``wait_sends=False`` the sends may still be
+    in flight and their ``Handle`` is returned (it keeps the tensors alive).
     """
     ops, keep = [], []
     for tensor, dst, tag in sends:
@@ -233,14 +235,16 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
     for tensor, src, tag in recvs:
         ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(src),
                               group=group.pg, tag=tag))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    if async_op:
-        return Handle(list(works), group.counters, category, keep=keep)
-    start = time.perf_counter()
-    for work in works:
-        work.wait()
-    group.counters.wait_s[category] += time.perf_counter() - start
-    return None
+    works = list(dist.batch_isend_irecv(ops)) if ops else []
+    if len(works) != len(ops):  # one coalesced work for the whole batch (NCCL)
+        Handle(works, group.counters, category).wait()
+        return None
+    Handle(works[len(sends):], group.counters, category).wait()
+    send_handle = Handle(works[:len(sends)], group.counters, category, keep=keep)
+    if wait_sends:
+        send_handle.wait()
+        return None
+    return send_handle
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -229,14 +229,19 @@ class GradBuckets:
                 view.copy_(grad)
             param.grad = view
         self._seen[index] = True
+        bucket = self._slots[index].bucket
         if not self._sync_enabled:
+            # Local accumulation may overlap a sync in progress (a pipeline's
+            # chunks finish at different times), never into a bucket in flight.
+            assert self._handles[bucket] is None, (
+                f"gradient of {self._names[index]} arrived in no_sync() after its bucket's "
+                "reduction started")
             return
         assert not self._ready[index], (
             f"gradient of {self._names[index]} arrived twice before finish_grad_sync(); "
             "run one backward per sync (use no_sync() for the others)")
         self._ready[index] = True
         self._backward_seen = True
-        bucket = self._slots[index].bucket
         self._pending[bucket] -= 1
         if self._pending[bucket] == 0:
             self._launch_in_order()
@@ -282,9 +287,13 @@ class GradBuckets:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward inside accumulates into the buckets without communication."""
+        """Backward inside accumulates into the buckets without communication.
+
+        It may be entered while buckets of other parameters are being reduced
+        (pipeline chunks whose last backward has passed); a gradient for a bucket
+        already in flight is an error.
+        """
         assert self._sync_enabled, "no_sync() is not re-entrant"
-        assert self._idle(), "no_sync() entered while a gradient sync is in progress"
         self._sync_enabled = False
         try:
             yield

@@ -146,17 +146,59 @@ class TrainConfig:
 
     def _validate_layout(self) -> None:
         p, m, d = self.parallel, self.model.resolved(), self.data
-        if p.tp > 1:
-            raise ValueError(f"--tp {p.tp}: tensor parallelism is not available yet; valid: --tp 1")
-        if p.pp > 1 or p.virtual_stages > 1:
-            raise ValueError(f"--pp {p.pp}: pipeline parallelism is not available yet; "
-                             "valid: --pp 1 --virtual-stages 1")
+        if p.tp > 1 and m.n_head % p.tp:
+            raise ValueError(f"--n-head {m.n_head} is not divisible by --tp {p.tp}: tensor "
+                             "parallelism splits whole attention heads")
+        if p.pp == 1:
+            if p.virtual_stages != 1:
+                raise ValueError(f"--virtual-stages {p.virtual_stages} needs --pp > 1")
+            if p.micro_batches > 1:
+                raise ValueError(f"--micro-batches {p.micro_batches} needs --pp > 1; without a "
+                                 "pipeline use --grad-accum")
+        else:
+            from meshwise.pipeline.schedules import validate_schedule_config
+
+            validate_schedule_config(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
+            chunks = p.pp * p.virtual_stages
+            if m.n_layer % chunks:
+                raise ValueError(f"--n-layer {m.n_layer} does not split into pp x virtual-stages "
+                                 f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks")
+        allowed = supported_zero_stages(p.pp)
+        if p.zero not in allowed:
+            raise ValueError(f"--zero {p.zero} with --pp {p.pp} is not supported "
+                             f"({UNSUPPORTED_REASON}); valid: --zero {' or '.join(map(str, allowed))}")
         per_step = p.dp * d.grad_accum * p.num_micro_batches
         if d.batch_size % per_step:
             raise ValueError(
                 f"--batch-size {d.batch_size} is not divisible by dp x grad-accum x "
                 f"micro-batches = {p.dp} x {d.grad_accum} x {p.num_micro_batches} = {per_step}")
-        del m
+
+
+# Which ZeRO stages combine with which axes. The README's table is generated from
+# this (tests/unit/test_config.py keeps them equal) and validation uses it.
+UNSUPPORTED_REASON = ("ZeRO-2/3 keep only gradient or parameter shards, but pipeline stages "
+                      "need full gradients for the tied-embedding sync and run each chunk "
+                      "many times per step; DeepSpeed refuses the same combinations")
+COMPOSITIONS = [
+    # (axes, example flags, ZeRO stages)
+    ("dp", "--dp 2", ZERO_STAGES),
+    ("dp x tp", "--dp 2 --tp 2", ZERO_STAGES),
+    ("tp x pp", "--tp 2 --pp 2", (0, 1)),
+    ("dp x pp", "--dp 2 --pp 2", (0, 1)),
+    ("dp x tp x pp", "--dp 2 --tp 2 --pp 2", (0, 1)),
+]
+
+
+def supported_zero_stages(pp: int) -> tuple[int, ...]:
+    return (0, 1) if pp > 1 else ZERO_STAGES
+
+
+def composition_table() -> str:
+    """The Markdown table of supported layouts (as in the README)."""
+    rows = ["| layout | example | ZeRO stages |", "| --- | --- | --- |"]
+    for axes, example, stages in COMPOSITIONS:
+        rows.append(f"| {axes} | `{example}` | {', '.join(map(str, stages))} |")
+    return "\n".join(rows)
 
 
 def _positive(**values) -> None:

@@ -20,13 +20,19 @@ import os
 import time
 
 import torch
+from torch import nn
 
 from meshwise.comm import ops
 from meshwise.data import TokenDataset, rank_slice
 from meshwise.mesh import Mesh
 from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.pipeline.runtime import PipelineRuntime
+from meshwise.pipeline.schedules import build_schedule
+from meshwise.pipeline.stage import build_chunks
+from meshwise.pipeline.stage import named_parameters as stage_parameters
 from meshwise.optim import AdamWConfig, lr_at
 from meshwise.train.config import TrainConfig
+from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.metrics import MetricsLog, peak_rss_bytes
 from meshwise.zero.optimizer import ZeroOptimizer
 from meshwise.zero.params import ZeroStage3
@@ -48,18 +54,35 @@ class Trainer:
         self.cfg = cfg
         self.mesh = Mesh.build(cfg.parallel.dims)
         self.device = torch.device(_rank_device(cfg.runtime.device))
-        d = cfg.data
+        d, p = cfg.data, cfg.parallel
         self.data = TokenDataset(data_path, d.seq_len)
         m = cfg.model.resolved()
         self.model_cfg = GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
                                    block_size=m.block_size, vocab_size=self.data.vocab_size)
-        self.model = GPT(self.model_cfg, seed=d.seed).to(self.device)
+        tp_group = self.mesh.tp if p.tp > 1 else None
+        if p.pp > 1:
+            chunks = build_chunks(self.model_cfg, d.seed, self.mesh.pp_rank, p.pp,
+                                  p.virtual_stages, tp_group)
+            self.model = nn.ModuleList(chunks).to(self.device)
+            named_params = stage_parameters(chunks)
+        else:
+            self.model = GPT(self.model_cfg, seed=d.seed, tp_group=tp_group).to(self.device)
+            named_params = list(self.model.named_parameters())
+        self.num_params = sum(param.numel() for _, param in named_params)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        self.num_params = sum(p.numel() for p in self.model.parameters())
-        self.engine = build_engine(self.model, list(self.model.named_parameters()),
-                                   self.mesh, cfg, self.adamw)
+        self.engine = build_engine(self.model, named_params, self.mesh, cfg, self.adamw)
+        self.grad_sync = GradSync3D(named_params, self.mesh, self.engine)
         self.global_tokens = d.batch_size * d.seq_len
+        self.pipeline = None
+        if p.pp > 1:
+            micro = d.batch_size // (p.dp * d.grad_accum * p.num_micro_batches)
+            schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
+            self.pipeline = PipelineRuntime(list(self.model), schedule, self.mesh.pp, self.engine,
+                                            (micro, d.seq_len, m.d_model), torch.float32,
+                                            self.device)
+        # Ranks whose loss counts: the last stage, once per tp group.
+        self.reports_loss = self.mesh.is_last_stage and self.mesh.tp_rank == 0
         self.is_logging_rank = self.mesh.rank == 0
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
                                   o.steps, cfg.runtime.log_every)
@@ -69,7 +92,7 @@ class Trainer:
     def train(self) -> dict:
         if self.is_logging_rank:
             n_params = self.num_params
-            log.info("model: %s, %.2fM parameters; layout %s; %d tokens per step",
+            log.info("model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step",
                      self.model_cfg, n_params / 1e6, self.cfg.parallel.dims, self.global_tokens)
         val_loss = None
         for step in range(1, self.cfg.optim.steps + 1):
@@ -100,13 +123,13 @@ class Trainer:
 
         self.engine.zero_grad()
         loss_part = self._forward_backward(self._micro_batches(step, "train"))
-        self.engine.finish_grad_sync()
+        self.grad_sync.finish()
 
-        grad_norm = self._global_grad_norm()
+        grad_norm = self.grad_sync.grad_norm()
         clip = self.cfg.optim.clip
         grad_scale = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-        sums = self._reduce([loss_part, counters.bytes_sent["grad"] - grad_bytes_before],
-                            op="sum")
+        sums = self._reduce([loss_part if self.reports_loss else 0.0,
+                             counters.bytes_sent["grad"] - grad_bytes_before], op="sum")
         loss = sums[0]
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self._handle_non_finite(step, loss, grad_norm)
@@ -125,20 +148,30 @@ class Trainer:
     # ------------------------------------------------------------- helpers
     def _micro_batches(self, step: int, split: str, num: int | None = None):
         """This dp rank's contiguous slice of global batch ``step``, cut into micro-batches."""
-        d = self.cfg.data
+        d, p = self.cfg.data, self.cfg.parallel
         batch = self.data.global_batch(step, d.batch_size, d.seed, split)  # (B, T+1)
         local = rank_slice(batch, self.mesh.dp_rank, self.mesh.dims.dp).to(self.device)
-        num = num or d.grad_accum
+        num = num or d.grad_accum * p.num_micro_batches
         return [(mb[:, :-1], mb[:, 1:]) for mb in local.chunk(num)]
 
     def _forward_backward(self, micro_batches) -> float:
-        """Run every micro-batch; return this rank's share of the global mean loss."""
-        total = 0.0
+        """Run every micro-batch; return this rank's share of the global mean loss.
+
+        Gradients sync over dp only during the last accumulation round.
+        """
+        total, scale = 0.0, 1.0 / self.global_tokens
+        if self.pipeline is not None:
+            rounds = self.cfg.data.grad_accum
+            per_round = len(micro_batches) // rounds
+            for r in range(rounds):
+                total += self.pipeline.run(micro_batches[r * per_round:(r + 1) * per_round],
+                                           scale, sync=r == rounds - 1, autocast=self._autocast)
+            return total
         last = len(micro_batches) - 1
         for i, (inputs, targets) in enumerate(micro_batches):
             sync = contextlib.nullcontext() if i == last else self.engine.no_sync()
             with sync, self._autocast():
-                loss = self.model(inputs, targets) / self.global_tokens
+                loss = self.model(inputs, targets) * scale
                 loss.backward()
             total += loss.item()
         return total
@@ -147,11 +180,6 @@ class Trainer:
         if self.cfg.runtime.dtype == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-    def _global_grad_norm(self) -> float:
-        sq = self.engine.grad_sq_norm().to(torch.float64).reshape(1)
-        ops.all_reduce(sq, self.mesh.pp, category="norm")
-        return math.sqrt(sq.item())
 
     def _reduce(self, values, op: str) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -172,11 +200,19 @@ class Trainer:
         total = 0.0
         for i in range(self.cfg.data.eval_batches):
             for inputs, targets in self._micro_batches(i + 1, "val", num=1):
-                with self._autocast():
-                    total += self.model(inputs, targets).item()
+                loss = self._forward(inputs, targets)
+                total += loss.item() if loss is not None and self.reports_loss else 0.0
         self.model.train()
         sums = self._reduce([total], op="sum")
         return sums[0] / (self.cfg.data.eval_batches * self.global_tokens)
+
+    def _forward(self, inputs, targets=None):
+        """Forward only: the loss sum (or logits) where the last stage is, else None."""
+        if self.pipeline is None:
+            with self._autocast():
+                return self.model(inputs, targets)
+        shape = (*inputs.shape, self.model_cfg.d_model)
+        return self.pipeline.forward_only(inputs, targets, shape, autocast=self._autocast)
 
     @torch.no_grad()
     def sample(self, num_tokens: int, prompt_len: int = 32, temperature: float = 0.8) -> str:
@@ -186,13 +222,18 @@ class Trainer:
         tokens = prompt.to(self.device).unsqueeze(0)  # (1, T)
         gen = torch.Generator().manual_seed(self.cfg.data.seed)
         for _ in range(num_tokens):
-            context = tokens[:, -self.model_cfg.block_size:]
-            logits = self.model(context)[0, -1].float().cpu() / temperature  # (V,)
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
-            tokens = torch.cat([tokens, nxt.to(self.device).view(1, 1)], dim=1)
+            logits = self._forward(tokens[:, -self.cfg.data.seq_len:])
+            nxt = torch.zeros(1, dtype=torch.long, device=self.device)
+            if logits is not None:
+                probs = torch.softmax(logits[0, -1].float().cpu() / temperature, -1)  # (V,)
+                nxt.copy_(torch.multinomial(probs, 1, generator=gen))
+            if self.pipeline is not None:  # the last stage tells the others
+                ops.broadcast(nxt, self.mesh.dims.pp - 1, self.mesh.pp, category="sample")
+            tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
         self.model.train()
-        data = bytes(int(t) % 256 for t in tokens[0].tolist())
-        return data.decode("utf-8", errors="replace")
+        if self.model_cfg.vocab_size > 256:
+            return " ".join(str(t) for t in tokens[0].tolist())
+        return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
 
 
 def build_engine(model, named_params, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig):

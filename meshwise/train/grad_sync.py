@@ -1,0 +1,98 @@
+"""Gradient synchronisation across all three axes, and the global gradient norm.
+
+This is the one place that states, for every parameter, across which axes it is
+replicated and how its gradient is kept consistent:
+
+* dp: every parameter is replicated across dp; its gradient is SUMMED over dp by
+  the engine's buckets (or reduce-scattered into shards under ZeRO).
+* tp: a tp-sharded parameter (``tp_sharded=True``: column/row weights, the
+  vocabulary shard of the embedding) is a different slice on every tp rank and
+  needs nothing. A tp-replicated parameter (LayerNorms, row-parallel biases, the
+  position embedding) gets IDENTICAL gradients on every tp rank without
+  communication: its gradient flows from activations that are themselves
+  replicated, because ``copy_to_tp``'s backward already summed them over tp
+  (Megatron-LM section 3). ``check_tp_replicas`` verifies this at the first step.
+* pp: the token embedding is tied to the head, which lives on the last stage; both
+  ends keep a copy and their gradients are SUMMED over ``mesh.embed`` after the dp
+  sync (Megatron-LM's embedding group), so both copies take the same step.
+
+The global norm counts each unique parameter once: tp-replicated parameters on tp
+rank 0 only, the tied embedding on the first stage only, and shards summed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshwise.comm import ops
+from meshwise.mesh import Mesh
+from meshwise.tensor_parallel.layers import is_tp_sharded
+
+TIED_EMBEDDING = "wte.weight"
+
+
+def replication(name: str, param: torch.Tensor, mesh: Mesh) -> dict[str, str]:
+    """How ``name``'s gradient is synchronised on each axis (for people and checks)."""
+    table = {"dp": "summed over dp by the engine"}
+    if mesh.dims.tp > 1:
+        table["tp"] = ("sharded: each tp rank owns a slice" if is_tp_sharded(param) else
+                       "replicated: identical gradients by construction (checked at step 1)")
+    if mesh.dims.pp > 1 and name == TIED_EMBEDDING:
+        table["pp"] = "tied across first and last stage: summed over mesh.embed"
+    return table
+
+
+class GradSync3D:
+    """Completes a step's gradients on every axis and computes their global norm."""
+
+    def __init__(self, named_params, mesh: Mesh, engine):
+        self.mesh, self.engine = mesh, engine
+        self.params = dict(named_params)
+        self.tied = self.params.get(TIED_EMBEDDING) if mesh.embed is not None else None
+        self.counted = {name for name, p in self.params.items() if self._counted(name, p)}
+        self._checked_tp = False
+
+    def _counted(self, name: str, param: torch.Tensor) -> bool:
+        if self.mesh.tp_rank > 0 and not is_tp_sharded(param):
+            return False  # a tp replica: counted on tp rank 0
+        if name == TIED_EMBEDDING and self.mesh.dims.pp > 1 and not self.mesh.is_first_stage:
+            return False  # the last stage's copy of the tied embedding
+        return True
+
+    def finish(self) -> None:
+        """Wait for the dp reductions, then sum the tied embedding over its stages."""
+        self.engine.finish_grad_sync()
+        if self.tied is not None:
+            ops.all_reduce(self.tied.grad, self.mesh.embed, category="grad")
+        if not self._checked_tp and self.mesh.dims.tp > 1:
+            self.check_tp_replicas()
+            self._checked_tp = True
+
+    def grad_norm(self) -> float:
+        """The L2 norm of the full model's gradient, the same on every rank."""
+        sq = self.engine.grad_sq_norm(include=self.counted.__contains__)
+        sq = sq.to(torch.float64).reshape(1)
+        ops.all_reduce(sq, self.mesh.tp, category="norm")
+        ops.all_reduce(sq, self.mesh.pp, category="norm")
+        return math.sqrt(sq.item())
+
+    def check_tp_replicas(self, rtol: float = 1e-5) -> None:
+        """Raise if a tp-replicated parameter's gradient differs across tp ranks.
+
+        Needs full gradients (ZeRO stages 0 and 1); skipped when they are sharded.
+        """
+        names = [n for n, p in self.params.items()
+                 if not is_tp_sharded(p) and p.grad is not None]
+        if not names:
+            return
+        sums = torch.stack([self.params[n].grad.double().sum() for n in names])
+        scale = torch.stack([self.params[n].grad.double().abs().sum() for n in names])
+        low, high = sums.clone(), sums.clone()
+        ops.all_reduce(low, self.mesh.tp, op="min", category="check")
+        ops.all_reduce(high, self.mesh.tp, op="max", category="check")
+        bad = ((high - low) > rtol * scale + 1e-12).nonzero().flatten().tolist()
+        if bad:
+            raise RuntimeError(f"gradients of tp-replicated parameters differ across tp ranks: "
+                               f"{', '.join(names[i] for i in bad)}")
