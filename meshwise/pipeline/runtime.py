@@ -14,6 +14,7 @@ that chunk's backward, then frees them. Between two chunks on the same rank
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -59,14 +60,18 @@ class PipelineRuntime:
         self._recv_f, self._recv_b, self._handoff, self._handoff_grad = {}, {}, {}, {}
         self._micro_batches, self._loss_scale, self._autocast = micro_batches, loss_scale, autocast
         self._sync, self._loss, self._pending_sends = sync, 0.0, []
+        self.compute_s = 0.0  # time in F and B this run: the rest is bubble and comms
         with contextlib.nullcontext() if sync else self.engine.no_sync():
             for step in self.steps:
                 if isinstance(step, tuple):
                     self._communicate(step)
-                elif step.kind == "F":
+                    continue
+                start = time.perf_counter()
+                if step.kind == "F":
                     self._forward(step)
                 else:
                     self._backward(step)
+                self.compute_s += time.perf_counter() - start
             for handle in self._pending_sends:
                 handle.wait()
         assert not self._outputs and not self._inputs, "activations left after the step"

@@ -1,0 +1,67 @@
+"""The correctness invariant end to end: every layout gives the single-process
+loss curve (DESIGN section 1), and the same global gradient norm at every step."""
+
+import pytest
+
+from tests.e2e.conftest import SMALL, read_metrics, run_cli
+
+STEPS = 10
+MODEL = [*SMALL, "--n-layer", "4"]
+
+LAYOUTS = {
+    # pipeline (issue: GPipe, 1F1B, interleaved 1F1B)
+    "pp2": ["--pp", "2"],
+    "pp4": ["--pp", "4"],
+    "pp2-gpipe": ["--pp", "2", "--schedule", "gpipe", "--micro-batches", "4"],
+    "pp2-1f1b-m4": ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "4"],
+    "pp2-interleaved": ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
+                        "--micro-batches", "4"],
+    "dp2-pp2": ["--dp", "2", "--pp", "2"],
+    "pp2-accum2": ["--pp", "2", "--grad-accum", "2"],
+    # tensor parallel and 3D
+    "tp2": ["--tp", "2"],
+    "dp2-tp2": ["--dp", "2", "--tp", "2"],
+    "tp2-pp2": ["--tp", "2", "--pp", "2"],
+    "dp2-tp2-pp2-zero0": ["--dp", "2", "--tp", "2", "--pp", "2"],
+    "dp2-tp2-pp2-zero1": ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1"],
+    "dp2-tp2-zero2": ["--dp", "2", "--tp", "2", "--zero", "2"],
+}
+
+
+def run_layout(tmp_path, corpus, name, flags):
+    metrics = tmp_path / f"{name}.jsonl"
+    result = run_cli("train", "--data", corpus, "--steps", STEPS, "--metrics", metrics,
+                     *MODEL, *flags, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return read_metrics(metrics)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    return run_layout(tmp_path_factory.mktemp("ref"), corpus, "single", ["--dp", "1"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_single_process(tmp_path, corpus, reference, name):
+    records = run_layout(tmp_path, corpus, name, LAYOUTS[name])
+    assert len(records) == STEPS
+    for ref, got in zip(reference, records, strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (name, ref, got)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (name, ref, got)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "3"], "--n-layer 4 does not split into pp x virtual-stages = 3 x 1 = 3"),
+    (["--pp", "2", "--virtual-stages", "2"], "needs schedule interleaved-1f1b"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
+      "--micro-batches", "3"], "multiple of pp"),
+    (["--tp", "3"], "--n-head 4 is not divisible by --tp 3"),
+    (["--pp", "2", "--zero", "3"], "--zero 3 with --pp 2 is not supported"),
+    (["--micro-batches", "2"], "--micro-batches 2 needs --pp > 1"),
+])
+def test_layouts_that_cannot_work_exit_2(tmp_path, corpus, flags, message):
+    result = run_cli("train", *MODEL, "--data", corpus, *flags, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
