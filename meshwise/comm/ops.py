@@ -21,6 +21,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# torch >= 2.13 renames the flat collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -160,7 +164,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
         output.copy_(input)
         return Handle([], None, category) if async_op else None
     group.counters.record(category, _ring_fraction(group) * _nbytes(input))
-    work = dist.reduce_scatter_tensor(output, input, group=group.pg, async_op=True)
+    work = _reduce_scatter_flat(output, input, group=group.pg, async_op=True)
     return _finish(work, group, category, async_op, keep=input)
 
 
@@ -172,7 +176,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
         output.copy_(input.view_as(output))
         return Handle([], None, category) if async_op else None
     group.counters.record(category, _ring_fraction(group) * _nbytes(output))
-    work = dist.all_gather_into_tensor(output, input, group=group.pg, async_op=True)
+    work = _all_gather_flat(output, input, group=group.pg, async_op=True)
     return _finish(work, group, category, async_op, keep=input)
 
 

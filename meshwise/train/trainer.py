@@ -136,14 +136,20 @@ class Trainer:
         else:
             self.engine.step(lr, grad_scale)
         step_time_s = time.perf_counter() - start
-        state_bytes, rss = self._reduce([self.engine.state_bytes(), peak_rss_bytes()], op="max")
-        return {
+        gathered = getattr(self.engine, "peak_gathered_bytes", 0)  # ZeRO-3 only
+        state_bytes, rss, gathered = self._reduce(
+            [self.engine.state_bytes(), peak_rss_bytes(), gathered], op="max")
+        record = {
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
             "tokens": self.global_tokens, "step_time_s": step_time_s,
             "tokens_per_s": self.global_tokens / step_time_s,
             "grad_sync_bytes": int(sums[1]), "model_state_bytes": int(state_bytes),
             "peak_rss_bytes": int(rss),
         }
+        if self.cfg.parallel.zero == 3:
+            # Transient: full parameters gathered at once (unit in use + prefetched).
+            record["zero3_peak_gathered_bytes"] = int(gathered)
+        return record
 
     # ------------------------------------------------------------- helpers
     def _micro_batches(self, step: int, split: str, num: int | None = None):
