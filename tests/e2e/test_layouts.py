@@ -31,7 +31,7 @@ LAYOUTS = {
 def run_layout(tmp_path, corpus, name, flags):
     metrics = tmp_path / f"{name}.jsonl"
     result = run_cli("train", "--data", corpus, "--steps", STEPS, "--metrics", metrics,
-                     *MODEL, *flags, cwd=tmp_path, timeout=300)
+                     *MODEL, *flags, cwd=tmp_path, timeout=300)  # later flags win
     assert result.returncode == 0, result.stderr
     return read_metrics(metrics)
 
@@ -65,3 +65,14 @@ def test_layouts_that_cannot_work_exit_2(tmp_path, corpus, flags, message):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_vocabulary_padded_for_tp_does_not_change_the_loss(tmp_path, corpus):
+    """tp=3 does not divide the 256-byte vocabulary: the padded rows must not count."""
+    model = ["--n-head", "6", "--d-model", "48", "--steps", "5"]
+    single = run_layout(tmp_path, corpus, "tp1", [*model, "--dp", "1"])
+    padded = run_layout(tmp_path, corpus, "tp3", [*model, "--tp", "3"])
+    for ref, got in zip(single, padded, strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
