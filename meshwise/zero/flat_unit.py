@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from meshwise.comm import ops
-from meshwise.optim import AdamWConfig, adamw_update, decays
+from meshwise.optim import AdamWConfig, adamw_update, decays, squared_sum
 from meshwise.zero.partition import ShardPlan
 
 ROOT = "root"
@@ -184,11 +184,10 @@ class FlatUnit:
 
     def grad_sq_sum(self, include=None) -> torch.Tensor:
         """Sum of squared gradient elements of this rank's segments (``include`` filters names)."""
-        total = torch.zeros((), dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.grad_shard.device)
         for seg in self.segments:
             if include is None or include(seg.name):
-                g = self.grad_shard[seg.start:seg.end]
-                total += torch.dot(g, g)
+                total += squared_sum(self.grad_shard[seg.start:seg.end])
         return total
 
     @torch.no_grad()
