@@ -163,9 +163,9 @@ def _nested_no_sync(buckets):
         pass
 
 
-def _enter_no_sync(buckets):
+def _backward_in_no_sync(buckets, model, x, y):
     with buckets.no_sync():
-        pass
+        loss_of(model(x), y).backward()
 
 
 def _misuse():
@@ -176,7 +176,8 @@ def _misuse():
     caught = [_raises_assertion(buckets.finish_grad_sync),  # no backward yet
               _raises_assertion(lambda: _nested_no_sync(buckets))]
     loss_of(model(x), y).backward()
-    caught.append(_raises_assertion(lambda: _enter_no_sync(buckets)))  # sync in progress
+    # Local accumulation into a bucket whose reduction is in flight.
+    caught.append(_raises_assertion(lambda: _backward_in_no_sync(buckets, model, x, y)))
     caught.append(_raises_assertion(buckets.zero_grad))  # sync in progress
     buckets.finish_grad_sync()
     caught.append(_raises_assertion(buckets.finish_grad_sync))  # twice without a backward
