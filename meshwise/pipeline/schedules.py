@@ -17,7 +17,7 @@ Communication, and what a runtime must implement:
 * A maximal run of consecutive communication actions is ONE batch (:func:`group_steps`): post all
   of them with one ``torch.distributed.batch_isend_irecv`` call, one ``P2POp`` each in list
   order, and wait for the batch's receives before the next action.  Its sends may be waited for
-  at once (always deadlock-free: :func:`validate` proves it for this strictest runtime; with NCCL
+  at once (always deadlock-free: :func:`~meshwise.pipeline.validate.validate` proves it for this strictest runtime; with NCCL
   the batch comes back as one coalesced work anyway) or later, e.g. at the end of the step while
   keeping their tensors alive; that lets the sender compute on, which is what the simulator times
   by default and what reaches the bubble of the formula.
@@ -29,7 +29,7 @@ Communication, and what a runtime must implement:
   at or after that time, in order of meeting time.  Every rank meets its messages in one global
   order, so the batches can always complete in that order: no deadlock, whatever the real costs.
 * Messages between two ranks in one direction match in posting order (as with NCCL, which ignores
-  tags): the k-th send from a to b is the k-th receive on b from a.  :func:`validate` checks that
+  tags): the k-th send from a to b is the k-th receive on b from a.  :func:`~meshwise.pipeline.validate.validate` checks that
   each such pair agrees (kind, micro-batch, logical stage).
 * Completion model (validator and simulator): a batch is posted when its rank reaches it; a
   message completes once both its ends are posted (rendezvous, the strictest model of a
@@ -306,103 +306,3 @@ def _add_comms(orders: list[Order], S: int, V: int) -> list[list[Action]]:
                 actions.append(Action(*orders[r][g], None, show))
         ranks.append(actions)
     return ranks
-
-
-def validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` naming the first violation; return None if the schedule runs.
-
-    Checks, in order: every action's fields (micro-batch, chunk, peer = the rank of the
-    neighbouring logical stage, no message where none is needed); on each rank, every
-    (micro-batch, chunk) runs F once and B once, B after its F, an F after its input arrived (a
-    RECV_F, or the previous chunk's F when both stages are on this rank), a B after the gradient
-    of its output arrived, each send after the compute that produced it, every cross-rank output
-    sent; then sends and receives pair up in posting order; then running the lists with blocking
-    batches (see the module docstring) reaches the end on every rank (no deadlock).
-    """
-    S, M, V = schedule.num_stages, schedule.num_micro_batches, schedule.num_virtual_stages
-    if min(S, M, V) < 1 or len(schedule.ranks) != S:
-        raise ScheduleError(f"schedule has {len(schedule.ranks)} rank lists for S={S}, M={M}, "
-                            f"V={V}; needs S lists and S, M, V >= 1")
-    for rank, actions in enumerate(schedule.ranks):
-        for action in actions:
-            problem = _field_problem(schedule, rank, action)
-            if problem:
-                raise ScheduleError(f"rank {rank}: {action}: {problem}")
-    for rank in range(S):
-        _check_rank_order(schedule, rank)
-    from meshwise.pipeline.simulator import replay  # lazy: the simulator imports this module
-
-    replay(schedule, lambda action: 1.0)
-
-
-def neighbour_rank(schedule: Schedule, rank: int, action: Action) -> Optional[int]:
-    """The rank a message of ``action.kind`` about ``action.chunk`` on ``rank`` goes to/comes
-    from; None when there is no such message (first/last logical stage, or the same rank)."""
-    stage = schedule.stage_of(rank, action.chunk)
-    other = stage + 1 if action.kind in ("SEND_F", "RECV_B") else stage - 1
-    if not 0 <= other < schedule.num_stages * schedule.num_virtual_stages:
-        return None
-    other_rank = other % schedule.num_stages
-    return None if other_rank == rank else other_rank
-
-
-def _field_problem(schedule: Schedule, rank: int, action: Action) -> Optional[str]:
-    M, V = schedule.num_micro_batches, schedule.num_virtual_stages
-    if action.kind not in COMPUTE_KINDS + COMM_KINDS:
-        return f"unknown kind {action.kind!r} (valid: {', '.join(COMPUTE_KINDS + COMM_KINDS)})"
-    if not 0 <= action.micro_batch < M:
-        return f"micro-batch {action.micro_batch} outside 0..{M - 1}"
-    if not 0 <= action.chunk < V:
-        return f"chunk {action.chunk} outside 0..{V - 1}"
-    if action.is_compute:
-        return None if action.peer is None else "a compute action has no peer"
-    expected = neighbour_rank(schedule, rank, action)
-    if expected is None:
-        stage = schedule.stage_of(rank, action.chunk)
-        return f"logical stage {stage} needs no {action.kind} (first/last stage or same rank)"
-    return None if action.peer == expected else f"peer should be rank {expected}"
-
-
-def _prerequisites(schedule: Schedule, rank: int, a: Action) -> list[tuple]:
-    """What must come earlier on ``rank`` than ``a``: ((kind, micro_batch, chunk), peer, why)."""
-    mb, chunk, S = a.micro_batch, a.chunk, schedule.num_stages
-    if a.kind in ("SEND_F", "SEND_B"):
-        return [((a.kind[-1], mb, chunk), None, "a send needs the compute that produces it")]
-    if a.kind not in COMPUTE_KINDS:
-        return []
-    stage, forward = chunk * S + rank, a.kind == "F"
-    needs = [] if forward else [(("F", mb, chunk), None, "backward needs its forward")]
-    if (stage > 0) if forward else (stage < S * schedule.num_virtual_stages - 1):
-        step = -1 if forward else 1
-        if S > 1:
-            why = "its input has not arrived" if forward else "its output gradient has not arrived"
-            needs.append((("RECV_" + a.kind, mb, chunk), (stage + step) % S, why))
-        else:  # S == 1: the neighbouring stage is the previous/next chunk on this rank
-            needs.append(((a.kind, mb, chunk + step), None, "hand-off from the neighbouring chunk"))
-    return needs
-
-
-def _check_rank_order(schedule: Schedule, rank: int) -> None:
-    show = schedule.num_virtual_stages > 1
-    seen: set[tuple[str, int, int]] = set()
-    for action in schedule.ranks[rank]:
-        key = (action.kind, action.micro_batch, action.chunk)
-        if key in seen:
-            raise ScheduleError(f"rank {rank}: {action} appears twice")
-        for need, peer, why in _prerequisites(schedule, rank, action):
-            if need not in seen:
-                raise ScheduleError(f"rank {rank}: {action} on chunk {action.chunk} runs before "
-                                    f"{Action(*need, peer, show)} ({why})")
-        seen.add(key)
-    for kind in COMPUTE_KINDS:
-        for chunk in range(schedule.num_virtual_stages):
-            for mb in range(schedule.num_micro_batches):
-                compute = Action(kind, mb, chunk, None, show)
-                if (kind, mb, chunk) not in seen:
-                    raise ScheduleError(f"rank {rank}: {compute} is missing (every micro-batch "
-                                        "runs forward and backward once on every chunk)")
-                send = Action("SEND_" + kind, mb, chunk)
-                if ("SEND_" + kind, mb, chunk) not in seen and \
-                        neighbour_rank(schedule, rank, send) is not None:
-                    raise ScheduleError(f"rank {rank}: the output of {compute} is never sent "
-                                        f"(no SEND_{kind})")

@@ -20,7 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from meshwise.pipeline.schedules import COMPUTE_KINDS, Action, Schedule, ScheduleError, validate
+from meshwise.pipeline.schedules import COMPUTE_KINDS, Action, Schedule, ScheduleError
+from meshwise.pipeline.validate import validate
 
 Interval = tuple[float, float, Action]
 

@@ -5,8 +5,9 @@ import pytest
 
 from meshwise.pipeline.schedules import (
     SCHEDULE_KINDS, Action, Schedule, ScheduleError, build_schedule, from_compute_orders,
-    group_steps, parse_action, validate, validate_schedule_config,
+    group_steps, parse_action, validate_schedule_config,
 )
+from meshwise.pipeline.validate import validate
 from meshwise.pipeline.simulator import ideal_bubble_fraction, match_messages, render_text, simulate
 
 # Every configuration the formula is checked on: gpipe and 1f1b for all S in 1..8, M in 1..16
