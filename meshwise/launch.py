@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+import traceback
 from typing import Callable
 
 import torch
@@ -83,8 +84,11 @@ def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         run_rank(fn, args, device, timeout_s, local)
         return
-    if world_size == 1:
-        _spawned_rank(0, 1, free_port(), fn, args, device, timeout_s)
+    if world_size == 1:  # in this process: no spawn cost
+        try:
+            _spawned_rank(0, 1, free_port(), fn, args, device, timeout_s)
+        except Exception:
+            raise RankFailed(f"rank 0 failed:\n{traceback.format_exc()}") from None
         return
     import torch.multiprocessing as mp
 

@@ -73,3 +73,15 @@ def test_failing_rank_ends_the_job_with_its_traceback(tmp_path, corpus):
     assert "rank 1 failed" in result.stderr
     assert "Traceback" in result.stderr and "injected failure on rank 1 at step 2" in result.stderr
     assert elapsed < 60, f"the job took {elapsed:.0f}s to fail"
+
+
+def test_non_finite_loss_stops_the_run_with_the_step(tmp_path, corpus):
+    # A huge learning rate blows the parameters up after the first update.
+    blow_up = ["--lr", "1e30", "--warmup-steps", "0", "--steps", "5", "--dp", "1"]
+    result = run_cli("train", *SMALL, "--data", corpus, *blow_up, cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert "non-finite values at step 2" in result.stderr
+    skipped = run_cli("train", *SMALL, "--data", corpus, *blow_up, "--on-nan", "skip",
+                      cwd=tmp_path, timeout=60)
+    assert skipped.returncode == 0, skipped.stderr
+    assert "non-finite values at step 2" in skipped.stderr and "step skipped" in skipped.stderr
