@@ -89,29 +89,27 @@ class Trainer:
         self._fail_at = _injected_failure()
 
     # ------------------------------------------------------------------ loop
-    def train(self) -> dict:
+    def train(self) -> None:
+        d = self.cfg.data
         if self.is_logging_rank:
-            n_params = self.num_params
             log.info("model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step",
-                     self.model_cfg, n_params / 1e6, self.cfg.parallel.dims, self.global_tokens)
+                     self.model_cfg, self.num_params / 1e6, self.cfg.parallel.dims,
+                     self.global_tokens)
         val_loss = None
         for step in range(1, self.cfg.optim.steps + 1):
             record = self.train_step(step)
-            if self.cfg.data.eval_every and step % self.cfg.data.eval_every == 0:
+            if d.eval_every and step % d.eval_every == 0:
                 val_loss = record["val_loss"] = self.evaluate()
             if self.is_logging_rank:
                 self.metrics.write(record)
-        if val_loss is None or self.cfg.optim.steps % (self.cfg.data.eval_every or 1):
-            val_loss = self.evaluate()
-        summary = {"final_loss": record["loss"], "val_loss": val_loss}
-        if self.cfg.data.sample_tokens:
-            summary["sample"] = self.sample(self.cfg.data.sample_tokens)
+        if not (d.eval_every and self.cfg.optim.steps % d.eval_every == 0):
+            val_loss = self.evaluate()  # the last step was not evaluated yet
+        sample = self.sample(d.sample_tokens) if d.sample_tokens else None
         if self.is_logging_rank:
             self.metrics.note(self.metrics.summary(val_loss))
-            if "sample" in summary:
-                self.metrics.note("sample:\n" + summary["sample"])
+            if sample is not None:
+                self.metrics.note("sample:\n" + sample)
         self.metrics.close()
-        return summary
 
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
