@@ -119,10 +119,11 @@ class GradBuckets:
 
     ``reduce="all_reduce"``: every rank ends with the full summed gradient in the
     bucket views (``param.grad``). ``reduce="reduce_scatter"``: every rank ends
-    with only its ``ShardPlan`` slice of each bucket (``_grad_shards``); the
-    full-size gradient buffers exist only from the first gradient of an
-    accumulation window to ``finish_grad_sync()``, and ``param.grad`` is None
-    between steps (ZeRO stage 2).
+    with only its ``ShardPlan`` slice of each bucket (``_grad_shards``), which
+    accumulates over micro-steps; the full-size gradient buffers exist only
+    during a backward and until its reduction lands, and ``param.grad`` is None
+    between steps (ZeRO stage 2). There ``no_sync()`` still communicates: it
+    reduces its micro-step into the shard when it exits.
 
     Protocol per optimizer step: ``zero_grad()``; micro-steps whose backward runs
     under ``no_sync()`` accumulate locally; the last backward runs outside it and
@@ -211,6 +212,7 @@ class GradBuckets:
         self._seen = [False] * len(self._params)  # got a gradient since the last finish
         self._pending = [len(m) for m in self._members]
         self._handles: list = [None] * len(self.plan.buckets)
+        self._rs_outputs: list = [None] * len(self.plan.buckets)
         self._next_launch = 0
         self._backward_seen = False
 
@@ -257,8 +259,9 @@ class GradBuckets:
         buf = self._grad_bufs[b]
         if self.reduce == "all_reduce" or self._rs_via_all_reduce:
             self._handles[b] = ops.all_reduce(buf, self.dp_group, category="grad", async_op=True)
-        else:
-            self._handles[b] = ops.reduce_scatter(self._grad_shards[b], buf, self.dp_group,
+        else:  # into a fresh output, added to the shard when it lands
+            self._rs_outputs[b] = torch.empty_like(self._grad_shards[b])
+            self._handles[b] = ops.reduce_scatter(self._rs_outputs[b], buf, self.dp_group,
                                                   category="grad", async_op=True)
 
     def finish_grad_sync(self) -> None:
@@ -278,9 +281,12 @@ class GradBuckets:
         self._launch_in_order()
         for b, handle in enumerate(self._handles):
             handle.wait()
-            if self.reduce == "reduce_scatter" and self._rs_via_all_reduce:
+            if self.reduce == "reduce_scatter":  # accumulate into the shard
                 start, end = self._shard_plans[b].shard_range(self.dp_group.rank)
-                self._grad_shards[b].copy_(self._grad_bufs[b][start:end])
+                reduced = (self._grad_bufs[b][start:end] if self._rs_via_all_reduce
+                           else self._rs_outputs[b])
+                self._grad_shards[b].add_(reduced)
+                self._rs_outputs[b] = None
         if self.reduce == "reduce_scatter":
             self._release_grad_buffers()
         self._reset_sync_state()
@@ -294,6 +300,13 @@ class GradBuckets:
         already in flight is an error.
         """
         assert self._sync_enabled, "no_sync() is not re-entrant"
+        if self.reduce == "reduce_scatter":
+            # Only the gradient shard may persist (ZeRO-2): every micro-step is
+            # reduce-scattered into it, as DeepSpeed's stage 2 does, instead of
+            # accumulating a full-size gradient locally.
+            yield
+            self.finish_grad_sync()
+            return
         self._sync_enabled = False
         try:
             yield

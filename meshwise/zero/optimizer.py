@@ -9,14 +9,11 @@ bucket this rank owns (Rajbhandari et al. 2020, "ZeRO", section 5):
   ``ShardPlan`` slice of each bucket; after the update the parameter buffers
   are all-gathered over dp.
 - stage 2 (P_os+g): buckets reduce-scattered as they complete in backward, so a
-  rank keeps only its gradient shard between steps; the full-size gradient
-  buffer lives from the first gradient of an accumulation window to
-  ``finish_grad_sync()``. Its ``no_sync()`` accumulates full gradients locally
-  and communicates once per optimizer step (as FSDP's ``no_sync`` does): on a
-  bandwidth-bound link that is K times fewer bytes for K micro-steps, and the
-  full buffer is gone before the step, so the state between steps is still
-  4 Psi + 4 Psi/N + 8 Psi/N bytes (fp32). The price is that the full gradient
-  is alive during the micro-steps' forwards, as in stage 1.
+  rank keeps only its gradient shard; accumulation over micro-steps adds each
+  micro-step's reduced slice into the shard (as DeepSpeed's stage 2 does), and
+  the full-size gradient buffer lives only during a backward and until its
+  reduction lands. Model state between steps: 4 Psi + 4 Psi/N + 8 Psi/N bytes
+  (fp32). The cost: one reduce-scatter per micro-step instead of per step.
 
 Buckets never mix weight-decay and no-decay parameters, so a bucket's update
 takes one ``weight_decay``. The same ``adamw_update`` arithmetic runs whatever

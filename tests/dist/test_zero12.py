@@ -59,7 +59,7 @@ def _zero_run(stage: int, cap_mb: float):
     opt = ZeroOptimizer(model.named_parameters(), group, stage, CFG, bucket_cap_mb=cap_mb)
     per_rank = BATCH // group.size
     rows = slice(group.rank * per_rank, (group.rank + 1) * per_rank)
-    norms = []
+    norms, full_grads_between_micro_steps = [], False
     for step in range(1, STEPS + 1):
         opt.zero_grad()
         x, y = batch(step)
@@ -68,11 +68,16 @@ def _zero_run(stage: int, cap_mb: float):
             sync = opt.no_sync() if i < len(chunks) - 1 else contextlib.nullcontext()
             with sync:
                 loss_of(model(xm), ym).backward()
+            if i < len(chunks) - 1:
+                full_grads_between_micro_steps |= any(p.grad is not None
+                                                      for p in model.parameters())
         opt.finish_grad_sync()
         sq = float(opt.grad_sq_norm())
         norms.append((sq, float(opt.grad_sq_norm(include=in_fc))))
         opt.step(lr_of(step), clip_scale(sq))
-    grads_dropped = all(p.grad is None for p in model.parameters())
+    # Stage 2 keeps only the shard, between steps and between micro-steps.
+    grads_dropped = (all(p.grad is None for p in model.parameters())
+                     and not full_grads_between_micro_steps)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, grads_dropped
 
 
