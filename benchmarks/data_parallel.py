@@ -20,22 +20,18 @@ blocking on their own. The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 # Runnable from a checkout without installing (spawned ranks re-import this file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import (add_round_args, median, medians, new_timings,  # noqa: E402
+                               print_json, record, run_rounds, spawn, timed_step)
 from meshwise.comm import ops  # noqa: E402
 from meshwise.optim import AdamWConfig  # noqa: E402
 from meshwise.zero.optimizer import ZeroOptimizer  # noqa: E402
@@ -63,29 +59,10 @@ def batches(args, rank: int, count: int):
              torch.randn(args.rows, args.d_model, generator=gen)) for _ in range(count)]
 
 
-def meshwise_step(model, engine, x, y, timings):
-    start = time.perf_counter()
-    engine.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
-    sync_start = time.perf_counter()
-    engine.finish_grad_sync()
-    step_start = time.perf_counter()
-    engine.step(1e-4)
-    end = time.perf_counter()
-    timings["step"].append(end - start)
-    timings["exposed"].append(step_start - sync_start)
-    timings["optim"].append(end - step_start)
-
-
-def ddp_step(model, opt, x, y, timings):
-    start = time.perf_counter()
-    opt.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
-    step_start = time.perf_counter()
-    opt.step()
-    end = time.perf_counter()
-    timings["step"].append(end - start)
-    timings["optim"].append(end - step_start)
+def mse_backward(model, x, y) -> torch.Tensor:
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss
 
 
 def blocking_all_reduce_s(engine, group, reps: int = 10) -> float:
@@ -97,15 +74,10 @@ def blocking_all_reduce_s(engine, group, reps: int = 10) -> float:
         for buf in engine._grad_bufs:
             ops.all_reduce(buf, group, category="bench")
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median(times)
 
 
-def rank_main(rank: int, args, port: int, results) -> None:
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(rank))
-    ops.init_process_group("gloo", timeout_s=120)
+def rank_main(rank: int, args) -> dict | None:
     group = ops.world_group()
     ours = build_model(args)
     engine = ZeroOptimizer(ours.named_parameters(), group, stage=0,
@@ -113,30 +85,34 @@ def rank_main(rank: int, args, port: int, results) -> None:
                            bucket_cap_mb=args.bucket_mb)
     theirs = nn.parallel.DistributedDataParallel(build_model(args), bucket_cap_mb=args.bucket_mb)
     opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1)
+
+    def meshwise(x, y) -> dict:  # buckets all-reduced from grad hooks during backward
+        return timed_step(engine.zero_grad, lambda: mse_backward(ours, x, y),
+                          engine.finish_grad_sync, lambda: engine.step(1e-4))[1]
+
+    def ddp(x, y) -> dict:  # its reducer all-reduces buckets inside backward
+        return timed_step(opt.zero_grad, lambda: mse_backward(theirs, x, y), None, opt.step)[1]
+
+    steps = {"meshwise": meshwise, "ddp": ddp}
     data = batches(args, rank, args.steps)
-    timings = {"meshwise": {"step": [], "exposed": [], "optim": []},
-               "ddp": {"step": [], "optim": []}}
-    for _ in range(args.warmup):
-        meshwise_step(ours, engine, *data[0], {"step": [], "exposed": [], "optim": []})
-        ddp_step(theirs, opt, *data[0], {"step": [], "optim": []})
-    for _ in range(args.rounds):  # alternate so drift in machine speed hits both
-        ops.barrier(group)
-        for x, y in data:
-            meshwise_step(ours, engine, x, y, timings["meshwise"])
-        ops.barrier(group)
-        for x, y in data:
-            ddp_step(theirs, opt, x, y, timings["ddp"])
+    # Warm-up: one step each on the first batch, in turn; rounds: all batches of one, then
+    # of the other, from a barrier (the same order every round).
+    run_rounds(steps, args.warmup, 1, lambda name, r, i: steps[name](*data[0]), alternate=False)
+    timings = new_timings(steps, ("step", "fwd_bwd", "sync", "optim"))
+    run_rounds(steps, args.rounds, args.steps,
+               lambda name, r, i: record(timings[name], steps[name](*data[i])),
+               alternate=False, before_block=lambda name: ops.barrier(group))
     total_comm_s = blocking_all_reduce_s(engine, group)
-    if rank == 0:
-        results.put({"timings": timings, "total_comm_s": total_comm_s,
-                     "num_params": sum(p.numel() for p in ours.parameters()),
-                     "num_buckets": len(engine.plan.buckets)})
-    ops.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"timings": timings, "total_comm_s": total_comm_s,
+            "num_params": sum(p.numel() for p in ours.parameters()),
+            "num_buckets": len(engine.plan.buckets)}
 
 
 def report(args, res) -> dict:
-    med = {k: {m: statistics.median(v) for m, v in t.items()} for k, t in res["timings"].items()}
-    exposed, total = med["meshwise"]["exposed"], res["total_comm_s"]
+    med = medians(res["timings"])
+    exposed, total = med["meshwise"]["sync"], res["total_comm_s"]
     summary = {
         "meshwise_step_s": med["meshwise"]["step"], "torch_ddp_step_s": med["ddp"]["step"],
         "ratio": med["meshwise"]["step"] / med["ddp"]["step"],
@@ -152,7 +128,8 @@ def report(args, res) -> dict:
           f"{args.world_size} gloo ranks; bucket_cap_mb {args.bucket_mb} "
           f"({res['num_buckets']} meshwise buckets)")
     print(f"{'':22}{'meshwise':>12}{'torch DDP':>12}")
-    print(f"{'median step (ms)':22}{1e3 * med['meshwise']['step']:12.2f}{1e3 * med['ddp']['step']:12.2f}")
+    print(f"{'median step (ms)':22}{1e3 * med['meshwise']['step']:12.2f}"
+          f"{1e3 * med['ddp']['step']:12.2f}")
     print(f"{'  of which optim (ms)':22}{1e3 * med['meshwise']['optim']:12.2f}"
           f"{1e3 * med['ddp']['optim']:12.2f}")
     print(f"{'steps timed':22}{len(res['timings']['meshwise']['step']):12d}"
@@ -171,18 +148,11 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=128, help="rows per rank per step (default 128)")
     p.add_argument("--bucket-mb", type=float, default=4.0,
                    help="bucket_cap_mb for both (default 4: several buckets to overlap)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps each (default 3)")
-    p.add_argument("--rounds", type=int, default=10, help="alternating rounds (default 10)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round (default 3)")
+    add_round_args(p, warmup=3, rounds=10, steps=3)
     args = p.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(args, port, results), nprocs=args.world_size)
-    summary = report(args, results.get())
-    print(json.dumps(summary))
+    results = spawn(rank_main, args.world_size, args, timeout_s=120,
+                    ignore_warnings=[FutureWarning])
+    print_json(report(args, results[0]))
 
 
 if __name__ == "__main__":

@@ -24,22 +24,19 @@ The PyTorch side calls ``torch.distributed`` directly (a benchmark, not the libr
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 # Run from a checkout without installing: the repository root holds ``meshwise``.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import median, print_json, rel_diff, run_rounds, slowest, spawn  # noqa: E402
 
 WORLD_SIZE = 2
 
@@ -114,12 +111,6 @@ def timed(step, x, target) -> tuple[float, float]:
     return time.perf_counter() - start, loss
 
 
-def slowest_rank_median(times: list[float]) -> float:
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return statistics.median(t.tolist())
-
-
 def single_process_median(args, reference, x, target) -> float:
     import copy
 
@@ -130,14 +121,10 @@ def single_process_median(args, reference, x, target) -> float:
         step(x, target)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median(times)
 
 
-def worker(rank: int, args, port: int, results) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD_SIZE))
-    dist.init_process_group("gloo")
+def worker(rank: int, args) -> dict:
     from meshwise.mesh import Mesh, ParallelDims
 
     mesh = Mesh.build(ParallelDims(tp=WORLD_SIZE))
@@ -149,20 +136,19 @@ def worker(rank: int, args, port: int, results) -> None:
              "torch_tp": make_step(build_torch_tp(args, reference))}
     times = {name: [] for name in steps}
     losses = {name: [] for name in steps}
-    for i in range(args.warmup + args.steps):
-        order = list(steps) if i % 2 == 0 else list(reversed(steps))  # alternate who goes first
-        for name in order:
-            dt, loss = timed(steps[name], x, target)
-            losses[name].append(loss)
-            if i >= args.warmup:
-                times[name].append(dt)
-    medians = {name: slowest_rank_median(t) for name, t in times.items()}
+
+    def one_step(name: str, r: int, _) -> None:
+        dt, loss = timed(steps[name], x, target)
+        losses[name].append(loss)
+        if r >= args.warmup:
+            times[name].append(dt)
+
+    # One step of each per round, who goes first alternating; the first rounds warm up.
+    run_rounds(steps, args.warmup + args.steps, 1, one_step)
     single = single_process_median(args, reference, x, target) if rank == 0 else None
     dist.barrier()
-    if rank == 0:
-        drift = max(abs(a - b) / abs(b) for a, b in zip(losses["meshwise"], losses["torch_tp"]))
-        results.put({"medians": medians, "single": single, "loss_rel_diff": drift})
-    dist.destroy_process_group()
+    drift = max(map(rel_diff, losses["meshwise"], losses["torch_tp"]))
+    return {"times": times, "single": single, "loss_rel_diff": drift}
 
 
 def main() -> None:
@@ -176,24 +162,18 @@ def main() -> None:
     if args.steps < 1 or args.d_model % WORLD_SIZE:
         parser.error("--steps must be >= 1 and --d-model divisible by 2")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(worker, args=(args, port, results), nprocs=WORLD_SIZE,
-                       start_method="spawn", join=True)
-    res = results.get()
-    med = res["medians"]
+    per_rank = spawn(worker, WORLD_SIZE, args)
+    res = per_rank[0]
+    med = {name: median(slowest([r["times"][name] for r in per_rank])) for name in res["times"]}
     print(f"d_model={args.d_model} n_layer={args.n_layer} tokens={args.tokens} "
           f"steps={args.steps}: meshwise {med['meshwise'] * 1e3:.1f} ms, "
           f"torch TP {med['torch_tp'] * 1e3:.1f} ms, one process {res['single'] * 1e3:.1f} ms; "
           f"max relative loss difference {res['loss_rel_diff']:.2e}")
-    print(json.dumps({"meshwise_step_s": med["meshwise"], "torch_tp_step_s": med["torch_tp"],
-                      "ratio": med["meshwise"] / med["torch_tp"], "single_step_s": res["single"],
-                      "loss_rel_diff": res["loss_rel_diff"], "world_size": WORLD_SIZE,
-                      "d_model": args.d_model, "n_layer": args.n_layer, "tokens": args.tokens,
-                      "steps": args.steps}))
+    print_json({"meshwise_step_s": med["meshwise"], "torch_tp_step_s": med["torch_tp"],
+                "ratio": med["meshwise"] / med["torch_tp"], "single_step_s": res["single"],
+                "loss_rel_diff": res["loss_rel_diff"], "world_size": WORLD_SIZE,
+                "d_model": args.d_model, "n_layer": args.n_layer, "tokens": args.tokens,
+                "steps": args.steps})
 
 
 if __name__ == "__main__":

@@ -38,28 +38,24 @@ The torch peers call ``torch.distributed`` directly (a benchmark, not the librar
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import os
-import socket
-import statistics
 import sys
-import time
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 # Runnable from a checkout without installing (spawned ranks re-import this file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import (add_gpt_args, add_round_args, adamw_config,  # noqa: E402
+                               gpt_config, medians, new_timings, print_json, record, rel_diff,
+                               run_rounds, slowest_timings, spawn, timed_step,
+                               torch_param_groups)
+from benchmarks.zero_memory import memory_table, zero_formula_bytes  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.data import rank_slice  # noqa: E402
-from meshwise.models.gpt import GPT, GPTConfig  # noqa: E402
-from meshwise.optim import AdamWConfig, decays  # noqa: E402
+from meshwise.models.gpt import GPT  # noqa: E402
 from meshwise.zero.optimizer import ZeroOptimizer  # noqa: E402
 from meshwise.zero.params import ZeroStage3  # noqa: E402
 
@@ -67,22 +63,9 @@ from meshwise.zero.params import ZeroStage3  # noqa: E402
 VARIANTS = ("zero0", "ddp", "zero1", "zero_redundancy", "zero2", "zero3", "fsdp2")
 PEER_OF = {"zero0": "ddp", "zero1": "zero_redundancy", "zero3": "fsdp2"}
 STAGE_OF = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-SMALL_PRESET = GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=512, vocab_size=256)
-
-
-def zero_formula_bytes(stage: int, num_params: int, world_size: int) -> float:
-    """Model-state bytes per rank for fp32 AdamW (ZeRO paper, section 5, K = 12)."""
-    psi, n = num_params, world_size
-    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n,
-            3: 16 * psi / n}[stage]
 
 
 # ---------------------------------------------------------------- setup
-def gpt_config(args) -> GPTConfig:
-    return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                     block_size=args.seq_len, vocab_size=256)
-
-
 def local_batches(args, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` global batches (the same for every variant); this rank's contiguous slice."""
     gen = torch.Generator().manual_seed(1234)
@@ -92,17 +75,6 @@ def local_batches(args, rank: int, count: int) -> list[tuple[torch.Tensor, torch
         local = rank_slice(batch, rank, args.world_size)  # (B / N, T + 1)
         out.append((local[:, :-1].contiguous(), local[:, 1:].contiguous()))
     return out
-
-
-def adamw_config(args) -> AdamWConfig:
-    return AdamWConfig(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-def torch_param_groups(model: nn.Module, cfg: AdamWConfig) -> list[dict]:
-    """The same weight-decay split as meshwise (``decays``: matrices only)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in named if decays(n, p)], "weight_decay": cfg.weight_decay},
-            {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
 
 
 def held_bytes(tensors) -> int:
@@ -140,17 +112,14 @@ class MeshwiseRunner:
         self.model, self.engine, self.global_tokens, self.lr = model, engine, global_tokens, lr
 
     def step(self, x, y) -> tuple[float, dict]:
-        start = time.perf_counter()
-        self.engine.zero_grad()
-        loss = self.model(x, y) / self.global_tokens
-        loss.backward()
-        sync_start = time.perf_counter()
-        self.engine.finish_grad_sync()
-        optim_start = time.perf_counter()
-        self.engine.step(self.lr)
-        end = time.perf_counter()
-        return loss.item(), {"step": end - start, "fwd_bwd": sync_start - start,
-                             "sync": optim_start - sync_start, "optim": end - optim_start}
+        def forward_backward():
+            loss = self.model(x, y) / self.global_tokens
+            loss.backward()
+            return loss
+
+        loss, times = timed_step(self.engine.zero_grad, forward_backward,
+                                 self.engine.finish_grad_sync, lambda: self.engine.step(self.lr))
+        return loss.item(), times
 
     def state_bytes(self) -> int:
         return self.engine.state_bytes()
@@ -170,15 +139,13 @@ class TorchRunner:
         self.world_size = dist.get_world_size()
 
     def step(self, x, y) -> tuple[float, dict]:
-        start = time.perf_counter()
-        self.opt.zero_grad()
-        loss = self.model(x, y) / self.global_tokens
-        (loss * self.world_size).backward()
-        optim_start = time.perf_counter()
-        self.opt.step()
-        end = time.perf_counter()
-        return loss.item(), {"step": end - start, "fwd_bwd": optim_start - start, "sync": 0.0,
-                             "optim": end - optim_start}
+        def forward_backward():
+            loss = self.model(x, y) / self.global_tokens
+            (loss * self.world_size).backward()
+            return loss
+
+        loss, times = timed_step(self.opt.zero_grad, forward_backward, None, self.opt.step)
+        return loss.item(), times
 
     def state_bytes(self) -> int:
         return torch_state_bytes(self.model, self.opt)
@@ -198,7 +165,7 @@ def build_runner(name: str, args, group, mesh):
     if name in ("ddp", "zero_redundancy"):
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
                                                   gradient_as_bucket_view=True)
-        groups = torch_param_groups(ddp.module, cfg)
+        groups = torch_param_groups(ddp.module.named_parameters(), cfg)
         if name == "ddp":
             return TorchRunner(ddp, torch.optim.AdamW(groups, **kwargs), tokens)
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -217,7 +184,8 @@ def build_runner(name: str, args, group, mesh):
                                          use_orig_params=True)
     else:
         raise ValueError(f"unknown variant {name!r}; valid: {', '.join(VARIANTS)}, fsdp1")
-    return TorchRunner(model, torch.optim.AdamW(torch_param_groups(model, cfg), **kwargs), tokens)
+    opt = torch.optim.AdamW(torch_param_groups(model.named_parameters(), cfg), **kwargs)
+    return TorchRunner(model, opt, tokens)
 
 
 def build_all(args, group, mesh, first_batch) -> tuple[dict, dict, dict]:
@@ -241,40 +209,33 @@ def build_all(args, group, mesh, first_batch) -> tuple[dict, dict, dict]:
 
 
 # ---------------------------------------------------------------- timing
-def rank_main(rank: int, args, port: int, results) -> None:
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(rank))
-    ops.init_process_group("gloo", timeout_s=300)
-    group = ops.world_group()
+def rank_main(rank: int, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+
+    group = ops.world_group()
     mesh = init_device_mesh("cpu", (args.world_size,), mesh_dim_names=("dp",))
     data = local_batches(args, rank, args.warmup + args.rounds * args.steps)
     runners, errors, losses = build_all(args, group, mesh, data[0])
     names = list(runners)
-    timings = {n: {k: [] for k in ("step", "fwd_bwd", "sync", "optim")} for n in names}
+    timings = new_timings(names, ("step", "fwd_bwd", "sync", "optim"))
     for name in names:  # warm-up, after the steps build_all already took
         for x, y in data[len(losses[name]):args.warmup]:
             losses[name].append(runners[name].step(x, y)[0])
-    for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            ops.barrier(group)
-            for i in range(args.steps):
-                x, y = data[args.warmup + r * args.steps + i]
-                loss, t = runners[name].step(x, y)
-                losses[name].append(loss)
-                for k, v in t.items():
-                    timings[name][k].append(v)
+
+    def one_step(name: str, r: int, i: int) -> None:
+        loss, t = runners[name].step(*data[args.warmup + r * args.steps + i])
+        losses[name].append(loss)
+        record(timings[name], t)
+
+    run_rounds(names, args.rounds, args.steps, one_step,
+               before_block=lambda name: ops.barrier(group))
     state = {n: runner.state_bytes() for n, runner in runners.items()}
     peak = runners["zero3"].engine.peak_gathered_bytes if "zero3" in runners else 0
     if args.profile:
         profile_variant(runners[args.profile], data[:args.steps], args, rank)
-    results.put({"rank": rank, "timings": timings, "losses": losses, "state_bytes": state,
-                 "peak_gathered_bytes": peak, "errors": errors,
-                 "num_params": sum(p.numel() for p in GPT(gpt_config(args)).parameters())})
-    ops.destroy_process_group()
+    return {"timings": timings, "losses": losses, "state_bytes": state,
+            "peak_gathered_bytes": peak, "errors": errors,
+            "num_params": sum(p.numel() for p in GPT(gpt_config(args)).parameters())}
 
 
 def profile_variant(runner, data, args, rank: int) -> None:
@@ -294,19 +255,17 @@ def profile_variant(runner, data, args, rank: int) -> None:
 # ---------------------------------------------------------------- report
 def merge_ranks(per_rank: list[dict]) -> dict:
     """Step times: the slowest rank's per step; bytes: the largest rank's."""
-    first = per_rank[0]
-    timings = {n: {k: [max(vals) for vals in zip(*(r["timings"][n][k] for r in per_rank))]
-                   for k in t} for n, t in first["timings"].items()}
+    first = per_rank[0]  # rank 0
+    timings = {n: slowest_timings([r["timings"][n] for r in per_rank]) for n in first["timings"]}
     state = {n: max(r["state_bytes"][n] for r in per_rank) for n in first["state_bytes"]}
     peak = max(r["peak_gathered_bytes"] for r in per_rank)
-    rank0 = next(r for r in per_rank if r["rank"] == 0)
     return {"timings": timings, "state_bytes": state, "peak_gathered_bytes": peak,
-            "losses": rank0["losses"], "errors": first["errors"],
+            "losses": first["losses"], "errors": first["errors"],
             "num_params": first["num_params"]}
 
 
 def report(args, res) -> dict:
-    med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in res["timings"].items()}
+    med = medians(res["timings"])
     names, state, n = list(med), res["state_bytes"], res["num_params"]
     peers = {m: ("fsdp1" if p == "fsdp2" and "fsdp1" in med else p) for m, p in PEER_OF.items()}
     peers = {m: p for m, p in peers.items() if m in med and p in med}
@@ -321,7 +280,7 @@ def report(args, res) -> dict:
           f"{'state MiB':>11}{'formula':>9}{'max rel dloss':>15}")
     for name in names:
         stage = STAGE_OF.get(name, {"ddp": 0, "zero_redundancy": 1}.get(name, 3))
-        dloss = max(abs(a - b) / abs(b) for a, b in zip(res["losses"][name], ref))
+        dloss = max(map(rel_diff, res["losses"][name], ref))
         m = med[name]
         print(f"{name:17}{1e3 * m['step']:9.1f}{1e3 * m['fwd_bwd']:9.1f}{1e3 * m['sync']:8.1f}"
               f"{1e3 * m['optim']:8.1f}{state[name] / 2**20:11.2f}"
@@ -350,90 +309,18 @@ def report(args, res) -> dict:
     return summary
 
 
-# ---------------------------------------------------------------- memory table
-def memory_rank_main(rank: int, world_size: int, port: int, results) -> None:
-    """One step of each stage on the ``small`` preset; put this rank's bytes."""
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    ops.init_process_group("gloo", timeout_s=300)
-    group = ops.world_group()
-    cfg = AdamWConfig(lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, 256, (world_size, 17), generator=gen)  # (N, T + 1)
-    local = rank_slice(batch, rank, world_size)
-    out = {}
-    for stage in range(4):
-        model = GPT(SMALL_PRESET)
-        num_params = sum(p.numel() for p in model.parameters())
-        engine = (ZeroStage3(model, group, cfg) if stage == 3 else
-                  ZeroOptimizer(model.named_parameters(), group, stage=stage, adamw=cfg))
-        runner = MeshwiseRunner(model, engine, batch[:, 1:].numel(), cfg.lr)
-        runner.step(local[:, :-1], local[:, 1:])
-        out[stage] = (engine.state_bytes(), getattr(engine, "peak_gathered_bytes", 0))
-        del model, engine, runner
-        gc.collect()
-    results.put({"rank": rank, "bytes": out, "num_params": num_params})
-    ops.destroy_process_group()
-
-
-def memory_table(world_sizes: list[int]) -> dict:
-    rows = []
-    for world_size in world_sizes:
-        per_rank = spawn(memory_rank_main, (world_size,), world_size)
-        n = per_rank[0]["num_params"]
-        for stage in range(4):
-            measured = max(r["bytes"][stage][0] for r in per_rank)
-            formula = zero_formula_bytes(stage, n, world_size)
-            rows.append({"world_size": world_size, "stage": stage, "num_params": n,
-                         "measured_bytes": measured, "formula_bytes": formula,
-                         "rel_diff": measured / formula - 1,
-                         "peak_gathered_bytes": max(r["bytes"][stage][1] for r in per_rank)})
-    print(f"model_state_bytes per rank, GPT small preset ({rows[0]['num_params'] / 1e6:.2f}M "
-          f"params), fp32 AdamW; formula 16, 8+8/N, 4+12/N, 16/N bytes per parameter")
-    print(f"{'N':>3}{'stage':>7}{'measured MiB':>14}{'formula MiB':>13}{'rel diff':>10}"
-          f"{'gathered peak MiB':>19}")
-    for r in rows:
-        peak = f"{r['peak_gathered_bytes'] / 2**20:19.2f}" if r["stage"] == 3 else f"{'-':>19}"
-        print(f"{r['world_size']:3d}{r['stage']:7d}{r['measured_bytes'] / 2**20:14.2f}"
-              f"{r['formula_bytes'] / 2**20:13.2f}{r['rel_diff']:10.2%}{peak}")
-    return {"memory_table": rows,
-            "max_abs_rel_diff": max(abs(r["rel_diff"]) for r in rows)}
-
-
 # ---------------------------------------------------------------- entry
-def spawn(fn, fn_args: tuple, nprocs: int) -> list[dict]:
-    """Run ``fn(rank, *fn_args, port, queue)`` on ``nprocs`` ranks; every rank's result."""
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(fn, args=(*fn_args, port, results), nprocs=nprocs)
-    return sorted((results.get() for _ in range(nprocs)), key=lambda r: r["rank"])
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
-    p.add_argument("--n-layer", type=int, default=4, help="GPT layers (default 4)")
-    p.add_argument("--n-head", type=int, default=6, help="attention heads (default 6)")
-    p.add_argument("--d-model", type=int, default=384,
-                   help="hidden size (default 384: 7.25M params)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--batch-size", type=int, default=8,
-                   help="global sequences per step (default 8)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    add_gpt_args(p, n_layer=4, n_head=6, d_model=384, batch_size=8, lr=1e-4)  # 7.25M params
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="bucket_cap_mb for meshwise stages 0-2 and DDP (default 25)")
     p.add_argument("--zro-bucket-view", action="store_true",
                    help="ZeroRedundancyOptimizer(parameters_as_bucket_view=True)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps each (default 2)")
-    p.add_argument("--rounds", type=int, default=8, help="alternating rounds (default 8)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round (default 3)")
+    add_round_args(p, warmup=2, rounds=8, steps=3)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset to run (default all: {','.join(VARIANTS)})")
     p.add_argument("--profile", choices=VARIANTS, default=None,
@@ -459,8 +346,10 @@ def main(argv=None) -> None:
         if args.batch_size % args.world_size:
             p.error(f"--batch-size {args.batch_size} is not divisible by --world-size "
                     f"{args.world_size}")
-        summary = report(args, merge_ranks(spawn(rank_main, (args,), args.world_size)))
-    print(json.dumps(summary))
+        per_rank = spawn(rank_main, args.world_size, args,
+                         ignore_warnings=[FutureWarning, UserWarning])
+        summary = report(args, merge_ranks(per_rank))
+    print_json(summary)
 
 
 if __name__ == "__main__":
