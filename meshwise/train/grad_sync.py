@@ -33,17 +33,6 @@ from meshwise.tensor_parallel.layers import is_tp_sharded
 TIED_EMBEDDING = "wte.weight"
 
 
-def replication(name: str, param: torch.Tensor, mesh: Mesh) -> dict[str, str]:
-    """How ``name``'s gradient is synchronised on each axis (for people and checks)."""
-    table = {"dp": "summed over dp by the engine"}
-    if mesh.dims.tp > 1:
-        table["tp"] = ("sharded: each tp rank owns a slice" if is_tp_sharded(param) else
-                       "replicated: identical gradients by construction (checked at step 1)")
-    if mesh.dims.pp > 1 and name == TIED_EMBEDDING:
-        table["pp"] = "tied across first and last stage: summed over mesh.embed"
-    return table
-
-
 class GradSync3D:
     """Completes a step's gradients on every axis and computes their global norm."""
 
