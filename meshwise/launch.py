@@ -62,7 +62,11 @@ def run_rank(fn: Callable, args: tuple, device: str, timeout_s: float,
         torch.set_num_threads(_threads_per_rank(num_local_ranks))
     ops.init_process_group("nccl" if device == "cuda" else "gloo", timeout_s)
     try:
-        return fn(*args)
+        result = fn(*args)
+        # Tear down together: a rank that closes its connections while a peer's
+        # transport still drains point-to-point traffic can abort that peer.
+        ops.barrier(ops.world_group())
+        return result
     finally:
         ops.destroy_process_group()
 
