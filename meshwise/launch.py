@@ -9,6 +9,7 @@ the supervising.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -68,6 +69,9 @@ def run_rank(fn: Callable, args: tuple, device: str, timeout_s: float,
         ops.barrier(ops.world_group())
         return result
     finally:
+        # Hooks make reference cycles that keep process groups alive; collect them
+        # now so their teardown happens here, in order, not at interpreter exit.
+        gc.collect()
         ops.destroy_process_group()
 
 
