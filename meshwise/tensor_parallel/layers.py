@@ -193,7 +193,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(ids, self.weight)  # exactly nn.Embedding
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        # masked_fill also zeroes the gradient of the placeholder row 0 lookups.
+        # masked_fill also zeroes the gradient of the stand-in row 0 lookups.
         emb = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(emb, self.tp_group)                # (..., dim)
 

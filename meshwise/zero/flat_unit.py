@@ -104,7 +104,7 @@ class FlatUnit:
         # gathered values does not invalidate tensors autograd saved in forward.
         self._full = self.flat_param.data
         self._split_sizes = [s.numel for s in self.slots] + [self.plan.padding]
-        self._placeholder = torch.empty(0, dtype=dtype, device=device)
+        self._empty = torch.empty(0, dtype=dtype, device=device)
         self._gather = None  # Handle of an in-flight all-gather
         self._storage_bytes = self.flat_param.untyped_storage().nbytes()
         self.flat_param.untyped_storage().resize_(0)
@@ -168,10 +168,10 @@ class FlatUnit:
                 setattr(module, attr, tensor)
 
     def hide_views(self) -> None:
-        """Empty placeholders while freed: a stray use fails on shape, not on freed memory."""
+        """Empty tensors stand in while freed: a stray use fails on shape, not on freed memory."""
         for slot in self.slots:
             for module, attr in slot.owners:
-                setattr(module, attr, self._placeholder)
+                setattr(module, attr, self._empty)
 
     # -- gradients ---------------------------------------------------------------
     def start_reduce_scatter(self) -> PendingGrad:
