@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 import warnings
@@ -30,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from meshwise.comm import ops
+from meshwise.launch import free_port
 from meshwise.models.gpt import GPTConfig
 from meshwise.optim import AdamWConfig, decays
 
@@ -37,12 +37,6 @@ median = statistics.median
 
 
 # ---------------------------------------------------------------- ranks
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 300.0,
           ignore_warnings: Sequence[type[Warning]] = ()) -> list:
     """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; every rank's return value, by rank.

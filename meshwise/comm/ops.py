@@ -180,16 +180,6 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
     return _finish(work, group, category, async_op, keep=input)
 
 
-def all_gather_list(tensors: list[torch.Tensor], tensor: torch.Tensor, group: Group,
-                    category: str = "other") -> None:
-    """All-gather into a list of tensors (one per rank), for non-flat layouts."""
-    if group.size == 1:
-        tensors[0].copy_(tensor)
-        return
-    group.counters.record(category, _ring_fraction(group) * _nbytes(tensor) * group.size)
-    dist.all_gather(tensors, tensor.contiguous(), group=group.pg)
-
-
 def broadcast(tensor: torch.Tensor, src: int, group: Group, category: str = "other") -> None:
     """Broadcast from group rank ``src`` in place."""
     if group.size == 1:

@@ -39,10 +39,8 @@ class PipelineRuntime:
         self.num_stages = schedule.num_stages
         self.num_logical = schedule.num_stages * schedule.num_virtual_stages
         self.steps = group_steps(schedule.ranks[self.rank])
-        self.last_backward = {}
-        for i, action in enumerate(schedule.ranks[self.rank]):
-            if action.kind == "B":
-                self.last_backward[action.chunk] = action
+        # Each chunk's final backward: the one that starts its dp reduction.
+        self.last_backward = {a.chunk: a for a in schedule.ranks[self.rank] if a.kind == "B"}
 
     def stage(self, chunk: int) -> int:
         return chunk * self.num_stages + self.rank

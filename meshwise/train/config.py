@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshwise.mesh import ParallelDims
+from meshwise.pipeline.schedules import validate_schedule_config
 
 MODEL_PRESETS = {
     # name: (n_layer, n_head, d_model, block_size)
@@ -156,8 +157,6 @@ class TrainConfig:
                 raise ValueError(f"--micro-batches {p.micro_batches} needs --pp > 1; without a "
                                  "pipeline use --grad-accum")
         else:
-            from meshwise.pipeline.schedules import validate_schedule_config
-
             validate_schedule_config(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
             chunks = p.pp * p.virtual_stages
             if m.n_layer % chunks:

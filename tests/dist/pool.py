@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
+
+from meshwise.launch import free_port
 
 COLLECTIVE_TIMEOUT_S = 60
 
 
 class RankError(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -58,7 +53,7 @@ class WorkerPool:
         ctx = mp.get_context("spawn")
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r],
                                                         self.results), daemon=True)
                       for r in range(world_size)]
