@@ -1,0 +1,158 @@
+"""Where a stored or wanted slice sits inside its logical tensor (pure).
+
+A checkpoint stores each *logical* tensor (the one a single process would hold)
+as pieces written by whichever ranks held them. Every layout's shard is one
+``Piece``:
+
+- a tensor-parallel shard is a *box*: per-dimension offsets and sizes inside the
+  logical tensor (``box_offsets``, ``box_sizes``);
+- a ZeRO flat shard cuts a contiguous range out of the row-major flattening of
+  what the rank holds, so a piece is a box plus a flat range ``[flat_start,
+  flat_end)`` inside that box (the whole box when the range is the full one).
+
+Loading into another layout copies, for each wanted piece, the elements it
+shares with each stored piece. Flat ranges of row-major boxes visit logical
+indices in increasing order, which keeps the overlap a sorted-array
+intersection; equal boxes (the same tp degree) and whole-box pieces take
+cheaper paths of plain slicing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements of logical tensor ``name`` (full shape ``shape``) held as one flat run."""
+
+    name: str
+    shape: tuple[int, ...]
+    box_offsets: tuple[int, ...]
+    box_sizes: tuple[int, ...]
+    flat_start: int
+    flat_end: int
+
+    def __post_init__(self):
+        if not (len(self.shape) == len(self.box_offsets) == len(self.box_sizes)):
+            raise ValueError(f"{self.name}: box rank does not match shape {self.shape}")
+        for dim, (off, size, full) in enumerate(zip(self.box_offsets, self.box_sizes, self.shape)):
+            if off < 0 or size < 0 or off + size > full:
+                raise ValueError(f"{self.name}: box [{off}, {off + size}) outside dim {dim} "
+                                 f"of size {full}")
+        if not 0 <= self.flat_start <= self.flat_end <= self.box_numel:
+            raise ValueError(f"{self.name}: flat range [{self.flat_start}, {self.flat_end}) "
+                             f"outside a box of {self.box_numel} elements")
+
+    @classmethod
+    def whole(cls, name: str, shape) -> "Piece":
+        shape = tuple(shape)
+        return cls(name, shape, (0,) * len(shape), shape, 0, math.prod(shape))
+
+    @classmethod
+    def box(cls, name: str, shape, offsets, sizes) -> "Piece":
+        sizes = tuple(sizes)
+        return cls(name, tuple(shape), tuple(offsets), sizes, 0, math.prod(sizes))
+
+    def flat(self, start: int, end: int) -> "Piece":
+        """The sub-run ``[start, end)`` of this piece's elements."""
+        if not 0 <= start <= end <= self.numel:
+            raise ValueError(f"{self.name}: [{start}, {end}) outside a piece of {self.numel}")
+        return Piece(self.name, self.shape, self.box_offsets, self.box_sizes,
+                     self.flat_start + start, self.flat_start + end)
+
+    @property
+    def box_numel(self) -> int:
+        return math.prod(self.box_sizes)
+
+    @property
+    def numel(self) -> int:
+        return self.flat_end - self.flat_start
+
+    @property
+    def is_whole_box(self) -> bool:
+        return self.flat_start == 0 and self.flat_end == self.box_numel
+
+    def logical_indices(self) -> torch.Tensor:
+        """Row-major indices into the flattened logical tensor, one per element, increasing."""
+        index = torch.zeros((), dtype=torch.long)
+        stride = 1
+        for dim in reversed(range(len(self.shape))):
+            coords = torch.arange(self.box_offsets[dim], self.box_offsets[dim] + self.box_sizes[dim])
+            index = (coords * stride).view(-1, *([1] * (len(self.shape) - 1 - dim))) + index
+            stride *= self.shape[dim]
+        return index.reshape(-1)[self.flat_start:self.flat_end]
+
+    def to_dict(self) -> dict:
+        return {"box_offsets": list(self.box_offsets), "box_sizes": list(self.box_sizes),
+                "flat": [self.flat_start, self.flat_end]}
+
+    @classmethod
+    def from_dict(cls, name: str, shape, d: dict) -> "Piece":
+        return cls(name, tuple(shape), tuple(d["box_offsets"]), tuple(d["box_sizes"]),
+                   d["flat"][0], d["flat"][1])
+
+
+def copy_overlap(dst: torch.Tensor, dst_piece: Piece, src: torch.Tensor, src_piece: Piece) -> int:
+    """Copy into flat ``dst`` (elements of ``dst_piece``) those of flat ``src`` it shares
+    with ``src_piece``; return how many elements were copied."""
+    if dst_piece.shape != src_piece.shape:
+        raise ValueError(f"{dst_piece.name}: stored shape {src_piece.shape} differs from "
+                         f"the model's {dst_piece.shape}")
+    if dst_piece.box_offsets == src_piece.box_offsets and dst_piece.box_sizes == src_piece.box_sizes:
+        start = max(dst_piece.flat_start, src_piece.flat_start)
+        end = min(dst_piece.flat_end, src_piece.flat_end)
+        if end <= start:
+            return 0
+        dst[start - dst_piece.flat_start:end - dst_piece.flat_start].copy_(
+            src[start - src_piece.flat_start:end - src_piece.flat_start])
+        return end - start
+    if dst_piece.is_whole_box and src_piece.is_whole_box:
+        return _copy_box_overlap(dst, dst_piece, src, src_piece)
+    return _copy_index_overlap(dst, dst_piece, src, src_piece)
+
+
+def _copy_box_overlap(dst, dst_piece: Piece, src, src_piece: Piece) -> int:
+    dst_view = dst.view(dst_piece.box_sizes)
+    src_view = src.view(src_piece.box_sizes)
+    for dim in range(len(dst_piece.shape)):
+        lo = max(dst_piece.box_offsets[dim], src_piece.box_offsets[dim])
+        hi = min(dst_piece.box_offsets[dim] + dst_piece.box_sizes[dim],
+                 src_piece.box_offsets[dim] + src_piece.box_sizes[dim])
+        if hi <= lo:
+            return 0
+        dst_view = dst_view.narrow(dim, lo - dst_piece.box_offsets[dim], hi - lo)
+        src_view = src_view.narrow(dim, lo - src_piece.box_offsets[dim], hi - lo)
+    dst_view.copy_(src_view)
+    return dst_view.numel()
+
+
+def _copy_index_overlap(dst, dst_piece: Piece, src, src_piece: Piece) -> int:
+    dst_index = dst_piece.logical_indices()
+    src_index = src_piece.logical_indices()
+    if dst_index.numel() == 0 or src_index.numel() == 0:
+        return 0
+    pos = torch.searchsorted(src_index, dst_index).clamp_(max=src_index.numel() - 1)
+    hit = src_index[pos] == dst_index
+    dst[hit] = src[pos[hit]]
+    return int(hit.sum())
+
+
+def pieces_in_range(layout: list[tuple[Piece, int]], start: int, end: int
+                    ) -> list[tuple[Piece, int, int]]:
+    """Which parts of which pieces a flat buffer's run ``[start, end)`` holds.
+
+    ``layout``: ``(piece, offset)`` for each piece packed into the buffer (a ZeRO
+    flat buffer: parameters back to back, padding after the last). Returns
+    ``(sub_piece, buffer_start, buffer_end)`` for every non-empty overlap; padding
+    belongs to no piece and is left out.
+    """
+    found = []
+    for piece, offset in layout:
+        lo, hi = max(start, offset), min(end, offset + piece.numel)
+        if lo < hi:
+            found.append((piece.flat(lo - offset, hi - offset), lo, hi))
+    return found

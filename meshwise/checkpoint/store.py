@@ -1,0 +1,254 @@
+"""Checkpoint directories on disk: per-rank safetensors files plus one manifest.
+
+Why not ``torch.distributed.checkpoint``: its resharding planners describe a
+shard as a box (offsets and sizes) of a tensor, while a ZeRO flat shard is a
+contiguous run of a flat buffer that starts and ends in the middle of
+parameters. Here a stored piece is a box plus a flat range inside it
+(``pieces.Piece``), which covers tensor-parallel boxes, ZeRO runs and both at
+once, and lets any layout read any other.
+
+Layout of one checkpoint (``step-00000120/``)::
+
+    manifest.json           format, version, run metadata, every file with its
+                            size and SHA-256, every logical tensor with its pieces
+    rank-00000.safetensors  the pieces rank 0 wrote (keys p0, p1, ...)
+    rank-00001.safetensors  ...
+
+Writing is atomic: ranks write into ``.tmp-step-00000120/``; once every rank has
+finished, one rank writes the manifest there and renames the directory, so a
+checkpoint is either complete and listed or absent. This module does no
+communication: the caller gathers the per-rank fragments (``write_rank_file``'s
+return values) and calls ``finalize`` on one rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from meshwise.checkpoint.pieces import Piece, copy_overlap
+
+FORMAT = "meshwise-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and the problem."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def temp_dir(save_dir: str | os.PathLike, step: int) -> Path:
+    return Path(save_dir) / f".tmp-{step_dir_name(step)}"
+
+
+def write_rank_file(tmp_dir: str | os.PathLike, rank: int,
+                    entries: list[tuple[Piece, torch.Tensor]]) -> dict:
+    """Write this rank's pieces (flat tensors, one per piece) and return its manifest fragment."""
+    from safetensors.torch import save_file
+
+    file_name = f"rank-{rank:05d}.safetensors"
+    tensors, pieces = {}, []
+    for i, (piece, tensor) in enumerate(entries):
+        if tensor.numel() != piece.numel:
+            raise ValueError(f"{piece.name}: {tensor.numel()} elements for a piece of {piece.numel}")
+        key = f"p{i}"
+        tensors[key] = tensor.detach().reshape(-1).contiguous().cpu()
+        pieces.append({"name": piece.name, "shape": list(piece.shape), "key": key,
+                       "dtype": str(tensor.dtype).removeprefix("torch."), **piece.to_dict()})
+    path = Path(tmp_dir) / file_name
+    save_file(tensors, str(path))
+    _fsync(path)
+    return {"file": file_name, "pieces": pieces}
+
+
+def finalize(tmp_dir: str | os.PathLike, fragments: list[dict], meta: dict) -> Path:
+    """Write the manifest for the complete set of fragments and make the checkpoint visible."""
+    tmp_dir = Path(tmp_dir)
+    files, tensors = {}, {}
+    for fragment in fragments:
+        path = tmp_dir / fragment["file"]
+        files[fragment["file"]] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        for p in fragment["pieces"]:
+            entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"],
+                                                   "pieces": []})
+            if entry["shape"] != p["shape"]:
+                raise ValueError(f"{p['name']}: pieces disagree on the shape "
+                                 f"({entry['shape']} vs {p['shape']})")
+            entry["pieces"].append({"file": fragment["file"], "key": p["key"],
+                                    **{k: p[k] for k in ("box_offsets", "box_sizes", "flat")}})
+    for name, entry in tensors.items():
+        stored = sum(p["flat"][1] - p["flat"][0] for p in entry["pieces"])
+        if stored != math.prod(entry["shape"]):
+            raise ValueError(f"{name}: pieces hold {stored} elements, the tensor has "
+                             f"{math.prod(entry['shape'])} (a shard missing or written twice)")
+    manifest = {"format": FORMAT, "version": VERSION, "meta": meta, "files": files,
+                "tensors": tensors}
+    _write_atomic(tmp_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    final = tmp_dir.parent / tmp_dir.name.removeprefix(".tmp-")
+    if final.exists():
+        raise ValueError(f"{final} already exists; a checkpoint is never overwritten")
+    os.rename(tmp_dir, final)
+    _fsync(tmp_dir.parent)
+    return final
+
+
+class Checkpoint:
+    """A complete checkpoint directory, opened for reading any slice of any tensor."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: no such checkpoint directory")
+        if not manifest_path.is_file():
+            raise CheckpointError(f"{manifest_path}: missing; {self.path} is not a complete "
+                                  "checkpoint")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{manifest_path}: unreadable ({exc})") from None
+        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+            raise CheckpointError(f"{manifest_path}: not a {FORMAT} version {VERSION} manifest")
+        self.meta: dict = manifest["meta"]
+        self.files: dict = manifest["files"]
+        self.tensors: dict = manifest["tensors"]
+        self._open: dict = {}
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    def verify(self) -> None:
+        """Every listed file present, of its recorded size and checksum."""
+        for name, info in self.files.items():
+            path = self.path / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing from the checkpoint")
+            size = path.stat().st_size
+            if size != info["bytes"]:
+                raise CheckpointError(f"{path}: {size} bytes, the manifest says {info['bytes']} "
+                                      "(truncated or replaced)")
+            if _sha256(path) != info["sha256"]:
+                raise CheckpointError(f"{path}: checksum mismatch (the file is damaged)")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name)["shape"])
+
+    def read_into(self, out: torch.Tensor, piece: Piece) -> None:
+        """Fill flat ``out`` with the elements of ``piece`` from whatever pieces were stored."""
+        entry = self._entry(piece.name)
+        if tuple(entry["shape"]) != piece.shape:
+            raise CheckpointError(f"{self.path}: {piece.name} has shape {tuple(entry['shape'])} "
+                                  f"in the checkpoint but {piece.shape} in the model")
+        copied = 0
+        for stored in entry["pieces"]:
+            src_piece = Piece.from_dict(piece.name, piece.shape, stored)
+            if not _may_overlap(piece, src_piece):
+                continue
+            src = self._handle(stored["file"]).get_tensor(stored["key"])
+            copied += copy_overlap(out, piece, src.to(out.dtype), src_piece)
+        if copied != piece.numel:
+            raise CheckpointError(f"{self.path}: {piece.name} is incomplete ({copied} of "
+                                  f"{piece.numel} wanted elements stored)")
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole logical tensor ``name``."""
+        piece = Piece.whole(name, self.shape(name))
+        out = torch.empty(piece.numel, dtype=getattr(torch, self._entry(name)["dtype"]))
+        self.read_into(out, piece)
+        return out.view(piece.shape)
+
+    def _entry(self, name: str) -> dict:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} (a checkpoint of another "
+                                  "model?)")
+        return self.tensors[name]
+
+    def _handle(self, file_name: str):
+        from safetensors import safe_open
+
+        if file_name not in self._open:
+            path = self.path / file_name
+            try:
+                self._open[file_name] = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"{path}: unreadable ({exc})") from None
+        return self._open[file_name]
+
+
+def complete_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``save_dir``, oldest first (temporary ones ignored)."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, or the newest complete one of a ``--save`` directory."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    found = complete_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path}: neither a checkpoint nor a directory holding one")
+    return found[-1]
+
+
+def prune(save_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints; return what was deleted."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    doomed = complete_checkpoints(save_dir)[:-keep_last]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def _may_overlap(a: Piece, b: Piece) -> bool:
+    for off_a, size_a, off_b, size_b in zip(a.box_offsets, a.box_sizes, b.box_offsets,
+                                            b.box_sizes):
+        if off_a + size_a <= off_b or off_b + size_b <= off_a:
+            return False
+    if a.box_offsets == b.box_offsets and a.box_sizes == b.box_sizes:
+        return a.flat_start < b.flat_end and b.flat_start < a.flat_end
+    return True
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
