@@ -65,6 +65,18 @@ TRAIN_FLAGS = [
     ("--metrics", "runtime", "metrics", str, "write one JSON line per step to this file"),
     ("--log-every", "runtime", "log_every", int,
      "progress line every N steps when output is not a terminal (default 10)"),
+    ("--save", "checkpoint", "save", str,
+     "write sharded checkpoints under this directory (step-NNNNNNNN/ each)"),
+    ("--save-every", "checkpoint", "save_every", int,
+     "checkpoint every N steps, and at the end (default: only at the end)"),
+    ("--keep-last", "checkpoint", "keep_last", int,
+     "keep only the newest K checkpoints in --save (default: keep all)"),
+    ("--resume", "checkpoint", "resume", str,
+     "continue from a checkpoint, or a --save directory's newest one; 'auto': the newest "
+     "in --save if there is one, else start fresh. Any layout can resume any other"),
+    ("--max-restarts", "checkpoint", "max_restarts", int,
+     "when a rank dies, restart the job from the newest checkpoint up to N times "
+     "(default 0)"),
 ]
 
 

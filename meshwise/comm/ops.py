@@ -189,6 +189,16 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, category: str = "oth
     dist.broadcast(tensor, src=group.global_rank(src), group=group.pg)
 
 
+def all_gather_object(obj, group: Group, category: str = "other") -> list:
+    """Every rank's picklable ``obj``, in group-rank order (small metadata only)."""
+    if group.size == 1:
+        return [obj]
+    out = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    group.counters.calls[category] += 1
+    return out
+
+
 def barrier(group: Group) -> None:
     if group.size > 1:
         dist.barrier(group=group.pg)

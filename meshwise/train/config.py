@@ -105,6 +105,15 @@ class RuntimeConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save: str | None = None  # directory of checkpoints (one subdirectory per save)
+    save_every: int | None = None  # None: only at the end
+    keep_last: int | None = None  # None: keep every checkpoint
+    resume: str | None = None  # a checkpoint, a --save directory, or "auto"
+    max_restarts: int = 0
+
+
+@dataclass
 class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -112,6 +121,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> "TrainConfig":
         """Raise ``ValueError`` naming the first bad value; return self."""
@@ -134,7 +144,22 @@ class TrainConfig:
         _choice("--on-nan", o.on_nan, ON_NAN)
         self._validate_model()
         self._validate_layout()
+        self._validate_checkpoint()
         return self
+
+    def _validate_checkpoint(self) -> None:
+        c = self.checkpoint
+        for flag, value in (("--save-every", c.save_every), ("--keep-last", c.keep_last)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        _non_negative(max_restarts=c.max_restarts)
+        if not c.save:
+            needs = [flag for flag, value in (("--save-every", c.save_every),
+                                              ("--keep-last", c.keep_last),
+                                              ("--max-restarts", c.max_restarts),
+                                              ("--resume auto", c.resume == "auto")) if value]
+            if needs:
+                raise ValueError(f"{needs[0]} needs --save DIR (where checkpoints go)")
 
     def _validate_model(self) -> None:
         m, d = self.model.resolved(), self.data

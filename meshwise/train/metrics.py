@@ -30,6 +30,15 @@ def _format_duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+def _lines_up_to(path: Path, step: int) -> str:
+    """A resumed run keeps the metrics of the steps it does not redo."""
+    if not path.is_file():
+        return ""
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    return "".join(kept)
+
+
 class MetricsLog:
     """Writes one JSON object per optimizer step and shows progress.
 
@@ -37,7 +46,8 @@ class MetricsLog:
     line every ``log_every`` steps (and on the last step).
     """
 
-    def __init__(self, path: str | None, total_steps: int, log_every: int, stream=None):
+    def __init__(self, path: str | None, total_steps: int, log_every: int, stream=None,
+                 resume_step: int = 0):
         self.path = Path(path) if path else None
         self.total_steps = total_steps
         self.log_every = log_every
@@ -48,7 +58,9 @@ class MetricsLog:
         self._file = None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            kept = _lines_up_to(self.path, resume_step) if resume_step else ""
             self._file = open(self.path, "w", buffering=1)
+            self._file.write(kept)
 
     def write(self, record: dict) -> None:
         self.history.append(record)

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from meshwise import launch
+from meshwise.checkpoint import resume
 from meshwise.data import TokenDataset, resolve_data
 from meshwise.train.config import TrainConfig
 
@@ -32,18 +33,46 @@ def prepare(cfg: TrainConfig) -> Path:
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but no CUDA device is available; valid: cpu, auto")
     path = resolve_data(cfg.data.path, cfg.data.cache_dir)
-    TokenDataset(path, cfg.data.seq_len)  # raises if the corpus is too short
+    dataset = TokenDataset(path, cfg.data.seq_len)  # raises if the corpus is too short
+    c = cfg.checkpoint
+    if c.save:
+        resume.check_save_dir(c.save)
+    start = resume.find_resume(c.resume, c.save)
+    if start is not None:
+        resume.open_verified(start, model_shape(cfg, dataset.vocab_size))
     return path
 
 
 def train(cfg: TrainConfig, data_path: Path) -> None:
-    """Start every rank (or join torchrun's) and train; raises ``launch.RankFailed``."""
+    """Start every rank (or join torchrun's) and train; raises ``launch.RankFailed``.
+
+    With ``--max-restarts N``, a failed job is torn down and started again from
+    the newest checkpoint in ``--save``, at most N times.
+    """
     device = launch.resolve_device(cfg.runtime.device)
-    launch.launch(_rank_main, (cfg, str(data_path), device), cfg.parallel.dims.world_size,
-                  device, cfg.comm.timeout_s)
+    c = cfg.checkpoint
+    start = resume.find_resume(c.resume, c.save)
+    for attempt in range(c.max_restarts + 1):
+        try:
+            launch.launch(_rank_main, (cfg, str(data_path), device, start and str(start)),
+                          cfg.parallel.dims.world_size, device, cfg.comm.timeout_s)
+            return
+        except launch.RankFailed as exc:
+            if attempt == c.max_restarts:
+                raise
+            start = resume.newest_or(c.save, start)
+            log.warning("%s\nrestart %d of %d from %s", exc, attempt + 1, c.max_restarts,
+                        start or "the beginning (no checkpoint yet)")
 
 
-def _rank_main(cfg: TrainConfig, data_path: str, device: str) -> None:
+def model_shape(cfg: TrainConfig, vocab_size: int) -> dict:
+    """What a checkpoint must match to be resumed: the model's sizes, not its layout."""
+    m = cfg.model.resolved()
+    return {"n_layer": m.n_layer, "n_head": m.n_head, "d_model": m.d_model,
+            "vocab_size": vocab_size, "block_size": m.block_size}
+
+
+def _rank_main(cfg: TrainConfig, data_path: str, device: str, start: str | None) -> None:
     import dataclasses
     import os
 
@@ -54,4 +83,4 @@ def _rank_main(cfg: TrainConfig, data_path: str, device: str) -> None:
     # One logger, prefixed with the rank; only rank 0 speaks below warnings.
     level = logging.INFO if rank == 0 and not cfg.runtime.quiet else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank {rank}] %(message)s", force=True)
-    Trainer(cfg, data_path).train()
+    Trainer(cfg, data_path, resume=start).train()

@@ -33,6 +33,8 @@ from meshwise.pipeline.stage import named_parameters as stage_parameters
 from meshwise.optim import AdamWConfig, lr_at
 from meshwise.train.config import TrainConfig
 from meshwise.train.grad_sync import GradSync3D
+from meshwise.train.checkpointing import RunCheckpointer
+from meshwise.train.run import model_shape
 from meshwise.train.metrics import MetricsLog, peak_rss_bytes
 from meshwise.zero.optimizer import ZeroOptimizer
 from meshwise.zero.params import ZeroStage3
@@ -50,7 +52,7 @@ class Trainer:
     Call inside an initialised process group (``meshwise.launch`` does that).
     """
 
-    def __init__(self, cfg: TrainConfig, data_path):
+    def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None):
         self.cfg = cfg
         self.mesh = Mesh.build(cfg.parallel.dims)
         self.device = torch.device(_rank_device(cfg.runtime.device))
@@ -73,6 +75,8 @@ class Trainer:
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.engine = build_engine(self.model, named_params, self.mesh, cfg, self.adamw)
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine)
+        self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine, named_params,
+                                            self.grad_sync.counted, model_shape(cfg, self.data.vocab_size))
         self.global_tokens = d.batch_size * d.seq_len
         self.pipeline = None
         if p.pp > 1:
@@ -84,8 +88,9 @@ class Trainer:
         # Ranks whose loss counts: the last stage, once per tp group.
         self.reports_loss = self.mesh.is_last_stage and self.mesh.tp_rank == 0
         self.is_logging_rank = self.mesh.rank == 0
+        self.start_step = self.checkpointer.load(resume) if resume else 0
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
-                                  o.steps, cfg.runtime.log_every)
+                                  o.steps, cfg.runtime.log_every, resume_step=self.start_step)
         self._fail_at = _injected_failure()
 
     # ------------------------------------------------------------------ loop
@@ -96,12 +101,14 @@ class Trainer:
                      self.model_cfg, self.num_params / 1e6, self.cfg.parallel.dims,
                      self.global_tokens)
         val_loss = None
-        for step in range(1, self.cfg.optim.steps + 1):
+        for step in range(self.start_step + 1, self.cfg.optim.steps + 1):
             record = self.train_step(step)
             if d.eval_every and step % d.eval_every == 0:
                 val_loss = record["val_loss"] = self.evaluate()
             if self.is_logging_rank:
                 self.metrics.write(record)
+            if self.checkpointer.due(step):
+                self.checkpointer.save(step)
         if not (d.eval_every and self.cfg.optim.steps % d.eval_every == 0):
             val_loss = self.evaluate()  # the last step was not evaluated yet
         sample = self.sample(d.sample_tokens) if d.sample_tokens else None

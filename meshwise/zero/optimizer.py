@@ -26,6 +26,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
+from meshwise.checkpoint.state import FlatRun
 from meshwise.comm import ops
 from meshwise.data_parallel.buckets import GradBuckets
 from meshwise.optim import AdamWConfig, adamw_update, decays, squared_sum
@@ -67,7 +68,7 @@ class ZeroOptimizer(GradBuckets):
         self._exp_avg = [buf.new_zeros(hi - lo)
                          for buf, (lo, hi) in zip(self._param_bufs, self._update_ranges)]
         self._exp_avg_sq = [torch.zeros_like(m) for m in self._exp_avg]
-        self._step_count = 0
+        self.step_count = 0
 
     def _group_key(self, name: str, param: torch.Tensor) -> Hashable:
         return (param.dtype, param.device, decays(name, param))
@@ -111,7 +112,7 @@ class ZeroOptimizer(GradBuckets):
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """AdamW on what this rank owns, with gradients times ``grad_scale`` (clipping)."""
         assert self._idle(), "step() before finish_grad_sync()"
-        self._step_count += 1
+        self.step_count += 1
         for b, (lo, hi) in enumerate(self._update_ranges):
             param, grad = self._param_bufs[b][lo:hi], self._owned_grad(b)
             exp_avg, exp_avg_sq = self._exp_avg[b], self._exp_avg_sq[b]
@@ -120,7 +121,7 @@ class ZeroOptimizer(GradBuckets):
             for s in range(0, hi - lo, _UPDATE_CHUNK):
                 e = s + _UPDATE_CHUNK
                 g = grad[s:e] if grad_scale == 1.0 else grad[s:e] * grad_scale
-                adamw_update(param[s:e], g, exp_avg[s:e], exp_avg_sq[s:e], self._step_count,
+                adamw_update(param[s:e], g, exp_avg[s:e], exp_avg_sq[s:e], self.step_count,
                              lr, self.adamw, weight_decay=self._weight_decays[b])
         if self.stage > 0:
             self._gather_params()
@@ -142,6 +143,19 @@ class ZeroOptimizer(GradBuckets):
                                               category="param", async_op=True))
         for handle in handles:
             handle.wait()
+
+    # ------------------------------------------------------------ checkpoint
+    def checkpoint_runs(self) -> list[FlatRun]:
+        """Each bucket as a checkpoint sees it: every rank writes its dp shard of
+        the parameters and of the optimizer state (replicated at stage 0)."""
+        runs = []
+        for b, (lo, _) in enumerate(self._update_ranges):
+            names = [(self._names[i], self._slots[i].offset) for i in self._members[b]]
+            runs.append(FlatRun(names, self._shard_plans[b].owned_range(self.dp_group.rank),
+                                {"param": (self._param_bufs[b], 0),
+                                 "exp_avg": (self._exp_avg[b], lo),
+                                 "exp_avg_sq": (self._exp_avg_sq[b], lo)}))
+        return runs
 
     # ---------------------------------------------------------------- memory
     def state_bytes(self) -> int:

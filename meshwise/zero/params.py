@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from meshwise.checkpoint.state import FlatRun
 from meshwise.comm import ops
 from meshwise.optim import AdamWConfig
 from meshwise.zero.flat_unit import ROOT, FlatUnit, cut_into_units
@@ -239,6 +240,17 @@ class ZeroStage3:
         """Most bytes of gathered full parameters alive at once during the last
         step (since the previous ``step()``; before any step, so far)."""
         return self._peak_window if self._last_step_peak is None else self._last_step_peak
+
+    def checkpoint_runs(self) -> list[FlatRun]:
+        """Each unit's shard of parameters and optimizer state, as a checkpoint sees it."""
+        runs = []
+        for unit in self.units:
+            start, _ = unit.plan.shard_range(self.group.rank)
+            runs.append(FlatRun([(slot.name, slot.offset) for slot in unit.slots],
+                                unit.plan.owned_range(self.group.rank),
+                                {"param": (unit.shard, start), "exp_avg": (unit.exp_avg, start),
+                                 "exp_avg_sq": (unit.exp_avg_sq, start)}))
+        return runs
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full copies of every managed parameter by name (a collective)."""

@@ -1,0 +1,55 @@
+"""Checks made before any rank starts: where to save, what to resume from.
+
+Everything here runs in the launching process, so a bad ``--save`` directory or
+a damaged checkpoint ends the job with one line (exit 2) before training.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from meshwise.checkpoint.store import Checkpoint, CheckpointError, complete_checkpoints, resolve
+
+
+def check_save_dir(save_dir: str) -> None:
+    """Create ``save_dir`` if needed and prove it writable (``ValueError`` if not)."""
+    path = Path(save_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(f"--save {save_dir}: cannot write there ({reason})") from None
+
+
+def find_resume(resume: str | None, save_dir: str | None) -> Path | None:
+    """The checkpoint to start from: ``--resume`` resolved, or ``None`` to start fresh."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(save_dir) if save_dir else []
+        return found[-1] if found else None
+    if not os.path.exists(resume):
+        raise CheckpointError(f"--resume {resume}: no such file or directory")
+    return resolve(resume)
+
+
+def newest_or(save_dir: str | None, fallback: Path | None) -> Path | None:
+    """After a failure: the newest checkpoint of ``--save``, else what the run started from."""
+    found = complete_checkpoints(save_dir) if save_dir else []
+    return found[-1] if found else fallback
+
+
+def open_verified(path: Path, model: dict) -> Checkpoint:
+    """Open ``path``, check every file's size and checksum and that it holds ``model``."""
+    ckpt = Checkpoint(path)
+    ckpt.verify()
+    stored = ckpt.meta.get("model", {})
+    for key, value in model.items():
+        if stored.get(key) != value:
+            raise CheckpointError(f"{path}: holds a model with {key} {stored.get(key)}, this run "
+                                  f"has {key} {value}")
+    return ckpt

@@ -1,0 +1,62 @@
+"""The trainer's side of checkpoints: what a run saves beside the engine's state.
+
+A checkpoint holds the engine's parameters and AdamW moments (sharded, see
+``meshwise.checkpoint.state``) and, in its manifest, the step reached (which
+fixes the learning rate and the next global batch, both pure functions of the
+step), the optimizer's step count, the model's shape, the layout and the whole
+configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from meshwise.checkpoint import state
+from meshwise.checkpoint.store import Checkpoint
+from meshwise.mesh import Mesh
+
+log = logging.getLogger("meshwise")
+
+
+class RunCheckpointer:
+    """Saves and restores one rank's share of a run.
+
+    ``named_params``: the engine's ``(name, parameter)`` pairs before sharding;
+    ``writers``: the names this rank stores (each logical tensor once).
+    """
+
+    def __init__(self, cfg, mesh: Mesh, engine, named_params, writers: set[str], model: dict):
+        self.cfg, self.mesh, self.engine = cfg, mesh, engine
+        self.pieces = {name: state.logical_piece(name, p, mesh.tp_rank, mesh.dims.tp)
+                       for name, p in named_params}
+        self.writers = writers
+        self.model = model  # the shape of the model, checked on resume
+        p = cfg.parallel
+        self.layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages,
+                       "zero": p.zero}
+
+    def due(self, step: int) -> bool:
+        c = self.cfg.checkpoint
+        if not c.save:
+            return False
+        return step == self.cfg.optim.steps or bool(c.save_every and step % c.save_every == 0)
+
+    def save(self, step: int) -> None:
+        c = self.cfg.checkpoint
+        meta = {"step": step, "optimizer_step": self.engine.step_count, "model": self.model,
+                "layout": self.layout, "config": dataclasses.asdict(self.cfg)}
+        path = state.save(c.save, step, self.engine.checkpoint_runs(), self.pieces,
+                          self.writers, self.mesh.world, meta)
+        if path is not None:
+            removed = state.keep_newest(c.save, c.keep_last)
+            log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")
+
+    def load(self, path: str) -> int:
+        """Restore from ``path``; return the step it was saved at."""
+        ckpt = Checkpoint(path)  # verified before the ranks started (``check_resume``)
+        same = ckpt.meta["layout"] == self.layout
+        state.load(ckpt, self.engine.checkpoint_runs(), self.pieces, self.mesh.rank, same)
+        self.engine.step_count = ckpt.meta["optimizer_step"]
+        how = "same layout" if same else f"resharded from {ckpt.meta['layout']}"
+        log.info("resumed from %s at step %d (%s)", path, ckpt.step, how)
+        return ckpt.step
