@@ -1,4 +1,4 @@
-"""``meshwise`` command line: ``train`` and ``schedule``.
+"""``meshwise`` command line: ``train``, ``schedule``, ``export`` and ``generate``.
 
 The entry point only parses, validates and hands over: configuration errors exit
 with status 2 and one line before any rank starts; training itself lives in
@@ -101,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     schedule = sub.add_parser("schedule", help="print or plot a pipeline schedule and its bubble")
     add_schedule_arguments(schedule)
+    from meshwise.export import add_export_arguments
+    from meshwise.generate import add_generate_arguments
+
+    export = sub.add_parser("export", help="write a checkpoint as one unsharded model",
+                            description="Write a checkpoint's model, unsharded, in a format "
+                                        "readable without meshwise.")
+    add_export_arguments(export)
+    generate = sub.add_parser("generate", help="sample text from a checkpoint (one process)",
+                              description="Continue a prompt with a checkpoint's model on one "
+                                          "process, using a KV cache.")
+    add_generate_arguments(generate)
     return parser
 
 
@@ -154,6 +165,23 @@ def _read_toml(path: str) -> dict:
     return flat
 
 
+def _run_offline(args) -> int:
+    """``export`` and ``generate``: one process, bad input exits 2 with one line."""
+    try:
+        if args.command == "export":
+            from meshwise.export import run_export
+
+            print(f"wrote {run_export(args)}")
+        else:
+            from meshwise.generate import printable, run_generate
+
+            print(printable(args.prompt + run_generate(args)))
+    except ValueError as exc:
+        print(f"meshwise {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -161,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         from meshwise.pipeline.schedule_cmd import run_schedule
 
         return run_schedule(args)
+    if args.command in ("export", "generate"):
+        return _run_offline(args)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s")
     from meshwise.launch import RankFailed

@@ -60,11 +60,18 @@ class CausalSelfAttention(nn.Module):
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp_group, init_std=residual_std,
                                       init_seed=param_seed(seed, f"{name}.proj.weight"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh/tp, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh/tp, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh/tp, T, hd)
+        causal = True
+        if cache is not None:
+            # Decoding one token after the cached prefix: it may see every key.
+            causal = cache.k is None
+            if not causal and T != 1:
+                raise ValueError("with a filled KV cache, feed one token at a time")
+            k, v = cache.append(k, v)  # (B, nh/tp, P + T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, nh/tp, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/tp)
         return self.proj(y)
 
@@ -92,9 +99,26 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg, f"{name}.mlp", seed, tp_group, residual_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
+
+
+class LayerCache:
+    """One layer's keys and values so far, for decoding without recomputing the prefix."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None  # (B, nh/tp, P, hd)
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
 
 
 class GPT(nn.Module):
@@ -128,17 +152,21 @@ class GPT(nn.Module):
             return f"blocks.{self.layer_ids[int(idx)]}.{rest}"
         return local_name
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: list[LayerCache] | None = None) -> torch.Tensor:
         """``x``: token ids (B, T) on the first chunk, else hidden states (B, T, C).
 
         Returns hidden states, or with ``has_head`` the full logits (B, T, V), or
         with ``targets`` the SUM of token losses (callers divide by global tokens).
+        ``cache``: one ``LayerCache`` per block, filled as tokens go through
+        (generation); positions continue after what it holds.
         """
         if self.has_embedding:
-            pos = torch.arange(x.shape[1], device=x.device)
+            start = cache[0].length if cache else 0
+            pos = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.wte(x) + self.wpe(pos)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache[i] if cache else None)
         if not self.has_head:
             return x
         x = self.ln_f(x)

@@ -1,0 +1,89 @@
+"""``meshwise export``: a checkpoint as one unsharded model that needs no meshwise.
+
+``--format safetensors`` writes ``model.safetensors`` (single-process parameter
+names) and ``config.json`` (the model's sizes). ``--format hf`` writes a
+Hugging Face GPT-2 directory that ``transformers.AutoModelForCausalLM``
+loads: the same architecture (pre-LayerNorm, tanh GELU, tied head, learned
+positions), with our head-by-head QKV rows reordered into GPT-2's
+query/key/value blocks and every linear weight transposed for its ``Conv1D``.
+The output directory appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from meshwise.checkpoint.model import model_config, model_tensors, open_checkpoint
+
+FORMATS = ("safetensors", "hf")
+
+
+def add_export_arguments(parser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint directory, or a --save directory "
+                                           "(its newest checkpoint)")
+    parser.add_argument("--out", required=True, help="directory to create")
+    parser.add_argument("--format", choices=FORMATS, default="safetensors",
+                        help="safetensors: meshwise names + config.json; hf: a Hugging Face "
+                             "GPT-2 directory (default safetensors)")
+
+
+def run_export(args) -> Path:
+    ckpt = open_checkpoint(args.checkpoint)
+    out = Path(args.out)
+    if out.exists():
+        raise ValueError(f"--out {out}: already exists; choose a new directory")
+    cfg = model_config(ckpt)
+    tensors = model_tensors(ckpt)
+    if args.format == "hf":
+        tensors, config = _to_gpt2(tensors, cfg), _gpt2_config(cfg)
+    else:
+        config = {"architecture": "meshwise-gpt", **ckpt.meta["model"], "tied_embeddings": True,
+                  "step": ckpt.step}
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    os.rename(tmp, out)
+    return out
+
+
+def _to_gpt2(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    hd = cfg.d_model // cfg.n_head
+    out = {"transformer.wte.weight": tensors["wte.weight"],
+           "transformer.wpe.weight": tensors["wpe.weight"],
+           "transformer.ln_f.weight": tensors["ln_f.weight"],
+           "transformer.ln_f.bias": tensors["ln_f.bias"]}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        # Our QKV rows are (n_head, 3, hd); GPT-2's c_attn columns are (3, n_head, hd).
+        qkv_w = tensors[ours + "attn.qkv.weight"].view(cfg.n_head, 3, hd, cfg.d_model)
+        qkv_b = tensors[ours + "attn.qkv.bias"].view(cfg.n_head, 3, hd)
+        out[theirs + "attn.c_attn.weight"] = qkv_w.transpose(0, 1).reshape(-1, cfg.d_model).t()
+        out[theirs + "attn.c_attn.bias"] = qkv_b.transpose(0, 1).reshape(-1)
+        for mine, gpt2 in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            out[theirs + gpt2 + ".weight"] = tensors[ours + mine + ".weight"]
+            out[theirs + gpt2 + ".bias"] = tensors[ours + mine + ".bias"]
+        for mine, gpt2 in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
+                           ("mlp.proj", "mlp.c_proj")):
+            out[theirs + gpt2 + ".weight"] = tensors[ours + mine + ".weight"].t()  # Conv1D: (in, out)
+            out[theirs + gpt2 + ".bias"] = tensors[ours + mine + ".bias"]
+    return out
+
+
+def _gpt2_config(cfg) -> dict:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
+            "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_inner": 4 * cfg.d_model, "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0, "tie_word_embeddings": True, "torch_dtype": "float32",
+            "bos_token_id": 0, "eos_token_id": 0}
