@@ -25,6 +25,14 @@ def check_save_dir(save_dir: str) -> None:
         raise ValueError(f"--save {save_dir}: cannot write there ({reason})") from None
 
 
+def check_not_overwriting(save_dir: str, resume: str | None) -> None:
+    """A fresh run must not write over another run's checkpoints."""
+    found = complete_checkpoints(save_dir)
+    if found and resume is None:
+        raise ValueError(f"--save {save_dir} already holds checkpoints (newest: {found[-1].name});"
+                         f" pass --resume auto to continue that run, or choose another directory")
+
+
 def find_resume(resume: str | None, save_dir: str | None) -> Path | None:
     """The checkpoint to start from: ``--resume`` resolved, or ``None`` to start fresh."""
     if resume is None:

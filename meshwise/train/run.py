@@ -37,6 +37,7 @@ def prepare(cfg: TrainConfig) -> Path:
     c = cfg.checkpoint
     if c.save:
         resume.check_save_dir(c.save)
+        resume.check_not_overwriting(c.save, c.resume)
     start = resume.find_resume(c.resume, c.save)
     if start is not None:
         resume.open_verified(start, model_shape(cfg, dataset.vocab_size))

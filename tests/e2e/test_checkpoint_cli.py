@@ -108,6 +108,7 @@ def test_bad_checkpoint_flags_exit_2(tmp_path, corpus):
         (["--save", tmp_path / "s", "--keep-last", "0"], "--keep-last must be >= 1, got 0"),
         (["--save-every", "2"], "--save-every needs --save DIR"),
         (["--resume", "auto"], "--resume auto needs --save DIR"),
+        (["--save", step5.parent], "already holds checkpoints (newest: step-00000010)"),
     ]
     (tmp_path / "corpus").mkdir()
     for flags, message in cases:
