@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_offline(args)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s")
-    from meshwise.launch import RankFailed
+    from meshwise.launch import RankFailed, Stopped
     from meshwise.train.run import prepare, train
 
     try:
@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailed as exc:
         print(f"meshwise train: {exc}", file=sys.stderr)
         return 1
+    except Stopped as exc:
+        return 128 + exc.signum
     except KeyboardInterrupt:
         return 130
     return 0

@@ -5,13 +5,21 @@ first rank that fails ends the job: its rank and traceback are printed, the
 other ranks are terminated, and the exit status is non-zero. Under ``torchrun``
 (its environment variables present) this process is one rank and torchrun does
 the supervising.
+
+Spawned ranks never outlive the launcher: each asks the kernel for SIGKILL when
+its parent dies (Linux ``PR_SET_PDEATHSIG``), so even ``kill -9`` of the
+launcher ends them. SIGTERM and Ctrl-C stop the ranks the same way: SIGTERM,
+then after ``STOP_GRACE_S`` SIGKILL for what is still there (a stopped or hung
+rank), and only then the launcher reports them stopped.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -26,8 +34,21 @@ log = logging.getLogger("meshwise")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+STOP_GRACE_S = 5.0  # how long ranks asked to stop get to exit before SIGKILL
+FAILURE_GRACE_S = 1.0  # after a rank fails, the others (stuck in collectives) get this long
+_PR_SET_PDEATHSIG = 1
+
+
 class RankFailed(RuntimeError):
     """A rank raised or died; the message holds its rank and traceback."""
+
+
+class Stopped(Exception):
+    """The launcher was asked to stop (SIGINT or SIGTERM); every rank is gone."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def under_torchrun() -> bool:
@@ -75,6 +96,21 @@ def run_rank(fn: Callable, args: tuple, device: str, timeout_s: float,
         ops.destroy_process_group()
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Ask for SIGKILL when the launcher dies; exit now if it already has (Linux only)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # died before the request took effect
+        os._exit(1)
+
+
+def _spawned_child(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple,
+                   device: str, timeout_s: float, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
+    _spawned_rank(local_rank, world_size, port, fn, args, device, timeout_s)
+
+
 def _spawned_rank(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple,
                   device: str, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
@@ -93,31 +129,80 @@ def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
         run_rank(fn, args, device, timeout_s, local)
         return
     if world_size == 1:  # in this process: no spawn cost
+        saved = {name: os.environ.get(name) for name in (*TORCHRUN_VARS, "LOCAL_WORLD_SIZE")}
         try:
             _spawned_rank(0, 1, free_port(), fn, args, device, timeout_s)
         except Exception:
-            raise RankFailed(f"rank 0 failed:\n{traceback.format_exc()}") from None
+            raise RankFailed(failure_message(0, traceback.format_exc())) from None
+        finally:  # this process is not a torchrun rank afterwards
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         return
     import torch.multiprocessing as mp
 
     context = mp.start_processes(
-        _spawned_rank, args=(world_size, free_port(), fn, args, device, timeout_s),
+        _spawned_child, args=(world_size, free_port(), fn, args, device, timeout_s, os.getpid()),
         nprocs=world_size, join=False, start_method="spawn")
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         # join() terminates the remaining ranks as soon as one fails.
-        while not context.join(timeout=0.5):
+        while not context.join(timeout=0.5, grace_period=FAILURE_GRACE_S):
             pass
     except mp.ProcessRaisedException as exc:
-        raise RankFailed(f"rank {exc.error_index} failed:\n{exc}") from None
+        raise RankFailed(failure_message(exc.error_index, str(exc))) from None
     except mp.ProcessExitedException as exc:
         raise RankFailed(f"rank {exc.error_index} exited with code {exc.exit_code} "
                          f"(signal {exc.signal_name})" if exc.signal_name else
                          f"rank {exc.error_index} exited with code {exc.exit_code}") from None
-    except KeyboardInterrupt:
-        for process in context.processes:
+    except (KeyboardInterrupt, Stopped) as exc:
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        stop_ranks(context.processes)
+        print(f"meshwise: {signal.Signals(signum).name}: all {world_size} ranks stopped",
+              file=sys.stderr)
+        raise Stopped(signum) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# Errors that end a job for a reason the user can act on: reported in one line,
+# without the traceback (which only matters for unexpected errors).
+EXPECTED_ERRORS = ("CollectiveTimeout", "NonFiniteError", "ConfigMismatch")
+
+
+def failure_message(rank: int, trace: str) -> str:
+    """``rank N: <message>`` for an expected stop, else the rank's whole traceback."""
+    last = trace.strip().splitlines()[-1] if trace.strip() else ""
+    kind, _, message = last.partition(": ")
+    if kind.rsplit(".", 1)[-1] in EXPECTED_ERRORS:
+        return f"rank {rank}: {message}"
+    return f"rank {rank} failed:\n{trace}"
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def stop_ranks(processes) -> None:
+    """SIGTERM every live rank, SIGKILL what is left after ``STOP_GRACE_S``, reap all.
+
+    Further Ctrl-C or SIGTERM are ignored meanwhile, so a second one cannot
+    leave ranks behind.
+    """
+    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for process in processes:
             if process.is_alive():
                 process.terminate()
-        for process in context.processes:
-            process.join(timeout=10)
-        print("meshwise: interrupted; all ranks stopped", file=sys.stderr)
-        raise
+        for process in processes:
+            process.join(timeout=STOP_GRACE_S)
+        for process in processes:
+            if process.is_alive():  # stopped (SIGSTOP) or ignoring SIGTERM
+                process.kill()
+        for process in processes:
+            process.join()
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)

@@ -46,14 +46,20 @@ class CommCounters:
         self.wait_s.clear()
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective or transfer waited past its group's timeout; names the group and operation."""
+
+
 class Group:
     """A process group, this rank's index in it, and the counters it feeds."""
 
-    def __init__(self, pg, ranks: list[int], name: str, counters: CommCounters):
+    def __init__(self, pg, ranks: list[int], name: str, counters: CommCounters,
+                 timeout_s: float | None = None):
         self.pg = pg
         self.ranks = list(ranks)
         self.name = name
         self.counters = counters
+        self.timeout_s = timeout_s  # None: torch.distributed's default
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank())
 
@@ -68,16 +74,34 @@ class Group:
         return f"Group({self.name}, rank {self.rank} of {self.ranks})"
 
 
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _timeout_error(exc: BaseException, what: str) -> CollectiveTimeout:
+    """One line naming the operation and group, for the launcher to print."""
+    detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    return CollectiveTimeout(f"{what} timed out: a rank of it did not arrive ({detail})")
+
+
+def _describe(group: "Group", op: str, peer: int | None = None) -> str:
+    who = f"peer rank {group.global_rank(peer)}" if peer is not None else f"ranks {group.ranks}"
+    limit = f" after {group.timeout_s:g}s" if group.timeout_s else ""
+    return f"{op} on group {group.name} ({who}){limit}"
+
+
 class Handle:
     """An in-flight async operation. ``wait()`` exactly once."""
 
     def __init__(self, works, counters: CommCounters | None, category: str,
-                 on_done=None, keep=None):
+                 on_done=None, keep=None, what: str = "a collective"):
         self._works = works if isinstance(works, list) else [works]
         self._keep = keep  # tensors that must outlive the transfer
         self._counters = counters
         self._category = category
         self._on_done = on_done
+        self._what = what  # operation and group, named when it times out
         self.done = False
 
     def wait(self) -> None:
@@ -85,7 +109,12 @@ class Handle:
         start = time.perf_counter()
         for work in self._works:
             if work is not None:
-                work.wait()
+                try:
+                    work.wait()
+                except RuntimeError as exc:
+                    if _is_timeout(exc):
+                        raise _timeout_error(exc, self._what) from None
+                    raise
         if self._counters is not None:
             self._counters.wait_s[self._category] += time.perf_counter() - start
         self.done = True
@@ -107,29 +136,30 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def world_group(counters: CommCounters | None = None) -> Group:
+def world_group(counters: CommCounters | None = None, timeout_s: float | None = None) -> Group:
+    """The whole world; ``timeout_s`` is the one it was initialised with, for messages."""
     return Group(dist.group.WORLD, list(range(dist.get_world_size())), "world",
-                 counters or CommCounters())
+                 counters or CommCounters(), timeout_s)
 
 
-def new_group(ranks: list[int], name: str, counters: CommCounters) -> Group | None:
+def new_group(ranks: list[int], name: str, counters: CommCounters,
+              timeout_s: float | None = None) -> Group | None:
     """Create a subgroup. Every rank must call this for every group, in order;
-    ranks outside ``ranks`` get ``None``."""
-    pg = dist.new_group(ranks=list(ranks))
+    ranks outside ``ranks`` get ``None``. ``timeout_s``: how long its operations
+    may wait (subgroups do not inherit the world's; ``None``: torch's default)."""
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    pg = dist.new_group(ranks=list(ranks), timeout=timeout)
     if dist.get_rank() not in ranks:
         return None
-    return Group(pg, ranks, name, counters)
+    return Group(pg, ranks, name, counters, timeout_s)
 
 
-def _finish(work, group: Group, category: str, async_op: bool, on_done=None, keep=None):
+def _finish(work, group: Group, category: str, async_op: bool, on_done=None, keep=None,
+            op: str = "collective", peer: int | None = None):
+    handle = Handle(work, group.counters, category, on_done, keep, _describe(group, op, peer))
     if async_op:
-        return Handle(work, group.counters, category, on_done, keep)
-    if work is not None:
-        start = time.perf_counter()
-        work.wait()
-        group.counters.wait_s[category] += time.perf_counter() - start
-    if on_done is not None:
-        on_done()
+        return handle
+    handle.wait()
     return None
 
 
@@ -153,7 +183,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum",
         return Handle([], None, category) if async_op else None
     group.counters.record(category, 2 * _ring_fraction(group) * _nbytes(tensor))
     work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=True)
-    return _finish(work, group, category, async_op)
+    return _finish(work, group, category, async_op, op="all_reduce")
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -165,7 +195,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
         return Handle([], None, category) if async_op else None
     group.counters.record(category, _ring_fraction(group) * _nbytes(input))
     work = _reduce_scatter_flat(output, input, group=group.pg, async_op=True)
-    return _finish(work, group, category, async_op, keep=input)
+    return _finish(work, group, category, async_op, keep=input, op="reduce_scatter")
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -177,7 +207,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
         return Handle([], None, category) if async_op else None
     group.counters.record(category, _ring_fraction(group) * _nbytes(output))
     work = _all_gather_flat(output, input, group=group.pg, async_op=True)
-    return _finish(work, group, category, async_op, keep=input)
+    return _finish(work, group, category, async_op, keep=input, op="all_gather")
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, category: str = "other") -> None:
@@ -186,7 +216,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, category: str = "oth
         return
     if group.rank == src:
         group.counters.record(category, _nbytes(tensor))
-    dist.broadcast(tensor, src=group.global_rank(src), group=group.pg)
+    work = dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=True)
+    _finish(work, group, category, False, op="broadcast")
 
 
 def all_gather_object(obj, group: Group, category: str = "other") -> list:
@@ -194,14 +225,19 @@ def all_gather_object(obj, group: Group, category: str = "other") -> list:
     if group.size == 1:
         return [obj]
     out = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.pg)
+    try:
+        dist.all_gather_object(out, obj, group=group.pg)
+    except RuntimeError as exc:
+        if _is_timeout(exc):
+            raise _timeout_error(exc, _describe(group, "all_gather_object")) from None
+        raise
     group.counters.calls[category] += 1
     return out
 
 
 def barrier(group: Group) -> None:
     if group.size > 1:
-        dist.barrier(group=group.pg)
+        _finish(dist.barrier(group=group.pg, async_op=True), group, "other", False, op="barrier")
 
 
 def send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0,
@@ -210,14 +246,14 @@ def send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0,
     group.counters.record(category, _nbytes(tensor))
     tensor = tensor.contiguous()
     work = dist.isend(tensor, dst=group.global_rank(dst), group=group.pg, tag=tag)
-    return _finish(work, group, category, async_op, keep=tensor)
+    return _finish(work, group, category, async_op, keep=tensor, op="send", peer=dst)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0,
          category: str = "p2p", async_op: bool = False):
     """Receive from group rank ``src`` into ``tensor`` with a tag."""
     work = dist.irecv(tensor, src=group.global_rank(src), group=group.pg, tag=tag)
-    return _finish(work, group, category, async_op)
+    return _finish(work, group, category, async_op, op="recv", peer=src)
 
 
 def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
@@ -240,11 +276,13 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
         ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(src),
                               group=group.pg, tag=tag))
     works = list(dist.batch_isend_irecv(ops)) if ops else []
+    peers = sorted({group.global_rank(peer) for _, peer, _ in sends + recvs})
+    what = f"point-to-point batch on group {group.name} (peers {peers})"
     if len(works) != len(ops):  # one coalesced work for the whole batch (NCCL)
-        Handle(works, group.counters, category).wait()
+        Handle(works, group.counters, category, what=what).wait()
         return None
-    Handle(works[len(sends):], group.counters, category).wait()
-    send_handle = Handle(works[:len(sends)], group.counters, category, keep=keep)
+    Handle(works[len(sends):], group.counters, category, what=what).wait()
+    send_handle = Handle(works[:len(sends)], group.counters, category, keep=keep, what=what)
     if wait_sends:
         send_handle.wait()
         return None

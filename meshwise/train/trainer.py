@@ -54,7 +54,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None):
         self.cfg = cfg
-        self.mesh = Mesh.build(cfg.parallel.dims)
+        self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s)
         self.device = torch.device(_rank_device(cfg.runtime.device))
         d, p = cfg.data, cfg.parallel
         self.data = TokenDataset(data_path, d.seq_len)
@@ -102,7 +102,10 @@ class Trainer:
                      self.global_tokens)
         val_loss = None
         for step in range(self.start_step + 1, self.cfg.optim.steps + 1):
-            record = self.train_step(step)
+            try:
+                record = self.train_step(step)
+            except ops.CollectiveTimeout as exc:
+                raise ops.CollectiveTimeout(f"step {step}: {exc}") from None
             if d.eval_every and step % d.eval_every == 0:
                 val_loss = record["val_loss"] = self.evaluate()
             if self.is_logging_rank:

@@ -32,3 +32,27 @@ def test_axis_groups_reduce_over_their_axis(dist_pools):
         assert res["gather"] == [0.0, 1.0, 2.0, 3.0]
         assert res["scatter"] == 4.0 * rank
         assert res["coords"] == tuple(dims.coords(rank)[a] for a in ("dp", "pp", "tp"))
+
+
+def _one_rank_stays_away(timeout_s: float):
+    import time
+
+    import torch
+
+    from meshwise.comm import ops
+
+    mesh = Mesh.build(ParallelDims(dp=2), timeout_s=timeout_s)
+    if mesh.rank == 1:
+        return None  # never joins the all-reduce below
+    start = time.monotonic()
+    try:
+        ops.all_reduce(torch.ones(4), mesh.dp, category="grad")
+    except ops.CollectiveTimeout as exc:
+        return str(exc), time.monotonic() - start
+    return "no timeout", time.monotonic() - start
+
+
+def test_subgroups_time_out_as_asked_and_say_where(dist_pools):
+    message, waited = dist_pools.run(2, _one_rank_stays_away, 2.0)[0]
+    assert waited < 15, waited  # gloo's default would be 30 minutes
+    assert "all_reduce on group dp (ranks [0, 1]) after 2s timed out" in message, message
