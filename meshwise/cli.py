@@ -34,6 +34,11 @@ TRAIN_FLAGS = [
     ("--n-layer", "model", "n_layer", int, "override the preset's number of layers"),
     ("--n-head", "model", "n_head", int, "override the preset's number of attention heads"),
     ("--d-model", "model", "d_model", int, "override the preset's hidden size"),
+    ("--block-size", "model", "block_size", int,
+     "override the preset's context length (learned positions)"),
+    ("--vocab-size", "model", "vocab_size", int,
+     "vocabulary of the model; needed for a .bin with token ids past 255 "
+     "(default: the data's, byte-level 256)"),
     ("--seq-len", "data", "seq_len", int, "tokens per sequence (default 128)"),
     ("--batch-size", "data", "batch_size", int,
      "global sequences per optimizer step, whatever the layout (default 16)"),
@@ -54,8 +59,12 @@ TRAIN_FLAGS = [
     ("--weight-decay", "optim", "weight_decay", float,
      "AdamW weight decay on matrices (default 0.1)"),
     ("--clip", "optim", "clip", float, "max global gradient norm; 0 turns clipping off (default 1.0)"),
+    ("--beta1", "optim", "beta1", float, "AdamW's first-moment decay (default 0.9)"),
+    ("--beta2", "optim", "beta2", float, "AdamW's second-moment decay (default 0.95)"),
     ("--on-nan", "optim", "on_nan", str,
      f"on a non-finite loss or gradient: {' or '.join(ON_NAN)} (default stop)"),
+    ("--max-skipped-steps", "optim", "max_skipped_steps", int,
+     "with --on-nan skip: stop after more than N skipped steps in a row (default 3)"),
     ("--bucket-mb", "comm", "bucket_mb", float, "gradient bucket size in MB (default 25)"),
     ("--timeout-s", "comm", "timeout_s", float,
      "seconds a collective may wait before the job fails (default 300)"),
@@ -142,27 +151,54 @@ def _demo_defaults(cfg: TrainConfig) -> bool:
 
 
 def _read_toml(path: str) -> dict:
+    """Flat or sectioned keys of a TOML file, each checked for its section and type."""
     import tomllib
 
-    by_flag = {flag.lstrip("-"): field for flag, _, field, _, _ in TRAIN_FLAGS}
-    fields = set(by_flag.values())
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--config {path}: not a readable TOML file ({exc})") from None
+    sections = sorted({section for _, section, _, _, _ in TRAIN_FLAGS})
     flat = {}
     for key, value in raw.items():
-        items = value.items() if isinstance(value, dict) else [(key, value)]
-        for name, item in items:
-            field = by_flag.get(name, name.replace("-", "_"))
-            if field not in fields:
-                raise ConfigError(f"--config {path}: unknown key {name!r}; valid keys are the "
-                                  f"flag names, e.g. batch-size, dp, lr")
-            flat[field] = item
+        if isinstance(value, dict):
+            if key not in sections:
+                raise ConfigError(f"--config {path}: unknown section [{key}]; valid: "
+                                  f"{', '.join(sections)}")
+            items = [(name, item, key) for name, item in value.items()]
+        else:
+            items = [(key, value, None)]
+        for name, item, section in items:
+            field, kind = _toml_key(path, name, section)
+            flat[field] = _typed(path, name, item, kind)
     return flat
+
+
+def _toml_key(path: str, name: str, section: str | None) -> tuple[str, type]:
+    by_name = {}
+    for flag, flag_section, field, kind, _ in TRAIN_FLAGS:
+        by_name[flag.lstrip("-")] = by_name[field] = (flag_section, field, kind)
+    if name not in by_name:
+        raise ConfigError(f"--config {path}: unknown key {name!r}; valid keys are the flag "
+                          "names, e.g. batch-size, dp, lr")
+    want, field, kind = by_name[name]
+    if section is not None and section != want:
+        raise ConfigError(f"--config {path}: {name!r} belongs under [{want}], not [{section}]")
+    return field, kind
+
+
+def _typed(path: str, name: str, value, kind: type):
+    """``value`` as ``kind``, refusing conversions that would change it (2.7 -> 2, true -> 1)."""
+    ok = {int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: isinstance(value, str)}[kind]
+    if not ok:
+        wanted = {int: "an integer", float: "a number", str: "a string"}[kind]
+        raise ConfigError(f"--config {path}: {name} = {value!r} is not {wanted}")
+    return kind(value)
 
 
 def _run_offline(args) -> int:

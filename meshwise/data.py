@@ -1,7 +1,12 @@
 """Byte-level corpora, uint16 token files and deterministic global batches.
 
 A token file is a flat little-endian uint16 array (``.bin``) with a JSON sidecar
-``<name>.json`` holding ``{"num_tokens", "vocab_size", "source", "format": 1}``.
+``<name>.bin.meshwise.json`` holding ``{"num_tokens", "vocab_size", "max_token",
+"source", "format", "written_by"}``. ``vocab_size`` is the tokenizer's when it is
+known (256 for byte-level corpora) and ``null`` for a ``.bin`` meshwise did not
+build; ``max_token`` is the largest id in the file when it was scanned. The
+sidecar's name is ours alone and its ``written_by`` marks it: a file of that
+name that meshwise did not write is never read or replaced.
 ``resolve_data`` turns what the user gave (nothing, a text file, a folder, a
 ``.bin``) into such a file, building and caching it once, atomically (temp file
 in the same folder, then ``os.replace``), so concurrent builders or a crash never
@@ -33,7 +38,8 @@ import torch
 
 logger = logging.getLogger("meshwise")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+WRITTEN_BY = "meshwise"
 TOKEN_DTYPE = np.dtype("<u2")
 BYTE_VOCAB_SIZE = 256
 ACCEPTED = "a text file, a folder of text files, or a .bin of uint16 tokens"
@@ -49,8 +55,9 @@ def default_cache_dir() -> Path:
 
 
 def sidecar_path(path: str | os.PathLike) -> Path:
-    """Path of the JSON sidecar of a token file: ``corpus.bin`` -> ``corpus.json``."""
-    return Path(path).with_suffix(".json")
+    """Our JSON sidecar of a token file: ``corpus.bin`` -> ``corpus.bin.meshwise.json``."""
+    path = Path(path)
+    return path.with_name(path.name + ".meshwise.json")
 
 
 def _atomic_write(dest: Path, chunks: Iterable[bytes], before_replace=None) -> None:
@@ -76,7 +83,20 @@ def _atomic_write(dest: Path, chunks: Iterable[bytes], before_replace=None) -> N
 
 def _write_meta(bin_path: Path, meta: dict) -> None:
     """Write the JSON sidecar of ``bin_path`` atomically."""
+    meta = {**meta, "format": FORMAT_VERSION, "written_by": WRITTEN_BY}
     _atomic_write(sidecar_path(bin_path), [json.dumps(meta, indent=1).encode()])
+
+
+def _ours(side: Path) -> dict | None:
+    """The sidecar's contents if meshwise wrote it; raise if the name is someone else's."""
+    try:
+        meta = json.loads(side.read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("written_by") != WRITTEN_BY:
+        raise ValueError(f"{side} exists but was not written by meshwise; it is left alone: "
+                         "move or rename it so meshwise can record the token file's metadata")
+    return meta
 
 
 @lru_cache(maxsize=16)
@@ -90,8 +110,8 @@ def _scan_bin(path: str, size: int, mtime_ns: int) -> dict:
     max_token = 0
     for start in range(0, len(tokens), _SCAN_CHUNK):
         max_token = max(max_token, int(tokens[start : start + _SCAN_CHUNK].max()))
-    return {"num_tokens": len(tokens), "vocab_size": max_token + 1, "source": path,
-            "format": FORMAT_VERSION}
+    return {"num_tokens": len(tokens), "vocab_size": None, "max_token": max_token,
+            "source": path}
 
 
 def read_meta(path: str | os.PathLike) -> dict:
@@ -109,15 +129,12 @@ def read_meta(path: str | os.PathLike) -> dict:
         raise ValueError(f"token file {str(path)!r} has {st.st_size} bytes, not a non-empty "
                          f"array of uint16 tokens; expected {ACCEPTED}")
     side = sidecar_path(path)
-    if side.is_file():
-        try:
-            meta = json.loads(side.read_text())
-            if (meta.get("num_tokens") == st.st_size // TOKEN_DTYPE.itemsize
-                    and meta.get("format") == FORMAT_VERSION):
-                return meta
-        except (OSError, ValueError):
-            pass
-        logger.warning("ignoring stale or unreadable sidecar %s", side)
+    if side.exists():
+        meta = _ours(side)
+        if (meta.get("num_tokens") == st.st_size // TOKEN_DTYPE.itemsize
+                and meta.get("format") == FORMAT_VERSION):
+            return meta
+        logger.warning("rebuilding the stale sidecar %s", side)
     meta = dict(_scan_bin(str(path.resolve()), st.st_size, st.st_mtime_ns))
     if os.access(path.parent, os.W_OK):
         try:
@@ -180,7 +197,7 @@ def _build_bytes_corpus(dest: Path, contents: Iterable[bytes | None], source: st
         stats["num_tokens"] = tmp.stat().st_size // TOKEN_DTYPE.itemsize
         # The sidecar goes first: a .bin present in the cache always has one.
         _write_meta(dest, {"num_tokens": stats["num_tokens"], "vocab_size": BYTE_VOCAB_SIZE,
-                           "source": source, "format": FORMAT_VERSION})
+                           "max_token": None, "source": source})
 
     _atomic_write(dest, _as_tokens(contents, stats), before_replace=finish)
     logger.info("built corpus %s: %d tokens from %d files (%d binary skipped) in %.1f s",
@@ -236,15 +253,49 @@ def resolve_data(path: str | os.PathLike | None,
     a missing path or an empty corpus.
     """
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    if path is None:
-        return _stdlib_corpus(cache)
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ValueError(f"data path {str(path)!r} does not exist; expected {ACCEPTED}")
-    if path.is_file() and path.suffix == ".bin":
-        read_meta(path)  # validates, and writes the sidecar once if missing
-        return path
-    return _text_corpus(path, cache)
+    if path is not None:
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise ValueError(f"data path {str(path)!r} does not exist; expected {ACCEPTED}")
+        if path.is_file() and path.suffix == ".bin":
+            read_meta(path)  # validates, and writes the sidecar once if missing
+            return path
+    try:
+        return _stdlib_corpus(cache) if path is None else _text_corpus(path, cache)
+    except OSError as exc:
+        origin = ("--cache-dir" if cache_dir is not None else
+                  "MESHWISE_CACHE" if os.environ.get("MESHWISE_CACHE") else "the default")
+        raise ValueError(f"cannot build the corpus in the cache directory {cache} (from "
+                         f"{origin}): {exc.strerror or exc}; point MESHWISE_CACHE or "
+                         "--cache-dir at a writable folder") from None
+
+
+def resolve_vocab_size(meta: dict, requested: int = 0) -> int:
+    """The vocabulary a model of this data needs, checked against the tokens.
+
+    ``requested`` (``--vocab-size``, 0 for none) wins when given; it must hold
+    every token id. Without it: the tokenizer's vocabulary from the sidecar, or
+    for a ``.bin`` of unknown origin its largest id + 1 while that stays within
+    the byte default; past it the vocabulary must be stated, so a stray large id
+    cannot silently grow the model.
+    """
+    stated, max_token = meta.get("vocab_size"), meta.get("max_token")
+    source = meta.get("source", "the data")
+    if requested:
+        if max_token is not None and max_token >= requested:
+            raise ValueError(f"{source} holds token id {max_token}, outside --vocab-size "
+                             f"{requested}; valid: --vocab-size {max_token + 1} or more")
+        if stated and requested < stated:
+            raise ValueError(f"--vocab-size {requested} is smaller than the vocabulary of "
+                             f"{stated} the data was tokenized with")
+        return requested
+    if stated:
+        return stated
+    if max_token < BYTE_VOCAB_SIZE:
+        return max_token + 1
+    raise ValueError(f"{source} holds token ids up to {max_token}, beyond the byte-level "
+                     f"{BYTE_VOCAB_SIZE}; say the vocabulary with --vocab-size "
+                     f"(at least {max_token + 1})")
 
 
 def rank_slice(batch: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
@@ -267,7 +318,8 @@ class TokenDataset:
     instead of copying it.
     """
 
-    def __init__(self, path: str | os.PathLike, seq_len: int, val_fraction: float = 0.01):
+    def __init__(self, path: str | os.PathLike, seq_len: int, val_fraction: float = 0.01,
+                 vocab_size: int = 0):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if not 0.0 <= val_fraction < 1.0:
@@ -276,7 +328,7 @@ class TokenDataset:
         self.seq_len = seq_len
         self.val_fraction = val_fraction
         meta = read_meta(self.path)
-        self.vocab_size: int = meta["vocab_size"]
+        self.vocab_size: int = resolve_vocab_size(meta, vocab_size)
         self._tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
         window = seq_len + 1
         num_tokens = len(self._tokens)
@@ -285,12 +337,12 @@ class TokenDataset:
             num_val = max(int(num_tokens * val_fraction), VAL_MIN_SEQUENCES * window)
         self.num_train_tokens = num_tokens - num_val
         self.num_val_tokens = num_val
-        for split, count in (("train", self.num_train_tokens), ("val", num_val)):
-            if (count or split == "train") and count < window:
-                raise ValueError(
-                    f"{split} split of {str(self.path)!r} has {max(count, 0)} tokens "
-                    f"(of {num_tokens}, val_fraction={val_fraction}), fewer than "
-                    f"seq_len + 1 = {window}")
+        if self.num_train_tokens < window:
+            need = window + (VAL_MIN_SEQUENCES * window if val_fraction > 0 else 0)
+            raise ValueError(
+                f"the corpus {meta.get('source') or str(self.path)!r} has {num_tokens} tokens; "
+                f"--seq-len {seq_len} needs at least {need} ({VAL_MIN_SEQUENCES} held-out "
+                f"windows and one training window of seq_len + 1 tokens)")
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -169,7 +169,7 @@ def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
 
 # Errors that end a job for a reason the user can act on: reported in one line,
 # without the traceback (which only matters for unexpected errors).
-EXPECTED_ERRORS = ("CollectiveTimeout", "NonFiniteError", "ConfigMismatch")
+EXPECTED_ERRORS = ("CollectiveTimeout", "NonFiniteError", "ConfigMismatch", "MetricsWriteError")
 
 
 def failure_message(rank: int, trace: str) -> str:

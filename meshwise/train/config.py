@@ -8,6 +8,7 @@ and what would be valid; the CLI turns that into exit status 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from meshwise.mesh import ParallelDims
@@ -54,7 +55,7 @@ class ModelConfig:
     n_head: int = 0
     d_model: int = 0
     block_size: int = 0
-    vocab_size: int = 256
+    vocab_size: int = 0  # 0: from the data (its tokenizer's, or byte-level)
 
     def resolved(self) -> "ModelConfig":
         """A copy with every size filled in from the preset."""
@@ -74,6 +75,7 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     on_nan: str = "stop"
+    max_skipped_steps: int = 3  # with on_nan "skip": stop after more in a row
 
 
 @dataclass
@@ -134,8 +136,11 @@ class TrainConfig:
                       eval_every=d.eval_every, sample_tokens=d.sample_tokens, clip=o.clip,
                       weight_decay=o.weight_decay, n_layer=m.n_layer, n_head=m.n_head,
                       d_model=m.d_model, block_size=m.block_size)
-        if not o.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {o.lr}")
+        _positive(lr=o.lr)
+        _non_negative(seed=d.seed, vocab_size=m.vocab_size, max_skipped_steps=o.max_skipped_steps)
+        for flag, beta in (("--beta1", o.beta1), ("--beta2", o.beta2)):
+            if not 0 <= beta < 1:
+                raise ValueError(f"{flag} must be in [0, 1), got {beta}")
         _choice("--model", m.preset, MODEL_PRESETS)
         _choice("--schedule", p.schedule, SCHEDULES)
         _choice("--zero", p.zero, ZERO_STAGES)
@@ -227,14 +232,16 @@ def composition_table() -> str:
 
 def _positive(**values) -> None:
     for name, value in values.items():
-        if not value > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if not (math.isfinite(value) and value > 0):  # NaN compares False: caught here
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, "
+                             f"got {value}")
 
 
 def _non_negative(**values) -> None:
     for name, value in values.items():
-        if value < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, "
+                             f"got {value}")
 
 
 def _choice(flag: str, value, valid) -> None:

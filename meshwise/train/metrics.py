@@ -1,7 +1,7 @@
 """Per-step metrics: JSON lines, a live progress line, and the final summary.
 
 Only the logging rank (global rank 0) writes; every value it writes was reduced
-over the ranks first (see ``Trainer._reduce_metrics``).
+over the ranks first (``Trainer.train_step`` reduces them).
 """
 
 from __future__ import annotations
@@ -28,6 +28,19 @@ def _format_duration(seconds: float) -> str:
         return "?"
     minutes, secs = divmod(int(seconds), 60)
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class MetricsWriteError(RuntimeError):
+    """The metrics file could not be written (a full disk, a vanished folder)."""
+
+
+def strict_json(record: dict) -> dict:
+    """``record`` with non-finite floats as ``null``, listed under ``non_finite``,
+    so strict JSON parsers read every line (plain ``json.dumps`` writes ``NaN``)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, "non_finite": bad}
 
 
 def _lines_up_to(path: Path, step: int) -> str:
@@ -65,7 +78,11 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         self.history.append(record)
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            try:
+                self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            except OSError as exc:
+                raise MetricsWriteError(f"cannot write --metrics {self.path}: "
+                                        f"{exc.strerror or exc}") from None
         self._show(record)
 
     def _show(self, record: dict) -> None:

@@ -32,8 +32,10 @@ def prepare(cfg: TrainConfig) -> Path:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but no CUDA device is available; valid: cpu, auto")
+    if cfg.runtime.metrics:
+        check_writable_file(cfg.runtime.metrics, "--metrics")
     path = resolve_data(cfg.data.path, cfg.data.cache_dir)
-    dataset = TokenDataset(path, cfg.data.seq_len)  # raises if the corpus is too short
+    dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size)  # checks
     c = cfg.checkpoint
     if c.save:
         resume.check_save_dir(c.save)
@@ -42,6 +44,16 @@ def prepare(cfg: TrainConfig) -> Path:
     if start is not None:
         resume.open_verified(start, model_shape(cfg, dataset.vocab_size))
     return path
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """Create ``path``'s folder and the file itself now, or say why it cannot be."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
 
 
 def train(cfg: TrainConfig, data_path: Path) -> None:

@@ -57,7 +57,7 @@ class Trainer:
         self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s)
         self.device = torch.device(_rank_device(cfg.runtime.device))
         d, p = cfg.data, cfg.parallel
-        self.data = TokenDataset(data_path, d.seq_len)
+        self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size)
         m = cfg.model.resolved()
         self.model_cfg = GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
                                    block_size=m.block_size, vocab_size=self.data.vocab_size)
@@ -92,6 +92,7 @@ class Trainer:
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
                                   o.steps, cfg.runtime.log_every, resume_step=self.start_step)
         self._fail_at = _injected_failure()
+        self.skipped_in_a_row = 0
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
@@ -112,6 +113,8 @@ class Trainer:
                 self.metrics.write(record)
             if self.checkpointer.due(step):
                 self.checkpointer.save(step)
+        if not self.params_finite():  # never end "successfully" with a broken model
+            raise NonFiniteError("the weights are non-finite at the end of training")
         if not (d.eval_every and self.cfg.optim.steps % d.eval_every == 0):
             val_loss = self.evaluate()  # the last step was not evaluated yet
         sample = self.sample(d.sample_tokens) if d.sample_tokens else None
@@ -126,11 +129,14 @@ class Trainer:
         counters = self.mesh.world.counters
         grad_bytes_before = counters.bytes_sent["grad"]
         lr = lr_at(step, self.cfg.optim.lr, self.cfg.optim.warmup_steps, self.cfg.optim.steps)
-        if self._fail_at == (self.mesh.rank, step):
+        inject = self._fail_at and self._fail_at[:2] == (self.mesh.rank, step)
+        if inject and self._fail_at[2] == "raise":
             raise RuntimeError(f"injected failure on rank {self.mesh.rank} at step {step}")
 
         self.engine.zero_grad()
         loss_part = self._forward_backward(self._micro_batches(step, "train"))
+        if inject:  # "nan": this rank's loss of the step is not a number
+            loss_part = float("nan")
         self.grad_sync.finish()
 
         grad_norm = self.grad_sync.grad_norm()
@@ -142,6 +148,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self._handle_non_finite(step, loss, grad_norm)
         else:
+            self.skipped_in_a_row = 0
             self.engine.step(lr, grad_scale)
         step_time_s = time.perf_counter() - start
         gathered = getattr(self.engine, "peak_gathered_bytes", 0)  # ZeRO-3 only
@@ -201,11 +208,26 @@ class Trainer:
         return t.tolist()
 
     def _handle_non_finite(self, step: int, loss: float, grad_norm: float) -> None:
+        """Stop, or skip the step; skipping stops too once it cannot help."""
         message = f"non-finite values at step {step}: loss {loss}, grad_norm {grad_norm}"
-        if self.cfg.optim.on_nan == "stop":
+        o = self.cfg.optim
+        if o.on_nan == "stop":
             raise NonFiniteError(message + " (stopping; --on-nan skip skips such steps)")
+        self.skipped_in_a_row += 1
+        if not self.params_finite():
+            raise NonFiniteError(message + "; the weights themselves are non-finite (an "
+                                 "earlier update diverged), so skipping cannot recover")
+        if self.skipped_in_a_row > o.max_skipped_steps:
+            raise NonFiniteError(f"{message}; {self.skipped_in_a_row} steps in a row skipped "
+                                 f"(--max-skipped-steps {o.max_skipped_steps})")
         if self.is_logging_rank:
             log.warning("%s; step skipped (--on-nan skip)", message)
+
+    def params_finite(self) -> bool:
+        """Whether every parameter on every rank is finite (a collective)."""
+        ok = all(bool(torch.isfinite(run.tensors["param"][0]).all())
+                 for run in self.engine.checkpoint_runs())
+        return self._reduce([1.0 if ok else 0.0], op="min")[0] == 1.0
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -266,10 +288,10 @@ def _rank_device(device: str) -> str:
 
 
 def _injected_failure():
-    """``MESHWISE_FAIL_AT=RANK:STEP`` makes that rank raise at that step (for testing
-    that a failing rank ends the whole job)."""
+    """``MESHWISE_FAIL_AT=RANK:STEP[:nan]`` makes that rank raise at that step, or with
+    ``:nan`` report a non-finite loss (for testing how failures end a job)."""
     spec = os.environ.get("MESHWISE_FAIL_AT")
     if not spec:
         return None
-    rank, step = spec.split(":")
-    return int(rank), int(step)
+    rank, step, *kind = spec.split(":")
+    return int(rank), int(step), kind[0] if kind else "raise"

@@ -1,6 +1,9 @@
 """``meshwise train`` as a user runs it: a subprocess on a tiny model."""
 
+import json
 import time
+
+import numpy as np
 
 import pytest
 
@@ -44,8 +47,14 @@ def test_data_parallel_layouts_give_the_same_losses(tmp_path, corpus):
     (["--model", "huge"], "--model 'huge' is not valid; valid: tiny, small, medium"),
     (["--data", "/no/such/path"], "/no/such/path"),
     (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's context"),
-    (["--steps", "0"], "--steps must be > 0, got 0"),
+    (["--steps", "0"], "--steps must be a finite number > 0, got 0"),
     (["--zero", "5"], "--zero 5 is not valid; valid: 0, 1, 2, 3"),
+    (["--seed", "-1"], "--seed must be a finite number >= 0, got -1"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+    (["--clip", "nan"], "--clip must be a finite number >= 0, got nan"),
+    (["--beta2", "1"], "--beta2 must be in [0, 1), got 1.0"),
+    (["--metrics", "/proc/no/such/m.jsonl"], "--metrics /proc/no/such/m.jsonl: cannot write"),
 ])
 def test_bad_config_exits_2_with_one_line(tmp_path, corpus, flags, message):
     args = ["train", *SMALL, "--data", corpus, *flags]
@@ -53,6 +62,45 @@ def test_bad_config_exits_2_with_one_line(tmp_path, corpus, flags, message):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("dp = 2.7", "dp = 2.7 is not an integer"),
+    ("steps = true", "steps = True is not an integer"),
+    ('lr = "1e-3"', "lr = '1e-3' is not a number"),
+    ("[trainer]\nsteps = 3", "unknown section [trainer]"),
+    ("[optim]\nbatch-size = 4", "'batch-size' belongs under [data], not [optim]"),
+    ("stepz = 3", "unknown key 'stepz'"),
+])
+def test_bad_toml_exits_2_naming_file_and_key(tmp_path, corpus, toml, message):
+    config = tmp_path / "run.toml"
+    config.write_text(toml + "\n")
+    result = run_cli("train", *SMALL, "--data", corpus, "--config", config, cwd=tmp_path,
+                     timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"--config {config}: {message}" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_unusable_cache_and_data_exit_2(tmp_path, corpus):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    result = run_cli("train", *SMALL, "--data", corpus, cwd=tmp_path, timeout=60,
+                     env_extra={"MESHWISE_CACHE": str(blocker)})
+    assert result.returncode == 2, result.stderr
+    assert f"cache directory {blocker} (from MESHWISE_CACHE)" in result.stderr
+    big = tmp_path / "big.bin"
+    np.array([1, 2, 60000] * 400, dtype="<u2").tofile(big)
+    result = run_cli("train", *SMALL, "--data", big, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "--vocab-size (at least 60001)" in result.stderr
+    result = run_cli("train", *SMALL, "--data", big, "--vocab-size", "1000", cwd=tmp_path,
+                     timeout=60)
+    assert result.returncode == 2 and "token id 60000, outside --vocab-size 1000" in result.stderr
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("too short")
+    result = run_cli("train", *SMALL, "--data", tiny, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert f"the corpus '{tiny}' has 9 tokens; --seq-len 32 needs at least 165" in result.stderr
 
 
 def test_torchrun_world_size_mismatch_exits_2(tmp_path, corpus):
@@ -81,7 +129,24 @@ def test_non_finite_loss_stops_the_run_with_the_step(tmp_path, corpus):
     result = run_cli("train", *SMALL, "--data", corpus, *blow_up, cwd=tmp_path, timeout=60)
     assert result.returncode == 1
     assert "non-finite values at step 2" in result.stderr
+    assert "Traceback" not in result.stderr  # an expected stop: one line
+    # Skipping cannot rescue a diverged model: it stops, never exits 0.
     skipped = run_cli("train", *SMALL, "--data", corpus, *blow_up, "--on-nan", "skip",
                       cwd=tmp_path, timeout=60)
-    assert skipped.returncode == 0, skipped.stderr
-    assert "non-finite values at step 2" in skipped.stderr and "step skipped" in skipped.stderr
+    assert skipped.returncode == 1, skipped.stderr
+    assert ("the weights themselves are non-finite" in skipped.stderr
+            or "4 steps in a row skipped (--max-skipped-steps 3)" in skipped.stderr)
+
+
+def test_skip_gets_past_one_bad_step_and_writes_strict_json(tmp_path, corpus):
+    metrics = tmp_path / "m.jsonl"
+    result = run_cli("train", *SMALL, "--data", corpus, "--dp", "2", "--steps", "4",
+                     "--on-nan", "skip", "--metrics", metrics, cwd=tmp_path, timeout=120,
+                     env_extra={"MESHWISE_FAIL_AT": "0:2:nan"})
+    assert result.returncode == 0, result.stderr
+    assert "non-finite values at step 2" in result.stderr and "step skipped" in result.stderr
+    lines = metrics.read_text().splitlines()
+    assert "NaN" not in metrics.read_text()
+    records = [json.loads(line) for line in lines]
+    assert records[1]["loss"] is None and records[1]["non_finite"] == ["loss"]
+    assert all(isinstance(r["loss"], float) for r in records[2:])

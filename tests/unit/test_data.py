@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from meshwise.data import (ACCEPTED, TokenDataset, rank_slice, read_meta, resolve_data,
-                           sidecar_path)
+                           resolve_vocab_size, sidecar_path)
 
 
 def _tokens(path):
@@ -36,7 +36,7 @@ def test_text_file_is_byte_tokens_with_sidecar(tmp_path):
     assert _tokens(out).tolist() == list("hé\nllo".encode())
     meta = json.loads(sidecar_path(out).read_text())
     assert meta == read_meta(out)
-    assert meta["num_tokens"] == 7 and meta["vocab_size"] == 256 and meta["format"] == 1
+    assert meta["num_tokens"] == 7 and meta["vocab_size"] == 256 and meta["format"] == 2
     assert meta["source"] == str(text.resolve())
     assert _no_temp_files(cache)
 
@@ -98,21 +98,50 @@ def test_missing_path_message(tmp_path):
 def test_bin_without_sidecar_gets_one(tmp_path):
     path = _write_bin(tmp_path / "toks.bin", [3, 700, 5, 699])
     assert resolve_data(path, cache_dir=tmp_path / "c") == path
-    meta = json.loads((tmp_path / "toks.json").read_text())
-    assert meta["num_tokens"] == 4 and meta["vocab_size"] == 701 and meta["format"] == 1
+    meta = json.loads((tmp_path / "toks.bin.meshwise.json").read_text())
+    assert meta["num_tokens"] == 4 and meta["max_token"] == 700 and meta["vocab_size"] is None
+    assert meta["written_by"] == "meshwise"
 
 
-def test_bin_with_sidecar_is_trusted(tmp_path):
+def test_our_sidecar_is_trusted(tmp_path):
     path = _write_bin(tmp_path / "toks.bin", [1, 2, 3])
-    meta = {"num_tokens": 3, "vocab_size": 50257, "source": "x", "format": 1}
-    (tmp_path / "toks.json").write_text(json.dumps(meta))
+    meta = {"num_tokens": 3, "vocab_size": 50257, "max_token": None, "source": "x",
+            "format": 2, "written_by": "meshwise"}
+    sidecar_path(path).write_text(json.dumps(meta))
     assert read_meta(resolve_data(path)) == meta
+
+
+def test_a_users_files_are_never_read_as_sidecars_or_replaced(tmp_path):
+    path = _write_bin(tmp_path / "corpus.bin", [1, 2, 3])
+    users = tmp_path / "corpus.json"
+    users.write_text('{"my": "notes"}')
+    assert read_meta(path)["max_token"] == 3
+    assert users.read_text() == '{"my": "notes"}'
+    sidecar_path(path).unlink()
+    sidecar_path(path).write_text('{"also": "mine"}')
+    with pytest.raises(ValueError, match="was not written by meshwise; it is left alone"):
+        read_meta(path)
+    assert sidecar_path(path).read_text() == '{"also": "mine"}'
+
+
+def test_vocabulary_is_explicit_past_the_byte_default():
+    bytes_meta = {"vocab_size": 256, "max_token": None, "source": "c"}
+    assert resolve_vocab_size(bytes_meta) == 256
+    assert resolve_vocab_size({"vocab_size": None, "max_token": 200, "source": "b"}) == 201
+    big = {"vocab_size": None, "max_token": 60000, "source": "b.bin"}
+    with pytest.raises(ValueError, match="up to 60000.*--vocab-size \\(at least 60001\\)"):
+        resolve_vocab_size(big)
+    assert resolve_vocab_size(big, 65536) == 65536
+    with pytest.raises(ValueError, match="holds token id 60000, outside --vocab-size 50000"):
+        resolve_vocab_size(big, 50000)
+    with pytest.raises(ValueError, match="smaller than the vocabulary of 256"):
+        resolve_vocab_size(bytes_meta, 100)
 
 
 def test_bin_in_read_only_folder_keeps_meta_in_memory(tmp_path, monkeypatch):
     path = _write_bin(tmp_path / "toks.bin", [9, 1])
     monkeypatch.setattr("meshwise.data.os.access", lambda *args: False)
-    assert read_meta(path)["vocab_size"] == 10
+    assert read_meta(path)["max_token"] == 9
     assert read_meta(path)["num_tokens"] == 2
     assert not sidecar_path(path).exists()
 
@@ -126,7 +155,7 @@ def test_bad_bin_raises(tmp_path):
 @pytest.fixture
 def dataset(tmp_path):
     path = _write_bin(tmp_path / "ramp.bin", np.arange(5000) % 1000)
-    return TokenDataset(path, seq_len=16, val_fraction=0.1)
+    return TokenDataset(path, seq_len=16, val_fraction=0.1, vocab_size=1000)
 
 
 def test_batch_shape_and_windows(dataset):
@@ -141,7 +170,7 @@ def test_batch_shape_and_windows(dataset):
 def test_batches_deterministic_per_seed_and_step(dataset, tmp_path):
     a = dataset.global_batch(3, 8, seed=7)
     assert torch.equal(a, dataset.global_batch(3, 8, seed=7))
-    other = TokenDataset(dataset.path, seq_len=16, val_fraction=0.1)  # "another process"
+    other = TokenDataset(dataset.path, seq_len=16, val_fraction=0.1, vocab_size=1000)
     assert torch.equal(a, other.global_batch(3, 8, seed=7))
     assert torch.equal(a, pickle.loads(pickle.dumps(dataset)).global_batch(3, 8, seed=7))
     assert not torch.equal(a, dataset.global_batch(4, 8, seed=7))
@@ -166,7 +195,7 @@ def test_val_split_has_minimum_size(tmp_path):
 
 def test_short_corpus_raises_with_numbers(tmp_path):
     path = _write_bin(tmp_path / "t.bin", np.zeros(100))
-    with pytest.raises(ValueError, match=r"train split .* fewer than seq_len \+ 1 = 65"):
+    with pytest.raises(ValueError, match=r"has 100 tokens; --seq-len 64 needs at least 325"):
         TokenDataset(path, seq_len=64)
     with pytest.raises(ValueError, match="100 tokens"):
         TokenDataset(path, seq_len=128, val_fraction=0.0)
