@@ -4,7 +4,6 @@ import json
 import time
 
 import numpy as np
-
 import pytest
 
 from tests.e2e.conftest import SMALL, read_metrics, run_cli
