@@ -126,7 +126,11 @@ def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
     """
     if under_torchrun():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        run_rank(fn, args, device, timeout_s, local)
+        try:
+            run_rank(fn, args, device, timeout_s, local)
+        except Exception:
+            raise RankFailed(failure_message(int(os.environ["RANK"]),
+                                             traceback.format_exc())) from None
         return
     if world_size == 1:  # in this process: no spawn cost
         saved = {name: os.environ.get(name) for name in (*TORCHRUN_VARS, "LOCAL_WORLD_SIZE")}

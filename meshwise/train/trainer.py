@@ -34,6 +34,7 @@ from meshwise.optim import AdamWConfig, lr_at
 from meshwise.train.config import TrainConfig
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.checkpointing import RunCheckpointer
+from meshwise.train.fingerprint import check_same_job
 from meshwise.train.run import model_shape
 from meshwise.train.metrics import MetricsLog, peak_rss_bytes
 from meshwise.zero.optimizer import ZeroOptimizer
@@ -54,6 +55,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None):
         self.cfg = cfg
+        check_same_job(cfg, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s))
         self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s)
         self.device = torch.device(_rank_device(cfg.runtime.device))
         d, p = cfg.data, cfg.parallel

@@ -1,6 +1,9 @@
 """``meshwise train`` as a user runs it: a subprocess on a tiny model."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -149,3 +152,24 @@ def test_skip_gets_past_one_bad_step_and_writes_strict_json(tmp_path, corpus):
     records = [json.loads(line) for line in lines]
     assert records[1]["loss"] is None and records[1]["non_finite"] == ["loss"]
     assert all(isinstance(r["loss"], float) for r in records[2:])
+
+
+def test_ranks_started_with_different_flags_stop_at_once(tmp_path, corpus):
+    """Two torchrun-style ranks, one given another --lr: both stop, naming the key."""
+    from meshwise.launch import free_port
+
+    env = dict(os.environ, MESHWISE_CACHE=str(tmp_path / "cache"), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+               LOCAL_RANK="0")
+    base = [sys.executable, "-m", "meshwise", "train", *map(str, SMALL), "--data", str(corpus),
+            "--dp", "2", "--steps", "50", "--timeout-s", "60"]
+    procs = [subprocess.Popen(base + ["--lr", lr], cwd=tmp_path, env=dict(env, RANK=str(r)),
+                              stderr=subprocess.PIPE, text=True)
+             for r, lr in enumerate(["3e-3", "1e-3"])]
+    start = time.monotonic()
+    errs = [p.communicate(timeout=90)[1] for p in procs]
+    assert time.monotonic() - start < 60
+    for p, err in zip(procs, errs):
+        assert p.returncode == 1, err
+        assert "rank 1 was started with optim.lr = 0.001 but rank 0 with 0.003" in err, err
+        assert "Traceback" not in err

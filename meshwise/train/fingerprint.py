@@ -1,0 +1,74 @@
+"""Every rank must run the same job: compare what each was started with.
+
+Under ``torchrun`` each node parses its own command line, so two nodes can be
+given different flags (or data, or code). Before anything else, every rank
+sends a fingerprint of its configuration, its token file and meshwise's source
+to the others; a difference stops the job at once, naming the first key that
+differs. Paths are left out (nodes may mount the same files elsewhere); the
+files' contents stand for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+
+from meshwise.comm import ops
+
+# Fields that may differ between nodes: where things are, how much is printed.
+PER_NODE = {"data.path", "data.cache_dir", "runtime.metrics", "runtime.quiet",
+            "runtime.log_every", "checkpoint.save", "checkpoint.resume"}
+_SAMPLE_BYTES = 1 << 20
+
+
+class ConfigMismatch(RuntimeError):
+    """Ranks were started with different configurations, data or code."""
+
+
+def fingerprint(cfg, data_path: str | Path) -> dict:
+    """Flat ``section.field -> value`` of ``cfg`` plus digests of the data and the code."""
+    flat = {}
+    for section in dataclasses.fields(cfg):
+        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
+            name = f"{section.name}.{key}"
+            if name not in PER_NODE:
+                flat[name] = value
+    flat["data file"] = _file_digest(str(data_path))
+    flat["meshwise code"] = _code_digest()
+    return flat
+
+
+def check_same_job(cfg, data_path, world: ops.Group) -> None:
+    """Raise ``ConfigMismatch`` on every rank if any rank's fingerprint differs from rank 0's."""
+    everyone = ops.all_gather_object(fingerprint(cfg, data_path), world, category="check")
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for key, value in reference.items():
+            if theirs.get(key) != value:
+                raise ConfigMismatch(f"rank {rank} was started with {key} = {theirs.get(key)!r}"
+                                     f" but rank 0 with {value!r}; every rank must run the "
+                                     "same job")
+
+
+def _file_digest(path: str) -> str:
+    """Size and the first and last MiB: cheap, and different for any other corpus."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        digest.update(str(size).encode())
+        for offset in (0, max(0, size - _SAMPLE_BYTES)):
+            f.seek(offset)
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def _code_digest() -> str:
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
