@@ -173,3 +173,11 @@ def test_ranks_started_with_different_flags_stop_at_once(tmp_path, corpus):
         assert p.returncode == 1, err
         assert "rank 1 was started with optim.lr = 0.001 but rank 0 with 0.003" in err, err
         assert "Traceback" not in err
+
+
+def test_a_full_disk_for_metrics_ends_with_one_line(tmp_path, corpus):
+    result = run_cli("train", *SMALL, "--data", corpus, "--steps", "3", "--metrics", "/dev/full",
+                     cwd=tmp_path, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "cannot write --metrics /dev/full: No space left on device" in result.stderr
+    assert "Traceback" not in result.stderr
