@@ -207,11 +207,24 @@ def _build_bytes_corpus(dest: Path, contents: Iterable[bytes | None], source: st
 
 
 def _cached(dest: Path, build) -> Path:
-    """``dest`` if it is already built (with its sidecar), else ``build()``."""
+    """``dest`` if it is already built (with its sidecar), else ``build()``.
+
+    Builders of the same file take turns on a lock file beside it, so processes
+    started together (every rank of a torchrun node) tokenize once: the first
+    builds, the others find its result.
+    """
     if dest.is_file() and sidecar_path(dest).is_file():
         logger.info("using cached corpus %s", dest)
         return dest
-    return build()
+    import fcntl
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.with_name(f".{dest.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if dest.is_file() and sidecar_path(dest).is_file():
+            logger.info("using corpus %s, built by another process", dest)
+            return dest
+        return build()
 
 
 def _stdlib_corpus(cache_dir: Path) -> Path:

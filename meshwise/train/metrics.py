@@ -60,8 +60,9 @@ class MetricsLog:
     """
 
     def __init__(self, path: str | None, total_steps: int, log_every: int, stream=None,
-                 resume_step: int = 0):
+                 resume_step: int = 0, quiet: bool = False):
         self.path = Path(path) if path else None
+        self.quiet = quiet  # no progress lines, only the summary
         self.total_steps = total_steps
         self.log_every = log_every
         self.stream = stream or sys.stdout
@@ -95,8 +96,11 @@ class MetricsLog:
                 f"{record['tokens_per_s']:,.0f} tok/s  ETA {_format_duration(eta)}")
         if "val_loss" in record:
             line += f"  val_loss {record['val_loss']:.4f}"
+        if self.quiet:
+            return
         if self.interactive:
-            end = "\n" if step == self.total_steps else ""
+            # An evaluation's line stays; plain progress is rewritten in place.
+            end = "\n" if step == self.total_steps or "val_loss" in record else ""
             self.stream.write("\r\033[K" + line + end)
             self.stream.flush()
         elif step % self.log_every == 0 or step == self.total_steps or step == 1:

@@ -7,6 +7,8 @@ what only the data or the environment can tell. ``train`` starts the ranks.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -16,6 +18,38 @@ from meshwise.data import TokenDataset, resolve_data
 from meshwise.train.config import TrainConfig
 
 log = logging.getLogger("meshwise")
+
+
+def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
+    """``--dp`` when not given: the world / (tp x pp) under torchrun, 2 for the CPU demo."""
+    p = cfg.parallel
+    if "dp" in origins:
+        return
+    if launch.under_torchrun():
+        world, per_replica = launch.torchrun_world_size(), p.tp * p.pp
+        if world % per_replica == 0 and world // per_replica != p.dp:
+            p.dp = world // per_replica
+            origins["dp"] = "torchrun"
+            log.info("--dp %d: torchrun started %d processes for tp %d x pp %d", p.dp, world,
+                     p.tp, p.pp)
+        return
+    demo = (p.tp == 1 and p.pp == 1 and cfg.data.batch_size % (2 * cfg.data.grad_accum) == 0)
+    if demo and launch.resolve_device(cfg.runtime.device) == "cpu":
+        p.dp = 2
+        origins["dp"] = "demo"
+
+
+def record_config(cfg: TrainConfig, origins: dict[str, str]) -> None:
+    """Show the effective configuration once; keep it beside the metrics file."""
+    from meshwise.train.flags import effective_config
+
+    log.info("configuration (marked: not a default):\n  %s",
+             "\n  ".join(effective_config(cfg, origins)))
+    if cfg.runtime.metrics:
+        path = Path(cfg.runtime.metrics)
+        side = path.with_name(path.name + ".config.json")
+        side.write_text(json.dumps({"config": dataclasses.asdict(cfg), "origins": origins},
+                                   indent=1) + "\n")
 
 
 def prepare(cfg: TrainConfig) -> Path:
@@ -32,8 +66,18 @@ def prepare(cfg: TrainConfig) -> Path:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but no CUDA device is available; valid: cpu, auto")
+        local = cfg.parallel.dims.world_size
+        if not launch.under_torchrun() and local > torch.cuda.device_count():
+            raise ValueError(f"dp x tp x pp = {local} local ranks need {local} GPUs, but "
+                             f"{torch.cuda.device_count()} are visible; use fewer ranks, or "
+                             "torchrun across nodes")
     if cfg.runtime.metrics:
         check_writable_file(cfg.runtime.metrics, "--metrics")
+    if device == "cpu" and cfg.runtime.dtype == "bf16":
+        slowdown = bf16_slowdown()
+        if slowdown > 2:
+            log.warning("warning: --dtype bf16: a bf16 matmul measured %.0fx slower than fp32 on "
+                        "this CPU (no native bf16 support); fp32 will train faster", slowdown)
     path = resolve_data(cfg.data.path, cfg.data.cache_dir)
     dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size)  # checks
     c = cfg.checkpoint
@@ -44,6 +88,25 @@ def prepare(cfg: TrainConfig) -> Path:
     if start is not None:
         resume.open_verified(start, model_shape(cfg, dataset.vocab_size))
     return path
+
+
+def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
+    """Time of a bf16 matmul over an fp32 one here (median of ``repeats``)."""
+    import statistics
+    import time
+
+    import torch
+
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size).to(dtype)
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ a
+            runs.append(time.perf_counter() - start)
+        times[dtype] = statistics.median(runs)
+    return times[torch.bfloat16] / max(times[torch.float32], 1e-9)
 
 
 def check_writable_file(path: str, flag: str) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.data import TokenDataset, rank_slice
+from meshwise.generate import printable
 from meshwise.mesh import Mesh
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.pipeline.runtime import PipelineRuntime
@@ -92,7 +93,8 @@ class Trainer:
         self.is_logging_rank = self.mesh.rank == 0
         self.start_step = self.checkpointer.load(resume) if resume else 0
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
-                                  o.steps, cfg.runtime.log_every, resume_step=self.start_step)
+                                  o.steps, cfg.runtime.log_every, resume_step=self.start_step,
+                                  quiet=cfg.runtime.quiet)
         self._fail_at = _injected_failure()
         self.skipped_in_a_row = 0
 
@@ -123,7 +125,9 @@ class Trainer:
         if self.is_logging_rank:
             self.metrics.note(self.metrics.summary(val_loss))
             if sample is not None:
-                self.metrics.note("sample:\n" + sample)
+                prompt, continuation = sample
+                self.metrics.note(f"sample (prompt in [brackets]):\n[{printable(prompt)}]"
+                                  f"{printable(continuation)}")
         self.metrics.close()
 
     def train_step(self, step: int) -> dict:
@@ -253,8 +257,11 @@ class Trainer:
         return self.pipeline.forward_only(inputs, targets, shape, autocast=self._autocast)
 
     @torch.no_grad()
-    def sample(self, num_tokens: int, prompt_len: int = 32, temperature: float = 0.8) -> str:
-        """Continue a held-out prompt; every rank samples the same tokens."""
+    def sample(self, num_tokens: int, prompt_len: int = 32,
+               temperature: float = 0.8) -> tuple[str, str]:
+        """Continue a held-out prompt; every rank samples the same tokens.
+
+        Returns the prompt and the continuation, decoded."""
         self.model.eval()
         prompt = self.data.global_batch(0, 1, self.cfg.data.seed, "val")[0, :prompt_len]
         tokens = prompt.to(self.device).unsqueeze(0)  # (1, T)
@@ -269,9 +276,12 @@ class Trainer:
                 ops.broadcast(nxt, self.mesh.dims.pp - 1, self.mesh.pp, category="sample")
             tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
         self.model.train()
+        ids = tokens[0].tolist()
+        prompt, new = ids[:prompt_len], ids[prompt_len:]
         if self.model_cfg.vocab_size > 256:
-            return " ".join(str(t) for t in tokens[0].tolist())
-        return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+            return " ".join(map(str, prompt)), " " + " ".join(map(str, new))
+        return (bytes(prompt).decode("utf-8", errors="replace"),
+                bytes(new).decode("utf-8", errors="replace"))
 
 
 def build_engine(model, named_params, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig):

@@ -181,3 +181,20 @@ def test_a_full_disk_for_metrics_ends_with_one_line(tmp_path, corpus):
     assert result.returncode == 1, result.stderr
     assert "cannot write --metrics /dev/full: No space left on device" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_effective_config_is_shown_and_kept_and_the_sample_marks_its_prompt(tmp_path, corpus):
+    config = tmp_path / "run.toml"
+    config.write_text("[optim]\nweight_decay = 0.05\n")
+    metrics = tmp_path / "m.jsonl"
+    args = [a for a in SMALL if a != "-q"]
+    result = run_cli("train", *args, "--data", corpus, "--dp", "1", "--steps", "2",
+                     "--config", config, "--metrics", metrics, "--sample-tokens", "8",
+                     cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((tmp_path / "m.jsonl.config.json").read_text())
+    assert saved["config"]["optim"]["weight_decay"] == 0.05
+    assert saved["origins"]["weight_decay"] == "toml" and saved["origins"]["steps"] == "flag"
+    shown = result.stdout + result.stderr
+    assert "--weight-decay 0.05  [toml]" in shown and "--steps 2  [flag]" in shown
+    assert "sample (prompt in [brackets]):\n[" in shown

@@ -1,15 +1,16 @@
+import os
 from pathlib import Path
 
 import pytest
 
-from meshwise.cli import build_parser, config_from_args
+from meshwise.cli import build_parser, train_config
 from meshwise.train.config import COMPOSITIONS, TrainConfig, composition_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def parse(*argv):
-    return config_from_args(build_parser().parse_args(["train", *argv]))
+    return train_config(build_parser().parse_args(["train", *argv]))[0]
 
 
 def test_readme_shows_the_table_the_check_uses():
@@ -51,3 +52,89 @@ def test_pipeline_micro_batches_default_to_pp():
     cfg = parse("--pp", "4", "--dp", "1")
     assert cfg.parallel.num_micro_batches == 4
     assert TrainConfig().parallel.num_micro_batches == 1
+
+
+def test_the_demo_default_is_for_the_cpu_only(monkeypatch):
+    monkeypatch.setattr("meshwise.launch.resolve_device", lambda device: "cuda")
+    assert parse().parallel.dp == 1
+    monkeypatch.setattr("meshwise.launch.resolve_device", lambda device: "cpu")
+    assert parse().parallel.dp == 2
+
+
+def test_gpus_are_counted_before_spawning(monkeypatch):
+    import torch
+
+    from meshwise.train.run import prepare
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 local ranks need 2 GPUs, but 1 are visible"):
+        prepare(parse("--device", "cuda", "--dp", "2"))
+
+
+def test_torchrun_world_gives_dp(monkeypatch):
+    for name, value in dict(RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", MASTER_ADDR="h",
+                            MASTER_PORT="1").items():
+        monkeypatch.setenv(name, value)
+    cfg, origins = train_config(build_parser().parse_args(["train", "--tp", "2", "--pp", "2"]))
+    assert cfg.parallel.dp == 2 and origins["dp"] == "torchrun"
+
+
+def test_a_one_rank_launch_leaves_no_torchrun_environment(monkeypatch):
+    from meshwise import launch
+
+    for name in launch.TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    launch.launch(_nothing, (), 1, "cpu", 30)
+    assert not launch.under_torchrun()
+    assert not any(name in os.environ for name in launch.TORCHRUN_VARS)
+
+
+def _nothing():
+    return None
+
+
+def test_options_without_effect_are_named():
+    from meshwise.train.flags import noop_warnings
+
+    cfg, origins = train_config(build_parser().parse_args(
+        ["train", "--schedule", "gpipe", "--zero", "3", "--bucket-mb", "5",
+         "--max-skipped-steps", "2", "--sample-tokens", "500", "--eval-batches", "2"]))
+    found = "\n".join(noop_warnings(cfg, origins))
+    for flag in ("--schedule gpipe", "--bucket-mb", "--max-skipped-steps", "--sample-tokens 500",
+                 "--eval-batches"):
+        assert flag in found
+    quiet, origins = train_config(build_parser().parse_args(["train"]))
+    assert noop_warnings(quiet, origins) == []
+
+
+def test_help_shows_the_dataclass_defaults_and_readme_documents_every_flag():
+    from meshwise.train.flags import TRAIN_FLAGS
+
+    text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert "(default: 200)" in text and "(default: 0.001)" in text  # steps, lr
+    readme = README.read_text()
+    table = readme[readme.index("## Flags of `meshwise train`"):]
+    table = table[:table.index("\n## ")]
+    missing = [flag for flag, *_ in TRAIN_FLAGS if f"`{flag}" not in table and f" {flag}" not in table]
+    assert not missing, f"README flag table lacks {missing}"
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out.startswith("meshwise ")
+
+
+def test_slow_bf16_on_this_cpu_is_said_once(monkeypatch, caplog, tmp_path):
+    from meshwise.train import run
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("x" * 5000)
+    monkeypatch.setattr(run, "bf16_slowdown", lambda: 12.0)
+    cfg = parse("--dtype", "bf16", "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"))
+    with caplog.at_level("WARNING", logger="meshwise"):
+        run.prepare(cfg)
+    assert [r.getMessage() for r in caplog.records if "bf16" in r.getMessage()] == [
+        "warning: --dtype bf16: a bf16 matmul measured 12x slower than fp32 on this CPU (no "
+        "native bf16 support); fp32 will train faster"]

@@ -58,7 +58,8 @@ def test_concurrent_builders_agree(tmp_path):
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(lambda _: resolve_data(text, tmp_path / "c"), range(4)))
     assert len(set(outs)) == 1 and _tokens(outs[0]).size == 300_000
-    assert sorted(p.suffix for p in (tmp_path / "c").iterdir()) == [".bin", ".json"]
+    visible = [p for p in (tmp_path / "c").iterdir() if not p.name.startswith(".")]
+    assert sorted(p.suffix for p in visible) == [".bin", ".json"]
 
 
 def test_folder_sorted_recursive_skips_binary(tmp_path):
@@ -229,3 +230,21 @@ def test_default_corpus_is_stdlib(tmp_path):
     assert bytes(np.memmap(out, dtype="<u2", mode="r")[:64].astype(np.uint8)) == head
     mtime = out.stat().st_mtime_ns
     assert resolve_data(None, cache_dir=tmp_path) == out and out.stat().st_mtime_ns == mtime
+
+
+def test_processes_started_together_tokenize_once(tmp_path):
+    """Like every rank of a torchrun node preparing the same corpus at once."""
+    import subprocess
+    import sys
+
+    text = tmp_path / "a.txt"
+    text.write_bytes(b"abc" * 2_000_000)
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+            "from meshwise.data import resolve_data; "
+            f"print(resolve_data({str(text)!r}, {str(tmp_path / 'c')!r}))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sum(out.count("built corpus") for out in outs) == 1, outs
+    assert len({out.strip().splitlines()[-1] for out in outs}) == 1

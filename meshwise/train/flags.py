@@ -1,0 +1,226 @@
+"""The flags of ``meshwise train``, their TOML form, and where each value came from.
+
+One table (``TRAIN_FLAGS``) drives the argument parser, the TOML reader, the
+help text and the README's flag table (``tests/unit/test_config.py`` checks
+that every flag is documented there). Defaults live only in the dataclasses of
+``meshwise.train.config``; the help shows them. To add a setting: a field (with
+its default) in its section's dataclass, checked in ``TrainConfig.validate``,
+then one row here and one in the README.
+
+TOML files use the flag names, flat (``batch-size = 32``) or under their
+section (``[data]`` ``batch_size = 32``); a value must already have the field's
+type (``dp = 2.7`` is refused, not truncated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from meshwise.train.config import DEVICES, DTYPES, MODEL_PRESETS, ON_NAN, SCHEDULES, TrainConfig
+
+# (flag, config section, field, type, help). The help's default is added from
+# ``TrainConfig()`` (or ``DEFAULT_TEXT``), so the dataclasses are the one source.
+TRAIN_FLAGS = [
+    ("--dp", "parallel", "dp", int, "data-parallel ranks"),
+    ("--tp", "parallel", "tp", int, "tensor-parallel ranks"),
+    ("--pp", "parallel", "pp", int, "pipeline stages"),
+    ("--schedule", "parallel", "schedule", str,
+     f"pipeline schedule: {', '.join(SCHEDULES)}"),
+    ("--virtual-stages", "parallel", "virtual_stages", int,
+     "model chunks per pipeline rank, for interleaved-1f1b"),
+    ("--micro-batches", "parallel", "micro_batches", int,
+     "pipeline micro-batches per step"),
+    ("--zero", "parallel", "zero", int,
+     "ZeRO stage: 0 none, 1 optimizer state, 2 +gradients, 3 +parameters"),
+    ("--grad-accum", "data", "grad_accum", int,
+     "gradient accumulation micro-steps per optimizer step"),
+    ("--model", "model", "preset", str, f"model preset: {', '.join(MODEL_PRESETS)}"),
+    ("--n-layer", "model", "n_layer", int, "override the preset's number of layers"),
+    ("--n-head", "model", "n_head", int, "override the preset's number of attention heads"),
+    ("--d-model", "model", "d_model", int, "override the preset's hidden size"),
+    ("--block-size", "model", "block_size", int,
+     "override the preset's context length (learned positions)"),
+    ("--vocab-size", "model", "vocab_size", int,
+     "vocabulary of the model; needed for a .bin with token ids past 255"),
+    ("--seq-len", "data", "seq_len", int, "tokens per sequence"),
+    ("--batch-size", "data", "batch_size", int,
+     "global sequences per optimizer step, whatever the layout"),
+    ("--data", "data", "path", str, "a text file, a folder of text files, or a .bin of uint16 "
+     "tokens"),
+    ("--cache-dir", "data", "cache_dir", str,
+     "where built token files are cached"),
+    ("--eval-every", "data", "eval_every", int,
+     "validation loss every N steps; 0: only at the end"),
+    ("--eval-batches", "data", "eval_batches", int, "global batches per evaluation"),
+    ("--sample-tokens", "data", "sample_tokens", int,
+     "print a sample of N generated tokens at the end"),
+    ("--seed", "data", "seed", int, "seed for initialisation and batches"),
+    ("--steps", "optim", "steps", int, "optimizer steps"),
+    ("--lr", "optim", "lr", float, "peak learning rate"),
+    ("--warmup-steps", "optim", "warmup_steps", int,
+     "linear warmup steps before cosine decay"),
+    ("--weight-decay", "optim", "weight_decay", float,
+     "AdamW weight decay on matrices"),
+    ("--clip", "optim", "clip", float, "max global gradient norm; 0 turns clipping off"),
+    ("--beta1", "optim", "beta1", float, "AdamW's first-moment decay"),
+    ("--beta2", "optim", "beta2", float, "AdamW's second-moment decay"),
+    ("--on-nan", "optim", "on_nan", str,
+     f"on a non-finite loss or gradient: {' or '.join(ON_NAN)}"),
+    ("--max-skipped-steps", "optim", "max_skipped_steps", int,
+     "with --on-nan skip: stop after more than N skipped steps in a row"),
+    ("--bucket-mb", "comm", "bucket_mb", float, "gradient bucket size in MB"),
+    ("--timeout-s", "comm", "timeout_s", float,
+     "seconds a collective may wait before the job fails"),
+    ("--device", "runtime", "device", str,
+     f"{', '.join(DEVICES)}: auto picks cuda (NCCL) when available, else cpu (gloo)"),
+    ("--dtype", "runtime", "dtype", str, f"{' or '.join(DTYPES)} compute"),
+    ("--metrics", "runtime", "metrics", str, "write one JSON line per step to this file"),
+    ("--log-every", "runtime", "log_every", int,
+     "progress line every N steps when output is not a terminal"),
+    ("--save", "checkpoint", "save", str,
+     "write sharded checkpoints under this directory (step-NNNNNNNN/ each)"),
+    ("--save-every", "checkpoint", "save_every", int,
+     "checkpoint every N steps, and at the end"),
+    ("--keep-last", "checkpoint", "keep_last", int,
+     "keep only the newest K checkpoints in --save"),
+    ("--resume", "checkpoint", "resume", str,
+     "continue from a checkpoint, or a --save directory's newest one; 'auto': the newest "
+     "in --save if there is one, else start fresh. Any layout can resume any other"),
+    ("--max-restarts", "checkpoint", "max_restarts", int,
+     "when a rank dies, restart the job from the newest checkpoint up to N times"),
+]
+
+
+
+# Defaults that are not a plain value of the dataclass field.
+DEFAULT_TEXT = {
+    "dp": "2 for the CPU demo (no layout flags), else 1; under torchrun: the world / (tp x pp)",
+    "micro_batches": "pp",
+    "n_layer": "the preset's", "n_head": "the preset's", "d_model": "the preset's",
+    "block_size": "the preset's",
+    "vocab_size": "the data's (byte-level: 256)",
+    "path": "the Python standard library's sources, byte-level",
+    "cache_dir": "$MESHWISE_CACHE or ~/.cache/meshwise",
+    "metrics": "none", "save": "none", "resume": "none: start fresh",
+    "save_every": "only at the end", "keep_last": "keep all",
+}
+BY_FIELD = {field: (flag, section, kind) for flag, section, field, kind, _ in TRAIN_FLAGS}
+
+
+class ConfigError(ValueError):
+    """A flag or TOML value that cannot be used; the message names it."""
+
+
+def default_text(section: str, field: str) -> str:
+    if field in DEFAULT_TEXT:
+        return DEFAULT_TEXT[field]
+    return str(getattr(getattr(TrainConfig(), section), field))
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, section, field, kind, help_text in TRAIN_FLAGS:
+        parser.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
+                            help=f"{help_text} (default: {default_text(section, field)})")
+    parser.add_argument("--config", dest="config_file", default=argparse.SUPPRESS,
+                        help="TOML file with the same keys; flags given here override it")
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]:
+    """Defaults, then the TOML file, then the flags given (not yet validated).
+
+    Returns the configuration and, per field set, where it came from: ``"toml"``
+    or ``"flag"`` (every other field has its default).
+    """
+    cfg = TrainConfig()
+    values, origins = {}, {}
+    if getattr(args, "config_file", None):
+        values = read_toml(args.config_file)
+        origins = dict.fromkeys(values, "toml")
+    given = {field: getattr(args, field) for field in BY_FIELD if hasattr(args, field)}
+    origins.update(dict.fromkeys(given, "flag"))
+    for field, value in {**values, **given}.items():
+        _, section, _ = BY_FIELD[field]
+        setattr(getattr(cfg, section), field, value)
+    return cfg, origins
+
+
+def read_toml(path: str) -> dict:
+    """Flat or sectioned keys of a TOML file, each checked for its section and type."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--config {path}: not a readable TOML file ({exc})") from None
+    sections = sorted({f.name for f in dataclasses.fields(TrainConfig)})
+    flat = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            if key not in sections:
+                raise ConfigError(f"--config {path}: unknown section [{key}]; valid: "
+                                  f"{', '.join(sections)}")
+            items = [(name, item, key) for name, item in value.items()]
+        else:
+            items = [(key, value, None)]
+        for name, item, section in items:
+            field, kind = _toml_key(path, name, section)
+            flat[field] = _typed(path, name, item, kind)
+    return flat
+
+
+def _toml_key(path: str, name: str, section: str | None) -> tuple[str, type]:
+    by_name = {}
+    for flag, flag_section, field, kind, _ in TRAIN_FLAGS:
+        by_name[flag.lstrip("-")] = by_name[field] = (flag_section, field, kind)
+    if name not in by_name:
+        raise ConfigError(f"--config {path}: unknown key {name!r}; valid keys are the flag "
+                          "names, e.g. batch-size, dp, lr")
+    want, field, kind = by_name[name]
+    if section is not None and section != want:
+        raise ConfigError(f"--config {path}: {name!r} belongs under [{want}], not [{section}]")
+    return field, kind
+
+
+def _typed(path: str, name: str, value, kind: type):
+    """``value`` as ``kind``, refusing conversions that would change it (2.7 -> 2, true -> 1)."""
+    ok = {int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: isinstance(value, str)}[kind]
+    if not ok:
+        wanted = {int: "an integer", float: "a number", str: "a string"}[kind]
+        raise ConfigError(f"--config {path}: {name} = {value!r} is not {wanted}")
+    return kind(value)
+
+
+def effective_config(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
+    """One line per setting: ``--flag value``, marked ``[toml]`` / ``[flag]`` when not a default."""
+    lines = []
+    for flag, section, field, _, _ in TRAIN_FLAGS:
+        value = getattr(getattr(cfg, section), field)
+        mark = f"  [{origins[field]}]" if field in origins else ""
+        lines.append(f"{flag} {value}{mark}")
+    return lines
+
+
+def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
+    """Settings the user gave that change nothing in this layout."""
+    p, d, o = cfg.parallel, cfg.data, cfg.optim
+    found = []
+    if p.pp == 1 and "schedule" in origins:
+        found.append(f"--schedule {p.schedule} has no effect without a pipeline (--pp 1)")
+    if p.zero == 3 and "bucket_mb" in origins:
+        found.append("--bucket-mb has no effect with --zero 3: each ZeRO-3 unit is reduced "
+                     "on its own")
+    if o.on_nan != "skip" and "max_skipped_steps" in origins:
+        found.append("--max-skipped-steps has no effect without --on-nan skip")
+    if d.sample_tokens > d.seq_len:
+        found.append(f"--sample-tokens {d.sample_tokens} exceeds --seq-len {d.seq_len}: past "
+                     f"that, each token sees only the last {d.seq_len} tokens")
+    if d.eval_every == 0 and "eval_batches" in origins:
+        found.append("--eval-batches applies to the one evaluation at the end "
+                     "(--eval-every 0)")
+    return found

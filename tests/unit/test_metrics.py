@@ -1,0 +1,45 @@
+"""What a run prints and writes per step: progress, evaluations, strict JSON."""
+
+import io
+import json
+import math
+
+from meshwise.train.metrics import MetricsLog, strict_json
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _record(step, **extra):
+    return {"step": step, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0,
+            **extra}
+
+
+def test_a_terminal_keeps_evaluation_lines():
+    out = Terminal()
+    log = MetricsLog(None, total_steps=4, log_every=10, stream=out)
+    for step in range(1, 5):
+        log.write(_record(step, **({"val_loss": 1.5} if step == 2 else {})))
+    lines = out.getvalue().split("\n")
+    assert any("step     2/4" in line and "val_loss 1.5000" in line for line in lines[:-2])
+    assert "val_loss" not in lines[-1]  # the rest is rewritten in place
+
+
+def test_quiet_prints_no_progress(tmp_path):
+    out = io.StringIO()
+    log = MetricsLog(tmp_path / "m.jsonl", total_steps=2, log_every=1, stream=out, quiet=True)
+    log.write(_record(1))
+    log.write(_record(2))
+    log.close()
+    assert out.getvalue() == ""
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+
+
+def test_non_finite_values_are_strict_json():
+    line = json.dumps(strict_json(_record(3, loss=math.nan, grad_norm=math.inf)),
+                      allow_nan=False)
+    back = json.loads(line)
+    assert back["loss"] is None and back["grad_norm"] is None
+    assert back["non_finite"] == ["loss", "grad_norm"]
