@@ -31,7 +31,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (add_round_args, median, medians, new_timings,  # noqa: E402
-                               print_json, record, run_rounds, spawn, timed_step)
+                               print_json, record, run_rounds, spawn, timed_step,
+                               torch_param_groups)
 from meshwise.comm import ops  # noqa: E402
 from meshwise.optim import AdamWConfig  # noqa: E402
 from meshwise.zero.optimizer import ZeroOptimizer  # noqa: E402
@@ -80,11 +81,13 @@ def blocking_all_reduce_s(engine, group, reps: int = 10) -> float:
 def rank_main(rank: int, args) -> dict | None:
     group = ops.world_group()
     ours = build_model(args)
-    engine = ZeroOptimizer(ours.named_parameters(), group, stage=0,
-                           adamw=AdamWConfig(lr=1e-4, weight_decay=0.1),
+    adamw = AdamWConfig(lr=1e-4, weight_decay=0.1)
+    engine = ZeroOptimizer(ours.named_parameters(), group, stage=0, adamw=adamw,
                            bucket_cap_mb=args.bucket_mb)
     theirs = nn.parallel.DistributedDataParallel(build_model(args), bucket_cap_mb=args.bucket_mb)
-    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1)
+    # The same weight-decay split as meshwise (matrices only), so both do the same work.
+    opt = torch.optim.AdamW(torch_param_groups(theirs.module.named_parameters(), adamw),
+                            lr=adamw.lr, betas=adamw.betas, eps=adamw.eps)
 
     def meshwise(x, y) -> dict:  # buckets all-reduced from grad hooks during backward
         return timed_step(engine.zero_grad, lambda: mse_backward(ours, x, y),
@@ -96,12 +99,13 @@ def rank_main(rank: int, args) -> dict | None:
     steps = {"meshwise": meshwise, "ddp": ddp}
     data = batches(args, rank, args.steps)
     # Warm-up: one step each on the first batch, in turn; rounds: all batches of one, then
-    # of the other, from a barrier (the same order every round).
-    run_rounds(steps, args.warmup, 1, lambda name, r, i: steps[name](*data[0]), alternate=False)
+    # of the other, from a barrier, the order reversed every other round so that neither
+    # always runs first (a drifting machine would favour one).
+    run_rounds(steps, args.warmup, 1, lambda name, r, i: steps[name](*data[0]))
     timings = new_timings(steps, ("step", "fwd_bwd", "sync", "optim"))
     run_rounds(steps, args.rounds, args.steps,
                lambda name, r, i: record(timings[name], steps[name](*data[i])),
-               alternate=False, before_block=lambda name: ops.barrier(group))
+               before_block=lambda name: ops.barrier(group))
     total_comm_s = blocking_all_reduce_s(engine, group)
     if rank != 0:
         return None

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: GPipe, 1F1B and interleaved 1F1B, and their validator.
+"""Pipeline schedules as data: GPipe, 1F1B and interleaved 1F1B (checked by ``validate.py``).
 
 Pure: no torch here. A :class:`Schedule` holds, for each pipeline rank, the ordered list of
 :class:`Action` s that rank executes top to bottom, communication included.
