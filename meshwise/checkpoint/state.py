@@ -39,13 +39,13 @@ KIND_PREFIX = {"param": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "op
 class FlatRun:
     """One flat buffer of an engine, as a checkpoint sees it.
 
-    ``names``: ``(parameter name, offset in the buffer)``; ``save_range``: the
+    ``names``: ``(parameter name, offset in the buffer, elements)``; ``save_range``: the
     ``[start, end)`` of the buffer this rank writes (its dp shard);
     ``tensors``: kind (``param``, ``exp_avg``, ``exp_avg_sq``) -> ``(tensor,
     base)``, the tensor holding buffer elements ``[base, base + numel)``.
     """
 
-    names: list[tuple[str, int]]
+    names: list[tuple[str, int, int]]
     save_range: tuple[int, int]
     tensors: dict[str, tuple[torch.Tensor, int]]
 
@@ -92,7 +92,7 @@ def save(save_dir: str | Path, step: int, runs: list[FlatRun], pieces: dict[str,
     ops.barrier(world)
     entries = []
     for run in runs:
-        layout = [(pieces[name], offset) for name, offset in run.names if name in writers]
+        layout = [(pieces[name], offset) for name, offset, _ in run.names if name in writers]
         for kind, (tensor, base) in run.tensors.items():
             for sub, lo, hi in pieces_in_range(layout, *run.save_range):
                 entries.append((_stored(sub, kind), tensor[lo - base:hi - base]))
@@ -112,12 +112,26 @@ def load(ckpt: Checkpoint, runs: list[FlatRun], pieces: dict[str, Piece], rank: 
          same_layout: bool) -> None:
     """Fill every tensor of ``runs`` from ``ckpt``; restore the RNG on the same layout."""
     for run in runs:
-        layout = [(pieces[name], offset) for name, offset in run.names]
+        layout = [(pieces[name], offset) for name, offset, _ in run.names]
         for kind, (tensor, base) in run.tensors.items():
             for sub, lo, hi in pieces_in_range(layout, base, base + tensor.numel()):
                 ckpt.read_into(tensor[lo - base:hi - base], _stored(sub, kind))
     if same_layout:
         torch.set_rng_state(ckpt.read(f"rng.rank{rank}"))
+
+
+def owned_values(runs: list[FlatRun]) -> dict[str, torch.Tensor]:
+    """Each parameter's elements in this rank's dp shard, flat: over the dp ranks,
+    every element once (also where every rank holds all of them)."""
+    out = {}
+    for run in runs:
+        tensor, base = run.tensors["param"]
+        start, end = run.save_range
+        for name, offset, numel in run.names:
+            lo, hi = max(offset, start), min(offset + numel, end)
+            if lo < hi:
+                out[name] = tensor[lo - base:hi - base]
+    return out
 
 
 def keep_newest(save_dir: str | Path, keep_last: int | None) -> list[Path]:

@@ -104,6 +104,7 @@ class RuntimeConfig:
     metrics: str | None = None
     log_every: int = 10
     quiet: bool = False
+    check_replicas_every: int = 100  # compare tp replicas' values every N steps; 0: never
 
 
 @dataclass
@@ -137,6 +138,7 @@ class TrainConfig:
                       weight_decay=o.weight_decay, n_layer=m.n_layer, n_head=m.n_head,
                       d_model=m.d_model, block_size=m.block_size)
         _positive(lr=o.lr)
+        _non_negative(check_replicas_every=self.runtime.check_replicas_every)
         _non_negative(seed=d.seed, vocab_size=m.vocab_size, max_skipped_steps=o.max_skipped_steps)
         for flag, beta in (("--beta1", o.beta1), ("--beta2", o.beta2)):
             if not 0 <= beta < 1:

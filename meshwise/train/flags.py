@@ -76,6 +76,9 @@ TRAIN_FLAGS = [
      f"{', '.join(DEVICES)}: auto picks cuda (NCCL) when available, else cpu (gloo)"),
     ("--dtype", "runtime", "dtype", str, f"{' or '.join(DTYPES)} compute"),
     ("--metrics", "runtime", "metrics", str, "write one JSON line per step to this file"),
+    ("--check-replicas-every", "runtime", "check_replicas_every", int,
+     "every N steps, check that tp-replicated parameters (norms, biases, positions) are "
+     "equal on every tp rank, under any ZeRO stage; 0: never"),
     ("--log-every", "runtime", "log_every", int,
      "progress line every N steps when output is not a terminal"),
     ("--save", "checkpoint", "save", str,

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from meshwise.checkpoint.state import owned_values
 from meshwise.comm import ops
 from meshwise.mesh import Mesh
 from meshwise.tensor_parallel.layers import is_tp_sharded
@@ -67,6 +68,38 @@ class GradSync3D:
         ops.all_reduce(sq, self.mesh.pp, category="norm")
         return math.sqrt(sq.item())
 
+    def check_replica_values(self, rtol: float = 1e-6) -> None:
+        """Raise if a tp-replicated parameter's values differ across tp ranks.
+
+        Works under every ZeRO stage: each dp rank sums the elements of its dp
+        shard (float64 sum and absolute sum), the dp ranks add them up, and the
+        totals must agree across tp. Replicas drift only through nondeterministic
+        kernels or a bug; found early, the parameter is named, on every rank.
+        """
+        held = owned_values(self.engine.checkpoint_runs())
+        names = [n for n, p in self.params.items() if not is_tp_sharded(p)]
+        device = next(iter(held.values())).device if held else torch.device("cpu")
+        empty = torch.zeros(0, dtype=torch.float64, device=device)
+        self._compare_across_tp(names, [held.get(n, empty) for n in names], rtol, "values",
+                                sum_over=self.mesh.dp)
+
+    def _compare_across_tp(self, names, tensors, rtol: float, what: str, sum_over=None) -> None:
+        if not names:
+            return
+        sums = torch.stack([t.double().sum() for t in tensors])
+        scale = torch.stack([t.double().abs().sum() for t in tensors])
+        if sum_over is not None:  # partial sums of dp shards -> whole parameters
+            both = torch.stack([sums, scale])
+            ops.all_reduce(both, sum_over, category="check")
+            sums, scale = both[0], both[1]
+        low, high = sums.clone(), sums.clone()
+        ops.all_reduce(low, self.mesh.tp, op="min", category="check")
+        ops.all_reduce(high, self.mesh.tp, op="max", category="check")
+        bad = ((high - low) > rtol * scale + 1e-12).nonzero().flatten().tolist()
+        if bad:
+            raise RuntimeError(f"{what} of tp-replicated parameters differ across tp ranks: "
+                               f"{', '.join(names[i] for i in bad)}")
+
     def check_tp_replicas(self, rtol: float = 1e-5) -> None:
         """Raise if a tp-replicated parameter's gradient differs across tp ranks.
 
@@ -74,14 +107,4 @@ class GradSync3D:
         """
         names = [n for n, p in self.params.items()
                  if not is_tp_sharded(p) and p.grad is not None]
-        if not names:
-            return
-        sums = torch.stack([self.params[n].grad.double().sum() for n in names])
-        scale = torch.stack([self.params[n].grad.double().abs().sum() for n in names])
-        low, high = sums.clone(), sums.clone()
-        ops.all_reduce(low, self.mesh.tp, op="min", category="check")
-        ops.all_reduce(high, self.mesh.tp, op="max", category="check")
-        bad = ((high - low) > rtol * scale + 1e-12).nonzero().flatten().tolist()
-        if bad:
-            raise RuntimeError(f"gradients of tp-replicated parameters differ across tp ranks: "
-                               f"{', '.join(names[i] for i in bad)}")
+        self._compare_across_tp(names, [self.params[n].grad for n in names], rtol, "gradients")

@@ -156,6 +156,9 @@ class Trainer:
         else:
             self.skipped_in_a_row = 0
             self.engine.step(lr, grad_scale)
+        every = self.cfg.runtime.check_replicas_every
+        if every and step % every == 0 and self.mesh.dims.tp > 1:
+            self.grad_sync.check_replica_values()
         step_time_s = time.perf_counter() - start
         gathered = getattr(self.engine, "peak_gathered_bytes", 0)  # ZeRO-3 only
         state_bytes, rss, gathered = self._reduce(

@@ -150,7 +150,8 @@ class ZeroOptimizer(GradBuckets):
         the parameters and of the optimizer state (replicated at stage 0)."""
         runs = []
         for b, (lo, _) in enumerate(self._update_ranges):
-            names = [(self._names[i], self._slots[i].offset) for i in self._members[b]]
+            names = [(self._names[i], self._slots[i].offset, self._slots[i].numel)
+                     for i in self._members[b]]
             runs.append(FlatRun(names, self._shard_plans[b].owned_range(self.dp_group.rank),
                                 {"param": (self._param_bufs[b], 0),
                                  "exp_avg": (self._exp_avg[b], lo),

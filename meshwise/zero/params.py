@@ -246,7 +246,7 @@ class ZeroStage3:
         runs = []
         for unit in self.units:
             start, _ = unit.plan.shard_range(self.group.rank)
-            runs.append(FlatRun([(slot.name, slot.offset) for slot in unit.slots],
+            runs.append(FlatRun([(slot.name, slot.offset, slot.numel) for slot in unit.slots],
                                 unit.plan.owned_range(self.group.rank),
                                 {"param": (unit.shard, start), "exp_avg": (unit.exp_avg, start),
                                  "exp_avg_sq": (unit.exp_avg_sq, start)}))
