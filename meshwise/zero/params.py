@@ -111,12 +111,33 @@ class ZeroStage3:
 
     def _root_post_forward(self, module, args, output) -> None:
         tensors = _grad_tensors(output)
+        if torch.is_grad_enabled() and self.blocks:
+            self._check_same_units()
         if tensors:
             if self.root is not None:
                 self.root.needs_backward = True
             register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
         elif self.root is not None and not self.root.needs_backward:
             self._free(self.root)  # forward without autograd (evaluation)
+
+    def _check_same_units(self) -> None:
+        """Every dp rank must have run the same units, or their collectives pair up wrongly.
+
+        A unit used on some ranks only would make the reduce-scatters (and the
+        gathers of the backward prefetch) of different units meet each other:
+        wrong gradients or a hang. One small all-reduce per forward finds it
+        before the backward starts, and names the units.
+        """
+        used = torch.tensor([float(u in self._forward_order) for u in self.blocks],
+                            device=self._device())
+        bounds = torch.stack([used, -used])  # max of both: (max, -min) over ranks
+        ops.all_reduce(bounds, self.group, op="max", category="check")
+        differ = [u.name for u, hi, neg_lo in zip(self.blocks, bounds[0], bounds[1])
+                  if hi != -neg_lo]
+        if differ:
+            raise RuntimeError(f"ZeRO-3 units {', '.join(differ)} ran on some dp ranks but not "
+                               "on others in this forward; every dp rank must run the same "
+                               "units (use ZeRO 0-2, whose buckets allow it)")
 
     def _root_pre_backward(self, grad) -> None:
         if self.root is not None:

@@ -226,3 +226,34 @@ def test_peak_gathered_bytes_is_about_two_units_plus_root(dist_pools):
         assert peak < 0.5 * whole
     for peak, root, block, whole in dist_pools.run(2, _peak, False):
         assert peak == root + block
+
+
+class _SkipsABlock(nn.Module):
+    """Rank 1 skips block 1 in its forward: its units differ from rank 0's."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if not (i == 1 and torch.distributed.get_rank() == 1):
+                x = block(x)
+        return x.sum()
+
+
+def _units_differ():
+    mesh = Mesh.build(ParallelDims(dp=2))
+    torch.manual_seed(0)
+    zero = ZeroStage3(_SkipsABlock(), mesh.dp, CFG)
+    try:
+        zero(torch.ones(2, 4)).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_units_used_on_some_ranks_only_fail_fast_and_named(dist_pools):
+    for message in dist_pools.run(2, _units_differ):
+        assert "ZeRO-3 units blocks.1 ran on some dp ranks but not on others" in message
