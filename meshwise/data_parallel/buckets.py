@@ -170,6 +170,7 @@ class GradBuckets:
                        for i, p in enumerate(self._params)]
         self._sync_enabled = True
         self._warned_unused = False
+        self._has_grad = [False] * len(self._params)  # got a gradient since zero_grad()
         self._reset_sync_state()
 
     def _group_key(self, name: str, param: torch.Tensor) -> Hashable:
@@ -231,6 +232,7 @@ class GradBuckets:
                 view.copy_(grad)
             param.grad = view
         self._seen[index] = True
+        self._has_grad[index] = True
         bucket = self._slots[index].bucket
         if not self._sync_enabled:
             # Local accumulation may overlap a sync in progress (a pipeline's
@@ -324,3 +326,12 @@ class GradBuckets:
             for shard in self._grad_shards:
                 shard.zero_()
         self._seen = [False] * len(self._params)
+        self._has_grad = [False] * len(self._params)
+
+    def params_with_grad(self) -> list[bool]:
+        """Per parameter: whether any dp rank gave it a gradient since ``zero_grad()``
+        (a collective: every dp rank must call it, and all get the same answer)."""
+        flags = torch.tensor(self._has_grad, dtype=torch.float32,
+                             device=self._param_bufs[0].device)
+        ops.all_reduce(flags, self.dp_group, op="max", category="check")
+        return flags.bool().tolist()

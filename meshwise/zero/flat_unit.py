@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -109,6 +110,7 @@ class FlatUnit:
         self._storage_bytes = self.flat_param.untyped_storage().nbytes()
         self.flat_param.untyped_storage().resize_(0)
         self.hide_views()
+        self.has_grad = [False] * len(self.slots)  # per parameter, since zero_grad()
         self.needs_backward = False  # ran forward with autograd; backward not done yet
         self.in_backward = False  # between its pre-backward hook and its gradient
 
@@ -162,10 +164,15 @@ class FlatUnit:
         node makes the gradient of every slice land in ``flat_param.grad``.
         """
         views = torch.split(self.flat_param, self._split_sizes)
-        for slot, view in zip(self.slots, views):
+        for i, (slot, view) in enumerate(zip(self.slots, views)):
             tensor = view.view(slot.shape)
+            if tensor.requires_grad:  # which parameters get a gradient (AdamW skips others)
+                tensor.register_hook(partial(self._mark_grad, i))
             for module, attr in slot.owners:
                 setattr(module, attr, tensor)
+
+    def _mark_grad(self, index: int, grad: torch.Tensor) -> None:
+        self.has_grad[index] = True
 
     def hide_views(self) -> None:
         """Empty tensors stand in while freed: a stray use fails on shape, not on freed memory."""
@@ -191,9 +198,13 @@ class FlatUnit:
         return total
 
     @torch.no_grad()
-    def adamw_step(self, step: int, lr: float, cfg: AdamWConfig, grad_scale: float) -> None:
-        """AdamW on the owned shard; weight decay per run of same-kind segments."""
-        for start, end, decay in self._runs():
+    def adamw_step(self, step: int, lr: float, cfg: AdamWConfig, grad_scale: float,
+                   used: set[str] | None = None) -> None:
+        """AdamW on the owned shard; weight decay per run of same-kind segments.
+
+        ``used``: names of the parameters to update (``None``: all); the others
+        got no gradient this step and are left alone, as torch's AdamW does."""
+        for start, end, decay in self._runs(used):
             grad = self.grad_shard[start:end]
             if grad_scale != 1.0:
                 grad = grad * grad_scale
@@ -201,11 +212,13 @@ class FlatUnit:
                          self.exp_avg_sq[start:end], step, lr, cfg,
                          weight_decay=cfg.weight_decay if decay else 0.0)
 
-    def _runs(self) -> list[tuple[int, int, bool]]:
+    def _runs(self, used: set[str] | None = None) -> list[tuple[int, int, bool]]:
         # Segments are adjacent in the shard; merging neighbours with the same
         # decay flag keeps the update to a few large calls instead of one per tensor.
         runs: list[list] = []
         for seg in self.segments:
+            if used is not None and seg.name not in used:
+                continue
             if runs and runs[-1][2] == seg.decays and runs[-1][1] == seg.start:
                 runs[-1][1] = seg.end
             else:

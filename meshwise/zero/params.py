@@ -224,6 +224,7 @@ class ZeroStage3:
         self.finish_grad_sync()
         for unit in self.units:
             unit.grad_shard.zero_()
+            unit.has_grad = [False] * len(unit.slots)
 
     def grad_sq_norm(self, include=None) -> torch.Tensor:
         """Squared global gradient norm (all dp shards), optionally of parameters
@@ -238,8 +239,17 @@ class ZeroStage3:
         """AdamW on this rank's shards with gradients times ``grad_scale``."""
         self.finish_grad_sync()
         self.step_count += 1
+        used = self._params_with_grad()
         for unit in self.units:
-            unit.adamw_step(self.step_count, lr, self.adamw, grad_scale)
+            unit.adamw_step(self.step_count, lr, self.adamw, grad_scale, used)
+
+    def _params_with_grad(self) -> set[str]:
+        """Names that got a gradient on any dp rank since ``zero_grad()`` (a collective)."""
+        flags = torch.tensor([float(f) for u in self.units for f in u.has_grad],
+                             device=self._device())
+        ops.all_reduce(flags, self.group, op="max", category="check")
+        names = [slot.name for u in self.units for slot in u.slots]
+        return {name for name, flag in zip(names, flags.tolist()) if flag}
         self._last_step_peak = self._peak_window
         self._peak_window = sum(u.gathered_bytes() for u in self.units)
 

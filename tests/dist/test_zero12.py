@@ -13,7 +13,7 @@ from meshwise.zero.optimizer import ZeroOptimizer
 from tests.dist.test_data_parallel import BATCH, Net, batch, loss_of
 
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-STEPS = 3
+STEPS = 3  # _uses_extra relies on a step 3
 MICRO_STEPS = 2
 CLIP = 0.05  # small enough that clipping is active
 
@@ -139,3 +139,61 @@ def test_state_bytes_match_the_formula(dist_pools, world):
             assert nbytes == pytest.approx(formula[stage](psi), rel=0.05)
         measured.append(max(nbytes for nbytes, _ in results))
     assert measured[0] > measured[1] > measured[2]
+
+
+def _uses_extra(step: int, rank: int) -> bool:
+    """``extra``: used everywhere at step 1, by rank 0 only at step 2, by nobody after."""
+    return step == 1 or (step == 2 and rank == 0)
+
+
+def _reference_with_unused(world: int):
+    """torch's AdamW skips what has no .grad: ``unused`` always, ``extra`` from step 3."""
+    model = Net(with_unused=True).double()
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
+         {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}],
+        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, foreach=False)
+    per_rank = BATCH // world
+    for step in range(1, STEPS + 1):
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(step)
+        for rank in range(world):
+            rows = slice(rank * per_rank, (rank + 1) * per_rank)
+            loss_of(model(x[rows], use_extra=_uses_extra(step, rank)), y[rows]).backward()
+        for group in opt.param_groups:
+            group["lr"] = lr_of(step)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unused_run(stage: int):
+    from meshwise.zero.params import ZeroStage3
+
+    group = ops.world_group()
+    model = Net(with_unused=True).double()
+    engine = (ZeroStage3(model, group, CFG) if stage == 3 else
+              ZeroOptimizer(model.named_parameters(), group, stage, CFG))
+    per_rank = BATCH // group.size
+    rows = slice(group.rank * per_rank, (group.rank + 1) * per_rank)
+    for step in range(1, STEPS + 1):
+        engine.zero_grad()
+        x, y = batch(step)
+        loss_of(model(x[rows], use_extra=_uses_extra(step, group.rank)), y[rows]).backward()
+        engine.finish_grad_sync()
+        engine.step(lr_of(step))
+    if stage == 3:
+        return engine.full_state_dict()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_parameter_without_gradient_is_not_updated(dist_pools, stage):
+    """No weight decay and no stale momentum for a parameter no rank gave a gradient."""
+    reference = _reference_with_unused(2)
+    for params in dist_pools.run(2, _unused_run, stage):
+        assert torch.equal(params["unused"], Net(with_unused=True).double().unused)
+        for name, ref in reference.items():
+            torch.testing.assert_close(params[name], ref, rtol=1e-9, atol=1e-12, msg=name)
