@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding,
                                              vocab_parallel_cross_entropy)
-from meshwise.tensor_parallel.mappings import tp_size_of
+from meshwise.models.dropout import DropoutContext, KeyedDropout
+from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class GPTConfig:
     d_model: int = 128
     block_size: int = 256
     vocab_size: int = 256
+    dropout: float = 0.0  # embeddings, residual branches and attention weights
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -47,12 +49,17 @@ def param_seed(seed: int, name: str) -> int:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, name: str, seed: int, tp_group, residual_std: float):
+    def __init__(self, cfg: GPTConfig, name: str, seed: int, tp_group, residual_std: float,
+                 dropout: DropoutContext | None = None):
         super().__init__()
         tp = tp_size_of(tp_group)
         if cfg.n_head % tp:
             raise ValueError(f"n_head {cfg.n_head} is not divisible by tp {tp}")
         self.head_dim = cfg.d_model // cfg.n_head
+        local_heads = cfg.n_head // tp
+        first = tp_rank_of(tp_group) * local_heads
+        self.heads = list(range(first, first + local_heads))  # global indices of ours
+        self.p_attn, self.site, self.dropout = cfg.dropout, f"{name}.weights", dropout
         # Output rows laid out head by head, (n_head, 3, head_dim), so the
         # column split gives each tensor-parallel rank whole heads.
         self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp_group,
@@ -71,9 +78,22 @@ class CausalSelfAttention(nn.Module):
             if not causal and T != 1:
                 raise ValueError("with a filled KV cache, feed one token at a time")
             k, v = cache.append(k, v)  # (B, nh/tp, P + T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, nh/tp, T, hd)
+        if self.training and self.p_attn:
+            y = self._attend_with_dropout(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, nh/tp, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/tp)
         return self.proj(y)
+
+
+    def _attend_with_dropout(self, q, k, v) -> torch.Tensor:
+        """Causal attention with the weights dropped per (sample, global head)."""
+        T = q.shape[2]
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, nh/tp, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        att = torch.softmax(att.masked_fill(~causal, float("-inf")), dim=-1)
+        keep = self.dropout.mask(self.site, att.shape, self.p_attn, att.device, self.heads)
+        return (att * keep.to(att.dtype)) @ v  # (B, nh/tp, T, hd)
 
 
 class MLP(nn.Module):
@@ -90,18 +110,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_id: int, seed: int, tp_group):
+    def __init__(self, cfg: GPTConfig, layer_id: int, seed: int, tp_group,
+                 dropout: DropoutContext | None = None):
         super().__init__()
         name = f"blocks.{layer_id}"
         residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scaled residual init
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg, f"{name}.attn", seed, tp_group, residual_std)
+        self.attn = CausalSelfAttention(cfg, f"{name}.attn", seed, tp_group, residual_std,
+                                        dropout)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg, f"{name}.mlp", seed, tp_group, residual_std)
+        self.drop_attn = KeyedDropout(cfg.dropout, f"{name}.attn.out", dropout)
+        self.drop_mlp = KeyedDropout(cfg.dropout, f"{name}.mlp.out", dropout)
 
     def forward(self, x: torch.Tensor, cache: "LayerCache | None" = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cache)
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop_attn(self.attn(self.ln1(x), cache))
+        return x + self.drop_mlp(self.mlp(self.ln2(x)))
 
 
 class LayerCache:
@@ -128,9 +152,13 @@ class GPT(nn.Module):
     pipeline's last stage holds its own copy, kept in sync by the trainer."""
 
     def __init__(self, cfg: GPTConfig, seed: int = 0, layers: range | None = None,
-                 has_embedding: bool = True, has_head: bool = True, tp_group=None):
+                 has_embedding: bool = True, has_head: bool = True, tp_group=None,
+                 dropout: DropoutContext | None = None):
         super().__init__()
         self.cfg, self.tp_group = cfg, tp_group
+        if cfg.dropout and dropout is None:
+            dropout = DropoutContext(seed)  # one process: steps and samples from 0
+        self.dropout = dropout
         self.layer_ids = list(range(cfg.n_layer) if layers is None else layers)
         self.has_embedding, self.has_head = has_embedding, has_head
         if has_embedding or has_head:
@@ -141,7 +169,9 @@ class GPT(nn.Module):
             with torch.no_grad():
                 gen = torch.Generator().manual_seed(param_seed(seed, "wpe.weight"))
                 self.wpe.weight.normal_(0.0, 0.02, generator=gen)
-        self.blocks = nn.ModuleList(Block(cfg, i, seed, tp_group) for i in self.layer_ids)
+        self.blocks = nn.ModuleList(Block(cfg, i, seed, tp_group, dropout)
+                                    for i in self.layer_ids)
+        self.drop_embed = KeyedDropout(cfg.dropout, "embed", dropout)
         if has_head:
             self.ln_f = nn.LayerNorm(cfg.d_model)
 
@@ -164,7 +194,7 @@ class GPT(nn.Module):
         if self.has_embedding:
             start = cache[0].length if cache else 0
             pos = torch.arange(start, start + x.shape[1], device=x.device)
-            x = self.wte(x) + self.wpe(pos)  # (B, T, C)
+            x = self.drop_embed(self.wte(x) + self.wpe(pos))  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, cache[i] if cache else None)
         if not self.has_head:

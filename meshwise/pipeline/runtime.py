@@ -41,6 +41,9 @@ class PipelineRuntime:
         self.steps = group_steps(schedule.ranks[self.rank])
         # Each chunk's final backward: the one that starts its dp reduction.
         self.last_backward = {a.chunk: a for a in schedule.ranks[self.rank] if a.kind == "B"}
+        # Called with a micro-batch's index before each of its forwards (the trainer
+        # tells the model which samples it computes, for dropout).
+        self.before_forward = None
 
     def stage(self, chunk: int) -> int:
         return chunk * self.num_stages + self.rank
@@ -80,6 +83,8 @@ class PipelineRuntime:
         key = (a.chunk, a.micro_batch)
         stage = self.stage(a.chunk)
         inputs, targets = self._micro_batches[a.micro_batch]
+        if self.before_forward is not None:
+            self.before_forward(a.micro_batch)
         if stage == 0:
             x = inputs
         elif (a.chunk, a.micro_batch) in self._recv_f:

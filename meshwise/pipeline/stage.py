@@ -26,7 +26,7 @@ def layer_range(stage: int, num_logical_stages: int, n_layer: int) -> range:
 
 
 def build_chunks(cfg: GPTConfig, seed: int, pp_rank: int, num_stages: int,
-                 num_virtual_stages: int = 1, tp_group=None) -> list[GPT]:
+                 num_virtual_stages: int = 1, tp_group=None, dropout=None) -> list[GPT]:
     """This rank's chunks, in chunk order; each starts from the single-process values."""
     total = num_stages * num_virtual_stages
     chunks = []
@@ -34,7 +34,7 @@ def build_chunks(cfg: GPTConfig, seed: int, pp_rank: int, num_stages: int,
         stage = logical_stage(pp_rank, chunk, num_stages)
         chunks.append(GPT(cfg, seed=seed, layers=layer_range(stage, total, cfg.n_layer),
                           has_embedding=stage == 0, has_head=stage == total - 1,
-                          tp_group=tp_group))
+                          tp_group=tp_group, dropout=dropout))
     if chunks[0].has_embedding and chunks[-1].has_head and len(chunks) > 1:
         chunks[-1].wte = chunks[0].wte  # both ends on one rank: one tied parameter
     return chunks

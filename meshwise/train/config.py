@@ -56,6 +56,7 @@ class ModelConfig:
     d_model: int = 0
     block_size: int = 0
     vocab_size: int = 0  # 0: from the data (its tokenizer's, or byte-level)
+    dropout: float = 0.0
 
     def resolved(self) -> "ModelConfig":
         """A copy with every size filled in from the preset."""
@@ -140,7 +141,7 @@ class TrainConfig:
         _positive(lr=o.lr)
         _non_negative(check_replicas_every=self.runtime.check_replicas_every)
         _non_negative(seed=d.seed, vocab_size=m.vocab_size, max_skipped_steps=o.max_skipped_steps)
-        for flag, beta in (("--beta1", o.beta1), ("--beta2", o.beta2)):
+        for flag, beta in (("--beta1", o.beta1), ("--beta2", o.beta2), ("--dropout", m.dropout)):
             if not 0 <= beta < 1:
                 raise ValueError(f"{flag} must be in [0, 1), got {beta}")
         _choice("--model", m.preset, MODEL_PRESETS)

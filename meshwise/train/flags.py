@@ -39,6 +39,9 @@ TRAIN_FLAGS = [
     ("--n-layer", "model", "n_layer", int, "override the preset's number of layers"),
     ("--n-head", "model", "n_head", int, "override the preset's number of attention heads"),
     ("--d-model", "model", "d_model", int, "override the preset's hidden size"),
+    ("--dropout", "model", "dropout", float,
+     "dropout probability (embeddings, residual branches, attention weights); its masks "
+     "are the same whatever the layout"),
     ("--block-size", "model", "block_size", int,
      "override the preset's context length (learned positions)"),
     ("--vocab-size", "model", "vocab_size", int,

@@ -26,6 +26,7 @@ from meshwise.comm import ops
 from meshwise.data import TokenDataset, rank_slice
 from meshwise.generate import printable
 from meshwise.mesh import Mesh
+from meshwise.models.dropout import DropoutContext
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
@@ -63,15 +64,18 @@ class Trainer:
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size)
         m = cfg.model.resolved()
         self.model_cfg = GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
-                                   block_size=m.block_size, vocab_size=self.data.vocab_size)
+                                   block_size=m.block_size, vocab_size=self.data.vocab_size,
+                                   dropout=m.dropout)
+        self.dropout = DropoutContext(d.seed)
         tp_group = self.mesh.tp if p.tp > 1 else None
         if p.pp > 1:
             chunks = build_chunks(self.model_cfg, d.seed, self.mesh.pp_rank, p.pp,
-                                  p.virtual_stages, tp_group)
+                                  p.virtual_stages, tp_group, self.dropout)
             self.model = nn.ModuleList(chunks).to(self.device)
             named_params = stage_parameters(chunks)
         else:
-            self.model = GPT(self.model_cfg, seed=d.seed, tp_group=tp_group).to(self.device)
+            self.model = GPT(self.model_cfg, seed=d.seed, tp_group=tp_group,
+                             dropout=self.dropout).to(self.device)
             named_params = list(self.model.named_parameters())
         self.num_params = sum(param.numel() for _, param in named_params)
         o = cfg.optim
@@ -140,7 +144,7 @@ class Trainer:
             raise RuntimeError(f"injected failure on rank {self.mesh.rank} at step {step}")
 
         self.engine.zero_grad()
-        loss_part = self._forward_backward(self._micro_batches(step, "train"))
+        loss_part = self._forward_backward(self._micro_batches(step, "train"), step)
         if inject:  # "nan": this rank's loss of the step is not a number
             loss_part = float("nan")
         self.grad_sync.finish()
@@ -184,21 +188,27 @@ class Trainer:
         num = num or d.grad_accum * p.num_micro_batches
         return [(mb[:, :-1], mb[:, 1:]) for mb in local.chunk(num)]
 
-    def _forward_backward(self, micro_batches) -> float:
+    def _forward_backward(self, micro_batches, step: int) -> float:
         """Run every micro-batch; return this rank's share of the global mean loss.
 
         Gradients sync over dp only during the last accumulation round.
         """
         total, scale = 0.0, 1.0 / self.global_tokens
+        rows = micro_batches[0][0].shape[0]
+        first = self.mesh.dp_rank * rows * len(micro_batches)  # of this rank's slice
         if self.pipeline is not None:
             rounds = self.cfg.data.grad_accum
             per_round = len(micro_batches) // rounds
             for r in range(rounds):
+                offset = first + r * per_round * rows
+                self.pipeline.before_forward = (
+                    lambda m, offset=offset: self.dropout.at(step, offset + m * rows))
                 total += self.pipeline.run(micro_batches[r * per_round:(r + 1) * per_round],
                                            scale, sync=r == rounds - 1, autocast=self._autocast)
             return total
         last = len(micro_batches) - 1
         for i, (inputs, targets) in enumerate(micro_batches):
+            self.dropout.at(step, first + i * rows)  # which samples these are
             sync = contextlib.nullcontext() if i == last else self.engine.no_sync()
             with sync, self._autocast():
                 loss = self.model(inputs, targets) * scale

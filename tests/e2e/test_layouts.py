@@ -77,3 +77,16 @@ def test_vocabulary_padded_for_tp_does_not_change_the_loss(tmp_path, corpus):
     for ref, got in zip(single, padded, strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_dropout_keeps_the_loss_curve_layout_independent(tmp_path, corpus, reference):
+    drop = ["--dropout", "0.1"]
+    single = run_layout(tmp_path, corpus, "drop-single", [*drop, "--dp", "1"])
+    assert single[0]["loss"] != reference[0]["loss"]  # dropout is on
+    for name, flags in {"dp2-accum2": ["--dp", "2", "--grad-accum", "2"], "tp2": ["--tp", "2"],
+                        "dp2-pp2": ["--dp", "2", "--pp", "2"]}.items():
+        records = run_layout(tmp_path, corpus, f"drop-{name}", [*drop, *flags])
+        for ref, got in zip(single, records, strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (name, ref, got)
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (name, ref, got)

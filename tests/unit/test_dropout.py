@@ -1,0 +1,54 @@
+"""Dropout masks depend on what an element is, not on who computes it or when."""
+
+import pytest
+import torch
+
+from meshwise.models.dropout import DropoutContext
+from meshwise.models.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, block_size=16, dropout=0.2)
+
+
+def _loss(model, tokens, step, first):
+    model.dropout.at(step, first)
+    return model(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_a_batch_split_in_two_drops_the_same_elements():
+    model = GPT(CFG, seed=1).train()
+    tokens = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
+    whole = _loss(model, tokens, step=3, first=0)
+    halves = _loss(model, tokens[:2], 3, 0) + _loss(model, tokens[2:], 3, 2)
+    torch.testing.assert_close(halves, whole, rtol=1e-6, atol=1e-6)
+    whole.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    halves.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_masks_change_with_step_and_sample_and_vanish_in_eval():
+    model = GPT(CFG, seed=1).train()
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    a, b = _loss(model, tokens, 1, 0), _loss(model, tokens, 2, 0)
+    assert a != b and a == _loss(model, tokens, 1, 0)
+    assert _loss(model, tokens, 1, 0) != _loss(model, tokens, 1, 5)
+    model.eval()
+    assert _loss(model, tokens, 1, 0) == _loss(model, tokens, 2, 0)
+
+
+def test_heads_draw_their_own_masks():
+    ctx = DropoutContext(seed=0)
+    both = ctx.mask("s", torch.Size([1, 2, 4, 4]), 0.5, "cpu", heads=[0, 1])
+    second = ctx.mask("s", torch.Size([1, 1, 4, 4]), 0.5, "cpu", heads=[1])
+    assert torch.equal(both[:, 1:], second)  # head 1 alone (another tp rank) draws the same
+    assert not torch.equal(both[:, 0], both[:, 1])
+    assert ((both == 0) | (both == 2)).all()
+
+
+def test_dropout_must_be_below_one():
+    from meshwise.cli import build_parser, train_config
+
+    with pytest.raises(ValueError, match="--dropout must be in"):
+        train_config(build_parser().parse_args(["train", "--dropout", "1"]))
