@@ -31,3 +31,36 @@ def run_cli(*args, cwd=None, env_extra=None, timeout=240):
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_main(*args, cwd, env_extra=None) -> subprocess.CompletedProcess:
+    """``meshwise ARGS`` in this process: for what ends before any rank starts (exit 2).
+
+    The CLI's own code path (``meshwise.cli.main``) without an interpreter and
+    torch start-up per case; ``run_cli`` keeps the real process for the rest.
+    """
+    import contextlib
+    import io
+
+    from meshwise.cli import main
+
+    env = {"MESHWISE_CACHE": str(Path(cwd) / "cache"), **(env_extra or {})}
+    saved_env = {name: os.environ.get(name) for name in env}
+    saved_cwd = os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.update(env)
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as exc:  # argparse's own errors
+                code = exc.code
+    finally:
+        os.chdir(saved_cwd)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import SMALL, read_metrics, run_cli
+from tests.e2e.conftest import SMALL, read_metrics, run_cli, run_main
 
 STEPS = 10
 
@@ -88,8 +88,8 @@ def test_damaged_checkpoint_exits_2_naming_the_file(tmp_path, corpus):
         damaged = tmp_path / how
         shutil.copytree(step5, damaged)
         message = _damage(damaged, how)
-        result = run_cli("train", *SMALL, "--data", corpus, "--dp", "2", "--resume", damaged,
-                         cwd=tmp_path, timeout=60)
+        result = run_main("train", *SMALL, "--data", corpus, "--dp", "2", "--resume", damaged,
+                          cwd=tmp_path)
         assert result.returncode == 2, result.stderr
         assert message in result.stderr and "rank-00001.safetensors" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -112,7 +112,7 @@ def test_bad_checkpoint_flags_exit_2(tmp_path, corpus):
     ]
     (tmp_path / "corpus").mkdir()
     for flags, message in cases:
-        result = run_cli("train", *SMALL, "--data", corpus, *flags, cwd=tmp_path, timeout=60)
+        result = run_main("train", *SMALL, "--data", corpus, *flags, cwd=tmp_path)
         assert result.returncode == 2, (flags, result.stderr)
         assert message in result.stderr, (flags, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tests.e2e.conftest import SMALL, run_cli
+from tests.e2e.conftest import SMALL, run_cli, run_main
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,6 @@ def test_generate_continues_the_prompt(saved):
     (["export", "ckpt", "--out", "ckpt"], "already exists"),
 ])
 def test_bad_input_exits_2(saved, args, message):
-    result = run_cli(*args, cwd=saved, timeout=60)
+    result = run_main(*args, cwd=saved)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1

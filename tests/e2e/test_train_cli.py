@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import SMALL, read_metrics, run_cli
+from tests.e2e.conftest import SMALL, read_metrics, run_cli, run_main
 
 STEPS = 10
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
@@ -59,8 +59,7 @@ def test_data_parallel_layouts_give_the_same_losses(tmp_path, corpus):
     (["--metrics", "/proc/no/such/m.jsonl"], "--metrics /proc/no/such/m.jsonl: cannot write"),
 ])
 def test_bad_config_exits_2_with_one_line(tmp_path, corpus, flags, message):
-    args = ["train", *SMALL, "--data", corpus, *flags]
-    result = run_cli(*args, cwd=tmp_path, timeout=60)
+    result = run_main("train", *SMALL, "--data", corpus, *flags, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -77,8 +76,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path, corpus, flags, message):
 def test_bad_toml_exits_2_naming_file_and_key(tmp_path, corpus, toml, message):
     config = tmp_path / "run.toml"
     config.write_text(toml + "\n")
-    result = run_cli("train", *SMALL, "--data", corpus, "--config", config, cwd=tmp_path,
-                     timeout=60)
+    result = run_main("train", *SMALL, "--data", corpus, "--config", config, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert f"--config {config}: {message}" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -87,20 +85,19 @@ def test_bad_toml_exits_2_naming_file_and_key(tmp_path, corpus, toml, message):
 def test_unusable_cache_and_data_exit_2(tmp_path, corpus):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    result = run_cli("train", *SMALL, "--data", corpus, cwd=tmp_path, timeout=60,
-                     env_extra={"MESHWISE_CACHE": str(blocker)})
+    result = run_main("train", *SMALL, "--data", corpus, cwd=tmp_path,
+                      env_extra={"MESHWISE_CACHE": str(blocker)})
     assert result.returncode == 2, result.stderr
     assert f"cache directory {blocker} (from MESHWISE_CACHE)" in result.stderr
     big = tmp_path / "big.bin"
     np.array([1, 2, 60000] * 400, dtype="<u2").tofile(big)
-    result = run_cli("train", *SMALL, "--data", big, cwd=tmp_path, timeout=60)
+    result = run_main("train", *SMALL, "--data", big, cwd=tmp_path)
     assert result.returncode == 2 and "--vocab-size (at least 60001)" in result.stderr
-    result = run_cli("train", *SMALL, "--data", big, "--vocab-size", "1000", cwd=tmp_path,
-                     timeout=60)
+    result = run_main("train", *SMALL, "--data", big, "--vocab-size", "1000", cwd=tmp_path)
     assert result.returncode == 2 and "token id 60000, outside --vocab-size 1000" in result.stderr
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("too short")
-    result = run_cli("train", *SMALL, "--data", tiny, cwd=tmp_path, timeout=60)
+    result = run_main("train", *SMALL, "--data", tiny, cwd=tmp_path)
     assert result.returncode == 2
     assert f"the corpus '{tiny}' has 9 tokens; --seq-len 32 needs at least 165" in result.stderr
 
