@@ -30,13 +30,18 @@ def clip_scale(sq_norm: float) -> float:
     return min(1.0, CLIP / (math.sqrt(sq_norm) + 1e-6))
 
 
-def reference_run():
-    model = Net(with_unused=False).double()
-    named = list(model.named_parameters())
-    opt = torch.optim.AdamW(
+def torch_adamw(named):
+    """torch's AdamW with meshwise's weight-decay split (matrices only)."""
+    return torch.optim.AdamW(
         [{"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
          {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}],
         lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, foreach=False)
+
+
+def reference_run():
+    model = Net(with_unused=False).double()
+    named = list(model.named_parameters())
+    opt = torch_adamw(named)
     norms = []
     for step in range(1, STEPS + 1):
         opt.zero_grad()
@@ -149,11 +154,7 @@ def _uses_extra(step: int, rank: int) -> bool:
 def _reference_with_unused(world: int):
     """torch's AdamW skips what has no .grad: ``unused`` always, ``extra`` from step 3."""
     model = Net(with_unused=True).double()
-    named = list(model.named_parameters())
-    opt = torch.optim.AdamW(
-        [{"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
-         {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}],
-        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, foreach=False)
+    opt = torch_adamw(list(model.named_parameters()))
     per_rank = BATCH // world
     for step in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
