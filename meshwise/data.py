@@ -1,13 +1,7 @@
 """Byte-level corpora, uint16 token files and deterministic global batches.
 
-A token file is a flat little-endian uint16 array (``.bin``) with a JSON sidecar
-``<name>.bin.meshwise.json`` holding ``{"num_tokens", "vocab_size", "max_token",
-"source", "format", "written_by"}``. ``vocab_size`` is the tokenizer's when it is
-known (256 for byte-level corpora) and ``null`` for a ``.bin`` meshwise did not
-build; ``max_token`` is the largest id in the file when it was scanned. The
-sidecar's name is ours alone and its ``written_by`` marks it: a file of that
-name that meshwise did not write is never read or replaced.
-``resolve_data`` turns what the user gave (nothing, a text file, a folder, a
+A token file is a flat little-endian uint16 array (``.bin``) with meshwise's
+JSON sidecar (``meshwise.token_files``). ``resolve_data`` turns what the user gave (nothing, a text file, a folder, a
 ``.bin``) into such a file, building and caching it once, atomically (temp file
 in the same folder, then ``os.replace``), so concurrent builders or a crash never
 leave a half-written file. Call it once before spawning ranks; every rank then
@@ -22,126 +16,32 @@ The trainer cuts each dp rank's contiguous rows with ``rank_slice``.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import platform
 import sysconfig
-import tempfile
 import time
-from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
+# Re-exported: the token-file format is part of this module's interface.
+from meshwise.token_files import (ACCEPTED, BYTE_VOCAB_SIZE, TOKEN_DTYPE,  # noqa: F401
+                                  _atomic_write, _write_meta, read_meta, resolve_vocab_size,
+                                  sidecar_path)
+
 logger = logging.getLogger("meshwise")
 
-FORMAT_VERSION = 2
-WRITTEN_BY = "meshwise"
-TOKEN_DTYPE = np.dtype("<u2")
-BYTE_VOCAB_SIZE = 256
-ACCEPTED = "a text file, a folder of text files, or a .bin of uint16 tokens"
 SPLITS = {"train": 0, "val": 1}
 VAL_MIN_SEQUENCES = 4  # the validation split holds at least this many windows
 _SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary
-_SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a .bin for its max token
 
 
 def default_cache_dir() -> Path:
     """``$MESHWISE_CACHE`` if set, else ``~/.cache/meshwise``."""
     return Path(os.environ.get("MESHWISE_CACHE") or "~/.cache/meshwise").expanduser()
-
-
-def sidecar_path(path: str | os.PathLike) -> Path:
-    """Our JSON sidecar of a token file: ``corpus.bin`` -> ``corpus.bin.meshwise.json``."""
-    path = Path(path)
-    return path.with_name(path.name + ".meshwise.json")
-
-
-def _atomic_write(dest: Path, chunks: Iterable[bytes], before_replace=None) -> None:
-    """Write ``chunks`` to a temp file next to ``dest``, fsync, then rename it over ``dest``.
-
-    ``before_replace(tmp_path)`` runs once the data is complete; if it (or the
-    write) raises, the temp file is removed and ``dest`` is left untouched.
-    """
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_replace is not None:
-            before_replace(Path(tmp))
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _write_meta(bin_path: Path, meta: dict) -> None:
-    """Write the JSON sidecar of ``bin_path`` atomically."""
-    meta = {**meta, "format": FORMAT_VERSION, "written_by": WRITTEN_BY}
-    _atomic_write(sidecar_path(bin_path), [json.dumps(meta, indent=1).encode()])
-
-
-def _ours(side: Path) -> dict | None:
-    """The sidecar's contents if meshwise wrote it; raise if the name is someone else's."""
-    try:
-        meta = json.loads(side.read_text())
-    except (OSError, ValueError):
-        meta = None
-    if not isinstance(meta, dict) or meta.get("written_by") != WRITTEN_BY:
-        raise ValueError(f"{side} exists but was not written by meshwise; it is left alone: "
-                         "move or rename it so meshwise can record the token file's metadata")
-    return meta
-
-
-@lru_cache(maxsize=16)
-def _scan_bin(path: str, size: int, mtime_ns: int) -> dict:
-    """Metadata of a ``.bin`` without a sidecar: one chunked pass for the max token.
-
-    Cached on (path, size, mtime): this is where the result lives when the
-    sidecar cannot be written, and a rewritten file is scanned again.
-    """
-    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
-    max_token = 0
-    for start in range(0, len(tokens), _SCAN_CHUNK):
-        max_token = max(max_token, int(tokens[start : start + _SCAN_CHUNK].max()))
-    return {"num_tokens": len(tokens), "vocab_size": None, "max_token": max_token,
-            "source": path}
-
-
-def read_meta(path: str | os.PathLike) -> dict:
-    """Metadata of a token file: its sidecar, or computed once from the tokens.
-
-    Without a (valid) sidecar the file is scanned once for ``max token + 1``;
-    the sidecar is then written next to it if that folder is writable, and
-    otherwise the result is kept in memory for this process.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"data path {str(path)!r} does not exist; expected {ACCEPTED}")
-    st = path.stat()
-    if st.st_size == 0 or st.st_size % TOKEN_DTYPE.itemsize:
-        raise ValueError(f"token file {str(path)!r} has {st.st_size} bytes, not a non-empty "
-                         f"array of uint16 tokens; expected {ACCEPTED}")
-    side = sidecar_path(path)
-    if side.exists():
-        meta = _ours(side)
-        if (meta.get("num_tokens") == st.st_size // TOKEN_DTYPE.itemsize
-                and meta.get("format") == FORMAT_VERSION):
-            return meta
-        logger.warning("rebuilding the stale sidecar %s", side)
-    meta = dict(_scan_bin(str(path.resolve()), st.st_size, st.st_mtime_ns))
-    if os.access(path.parent, os.W_OK):
-        try:
-            _write_meta(path, meta)
-        except OSError as err:  # a race or a read-only mount: keep it in memory
-            logger.debug("could not write sidecar %s: %s", side, err)
-    return meta
 
 
 def _hash_key(parts: Iterable[object]) -> str:
@@ -281,34 +181,6 @@ def resolve_data(path: str | os.PathLike | None,
         raise ValueError(f"cannot build the corpus in the cache directory {cache} (from "
                          f"{origin}): {exc.strerror or exc}; point MESHWISE_CACHE or "
                          "--cache-dir at a writable folder") from None
-
-
-def resolve_vocab_size(meta: dict, requested: int = 0) -> int:
-    """The vocabulary a model of this data needs, checked against the tokens.
-
-    ``requested`` (``--vocab-size``, 0 for none) wins when given; it must hold
-    every token id. Without it: the tokenizer's vocabulary from the sidecar, or
-    for a ``.bin`` of unknown origin its largest id + 1 while that stays within
-    the byte default; past it the vocabulary must be stated, so a stray large id
-    cannot silently grow the model.
-    """
-    stated, max_token = meta.get("vocab_size"), meta.get("max_token")
-    source = meta.get("source", "the data")
-    if requested:
-        if max_token is not None and max_token >= requested:
-            raise ValueError(f"{source} holds token id {max_token}, outside --vocab-size "
-                             f"{requested}; valid: --vocab-size {max_token + 1} or more")
-        if stated and requested < stated:
-            raise ValueError(f"--vocab-size {requested} is smaller than the vocabulary of "
-                             f"{stated} the data was tokenized with")
-        return requested
-    if stated:
-        return stated
-    if max_token < BYTE_VOCAB_SIZE:
-        return max_token + 1
-    raise ValueError(f"{source} holds token ids up to {max_token}, beyond the byte-level "
-                     f"{BYTE_VOCAB_SIZE}; say the vocabulary with --vocab-size "
-                     f"(at least {max_token + 1})")
 
 
 def rank_slice(batch: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
