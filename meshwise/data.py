@@ -1,8 +1,8 @@
 """Byte-level corpora, uint16 token files and deterministic global batches.
 
 A token file is a flat little-endian uint16 array (``.bin``) with meshwise's
-JSON sidecar (``meshwise.token_files``). ``resolve_data`` turns what the user gave (nothing, a text file, a folder, a
-``.bin``) into such a file, building and caching it once, atomically (temp file
+JSON sidecar (``meshwise.token_files``). ``resolve_data`` turns what the user
+gave (nothing, a text file, a folder, a ``.bin``) into such a file, building and caching it once, atomically (temp file
 in the same folder, then ``os.replace``), so concurrent builders or a crash never
 leave a half-written file. Call it once before spawning ranks; every rank then
 opens the result with ``TokenDataset``, which only memory-maps it.

@@ -74,7 +74,8 @@ def _to_gpt2(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
             out[theirs + gpt2 + ".bias"] = tensors[ours + mine + ".bias"]
         for mine, gpt2 in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
                            ("mlp.proj", "mlp.c_proj")):
-            out[theirs + gpt2 + ".weight"] = tensors[ours + mine + ".weight"].t()  # Conv1D: (in, out)
+            # Conv1D keeps its weight as (in, out), the transpose of ours.
+            out[theirs + gpt2 + ".weight"] = tensors[ours + mine + ".weight"].t()
             out[theirs + gpt2 + ".bias"] = tensors[ours + mine + ".bias"]
     return out
 

@@ -81,7 +81,8 @@ class Piece:
         index = torch.zeros((), dtype=torch.long)
         stride = 1
         for dim in reversed(range(len(self.shape))):
-            coords = torch.arange(self.box_offsets[dim], self.box_offsets[dim] + self.box_sizes[dim])
+            start = self.box_offsets[dim]
+            coords = torch.arange(start, start + self.box_sizes[dim])
             index = (coords * stride).view(-1, *([1] * (len(self.shape) - 1 - dim))) + index
             stride *= self.shape[dim]
         return index.reshape(-1)[self.flat_start:self.flat_end]
@@ -102,7 +103,9 @@ def copy_overlap(dst: torch.Tensor, dst_piece: Piece, src: torch.Tensor, src_pie
     if dst_piece.shape != src_piece.shape:
         raise ValueError(f"{dst_piece.name}: stored shape {src_piece.shape} differs from "
                          f"the model's {dst_piece.shape}")
-    if dst_piece.box_offsets == src_piece.box_offsets and dst_piece.box_sizes == src_piece.box_sizes:
+    same_box = (dst_piece.box_offsets == src_piece.box_offsets
+                and dst_piece.box_sizes == src_piece.box_sizes)
+    if same_box:
         start = max(dst_piece.flat_start, src_piece.flat_start)
         end = min(dst_piece.flat_end, src_piece.flat_end)
         if end <= start:

@@ -62,7 +62,8 @@ def write_rank_file(tmp_dir: str | os.PathLike, rank: int,
     tensors, pieces = {}, []
     for i, (piece, tensor) in enumerate(entries):
         if tensor.numel() != piece.numel:
-            raise ValueError(f"{piece.name}: {tensor.numel()} elements for a piece of {piece.numel}")
+            raise ValueError(f"{piece.name}: {tensor.numel()} elements for a piece of "
+                             f"{piece.numel}")
         key = f"p{i}"
         tensors[key] = tensor.detach().reshape(-1).contiguous().cpu()
         pieces.append({"name": piece.name, "shape": list(piece.shape), "key": key,

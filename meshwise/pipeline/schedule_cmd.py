@@ -65,7 +65,8 @@ def run_schedule(args: argparse.Namespace) -> int:
         try:
             plot_timeline(timeline, args.plot)
         except ImportError:
-            return _error("--plot needs matplotlib: pip install -e \".[plot]\" (or pip install matplotlib)")
+            return _error("--plot needs matplotlib: pip install -e \".[plot]\" "
+                          "(or pip install matplotlib)")
         except OSError as exc:
             return _error(f"cannot write --plot {args.plot!r}: {exc.strerror or exc}")
     compute = [[str(a) for a in schedule.compute_actions(r)] for r in range(S)]

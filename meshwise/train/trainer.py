@@ -33,12 +33,12 @@ from meshwise.pipeline.schedules import build_schedule
 from meshwise.pipeline.stage import build_chunks
 from meshwise.pipeline.stage import named_parameters as stage_parameters
 from meshwise.optim import AdamWConfig, lr_at
-from meshwise.train.config import TrainConfig
-from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.checkpointing import RunCheckpointer
+from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
-from meshwise.train.run import model_shape
+from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.metrics import MetricsLog, peak_rss_bytes
+from meshwise.train.run import model_shape
 from meshwise.zero.optimizer import ZeroOptimizer
 from meshwise.zero.params import ZeroStage3
 
@@ -83,7 +83,8 @@ class Trainer:
         self.engine = build_engine(self.model, named_params, self.mesh, cfg, self.adamw)
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine)
         self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine, named_params,
-                                            self.grad_sync.counted, model_shape(cfg, self.data.vocab_size))
+                                            writers=self.grad_sync.counted,
+                                            model=model_shape(cfg, self.data.vocab_size))
         self.global_tokens = d.batch_size * d.seq_len
         self.pipeline = None
         if p.pp > 1:

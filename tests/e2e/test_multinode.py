@@ -24,7 +24,8 @@ SUBNET = "10.213.7"  # addresses of the two test namespaces only, on their own v
 
 
 def _torchrun() -> str:
-    path = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    beside = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    path = beside or shutil.which("torchrun")
     if path is None:
         pytest.skip("torchrun is not installed beside this Python")
     return path

@@ -116,7 +116,8 @@ def test_help_shows_the_dataclass_defaults_and_readme_documents_every_flag():
     readme = README.read_text()
     table = readme[readme.index("## Flags of `meshwise train`"):]
     table = table[:table.index("\n## ")]
-    missing = [flag for flag, *_ in TRAIN_FLAGS if f"`{flag}" not in table and f" {flag}" not in table]
+    missing = [flag for flag, *_ in TRAIN_FLAGS
+               if f"`{flag}" not in table and f" {flag}" not in table]
     assert not missing, f"README flag table lacks {missing}"
 
 
