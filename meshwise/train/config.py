@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from meshwise.activation_checkpointing import MODES as ACTIVATION_CHECKPOINTING
 from meshwise.mesh import ParallelDims
 from meshwise.pipeline.schedules import validate_schedule_config
 
@@ -106,6 +107,7 @@ class RuntimeConfig:
     log_every: int = 10
     quiet: bool = False
     check_replicas_every: int = 100  # compare tp replicas' values every N steps; 0: never
+    activation_checkpointing: str = "none"  # "full": recompute each block in backward
 
 
 @dataclass
@@ -150,6 +152,8 @@ class TrainConfig:
         _choice("--device", self.runtime.device, DEVICES)
         _choice("--dtype", self.runtime.dtype, DTYPES)
         _choice("--on-nan", o.on_nan, ON_NAN)
+        _choice("--activation-checkpointing", self.runtime.activation_checkpointing,
+                ACTIVATION_CHECKPOINTING)
         self._validate_model()
         self._validate_layout()
         self._validate_checkpoint()

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from meshwise.train.config import DEVICES, DTYPES, MODEL_PRESETS, ON_NAN, SCHEDULES, TrainConfig
+from meshwise.train.config import (ACTIVATION_CHECKPOINTING, DEVICES, DTYPES, MODEL_PRESETS,
+                                   ON_NAN, SCHEDULES, TrainConfig)
 
 # (flag, config section, field, type, help). The help's default is added from
 # ``TrainConfig()`` (or ``DEFAULT_TEXT``), so the dataclasses are the one source.
@@ -78,6 +79,9 @@ TRAIN_FLAGS = [
     ("--device", "runtime", "device", str,
      f"{', '.join(DEVICES)}: auto picks cuda (NCCL) when available, else cpu (gloo)"),
     ("--dtype", "runtime", "dtype", str, f"{' or '.join(DTYPES)} compute"),
+    ("--activation-checkpointing", "runtime", "activation_checkpointing", str,
+     f"{' or '.join(ACTIVATION_CHECKPOINTING)}: full keeps only each transformer block's "
+     "input in forward and recomputes the rest in backward (less memory, more compute)"),
     ("--metrics", "runtime", "metrics", str, "write one JSON line per step to this file"),
     ("--check-replicas-every", "runtime", "check_replicas_every", int,
      "every N steps, check that tp-replicated parameters (norms, biases, positions) are "

@@ -22,6 +22,7 @@ import time
 import torch
 from torch import nn
 
+from meshwise.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops
 from meshwise.data import TokenDataset, rank_slice
 from meshwise.generate import printable
@@ -78,6 +79,9 @@ class Trainer:
                              dropout=self.dropout).to(self.device)
             named_params = list(self.model.named_parameters())
         self.num_params = sum(param.numel() for _, param in named_params)
+        chunks = self.model if p.pp > 1 else [self.model]
+        apply_activation_checkpointing([b for chunk in chunks for b in chunk.blocks],
+                                       cfg.runtime.activation_checkpointing, self.dropout)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.engine = build_engine(self.model, named_params, self.mesh, cfg, self.adamw)

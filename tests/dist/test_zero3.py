@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from meshwise.activation_checkpointing import apply_activation_checkpointing
 from meshwise.mesh import Mesh, ParallelDims
 from meshwise.optim import AdamWConfig, decays
 from meshwise.zero.params import ZeroStage3
@@ -72,8 +73,14 @@ def _loss(model, x, y):
     return ((model(x) - y) ** 2).sum() / GLOBAL_BATCH
 
 
-def _train_and_compare(model_fn, num_steps=4, micro_steps=1, clip=None, **zero_kwargs):
+def _train_and_compare(model_fn, num_steps=4, micro_steps=1, clip=None,
+                       activation_checkpointing="none", **zero_kwargs):
     mesh, zero, ref, opt = _build(model_fn, **zero_kwargs)
+    apply_activation_checkpointing(zero.model.blocks if hasattr(zero.model, "blocks") else [],
+                                   activation_checkpointing)
+    runs = [0]  # block forwards, recomputes included
+    for block in getattr(zero.model, "blocks", []):
+        block.register_forward_pre_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
     n, r = mesh.dims.dp, mesh.dp_rank
     per_rank = GLOBAL_BATCH // n
     out = {"norm_diff": 0.0, "partial_norm_diff": 0.0, "clipped": False}
@@ -108,6 +115,8 @@ def _train_and_compare(model_fn, num_steps=4, micro_steps=1, clip=None, **zero_k
     ref_params = dict(ref.named_parameters())
     assert list(full) == list(ref_params)
     out["param_diff"] = max((full[k] - ref_params[k]).abs().max().item() for k in full)
+    out["block_forwards"] = runs[0]
+    out["all_freed"] = all(u.gathered_bytes() == 0 for u in zero.units)
     return out
 
 
@@ -120,6 +129,17 @@ def test_matches_single_process_adamw(dist_pools, world_size, micro_steps, clip)
         assert res["norm_diff"] < 1e-10
         assert res["partial_norm_diff"] < 1e-10
         assert res["clipped"] == (clip is not None)
+
+
+@pytest.mark.parametrize("micro_steps", [1, 2])
+def test_activation_checkpointing_recomputes_gathered_units(dist_pools, micro_steps):
+    """Each block runs again inside backward, on parameters gathered for it there."""
+    results = dist_pools.run(2, _train_and_compare, Net, 3, micro_steps, 0.05,
+                             activation_checkpointing="full")
+    for res in results:
+        assert res["param_diff"] < 1e-10 and res["norm_diff"] < 1e-10
+        assert res["block_forwards"] == 3 * micro_steps * 3 * 2  # steps x micro x blocks x 2
+        assert res["all_freed"]
 
 
 def _freed_between_uses():

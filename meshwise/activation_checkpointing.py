@@ -1,0 +1,98 @@
+"""Activation checkpointing applied from outside the model (as torchtitan does).
+
+``apply_activation_checkpointing(blocks, "full")`` makes each given block keep
+only its input during the forward and recompute everything else when the
+backward reaches it (Chen et al. 2016, "Training deep nets with sublinear memory
+cost"; ``torch.utils.checkpoint`` with ``use_reentrant=False``). The model's code
+and its parameter names are untouched: each block stays the same object, its
+class swapped for a subclass whose ``forward`` checkpoints the original one, so
+plans, checkpoints and ZeRO units see the same modules.
+
+The recompute goes through the block's ``__call__`` again, so hooks registered
+on the block run for it too: ZeRO-3 finds the unit it gathered for the backward
+and points the block at it (``meshwise.zero.params``); the forward hooks of the
+first run are not run twice. Keyed dropout (``meshwise.models.dropout``) draws
+its masks from where in training a forward is, so the recompute is told the
+step and samples of the forward it repeats, which matters under a pipeline,
+where other micro-batches run forwards before this one's backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+MODES = ("none", "full")
+
+
+def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str,
+                                   dropout=None) -> None:
+    """Recompute each of ``blocks`` in backward when ``mode`` is ``"full"``.
+
+    ``blocks``: the transformer blocks, in any order (of a whole model or of this
+    rank's pipeline chunks). ``dropout``: the ``DropoutContext`` the blocks'
+    dropout reads, if any.
+    """
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing {mode!r} is not valid; valid: "
+                         f"{', '.join(MODES)}")
+    if mode == "none":
+        return
+    for block in blocks:
+        if not isinstance(block, Checkpointed):
+            # As FSDP2's fully_shard does: the same object, a subclass of its class, so
+            # names, hooks and copies (``copy.deepcopy``) stay those of the block.
+            block.__class__ = _checkpointed_class(type(block))
+        block._ac_dropout, block._ac_inside = dropout, False
+
+
+class Checkpointed:
+    """Put in front of a block's class: its forward runs under ``checkpoint``."""
+
+    def forward(self, *args, **kwargs):
+        if self._ac_inside or not torch.is_grad_enabled():
+            return super().forward(*args, **kwargs)  # the recompute's own call; no autograd
+        dropout = self._ac_dropout
+        where = None if dropout is None else (dropout.step, dropout.first_sample)
+
+        def run(*args, **kwargs):
+            if self._ac_inside:  # the first run, inside this forward's __call__
+                return super(Checkpointed, self).forward(*args, **kwargs)
+            # The recompute, inside backward: through __call__ so the block's hooks
+            # run, with dropout where it was.
+            with self._ac_entered(), _dropout_at(dropout, where):
+                return self(*args, **kwargs)
+
+        with self._ac_entered():
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    @contextlib.contextmanager
+    def _ac_entered(self):
+        self._ac_inside = True
+        try:
+            yield
+        finally:
+            self._ac_inside = False
+
+
+@functools.cache
+def _checkpointed_class(cls: type) -> type:
+    return type(f"Checkpointed{cls.__name__}", (Checkpointed, cls), {})
+
+
+@contextlib.contextmanager
+def _dropout_at(dropout, where):
+    if dropout is None:
+        yield
+        return
+    saved = dropout.step, dropout.first_sample
+    dropout.at(*where)
+    try:
+        yield
+    finally:
+        dropout.at(*saved)
