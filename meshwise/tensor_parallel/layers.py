@@ -29,7 +29,8 @@ checkpointing): every parameter created here carries
   in rank order (``None`` when replicated);
 * ``param.tp_unpadded_size: int``, only on padded parameters (the embedding):
   the real size of the full tensor along ``tp_dim``; rows beyond it are padding
-  (a checkpoint drops them and re-pads for another tp size).
+  (a checkpoint stores only the real rows; a rank of another tp size loading it
+  keeps its own zero padding).
 
 A parameter without the attributes (LayerNorm, ...) counts as replicated; use
 :func:`is_tp_sharded`. Replicated parameters receive identical gradients on every

@@ -89,8 +89,9 @@ def _ddp_rank(data_path):
     return torch_training(data_path, torch.distributed.get_rank(), 2)
 
 
-def test_two_ranks_match_pytorch_ddp(tmp_path, corpus, dist_pools):
-    ours, data_path = _meshwise(tmp_path, corpus, "--dp", "2", "--zero", "1")
+@pytest.mark.parametrize("zero", ["0", "1"])  # plain buckets, and the sharded AdamW
+def test_two_ranks_match_pytorch_ddp(tmp_path, corpus, dist_pools, zero):
+    ours, data_path = _meshwise(tmp_path, corpus, "--dp", "2", "--zero", zero)
     theirs = dist_pools.run(2, _ddp_rank, data_path)
     assert theirs[0] == theirs[1]
     _assert_close(ours, theirs[0])
