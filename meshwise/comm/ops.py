@@ -13,6 +13,7 @@ all-reduce sends ``2 (n-1)/n`` of the buffer, reduce-scatter and all-gather
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections import defaultdict
@@ -291,3 +292,12 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+# ------------------------------------------------- gradient-sync extensions
+def with_counters(group: Group, counters: CommCounters) -> Group:
+    """The same process group, feeding other counters (e.g. one reducer's own, so that
+    what it sent is known exactly even while other code records on the shared ones)."""
+    twin = copy.copy(group)
+    twin.counters = counters
+    return twin

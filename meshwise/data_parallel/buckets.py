@@ -257,9 +257,17 @@ class GradBuckets:
             self._launch(self._next_launch)
             self._next_launch += 1
 
+    # --compress / --allreduce: a ``meshwise.comm.reducer.GradReducer`` set by the trainer
+    # takes over each bucket's reduction; its result lands in the bucket (or our shard of it).
+    grad_reducer = None
+
     def _launch(self, b: int) -> None:
         buf = self._grad_bufs[b]
-        if self.reduce == "all_reduce" or self._rs_via_all_reduce:
+        if self.grad_reducer is not None:
+            shard = (self._shard_plans[b].shard_range(self.dp_group.rank)
+                     if self.reduce == "reduce_scatter" else None)
+            self._handles[b] = self.grad_reducer.start(b, buf, shard)
+        elif self.reduce == "all_reduce" or self._rs_via_all_reduce:
             self._handles[b] = ops.all_reduce(buf, self.dp_group, category="grad", async_op=True)
         else:  # into a fresh output, added to the shard when it lands
             self._rs_outputs[b] = torch.empty_like(self._grad_shards[b])
@@ -285,7 +293,7 @@ class GradBuckets:
             handle.wait()
             if self.reduce == "reduce_scatter":  # accumulate into the shard
                 start, end = self._shard_plans[b].shard_range(self.dp_group.rank)
-                reduced = (self._grad_bufs[b][start:end] if self._rs_via_all_reduce
+                reduced = (self._grad_bufs[b][start:end] if self._rs_outputs[b] is None
                            else self._rs_outputs[b])
                 self._grad_shards[b].add_(reduced)
                 self._rs_outputs[b] = None

@@ -97,6 +97,12 @@ class DataConfig:
 class CommConfig:
     bucket_mb: float = 25.0
     timeout_s: float = 300.0
+    # dp gradient sync (meshwise.comm): compression, algorithm, node grouping
+    compress: str = "none"  # none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK
+    error_feedback: str = "on"
+    powersgd_warmup_steps: int = 10
+    allreduce: str = "native"  # native, ring, tree, hierarchical, adaptive
+    ranks_per_node: int = 0  # 0: torchrun's LOCAL_WORLD_SIZE, else all ranks on one node
 
 
 @dataclass
@@ -157,7 +163,38 @@ class TrainConfig:
         self._validate_model()
         self._validate_layout()
         self._validate_checkpoint()
+        self._validate_comm()
         return self
+
+    def _validate_comm(self) -> None:
+        """--compress, --allreduce, --ranks-per-node (meshwise.comm)."""
+        from meshwise.comm.algorithms import ALGORITHMS, Topology, hierarchical_problem
+        from meshwise.comm.compression import parse_compress
+
+        c, p, world = self.comm, self.parallel, self.parallel.dims.world_size
+        parse_compress(c.compress)
+        _choice("--allreduce", c.allreduce, ALGORITHMS)
+        _choice("--error-feedback", c.error_feedback, ("on", "off"))
+        _non_negative(ranks_per_node=c.ranks_per_node,
+                      powersgd_warmup_steps=c.powersgd_warmup_steps)
+        if c.ranks_per_node and world % c.ranks_per_node:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            raise ValueError(f"--ranks-per-node {c.ranks_per_node} does not divide the world of "
+                             f"dp x tp x pp = {world} ranks; valid: "
+                             f"{', '.join(map(str, divisors))}")
+        if p.zero == 3 and (c.compress != "none" or c.allreduce != "native"):
+            raise ValueError(f"--compress {c.compress} --allreduce {c.allreduce} with --zero 3: "
+                             "compression and our algorithms serve the ZeRO 0-2 gradient "
+                             "buckets; valid with --zero 3: --compress none --allreduce native")
+        if c.allreduce == "hierarchical":
+            per_node = c.ranks_per_node or world
+            for ranks in p.dims.axis_groups("dp"):
+                problem = hierarchical_problem(Topology.of(ranks, per_node), ranks)
+                if problem:
+                    raise ValueError(
+                        f"--allreduce hierarchical cannot serve the dp group: {problem} "
+                        f"(--ranks-per-node {per_node}); valid here: native, ring, tree, "
+                        "adaptive, or a --ranks-per-node that puts 2+ nodes in each dp group")
 
     def _validate_checkpoint(self) -> None:
         c = self.checkpoint

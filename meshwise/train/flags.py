@@ -76,6 +76,16 @@ TRAIN_FLAGS = [
     ("--bucket-mb", "comm", "bucket_mb", float, "gradient bucket size in MB"),
     ("--timeout-s", "comm", "timeout_s", float,
      "seconds a collective may wait before the job fails"),
+    ("--compress", "comm", "compress", str,
+     "dp gradient compression: none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK"),
+    ("--error-feedback", "comm", "error_feedback", str,
+     "on or off: carry what compression did not send into the next step"),
+    ("--powersgd-warmup-steps", "comm", "powersgd_warmup_steps", int,
+     "uncompressed steps before PowerSGD starts"),
+    ("--allreduce", "comm", "allreduce", str,
+     "dp all-reduce algorithm: native, ring, tree, hierarchical, adaptive"),
+    ("--ranks-per-node", "comm", "ranks_per_node", int,
+     "ranks per node for hierarchical and adaptive (emulates nodes on one machine)"),
     ("--device", "runtime", "device", str,
      f"{', '.join(DEVICES)}: auto picks cuda (NCCL) when available, else cpu (gloo)"),
     ("--dtype", "runtime", "dtype", str, f"{' or '.join(DTYPES)} compute"),
@@ -114,6 +124,7 @@ DEFAULT_TEXT = {
     "cache_dir": "$MESHWISE_CACHE or ~/.cache/meshwise",
     "metrics": "none", "save": "none", "resume": "none: start fresh",
     "save_every": "only at the end", "keep_last": "keep all",
+    "ranks_per_node": "torchrun's LOCAL_WORLD_SIZE; locally, every rank on one node",
 }
 BY_FIELD = {field: (flag, section, kind) for flag, section, field, kind, _ in TRAIN_FLAGS}
 
@@ -225,6 +236,12 @@ def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
     if p.zero == 3 and "bucket_mb" in origins:
         found.append("--bucket-mb has no effect with --zero 3: each ZeRO-3 unit is reduced "
                      "on its own")
+    comm_flags = [f for f in ("compress", "allreduce") if f in origins]
+    if p.dp == 1 and comm_flags:
+        found.append(f"--{comm_flags[0]} has no effect with --dp 1: no gradient is reduced "
+                     "over dp")
+    if "powersgd" not in cfg.comm.compress and "powersgd_warmup_steps" in origins:
+        found.append("--powersgd-warmup-steps has no effect without --compress powersgd:RANK")
     if o.on_nan != "skip" and "max_skipped_steps" in origins:
         found.append("--max-skipped-steps has no effect without --on-nan skip")
     if d.sample_tokens > d.seq_len:

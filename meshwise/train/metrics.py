@@ -125,6 +125,7 @@ class MetricsLog:
             f"(step {last['step']})",
             f"  median throughput {statistics.median(rates):,.0f} tokens/s",
         ]
+        lines += comm_summary(self.history)
         if val_loss is not None:
             lines.append(f"  validation loss {val_loss:.4f}")
         if self.path:
@@ -135,3 +136,27 @@ class MetricsLog:
         if self._file:
             self._file.close()
             self._file = None
+
+
+def comm_summary(history: list[dict]) -> list[str]:
+    """Gradient-sync lines of the summary: bytes, compression, exposed wait, algorithms."""
+    n = len(history)
+    sent = sum(r.get("grad_sync_bytes", 0) for r in history) / n
+    line = f"  grad sync {sent / 2**20:,.2f} MiB/step (all ranks, on the wire)"
+    if "compress_ratio" in history[-1]:
+        line += f", compress ratio {statistics.median(r['compress_ratio'] for r in history):.1f}"
+    exposed = [r["comm_exposed_s"] for r in history if "comm_exposed_s" in r]
+    if exposed:
+        line += f", exposed comm {statistics.median(exposed) * 1e3:.1f} ms/step"
+    lines = [line]
+    calls: dict = {}
+    nbytes: dict = {}
+    for r in history:
+        for a, c in r.get("allreduce_calls", {}).items():
+            calls[a] = calls.get(a, 0) + c
+        for a, b in r.get("allreduce_bytes", {}).items():
+            nbytes[a] = nbytes.get(a, 0) + b
+    if calls:
+        lines.append("  dp reductions by algorithm: " + ", ".join(
+            f"{a} {calls[a]} calls {nbytes.get(a, 0) / 2**20:,.2f} MiB" for a in calls))
+    return lines

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 
 from meshwise import launch
@@ -23,6 +24,9 @@ log = logging.getLogger("meshwise")
 def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
     """``--dp`` when not given: the world / (tp x pp) under torchrun, 2 for the CPU demo."""
     p = cfg.parallel
+    if launch.under_torchrun() and not cfg.comm.ranks_per_node and "LOCAL_WORLD_SIZE" in os.environ:
+        cfg.comm.ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])  # node grouping
+        origins["ranks_per_node"] = "torchrun"
     if "dp" in origins:
         return
     if launch.under_torchrun():

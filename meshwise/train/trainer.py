@@ -37,6 +37,7 @@ from meshwise.optim import AdamWConfig, lr_at
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
+from meshwise.train.grad_comm import GradCommStats, attach_grad_reducer
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.metrics import MetricsLog, peak_rss_bytes
 from meshwise.train.run import model_shape
@@ -85,6 +86,8 @@ class Trainer:
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.engine = build_engine(self.model, named_params, self.mesh, cfg, self.adamw)
+        self.comm_stats = GradCommStats(self.mesh.world.counters, attach_grad_reducer(
+            self.engine, named_params, self.mesh, cfg))
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine)
         self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine, named_params,
                                             writers=self.grad_sync.counted,
@@ -138,6 +141,7 @@ class Trainer:
                 self.metrics.note(f"sample (prompt in [brackets]):\n[{printable(prompt)}]"
                                   f"{printable(continuation)}")
         self.metrics.close()
+        self.comm_stats.close()
 
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
@@ -179,6 +183,7 @@ class Trainer:
             "grad_sync_bytes": int(sums[1]), "model_state_bytes": int(state_bytes),
             "peak_rss_bytes": int(rss),
         }
+        record.update(self.comm_stats.step_record(self._reduce))
         if self.cfg.parallel.zero == 3:
             # Transient: full parameters gathered at once (unit in use + prefetched).
             record["zero3_peak_gathered_bytes"] = int(gathered)

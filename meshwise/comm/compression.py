@@ -1,0 +1,367 @@
+"""Gradient compressors with error feedback (what was not sent is added to the next step).
+
+A compressor reduces one flat gradient bucket over a group: it compresses this
+rank's contribution, moves the compressed pieces with the collectives of a
+``comm`` (an ``algorithms.AllReducer``: ``size``, ``rank``, ``all_reduce``,
+``reduce_scatter``, ``all_gather``, ``all_to_all``), and writes the decompressed
+SUM back into the bucket, identical on every rank. With ``scatter=True`` (ZeRO-2's
+reduce-scatter) only this rank's equal chunk of the bucket must be right
+afterwards; what each compressor does then:
+
+- fp16 / bf16: cast, reduce-scatter (ring or native) in the low precision, cast
+  the owned chunk back. No error feedback (the cast error is not carried).
+- int8: each rank quantises every chunk of its (gradient + error) with a scale
+  per 1024 elements and sends chunk ``j`` to rank ``j`` (all-to-all); the owner
+  sums the dequantised pieces in fp32. That is the whole reduce-scatter. An
+  all-reduce then re-quantises the owned sum (with the owner's own error
+  feedback, as 1-bit Adam's compressed all-reduce does) and all-gathers it.
+- top-k: all-gather of every rank's (value, index) pairs, summed in rank order;
+  each rank keeps its chunk (the pairs are too few to be worth routing).
+- PowerSGD: P and Q are all-reduced in full (they are tiny); every rank
+  decompresses the whole bucket and keeps its chunk.
+
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019): the residual
+``(g + e) - decompressed`` of this rank is kept per bucket and added next step,
+so over steps the sum of what was applied plus what is held equals the sum of
+the gradients (``tests/unit/test_compression.py`` checks exactly that).
+
+This module does no communication of its own (only through ``comm``) and does
+not import ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk:FRACTION", "powersgd:RANK")
+INT8_CHUNK = 1024
+POWERSGD_WARMUP_STEPS = 10
+
+
+@dataclass(frozen=True)
+class CompressSpec:
+    name: str  # none, fp16, bf16, int8, topk, powersgd
+    fraction: float = 0.0  # topk
+    rank: int = 0  # powersgd
+
+    def __str__(self) -> str:
+        if self.name == "topk":
+            return f"topk:{self.fraction:g}"
+        if self.name == "powersgd":
+            return f"powersgd:{self.rank}"
+        return self.name
+
+
+def parse_compress(spec: str) -> CompressSpec:
+    """``--compress`` text -> spec; ``ValueError`` naming the bad value and the valid ones."""
+    valid = f"valid: {', '.join(COMPRESSORS)} (0 < FRACTION < 1, RANK >= 1)"
+    name, _, arg = str(spec).partition(":")
+    if name in ("none", "fp16", "bf16", "int8") and not arg:
+        return CompressSpec(name)
+    try:
+        if name == "topk":
+            fraction = float(arg)
+            if 0 < fraction < 1:
+                return CompressSpec("topk", fraction=fraction)
+        elif name == "powersgd":
+            rank = int(arg)
+            if rank >= 1:
+                return CompressSpec("powersgd", rank=rank)
+    except ValueError:
+        pass
+    raise ValueError(f"--compress {spec!r} is not valid; {valid}")
+
+
+def build_compressor(spec: CompressSpec | str, error_feedback: bool = True,
+                     powersgd_warmup_steps: int = POWERSGD_WARMUP_STEPS) -> "Compressor":
+    spec = parse_compress(spec) if isinstance(spec, str) else spec
+    if spec.name == "none":
+        return NoCompression()
+    if spec.name in ("fp16", "bf16"):
+        return CastCompressor(torch.float16 if spec.name == "fp16" else torch.bfloat16)
+    if spec.name == "int8":
+        return Int8Compressor(error_feedback=error_feedback)
+    if spec.name == "topk":
+        return TopKCompressor(spec.fraction, error_feedback=error_feedback)
+    return PowerSGDCompressor(spec.rank, error_feedback=error_feedback,
+                              warmup_steps=powersgd_warmup_steps)
+
+
+class LocalComm:
+    """The collectives of a group of one (for tests and single-process use)."""
+
+    size, rank = 1, 0
+
+    def all_reduce(self, tensor):
+        pass
+
+    def reduce_scatter(self, flat):
+        return 0, flat.numel()
+
+    def all_gather(self, out, inp):
+        out.copy_(inp.view_as(out))
+
+    def all_to_all(self, sends, recvs):
+        recvs[0].copy_(sends[0])
+
+
+class Compressor:
+    """Base: error-feedback state per bucket key; ``reduce`` does the work."""
+
+    name = "none"
+
+    def __init__(self, error_feedback: bool = True):
+        self.error_feedback = error_feedback
+        self.errors: dict = {}  # key -> residual this rank did not send
+        self.step = 0  # optimizer steps finished (``end_step``)
+
+    def end_step(self) -> None:
+        self.step += 1
+
+    def _with_error(self, key, flat: torch.Tensor) -> torch.Tensor:
+        """``flat + e`` in fp32 (a new tensor)."""
+        acc = flat.float() if flat.dtype != torch.float32 else flat.clone()
+        if self.error_feedback and key in self.errors:
+            acc += self.errors[key]
+        return acc
+
+    def _keep_error(self, key, residual: torch.Tensor) -> None:
+        if self.error_feedback:
+            self.errors[key] = residual
+
+    def reduce(self, key, flat: torch.Tensor, comm, scatter: bool = False) -> None:
+        raise NotImplementedError
+
+
+class NoCompression(Compressor):
+    def reduce(self, key, flat, comm, scatter=False):
+        if scatter:
+            comm.reduce_scatter(flat)
+        else:
+            comm.all_reduce(flat)
+
+
+class CastCompressor(Compressor):
+    """Cast to fp16/bf16, reduce in it, cast back (DDP's fp16/bf16 hooks; ours run on gloo)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__(error_feedback=False)
+        self.dtype = dtype
+        self.name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+    def reduce(self, key, flat, comm, scatter=False):
+        low = flat.to(self.dtype)
+        if scatter:
+            lo, hi = comm.reduce_scatter(low)
+            flat[lo:hi].copy_(low[lo:hi])
+        else:
+            comm.all_reduce(low)
+            flat.copy_(low)
+
+
+# ------------------------------------------------------------------- int8
+def quantize_int8(x: torch.Tensor, chunk: int = INT8_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one fp32 scale per ``chunk`` elements: ``(q, scales)``."""
+    n = x.numel()
+    padded = torch.nn.functional.pad(x.float(), (0, -n % chunk)).view(-1, chunk)  # (C, chunk)
+    scales = padded.abs().amax(dim=1) / 127.0  # (C,)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(padded / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(-1)[:n], scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, chunk: int = INT8_CHUNK) -> torch.Tensor:
+    n = q.numel()
+    padded = torch.nn.functional.pad(q.float(), (0, -n % chunk)).view(-1, chunk)  # (C, chunk)
+    return (padded * scales[:, None]).view(-1)[:n]
+
+
+def _pack(*tensors: torch.Tensor) -> torch.Tensor:
+    """Tensors as one byte string (for one transfer of mixed dtypes)."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def _unpack(data: torch.Tensor, *specs: tuple[torch.dtype, int]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for dtype, numel in specs:
+        size = torch.empty((), dtype=dtype).element_size()
+        piece = data[at:at + numel * size]
+        if piece.storage_offset() % size:  # a view needs an aligned start
+            piece = piece.clone()
+        out.append(piece.view(dtype))
+        at += numel * size
+    return out
+
+
+class Int8Compressor(Compressor):
+    """Per-chunk-scaled int8 with error feedback on both sides of a two-phase all-reduce."""
+
+    name = "int8"
+
+    def __init__(self, error_feedback: bool = True, chunk: int = INT8_CHUNK):
+        super().__init__(error_feedback)
+        self.chunk = chunk
+        self.owner_errors: dict = {}  # key -> residual of re-quantising the owned sum
+
+    def reduce(self, key, flat, comm, scatter=False):
+        p, n = comm.size, flat.numel()
+        assert not scatter or n % p == 0, "reduce-scatter needs a multiple of the group size"
+        size = -(-n // p)
+        acc = self._with_error(key, flat)
+        work = torch.nn.functional.pad(acc, (0, size * p - n))  # (p * size,)
+        pieces = [quantize_int8(work[j * size:(j + 1) * size], self.chunk) for j in range(p)]
+        sent = torch.cat([dequantize_int8(q, s, self.chunk) for q, s in pieces])[:n]
+        self._keep_error(key, acc - sent)
+        num_scales = pieces[0][1].numel()
+        sends = [_pack(q, s) for q, s in pieces]
+        recvs = [torch.empty_like(sends[0]) for _ in range(p)]
+        comm.all_to_all(sends, recvs)
+        owned = torch.zeros(size, dtype=torch.float32, device=flat.device)
+        for data in recvs:  # in rank order: the same sum on every rank
+            q, s = _unpack(data, (torch.int8, size), (torch.float32, num_scales))
+            owned += dequantize_int8(q, s, self.chunk)
+        lo, hi = comm.rank * size, min((comm.rank + 1) * size, n)
+        if scatter:
+            flat[lo:hi].copy_(owned[:hi - lo])
+            return
+        if self.error_feedback and key in self.owner_errors:
+            owned += self.owner_errors[key]
+        q, s = quantize_int8(owned, self.chunk)
+        if self.error_feedback:
+            self.owner_errors[key] = owned - dequantize_int8(q, s, self.chunk)
+        mine = _pack(q, s)
+        gathered = torch.empty(p * mine.numel(), dtype=torch.uint8, device=flat.device)
+        comm.all_gather(gathered, mine)
+        full = torch.cat([dequantize_int8(*_unpack(part, (torch.int8, size),
+                                                   (torch.float32, num_scales)), self.chunk)
+                          for part in gathered.view(p, -1)])
+        flat.copy_(full[:n])
+
+
+# ------------------------------------------------------------------- top-k
+class TopKCompressor(Compressor):
+    """Each rank sends its ``fraction`` largest-magnitude entries as (value, int32 index)."""
+
+    name = "topk"
+
+    def __init__(self, fraction: float, error_feedback: bool = True):
+        super().__init__(error_feedback)
+        if not 0 < fraction < 1:
+            raise ValueError(f"top-k fraction must be in (0, 1), got {fraction}")
+        self.fraction = fraction
+
+    def reduce(self, key, flat, comm, scatter=False):
+        n = flat.numel()
+        k = max(1, math.ceil(self.fraction * n))
+        acc = self._with_error(key, flat)
+        index = acc.abs().topk(k, sorted=False).indices
+        values = acc[index].to(flat.dtype)
+        residual = acc
+        residual[index] -= values.float()  # what the low-precision value did not carry, too
+        self._keep_error(key, residual)
+        mine = _pack(values, index.to(torch.int32))
+        gathered = torch.empty(comm.size * mine.numel(), dtype=torch.uint8, device=flat.device)
+        comm.all_gather(gathered, mine)
+        flat.zero_()
+        for part in gathered.view(comm.size, -1):  # rank order: identical sums everywhere
+            v, i = _unpack(part, (flat.dtype, k), (torch.int32, k))
+            flat.index_add_(0, i.long(), v)
+
+
+# ---------------------------------------------------------------- PowerSGD
+def orthogonalize(m: torch.Tensor, eps: float = 1e-8) -> None:
+    """Gram-Schmidt on the columns of ``m`` (rows x rank), in place (as PyTorch's hook)."""
+    for i in range(m.shape[1]):
+        col = m[:, i:i + 1]
+        col /= col.norm() + eps
+        if i + 1 < m.shape[1]:
+            rest = m[:, i + 1:]
+            rest -= col * (col.t() @ rest)
+
+
+class PowerSGDCompressor(Compressor):
+    """Rank-``rank`` PowerSGD (Vogels et al. 2019, Algorithm 1 with error feedback).
+
+    Per matrix gradient ``M`` (a parameter of 2+ dims, viewed as rows x rest):
+    ``P = M Q`` (all-reduced, with the bucket's uncompressed vectors in the same
+    call), ``P`` orthogonalised, ``Q = M^T P`` (all-reduced), ``M ~ P Q^T``. ``Q``
+    starts from a seeded random matrix, the same on every rank, and is reused
+    from the previous step (warm start). A matrix is compressed only when that
+    halves it at least (PyTorch's ``min_compression_rate``); vectors, small
+    matrices and whatever is not a parameter are sent uncompressed. The first
+    ``warmup_steps`` steps are not compressed at all.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank: int, error_feedback: bool = True,
+                 warmup_steps: int = POWERSGD_WARMUP_STEPS, seed: int = 0):
+        super().__init__(error_feedback)
+        if rank < 1:
+            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+        self.rank, self.warmup_steps, self.seed = rank, warmup_steps, seed
+        self.layouts: dict = {}  # key -> [(offset, shape)] of the bucket's parameters
+        self.qs: dict = {}  # (key, offset) -> Q of the previous step
+
+    def set_layout(self, key, params: list[tuple[int, tuple[int, ...]]]) -> None:
+        self.layouts[key] = list(params)
+
+    def _matrices(self, key, n: int) -> list[tuple[int, int, int]]:
+        """``(offset, rows, cols)`` of the matrices worth compressing in bucket ``key``."""
+        found = []
+        for offset, shape in self.layouts.get(key, []):
+            if len(shape) < 2:
+                continue
+            rows, cols = shape[0], math.prod(shape[1:])
+            if (offset + rows * cols <= n and min(rows, cols) > self.rank
+                    and rows * cols >= 2 * (rows + cols) * self.rank):
+                found.append((offset, rows, cols))
+        return sorted(found)
+
+    def _q(self, key, offset: int, cols: int, device) -> torch.Tensor:
+        if (key, offset) not in self.qs:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + offset)
+            self.qs[(key, offset)] = torch.randn(cols, self.rank, generator=gen).to(device)
+        return self.qs[(key, offset)]
+
+    def reduce(self, key, flat, comm, scatter=False):
+        n = flat.numel()
+        matrices = self._matrices(key, n)
+        if self.step < self.warmup_steps or not matrices:
+            NoCompression.reduce(self, key, flat, comm, scatter)
+            return
+        acc = self._with_error(key, flat)  # (n,) fp32
+        rest = torch.ones(n, dtype=torch.bool, device=flat.device)
+        ms, ps = [], []
+        for offset, rows, cols in matrices:
+            m = acc[offset:offset + rows * cols].view(rows, cols)
+            rest[offset:offset + rows * cols] = False
+            ms.append(m)
+            ps.append(m @ self._q(key, offset, cols, flat.device))  # (rows, r)
+        plain = acc[rest]
+        first = torch.cat([p.view(-1) for p in ps] + [plain])
+        comm.all_reduce(first)
+        at, p_hats = 0, []
+        for p in ps:
+            p_hats.append(first[at:at + p.numel()].view_as(p))
+            orthogonalize(p_hats[-1])
+            at += p.numel()
+        qs = [m.t() @ p_hat for m, p_hat in zip(ms, p_hats)]  # (cols, r) each, local
+        second = torch.cat([q.view(-1) for q in qs])
+        # What this rank's M loses by the projection onto span(P): its residual.
+        for m, p_hat, q in zip(ms, p_hats, qs):
+            m -= p_hat @ q.t()
+        self._keep_error(key, torch.where(rest, torch.zeros_like(acc), acc))
+        comm.all_reduce(second)
+        out = torch.empty_like(acc)
+        out[rest] = first[at:]
+        at = 0
+        for (offset, rows, cols), p_hat in zip(matrices, p_hats):
+            q_sum = second[at:at + cols * self.rank].view(cols, self.rank)
+            out[offset:offset + rows * cols].view(rows, cols).copy_(p_hat @ q_sum.t())
+            self.qs[(key, offset)] = q_sum.clone()  # warm start for the next step
+            at += cols * self.rank
+        flat.copy_(out)

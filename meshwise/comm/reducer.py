@@ -1,0 +1,110 @@
+"""The dp gradient reduction of a bucket, with compression and our own algorithms.
+
+The engines (``GradBuckets``, ``ZeroOptimizer``) launch a bucket's reduction
+where its last gradient arrives and wait for it before the optimizer step. With
+``--compress`` or a non-native ``--allreduce`` they hand the bucket to a
+``GradReducer`` instead of ``ops.all_reduce`` / ``ops.reduce_scatter``:
+
+    handle = reducer.start(key, flat, shard)   # shard: (start, end) for reduce-scatter
+    ...
+    handle.wait()   # flat (or flat[start:end]) now holds the decompressed sum
+
+The work runs on one background thread, in launch order (every rank launches
+buckets in the same order), so it overlaps the rest of backward as the native
+async collectives do; ``wait`` is where communication is exposed, and its time
+is counted as the native handles' is (``counters.wait_s["grad"]``). The bytes
+this reducer put on the wire are added to the shared counters' ``"grad"`` at
+each wait; ``compress_ratio`` compares them with what the uncompressed native
+collective would have sent (``2 (p-1)/p`` of the bucket for an all-reduce,
+``(p-1)/p`` for a reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from meshwise.comm import ops
+from meshwise.comm.algorithms import AllReducer, Topology
+from meshwise.comm.compression import Compressor, NoCompression
+
+log = logging.getLogger("meshwise")
+
+
+class _Pending:
+    """One bucket's reduction in flight; ``wait()`` exactly once."""
+
+    def __init__(self, reducer: "GradReducer", future):
+        self._reducer, self._future = reducer, future
+        self.done = False
+
+    def wait(self) -> None:
+        assert not self.done, "wait() called twice"
+        start = time.perf_counter()
+        if self._future is not None:
+            self._future.result()  # re-raises what the reduction raised
+        self.done = True
+        self._reducer._landed(time.perf_counter() - start)
+
+
+class GradReducer:
+    """Reduces gradient buckets over ``group``: compressor + all-reduce algorithm."""
+
+    def __init__(self, group, compressor: Compressor | None = None, algorithm: str = "native",
+                 topology: Topology | None = None, overlap: bool = True, cost=None):
+        self.shared = group.counters
+        self._own = ops.CommCounters()
+        self._group = ops.with_counters(group, self._own)
+        self.comm = AllReducer(self._group, algorithm, topology, cost=cost, category="grad")
+        self.compressor = compressor or NoCompression()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshwise-grad") if overlap else None
+        self._merged = 0.0
+        self.raw_bytes = 0.0  # what uncompressed native collectives would have sent
+        self.sent_bytes = 0.0
+
+    def set_layouts(self, layouts: dict) -> None:
+        """``{key: [(offset, shape), ...]}`` of each bucket's parameters (PowerSGD needs them)."""
+        if hasattr(self.compressor, "set_layout"):
+            for key, params in layouts.items():
+                self.compressor.set_layout(key, params)
+
+    def start(self, key, flat: torch.Tensor, shard: tuple[int, int] | None = None) -> _Pending:
+        """Launch the sum of ``flat`` over the group (into ``flat``, or its ``shard``)."""
+        p = self.comm.size
+        nbytes = flat.numel() * flat.element_size()
+        self.raw_bytes += (p - 1) / p * nbytes * (1 if shard is not None else 2)
+        job = (self._reduce, key, flat, shard)
+        if self._pool is None:
+            self._reduce(key, flat, shard)
+            return _Pending(self, None)
+        return _Pending(self, self._pool.submit(*job))
+
+    def _reduce(self, key, flat: torch.Tensor, shard) -> None:
+        with torch.no_grad():
+            self.compressor.reduce(key, flat, self.comm, scatter=shard is not None)
+        if shard is not None:
+            size = flat.numel() // self.comm.size
+            assert shard == (self.comm.rank * size, (self.comm.rank + 1) * size), (
+                f"shard {shard} is not this rank's equal chunk of the bucket")
+
+    def _landed(self, waited_s: float) -> None:
+        sent = self._own.bytes_sent["grad"]
+        self.shared.bytes_sent["grad"] += sent - self._merged
+        self.sent_bytes += sent - self._merged
+        self._merged = sent
+        self.shared.wait_s["grad"] += waited_s
+
+    def end_step(self) -> None:
+        """An optimizer step ended (PowerSGD's warm-up counts these)."""
+        self.compressor.end_step()
+
+    def algorithm_stats(self) -> tuple[dict, dict]:
+        """Calls and bytes per algorithm actually used, since the start."""
+        return dict(self.comm.calls), dict(self.comm.bytes)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,78 @@
+"""``--compress`` / ``--allreduce`` for the trainer: the dp reducer and its per-step metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from meshwise.comm.algorithms import Topology
+from meshwise.comm.compression import build_compressor
+from meshwise.comm.reducer import GradReducer
+from meshwise.mesh import Mesh
+from meshwise.train.config import TrainConfig
+
+log = logging.getLogger("meshwise")
+
+# Algorithms as the metrics name them (adaptive reports the one it picked; "p2p" is
+# int8's all-to-all), in a fixed order so every rank reduces the same vector.
+REPORTED = ("native", "ring", "tree", "hierarchical", "p2p")
+
+
+def bucket_layouts(plan, named_params) -> dict:
+    """``{bucket: [(offset, shape), ...]}`` from a ``BucketPlan`` (PowerSGD's matrices)."""
+    shapes = {name: tuple(p.shape) for name, p in named_params}
+    return {b.index: [(plan.slots[n].offset, shapes[n]) for n in b.names] for b in plan.buckets}
+
+
+def attach_grad_reducer(engine, named_params, mesh: Mesh, cfg: TrainConfig):
+    """Give the engine a ``GradReducer`` when compression or an algorithm asks for one."""
+    c = cfg.comm
+    if (c.compress == "none" and c.allreduce == "native") or mesh.dims.dp == 1:
+        return None
+    per_node = c.ranks_per_node or mesh.dims.world_size
+    compressor = build_compressor(c.compress, error_feedback=c.error_feedback == "on",
+                                  powersgd_warmup_steps=c.powersgd_warmup_steps)
+    reducer = GradReducer(mesh.dp, compressor, c.allreduce, Topology.of(mesh.dp.ranks, per_node))
+    reducer.set_layouts(bucket_layouts(engine.plan, named_params))
+    engine.grad_reducer = reducer
+    if mesh.rank == 0:
+        log.info("dp gradient sync: --compress %s (error feedback %s), --allreduce %s, "
+                 "%d ranks per node", c.compress, c.error_feedback, c.allreduce, per_node)
+    return reducer
+
+
+class GradCommStats:
+    """Per-step communication metrics: exposed wait, compression ratio, per-algorithm use."""
+
+    def __init__(self, counters, reducer: GradReducer | None):
+        self.counters, self.reducer = counters, reducer
+        self._last = self._now()
+
+    def _now(self) -> list[float]:
+        values = [self.counters.wait_s["grad"]]
+        if self.reducer is not None:
+            calls, nbytes = self.reducer.algorithm_stats()
+            values += [self.reducer.raw_bytes, self.reducer.sent_bytes]
+            values += [calls.get(a, 0) for a in REPORTED] + [nbytes.get(a, 0.0) for a in REPORTED]
+        return values
+
+    def step_record(self, reduce) -> dict:
+        """This step's values, reduced over all ranks with ``reduce(values, op)``."""
+        now = self._now()
+        delta = [a - b for a, b in zip(now, self._last)]
+        self._last = now
+        if self.reducer is not None:
+            self.reducer.end_step()
+        record = {"comm_exposed_s": reduce(delta[:1], op="max")[0]}
+        if self.reducer is None:
+            return record
+        totals = reduce(delta[1:], op="sum")
+        raw, sent, counts = totals[0], totals[1], totals[2:]
+        k = len(REPORTED)
+        record["compress_ratio"] = raw / sent if sent else 1.0
+        record["allreduce_calls"] = {a: int(n) for a, n in zip(REPORTED, counts[:k]) if n}
+        record["allreduce_bytes"] = {a: int(n) for a, n in zip(REPORTED, counts[k:]) if n}
+        return record
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
