@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Continue a prompt with a checkpoint's model on one "
                                           "process, using a KV cache.")
     add_generate_arguments(generate)
+    from meshwise.comm.bench import add_bench_comm_arguments
+
+    bench = sub.add_parser("bench", help="benchmarks: comm (all-reduce algorithms)")
+    bench_comm = bench.add_subparsers(dest="bench", required=True).add_parser(
+        "comm", help="bandwidth and latency per all-reduce algorithm and size",
+        description="Time each all-reduce algorithm against the native collective, on local "
+                    "ranks or under torchrun.")
+    add_bench_comm_arguments(bench_comm)
     return parser
 
 
@@ -88,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         from meshwise.pipeline.schedule_cmd import run_schedule
 
         return run_schedule(args)
+    if args.command == "bench":
+        from meshwise.comm.bench import run_bench_comm
+
+        return run_bench_comm(args)
     if args.command in ("export", "generate"):
         return _run_offline(args)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,

@@ -362,6 +362,16 @@ class AllReducer:
             return self.cost.choose(nbytes, self.topology)
         return self.algorithm
 
+    def uncompressed_bytes(self, nbytes: int, scatter: bool = False) -> float:
+        """What this rank sends, on average over the group, to all-reduce (or reduce-scatter)
+        ``nbytes`` uncompressed: the reference of ``compress_ratio``. Every exact all-reduce
+        here moves ``2 (p-1)`` buffers in total; a ring or NCCL reduce-scatter half that."""
+        p = self.size
+        name = self._pick(nbytes)
+        halves = scatter and (name == "ring" or (name == "native"
+                                                 and ops.backend(self.group) != "gloo"))
+        return (p - 1) / p * nbytes * (1 if halves else 2)
+
     def _count(self, name: str, before: float) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
         self.bytes[name] = (self.bytes.get(name, 0.0)

@@ -15,8 +15,8 @@ async collectives do; ``wait`` is where communication is exposed, and its time
 is counted as the native handles' is (``counters.wait_s["grad"]``). The bytes
 this reducer put on the wire are added to the shared counters' ``"grad"`` at
 each wait; ``compress_ratio`` compares them with what the uncompressed native
-collective would have sent (``2 (p-1)/p`` of the bucket for an all-reduce,
-``(p-1)/p`` for a reduce-scatter).
+reduction would have sent with the same algorithm
+(``AllReducer.uncompressed_bytes``).
 """
 
 from __future__ import annotations
@@ -73,9 +73,8 @@ class GradReducer:
 
     def start(self, key, flat: torch.Tensor, shard: tuple[int, int] | None = None) -> _Pending:
         """Launch the sum of ``flat`` over the group (into ``flat``, or its ``shard``)."""
-        p = self.comm.size
-        nbytes = flat.numel() * flat.element_size()
-        self.raw_bytes += (p - 1) / p * nbytes * (1 if shard is not None else 2)
+        self.raw_bytes += self.comm.uncompressed_bytes(flat.numel() * flat.element_size(),
+                                                       scatter=shard is not None)
         job = (self._reduce, key, flat, shard)
         if self._pool is None:
             self._reduce(key, flat, shard)
