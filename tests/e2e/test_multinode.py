@@ -5,22 +5,24 @@ With root and ``ip netns``, each launcher lives in its own network namespace
 must find each other across that link, as across two hosts, which needs
 ``GLOO_SOCKET_IFNAME``. Otherwise both launchers share this machine's loopback.
 Either way the two-node job must give the per-step losses of ``--dp 2`` on one
-machine.
+machine. With a shaped link (a rate limit by ``tc``) and two ranks per node,
+``--allreduce hierarchical`` must beat a flat ring in ``meshwise bench comm``
+and train with the losses of ``--dp 4`` on one machine.
 """
 
+import json
 import os
 import shutil
 import subprocess
 import sys
-import uuid
 
 import pytest
 
+from benchmarks.two_nodes import TwoNodes, unavailable
 from meshwise.launch import free_port
 from tests.e2e.conftest import SMALL, read_metrics, run_cli
 
 STEPS = 6
-SUBNET = "10.213.7"  # addresses of the two test namespaces only, on their own veth link
 
 
 def _torchrun() -> str:
@@ -74,53 +76,63 @@ def test_two_launchers_on_loopback_match_one_machine(tmp_path, corpus):
         _reference(tmp_path, corpus), rel=1e-6)
 
 
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "not root: cannot create network namespaces"
-    if shutil.which("ip") is None:
-        return "the ip command (iproute2) is not installed"
-    probe = f"mw-probe-{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
 @pytest.fixture
 def two_hosts():
-    """Two namespaces joined by a veth pair: ``[(namespace, interface, address), ...]``."""
-    reason = _netns_unavailable()
+    """Two namespaces joined by a veth pair (``benchmarks/two_nodes.py``)."""
+    reason = unavailable()
     if reason:
         pytest.skip(f"two-namespace run not possible ({reason}); the loopback test covers "
                     "the launch itself")
-    tag = uuid.uuid4().hex[:6]
-    hosts = [(f"mw-a-{tag}", f"mwa{tag}", f"{SUBNET}.1"), (f"mw-b-{tag}", f"mwb{tag}",
-                                                             f"{SUBNET}.2")]
-    steps = [["ip", "netns", "add", hosts[0][0]], ["ip", "netns", "add", hosts[1][0]],
-             ["ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1]]]
-    for ns, dev, addr in hosts:
-        steps += [["ip", "link", "set", dev, "netns", ns],
-                  ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
-                  ["ip", "-n", ns, "link", "set", dev, "up"],
-                  ["ip", "-n", ns, "link", "set", "lo", "up"]]
-    try:
-        for step in steps:
-            subprocess.run(step, check=True, capture_output=True)
-        yield hosts
-    finally:
-        for ns, _, _ in hosts:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    with TwoNodes() as nodes:
+        yield nodes
 
 
 def test_two_launchers_in_two_network_namespaces(tmp_path, corpus, two_hosts):
     metrics = tmp_path / "nodes.jsonl"
-    master = two_hosts[0][2]
     commands, envs = [], []
-    for node_rank, (ns, dev, _) in enumerate(two_hosts):
+    for node_rank, (ns, dev, _) in enumerate(two_hosts.hosts):
         commands.append(["ip", "netns", "exec", ns,
-                         *_node_command(node_rank, master, 29500, corpus, metrics)])
+                         *_node_command(node_rank, two_hosts.hosts[0][2], 29500, corpus,
+                                        metrics)])
         envs.append(_env(tmp_path, GLOO_SOCKET_IFNAME=dev))
     _run_nodes(commands, envs, tmp_path)
     assert [r["loss"] for r in read_metrics(metrics)] == pytest.approx(
         _reference(tmp_path, corpus), rel=1e-6)
+
+
+@pytest.fixture
+def two_shaped_hosts():
+    """Two nodes of 2 ranks each behind a 200 Mbit/s link (netem, or tbf without it)."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"two-namespace run not possible ({reason}); without namespaces there is "
+                    "no slow link between nodes to measure")
+    with TwoNodes(rate="200mbit") as nodes:
+        yield nodes
+
+
+def test_hierarchical_beats_a_flat_ring_across_a_slow_link(tmp_path, two_shaped_hosts):
+    done = two_shaped_hosts.run(["bench", "comm", "--algorithms", "ring,hierarchical",
+                                 "--sizes", "4M", "--repeats", "3", "--json"], 2, cwd=tmp_path)
+    assert all(d.returncode == 0 for d in done), [d.stderr for d in done]
+    out = json.loads(done[0].stdout)
+    assert out["world_size"] == 4 and out["nodes"] == 2
+    times = {r["algorithm"]: r["time_s"] for r in out["results"]}
+    # Ring: 6 steps of N/4 on the slow link each way = 1.5 N; hierarchical: N.
+    assert times["hierarchical"] < 0.9 * times["ring"], times
+
+
+def test_two_nodes_train_with_hierarchical_all_reduce(tmp_path, corpus, two_shaped_hosts):
+    metrics = tmp_path / "nodes.jsonl"
+    train = ["train", *map(str, SMALL), "--data", str(corpus), "--steps", str(STEPS),
+             "--timeout-s", "60", "--metrics", str(metrics), "--allreduce", "hierarchical"]
+    done = two_shaped_hosts.run(train, 2, cwd=tmp_path)
+    assert all(d.returncode == 0 for d in done), [d.stderr for d in done]
+    records = read_metrics(metrics)
+    assert records[-1]["allreduce_calls"].keys() == {"hierarchical"}  # 2 nodes of 2 from torchrun
+    local = tmp_path / "local4.jsonl"
+    result = run_cli("train", *SMALL, "--data", corpus, "--dp", "4", "--steps", STEPS,
+                     "--metrics", local, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [r["loss"] for r in records] == pytest.approx(
+        [r["loss"] for r in read_metrics(local)], rel=1e-4)
