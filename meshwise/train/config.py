@@ -100,7 +100,8 @@ class CommConfig:
     # dp gradient sync (meshwise.comm): compression, algorithm, node grouping
     compress: str = "none"  # none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK
     error_feedback: str = "on"
-    powersgd_warmup_steps: int = 10
+    compress_warmup_steps: int = 10  # top-k and PowerSGD start after this many steps
+    topk_ramp_steps: int = 100  # top-k density falls from 25% to FRACTION over these
     allreduce: str = "native"  # native, ring, tree, hierarchical, adaptive
     ranks_per_node: int = 0  # 0: torchrun's LOCAL_WORLD_SIZE, else all ranks on one node
 
@@ -176,7 +177,8 @@ class TrainConfig:
         _choice("--allreduce", c.allreduce, ALGORITHMS)
         _choice("--error-feedback", c.error_feedback, ("on", "off"))
         _non_negative(ranks_per_node=c.ranks_per_node,
-                      powersgd_warmup_steps=c.powersgd_warmup_steps)
+                      compress_warmup_steps=c.compress_warmup_steps,
+                      topk_ramp_steps=c.topk_ramp_steps)
         if c.ranks_per_node and world % c.ranks_per_node:
             divisors = [d for d in range(1, world + 1) if world % d == 0]
             raise ValueError(f"--ranks-per-node {c.ranks_per_node} does not divide the world of "

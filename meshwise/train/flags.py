@@ -80,8 +80,10 @@ TRAIN_FLAGS = [
      "dp gradient compression: none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK"),
     ("--error-feedback", "comm", "error_feedback", str,
      "on or off: carry what compression did not send into the next step"),
-    ("--powersgd-warmup-steps", "comm", "powersgd_warmup_steps", int,
-     "uncompressed steps before PowerSGD starts"),
+    ("--compress-warmup-steps", "comm", "compress_warmup_steps", int,
+     "uncompressed steps before top-k or PowerSGD starts"),
+    ("--topk-ramp-steps", "comm", "topk_ramp_steps", int,
+     "steps over which top-k's density falls from 25%% to FRACTION after the warm-up"),
     ("--allreduce", "comm", "allreduce", str,
      "dp all-reduce algorithm: native, ring, tree, hierarchical, adaptive"),
     ("--ranks-per-node", "comm", "ranks_per_node", int,
@@ -240,8 +242,12 @@ def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
     if p.dp == 1 and comm_flags:
         found.append(f"--{comm_flags[0]} has no effect with --dp 1: no gradient is reduced "
                      "over dp")
-    if "powersgd" not in cfg.comm.compress and "powersgd_warmup_steps" in origins:
-        found.append("--powersgd-warmup-steps has no effect without --compress powersgd:RANK")
+    lossy = cfg.comm.compress.partition(":")[0] in ("topk", "powersgd")
+    if not lossy and "compress_warmup_steps" in origins:
+        found.append("--compress-warmup-steps has no effect without --compress topk:FRACTION "
+                     "or powersgd:RANK")
+    if not cfg.comm.compress.startswith("topk") and "topk_ramp_steps" in origins:
+        found.append("--topk-ramp-steps has no effect without --compress topk:FRACTION")
     if o.on_nan != "skip" and "max_skipped_steps" in origins:
         found.append("--max-skipped-steps has no effect without --on-nan skip")
     if d.sample_tokens > d.seq_len:

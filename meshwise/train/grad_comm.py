@@ -30,7 +30,8 @@ def attach_grad_reducer(engine, named_params, mesh: Mesh, cfg: TrainConfig):
         return None
     per_node = c.ranks_per_node or mesh.dims.world_size
     compressor = build_compressor(c.compress, error_feedback=c.error_feedback == "on",
-                                  powersgd_warmup_steps=c.powersgd_warmup_steps)
+                                  warmup_steps=c.compress_warmup_steps,
+                                  topk_ramp_steps=c.topk_ramp_steps)
     reducer = GradReducer(mesh.dp, compressor, c.allreduce, Topology.of(mesh.dp.ranks, per_node))
     reducer.set_layouts(bucket_layouts(engine.plan, named_params))
     engine.grad_reducer = reducer

@@ -146,7 +146,7 @@ def _compress(k: int, spec: str, algorithm: str, scatter: bool, steps: int = 3):
     group = _group(k)
     if group is None:
         return None
-    compressor = build_compressor(spec, powersgd_warmup_steps=1)
+    compressor = build_compressor(spec, warmup_steps=1, topk_ramp_steps=0)
     reducer = GradReducer(group, compressor, algorithm, overlap=True)
     reducer.set_layouts({"b": LAYOUT})
     outs, ins = [], []

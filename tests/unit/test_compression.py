@@ -88,7 +88,7 @@ def test_without_error_feedback_nothing_is_carried():
 
 
 def test_topk_sends_k_pairs_with_indices_counted():
-    comp, comm = TopKCompressor(0.01), CountingComm()
+    comp, comm = TopKCompressor(0.01, warmup_steps=0, ramp_steps=0), CountingComm()
     g = grads(10000, 1)[0]
     out = g.clone()
     comp.reduce("b", out, comm)
@@ -102,7 +102,7 @@ def test_topk_sends_k_pairs_with_indices_counted():
 
 
 def test_topk_error_feedback_sends_everything_eventually():
-    comp = TopKCompressor(0.1)
+    comp = TopKCompressor(0.1, warmup_steps=0, ramp_steps=0)
     g = torch.arange(1.0, 11.0)  # one entry per step leaves, the rest waits
     total = torch.zeros(10)
     for _ in range(60):
@@ -111,6 +111,21 @@ def test_topk_error_feedback_sends_everything_eventually():
         total += out
     torch.testing.assert_close(total + comp.errors["b"], 60 * g)
     assert (total > 0).all(), "every entry was sent at least once"
+
+
+def test_topk_warms_up_uncompressed_then_ramps_density_down():
+    comp, n = TopKCompressor(0.01, warmup_steps=2, ramp_steps=4), 10000
+    g = grads(n, 1)[0]
+    sent = []
+    for _ in range(8):
+        comm, out = CountingComm(), g.clone()
+        comp.reduce("b", out, comm)
+        sent.append(comm.moved // 8 if comp.step >= 2 else None)
+        if comp.step < 2:  # warm-up: the plain sum, nothing carried
+            assert torch.equal(out, g) and comp.errors == {} and comm.moved == 4 * n
+        comp.end_step()
+    # 25%, then exponentially down to 1%, then 1% for good: (0.25 / 0.01) ** (1/4) per step.
+    assert sent[2:] == [2500, 1119, 500, 224, 100, 100]
 
 
 def test_orthogonalize_gives_orthonormal_columns():
