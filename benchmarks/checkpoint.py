@@ -35,8 +35,8 @@ from meshwise.checkpoint.store import Checkpoint
 from meshwise.comm import ops
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.optim import AdamWConfig
-from meshwise.zero.optimizer import ZeroOptimizer
-from meshwise.zero.params import ZeroStage3
+from meshwise.sharding.buckets import ZeroOptimizer
+from meshwise.sharding.zero3 import ZeroStage3
 
 PRESETS = {"small": GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=128),
            "medium": GPTConfig(n_layer=12, n_head=12, d_model=768, block_size=128)}

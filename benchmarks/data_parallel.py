@@ -35,7 +35,7 @@ from benchmarks.common import (add_round_args, median, medians, new_timings,  # 
                                torch_param_groups)
 from meshwise.comm import ops  # noqa: E402
 from meshwise.optim import AdamWConfig  # noqa: E402
-from meshwise.zero.optimizer import ZeroOptimizer  # noqa: E402
+from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
 
 
 class Block(nn.Module):

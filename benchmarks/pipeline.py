@@ -58,7 +58,7 @@ from meshwise.mesh import Mesh, ParallelDims  # noqa: E402
 from meshwise.pipeline.runtime import PipelineRuntime  # noqa: E402
 from meshwise.pipeline.schedules import build_schedule  # noqa: E402
 from meshwise.pipeline.stage import build_chunks, named_parameters  # noqa: E402
-from meshwise.zero.optimizer import ZeroOptimizer  # noqa: E402
+from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
 
 
 # ---------------------------------------------------------------- setup

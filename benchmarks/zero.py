@@ -56,8 +56,8 @@ from benchmarks.zero_memory import memory_table, zero_formula_bytes  # noqa: E40
 from meshwise.comm import ops  # noqa: E402
 from meshwise.data import rank_slice  # noqa: E402
 from meshwise.models.gpt import GPT  # noqa: E402
-from meshwise.zero.optimizer import ZeroOptimizer  # noqa: E402
-from meshwise.zero.params import ZeroStage3  # noqa: E402
+from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
+from meshwise.sharding.zero3 import ZeroStage3  # noqa: E402
 
 # Timed in this order (reversed every other round); each meshwise stage then its peer.
 VARIANTS = ("zero0", "ddp", "zero1", "zero_redundancy", "zero2", "zero3", "fsdp2")

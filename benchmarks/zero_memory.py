@@ -18,8 +18,8 @@ from meshwise.comm import ops
 from meshwise.data import rank_slice
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.optim import AdamWConfig
-from meshwise.zero.optimizer import ZeroOptimizer
-from meshwise.zero.params import ZeroStage3
+from meshwise.sharding.buckets import ZeroOptimizer
+from meshwise.sharding.zero3 import ZeroStage3
 
 SMALL_PRESET = GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=512, vocab_size=256)
 

@@ -10,7 +10,7 @@ plans, checkpoints and ZeRO units see the same modules.
 
 The recompute goes through the block's ``__call__`` again, so hooks registered
 on the block run for it too: ZeRO-3 finds the unit it gathered for the backward
-and points the block at it (``meshwise.zero.params``); the forward hooks of the
+and points the block at it (``meshwise.sharding.zero3``); the forward hooks of the
 first run are not run twice. Keyed dropout (``meshwise.models.dropout``) draws
 its masks from where in training a forward is, so the recompute is told the
 step and samples of the forward it repeats, which matters under a pipeline,
@@ -43,6 +43,8 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str,
                          f"{', '.join(MODES)}")
     if mode == "none":
         return
+    if isinstance(blocks, nn.ModuleDict):
+        blocks = blocks.values()
     for block in blocks:
         if not isinstance(block, Checkpointed):
             # As FSDP2's fully_shard does: the same object, a subclass of its class, so

@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from meshwise.checkpoint.model import load_gpt, open_checkpoint
-from meshwise.models.gpt import LayerCache
+from meshwise.checkpoint.model import load_model, open_checkpoint
+from meshwise.models.kv_cache import LayerCache
 
 
 def add_generate_arguments(parser) -> None:
@@ -41,7 +41,7 @@ def check_generate_arguments(args) -> None:
 
 def run_generate(args) -> str:
     check_generate_arguments(args)
-    model = load_gpt(open_checkpoint(args.checkpoint))
+    model = load_model(open_checkpoint(args.checkpoint))
     if model.cfg.vocab_size != 256:
         raise ValueError(f"the checkpoint's vocabulary has {model.cfg.vocab_size} tokens; "
                          "--prompt text is encoded byte-level (256)")

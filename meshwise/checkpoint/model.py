@@ -12,7 +12,7 @@ import torch
 
 from meshwise.checkpoint.state import KIND_PREFIX
 from meshwise.checkpoint.store import Checkpoint, CheckpointError, resolve
-from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.models.families import family
 
 PARAM_PREFIX = KIND_PREFIX["param"]
 
@@ -26,10 +26,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return ckpt
 
 
-def model_config(ckpt: Checkpoint) -> GPTConfig:
-    m = ckpt.meta["model"]
-    return GPTConfig(n_layer=m["n_layer"], n_head=m["n_head"], d_model=m["d_model"],
-                     block_size=m["block_size"], vocab_size=m["vocab_size"])
+def model_config(ckpt: Checkpoint):
+    """The checkpoint's model config (of its family; older checkpoints are GPTs)."""
+    sizes = ckpt.meta["model"]
+    return family(sizes.get("family", "gpt")).make_config(sizes)
 
 
 def model_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
@@ -39,14 +39,29 @@ def model_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_gpt(ckpt: Checkpoint) -> GPT:
-    """The single-process GPT holding the checkpoint's parameters (evaluation mode)."""
-    model = GPT(model_config(ckpt))
+def load_model(ckpt: Checkpoint) -> torch.nn.Module:
+    """The single-process model holding the checkpoint's parameters (evaluation mode)."""
+    fam = family(ckpt.meta["model"].get("family", "gpt"))
+    cfg = fam.make_config(ckpt.meta["model"])
+    with torch.device("meta"):
+        model = fam.build(cfg, None)
     tensors = model_tensors(ckpt)
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(tensors))
+    names = [name for name, _ in model.named_parameters()]  # a tie appears once
+    missing = sorted(set(names) - set(tensors))
     if missing:
         raise CheckpointError(f"{ckpt.path}: no values for {', '.join(missing[:3])}")
-    for name, param in params.items():
-        param.copy_(tensors[name].view(param.shape))
+    model.to_empty(device="cpu")
+    params = dict(model.named_parameters())
+    for name in names:
+        params[name].copy_(tensors[name].view(params[name].shape))
+    plan = fam.plan(cfg)
+    for tie in plan.ties:  # to_empty gave each member its own storage: tie them again
+        _retie(model, tie)
     return model.eval()
+
+
+def _retie(model: torch.nn.Module, tie) -> None:
+    first = model.get_parameter(tie[0])
+    for name in tie[1:]:
+        path, _, attr = name.rpartition(".")
+        model.get_submodule(path)._parameters[attr] = first

@@ -77,15 +77,21 @@ class Piece:
         return self.flat_start == 0 and self.flat_end == self.box_numel
 
     def logical_indices(self) -> torch.Tensor:
-        """Row-major indices into the flattened logical tensor, one per element, increasing."""
-        index = torch.zeros((), dtype=torch.long)
+        """Row-major indices into the flattened logical tensor, one per element, increasing.
+
+        Only the piece's own range is resolved (never the whole box), so a small
+        run of a large tensor costs what the run holds."""
+        position = torch.arange(self.flat_start, self.flat_end)  # flat positions in the box
+        index = torch.zeros_like(position)
+        if position.numel() == 0:
+            return index
         stride = 1
         for dim in reversed(range(len(self.shape))):
-            start = self.box_offsets[dim]
-            coords = torch.arange(start, start + self.box_sizes[dim])
-            index = (coords * stride).view(-1, *([1] * (len(self.shape) - 1 - dim))) + index
+            size = self.box_sizes[dim]
+            index += (position % size + self.box_offsets[dim]) * stride
+            position = position // size
             stride *= self.shape[dim]
-        return index.reshape(-1)[self.flat_start:self.flat_end]
+        return index
 
     def to_dict(self) -> dict:
         return {"box_offsets": list(self.box_offsets), "box_sizes": list(self.box_sizes),

@@ -168,8 +168,10 @@ def backend(group: Group) -> str:
     """The backend that carries ``group``'s collectives: ``"gloo"``, ``"nccl"``, ...
 
     Callers pick a collective formulation per backend (gloo's reduce-scatter is
-    slower than its all-reduce; NCCL's is not).
+    slower than its all-reduce; NCCL's is not). A group of one rank needs none.
     """
+    if group.size == 1:
+        return "local"
     return str(dist.get_backend(group.pg))
 
 

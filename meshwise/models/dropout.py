@@ -28,19 +28,32 @@ from torch import nn
 
 
 class DropoutContext:
-    """Where in training the next forward is: the seed, the step, its first sample."""
+    """Where in training the next forward is: the seed, the step, its first sample.
+
+    ``tp_rank``: this rank's place on the tensor-parallel axis (set by
+    ``meshwise.parallelize``): a rank holding heads 4..7 draws their masks.
+    """
 
     def __init__(self, seed: int):
         self.seed = seed
         self.step = 0
         self.first_sample = 0
+        self.tp_rank = 0
+
+    def __deepcopy__(self, memo):
+        # One context per rank, shared by every copy of the model (pipeline chunks).
+        return self
 
     def at(self, step: int, first_sample: int) -> None:
         self.step, self.first_sample = step, first_sample
 
-    def mask(self, site: str, shape: torch.Size, p: float, device, heads=None) -> torch.Tensor:
-        """Keep-mask scaled by 1/(1-p), shape ``shape`` = (B, ...); ``heads``: the global
-        head index of each slice along dim 1 (for attention weights)."""
+    def mask(self, site: str, shape: torch.Size, p: float, device,
+             per_head: bool = False) -> torch.Tensor:
+        """Keep-mask scaled by 1/(1-p), shape ``shape`` = (B, ...); with ``per_head``
+        dim 1 holds this rank's attention heads (for attention weights)."""
+        heads = None
+        if per_head:  # local head i is global head tp_rank * local_heads + i
+            heads = range(self.tp_rank * shape[1], (self.tp_rank + 1) * shape[1])
         rows = []
         for b in range(shape[0]):
             sample = self.first_sample + b

@@ -31,8 +31,10 @@ class PipelineRuntime:
     """
 
     def __init__(self, chunks, schedule: Schedule, pp_group: ops.Group, engine,
-                 hidden_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+                 hidden_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 loss_fn=None):
         self.chunks, self.schedule, self.pp_group = chunks, schedule, pp_group
+        self.loss_fn = loss_fn
         self.engine = engine
         self.hidden_shape, self.dtype, self.device = hidden_shape, dtype, device
         self.rank = pp_group.rank if pp_group is not None else 0
@@ -93,7 +95,7 @@ class PipelineRuntime:
             x = self._outputs_prev_chunk(a)
         with self._autocast():
             if stage == self.num_logical - 1:
-                out = self.chunks[a.chunk](x, targets) * self._loss_scale
+                out = self._last_stage(a.chunk, x, targets) * self._loss_scale
                 self._loss += out.item()
             else:
                 out = self.chunks[a.chunk](x)
@@ -101,6 +103,13 @@ class PipelineRuntime:
         self._outputs[key] = out
         if self.num_stages == 1 and stage < self.num_logical - 1:
             self._handoff[key] = out  # the next chunk on this rank takes it directly
+
+    def _last_stage(self, chunk: int, x, targets):
+        """The last stage's output: the loss sum with ``targets``, else logits."""
+        if self.loss_fn is None:
+            return self.chunks[chunk](x, targets)
+        out = self.chunks[chunk](x)
+        return out if targets is None else self.loss_fn(out, targets)
 
     def _outputs_prev_chunk(self, a: Action) -> torch.Tensor:
         prev = self._handoff.pop((a.chunk - 1, a.micro_batch))
@@ -125,7 +134,7 @@ class PipelineRuntime:
                 ops.recv(x, prev_owner, self.pp_group, tag=stage)
             with autocast():
                 last = stage == self.num_logical - 1
-                x = self.chunks[chunk](x, targets) if last else self.chunks[chunk](x)
+                x = self._last_stage(chunk, x, targets) if last else self.chunks[chunk](x)
             next_owner = (stage + 1) % self.num_stages
             if not last and next_owner != self.rank:
                 ops.send(x, next_owner, self.pp_group, tag=stage + 1)

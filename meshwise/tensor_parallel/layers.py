@@ -7,14 +7,15 @@
   partial sum of ``Y`` and one all-reduce completes it (the second GEMM). A
   column layer followed by a row layer therefore costs one all-reduce forward
   and one backward.
-* :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy`: the
-  vocabulary split across ranks, with the loss computed from the logit shards so
-  that the ``(tokens, vocab)`` logits are never gathered.
+* the vocabulary split across ranks: ``meshwise.tensor_parallel.vocab``.
 
-Initialisation never depends on the layout: each layer builds the FULL tensor
-with ``torch.Generator().manual_seed(init_seed)`` exactly as a single process
-would and keeps this rank's slice (see :func:`init_normal`). Give every layer of
-a model its own ``init_seed``. With ``tp_group`` ``None`` (or of size 1) each
+Initialisation never depends on the layout: a layer draws only its slice of the
+tensor one process would build from ``init_seed`` (``meshwise.models.init``
+defines the values block by block, so no rank builds the whole matrix). Give
+every layer of a model its own ``init_seed``. Built under
+``torch.device("meta")`` a layer holds shapes only, to be materialised later
+(``meshwise.parallelize``); ``from_linear`` / ``from_embedding`` turn a plain
+module into its parallel form. With ``tp_group`` ``None`` (or of size 1) each
 layer is numerically identical to ``nn.Linear`` / ``nn.Embedding`` /
 ``F.cross_entropy`` holding the same tensors.
 
@@ -46,23 +47,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshwise.comm import ops
-from meshwise.tensor_parallel.mappings import (CATEGORY, copy_to_tp, gather_from_tp,
-                                               reduce_from_tp, scatter_to_tp, tp_rank_of,
-                                               tp_size_of)
+from meshwise.checkpoint.pieces import Piece
+from meshwise.models.init import Init, full_init, init_values, normal
+from meshwise.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
+                                               scatter_to_tp, tp_rank_of, tp_size_of)
 
 
 # ---------------------------------------------------------------- helpers
 def init_normal(shape, std: float, seed: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The full tensor N(0, std^2) as one process builds it from ``seed``.
-
-    Drawn in at least float32 (a bf16 draw would differ from an fp32 draw of the
-    same seed by more than a cast), then cast to ``dtype``.
-    """
-    dtype = dtype or torch.get_default_dtype()
-    gen = torch.Generator().manual_seed(seed)
-    full = torch.empty(shape, dtype=torch.promote_types(dtype, torch.float32))
-    return full.normal_(0.0, std, generator=gen).to(dtype)
+    """The full tensor N(0, std^2) as one process builds it from ``seed``
+    (``meshwise.models.init``: drawn block by block, in float32, then cast)."""
+    return full_init(normal(std), seed, "weight", shape, dtype or torch.get_default_dtype())
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -82,16 +77,51 @@ def is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tp_sharded", False))
 
 
-def _shard(full: torch.Tensor, dim: int, group) -> nn.Parameter:
-    size, rank = tp_size_of(group), tp_rank_of(group)
-    chunk = full.shape[dim] // size
-    local = full.narrow(dim, rank * chunk, chunk).clone(memory_format=torch.contiguous_format)
-    return mark_tp(nn.Parameter(local), sharded=True, dim=dim)
-
-
 def _check_divisible(name: str, value: int, tp_size: int) -> None:
     if value % tp_size != 0:
         raise ValueError(f"{name}={value} is not divisible by tp size {tp_size}")
+
+
+def sharded_param(full_shape, dim: int, group, dtype, device, init: Init | None = None,
+             seed: int = 0, real_rows: int | None = None, source=None) -> nn.Parameter:
+    """This rank's slice along ``dim`` of a tensor of ``full_shape``, as a parameter.
+
+    Its values: none on the meta device; else the slice of ``source`` (a full
+    tensor, e.g. a plain module's weight) or of the single-process ``init``
+    drawn from ``seed`` (only the slice is drawn). Along dim 0, rows at or past
+    ``real_rows`` are padding and stay zero.
+    """
+    size, rank = tp_size_of(group), tp_rank_of(group)
+    local = list(full_shape)
+    local[dim] //= size
+    start = rank * local[dim]
+    param = mark_tp(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), True, dim)
+    real = full_shape[dim] if real_rows is None else real_rows
+    if real_rows is not None:
+        param.tp_unpadded_size = real_rows
+    count = max(0, min(local[dim], real - start))  # real (unpadded) entries we hold
+    if param.device.type == "meta" or count == 0 or (source is None and init is None):
+        return param
+    with torch.no_grad():
+        target = param.narrow(dim, 0, count)
+        if source is not None:
+            target.copy_(source.detach().narrow(dim, start, count))
+        else:
+            real_shape = list(full_shape)
+            real_shape[dim] = real
+            offsets = [0] * len(full_shape)
+            offsets[dim] = start
+            piece = Piece.box("weight", real_shape, offsets, target.shape)
+            target.copy_(init_values(init, seed, piece).view(target.shape))
+    return param
+
+
+def replicated_param(shape, dtype, device, source=None) -> nn.Parameter:
+    param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+    if source is not None and param.device.type != "meta":
+        with torch.no_grad():
+            param.copy_(source.detach())
+    return mark_tp(param, False)
 
 
 # ---------------------------------------------------------------- linear layers
@@ -100,22 +130,32 @@ class ColumnParallelLinear(nn.Module):
 
     The input is replicated; :func:`copy_to_tp` (Megatron's ``f``) sums its
     gradient over ranks. The output is this rank's ``out_features / tp`` slice,
-    or the full output when ``gather_output``.
+    or the full output when ``gather_output``. Built on the meta device (under
+    ``torch.device("meta")``) it holds shapes only, for a later materialisation.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, init_seed: int = 0,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, device=None, _source=None):
         super().__init__()
         _check_divisible("out_features", out_features, tp_size_of(tp_group))
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.gather_output = tp_group, gather_output
-        full = init_normal((out_features, in_features), init_std, init_seed, dtype)
-        self.weight = _shard(full, 0, tp_group)                  # (out / tp, in)
+        dtype = dtype or torch.get_default_dtype()
+        weight, b = (None, None) if _source is None else _source
+        self.weight = sharded_param((out_features, in_features), 0, tp_group, dtype, device,
+                               normal(init_std), init_seed, source=weight)  # (out / tp, in)
         if bias:
-            self.bias = _shard(torch.zeros(out_features, dtype=full.dtype), 0, tp_group)
+            self.bias = sharded_param((out_features,), 0, tp_group, dtype, device, source=b)
         else:
             self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp_group, gather_output: bool = False):
+        """The column-parallel form of ``linear`` (its slice of the values, or shapes on meta)."""
+        return cls(linear.in_features, linear.out_features, tp_group, linear.bias is not None,
+                   gather_output, dtype=linear.weight.dtype, device=linear.weight.device,
+                   _source=(linear.weight, linear.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (..., out / tp)
@@ -137,17 +177,26 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02, init_seed: int = 0,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, device=None, _source=None):
         super().__init__()
         _check_divisible("in_features", in_features, tp_size_of(tp_group))
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
-        full = init_normal((out_features, in_features), init_std, init_seed, dtype)
-        self.weight = _shard(full, 1, tp_group)                  # (out, in / tp)
+        dtype = dtype or torch.get_default_dtype()
+        weight, b = (None, None) if _source is None else _source
+        self.weight = sharded_param((out_features, in_features), 1, tp_group, dtype, device,
+                               normal(init_std), init_seed, source=weight)  # (out, in / tp)
         if bias:
-            self.bias = mark_tp(nn.Parameter(torch.zeros(out_features, dtype=full.dtype)), False)
+            self.bias = replicated_param((out_features,), dtype, device, source=b)
         else:
             self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp_group, input_is_parallel: bool = True):
+        """The row-parallel form of ``linear`` (its slice of the values, or shapes on meta)."""
+        return cls(linear.in_features, linear.out_features, tp_group, linear.bias is not None,
+                   input_is_parallel, dtype=linear.weight.dtype, device=linear.weight.device,
+                   _source=(linear.weight, linear.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size_of(self.tp_group) == 1:
@@ -160,146 +209,3 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"tp_size={tp_size_of(self.tp_group)}, input_is_parallel={self.input_is_parallel}")
-
-
-# ---------------------------------------------------------------- vocabulary
-class VocabParallelEmbedding(nn.Module):
-    """An embedding table whose rows (the vocabulary) are split across tp.
-
-    Each rank embeds the ids it owns, writes zeros for the others, and
-    :func:`reduce_from_tp` sums the rows into the full embedding. The table is
-    padded to :func:`padded_vocab_size` rows; padding rows start at zero and are
-    never looked up for valid ids (``0 <= id < num_embeddings``, not checked, to
-    avoid a device sync). :meth:`logits` reuses the table as the LM head.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group,
-                 init_std: float = 0.02, init_seed: int = 0, dtype: torch.dtype | None = None):
-        super().__init__()
-        tp_size = tp_size_of(tp_group)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padded_num_embeddings = padded_vocab_size(num_embeddings, tp_size)
-        self.tp_group = tp_group
-        real = init_normal((num_embeddings, embedding_dim), init_std, init_seed, dtype)
-        full = torch.zeros(self.padded_num_embeddings, embedding_dim, dtype=real.dtype)
-        full[:num_embeddings] = real                              # (padded_vocab, dim)
-        self.weight = _shard(full, 0, tp_group)                   # (padded_vocab / tp, dim)
-        self.weight.tp_unpadded_size = num_embeddings
-        rows = self.padded_num_embeddings // tp_size
-        self.vocab_start = tp_rank_of(tp_group) * rows
-        self.vocab_end = self.vocab_start + rows
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if tp_size_of(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)  # exactly nn.Embedding
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        # masked_fill also zeroes the gradient of the stand-in row 0 lookups.
-        emb = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(emb, self.tp_group)                # (..., dim)
-
-    def logits(self, hidden: torch.Tensor, gather_output: bool = False) -> torch.Tensor:
-        """Tied LM head: this rank's vocab-parallel logits ``hidden @ E_shard^T``.
-
-        Returns ``(..., padded_vocab / tp)``, ready for
-        :func:`vocab_parallel_cross_entropy` with ``vocab_size=num_embeddings``;
-        with ``gather_output`` the full ``(..., num_embeddings)`` logits instead
-        (for generation: padding columns are dropped).
-        """
-        logits = vocab_parallel_logits(hidden, self.weight, self.tp_group)
-        if not gather_output:
-            return logits
-        return gather_from_tp(logits, self.tp_group, dim=-1)[..., :self.num_embeddings]
-
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, "
-                f"padded={self.padded_num_embeddings}, tp_size={tp_size_of(self.tp_group)}")
-
-
-def vocab_parallel_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, tp_group) -> torch.Tensor:
-    """``copy_to_tp(hidden) @ weight_shard^T``: logits for this rank's vocabulary slice.
-
-    Takes the weight itself so a pipeline stage holding a tied copy of the
-    embedding can use it too. ``copy_to_tp`` sums the hidden state's gradient
-    over the vocabulary shards.
-    """
-    return F.linear(copy_to_tp(hidden, tp_group), weight_shard)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from logit shards; backward is local ``softmax - one_hot``.
-
-    Megatron-LM section 3 fuses the parallel output GEMM with the loss so that
-    ranks exchange per-token scalars (max, sum of exp, target logit) instead of
-    ``(tokens, vocab)`` logits.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, group, vocab_size, ignore_index):
-        per_rank = logits.shape[-1]
-        start = group.rank * per_rank
-        # Our own copy in >= fp32, edited in place below; becomes the softmax.
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
-        num_real = min(max(vocab_size - start, 0), per_rank)
-        if num_real < per_rank:
-            x[..., num_real:] = float("-inf")  # padding: never the max, exp() = 0
-        x_max = x.amax(dim=-1)                                    # (...,)
-        ops.all_reduce(x_max, group, op="max", category=CATEGORY)
-        x -= x_max.unsqueeze(-1)  # global max subtracted for a stable exp
-        on_rank = (targets >= start) & (targets < start + per_rank)
-        local_t = (targets - start).masked_fill(~on_rank, 0)
-        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~on_rank, 0.0)
-        x.exp_()
-        # One all-reduce for both per-token sums: half the latency of two on small messages.
-        sums = torch.stack([x.sum(dim=-1), target_logit])        # (2, ...)
-        ops.all_reduce(sums, group, category=CATEGORY)
-        sum_exp, target_logit = sums.unbind(0)
-        valid = targets != ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-        x /= sum_exp.unsqueeze(-1)                                # softmax shard
-        ctx.save_for_backward(x, local_t, on_rank & valid, valid)
-        ctx.logits_dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_t, target_here, valid = ctx.saved_tensors
-        scale = (grad_loss * valid).unsqueeze(-1)                # (..., 1); ignored -> 0
-        grad = softmax * scale
-        # d loss / d logit = softmax - one_hot(target); only the owner rank has the 1.
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -scale * target_here.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, tp_group,
-                                 vocab_size: int | None = None, ignore_index: int = -100,
-                                 reduction: str = "sum") -> torch.Tensor:
-    """Cross-entropy over the full vocabulary from this rank's logit slice.
-
-    ``logits_shard``: ``(..., padded_vocab / tp)``, rank ``r`` holding columns
-    ``[r * V/tp, (r+1) * V/tp)``; ``targets``: ``(...)`` global ids. ``vocab_size``
-    is the real vocabulary (default: no padding); columns at or beyond it are
-    masked to ``-inf``. ``reduction``: ``"none"`` (per token, 0 where ignored),
-    ``"sum"`` or ``"mean"`` (over non-ignored tokens, as ``F.cross_entropy``).
-    Logits below fp32 are computed in fp32 and the loss is returned in fp32.
-    """
-    if reduction not in ("none", "sum", "mean"):
-        raise ValueError(f"reduction={reduction!r}; valid: 'none', 'sum', 'mean'")
-    tp_size = tp_size_of(tp_group)
-    full_width = logits_shard.shape[-1] * tp_size
-    vocab_size = full_width if vocab_size is None else vocab_size
-    if not 0 < vocab_size <= full_width:
-        raise ValueError(f"vocab_size={vocab_size} must be in 1..{full_width} (logit columns x tp)")
-    if logits_shard.dtype not in (torch.float32, torch.float64):
-        logits_shard = logits_shard.float()
-    if tp_size == 1:
-        flat = logits_shard[..., :vocab_size].reshape(-1, vocab_size)  # (tokens, vocab)
-        loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index,
-                               reduction=reduction)
-        return loss.view(targets.shape) if reduction == "none" else loss
-    losses = _VocabParallelCrossEntropy.apply(logits_shard, targets, tp_group, vocab_size,
-                                              ignore_index)
-    if reduction == "none":
-        return losses
-    total = losses.sum()
-    return total if reduction == "sum" else total / (targets != ignore_index).sum()

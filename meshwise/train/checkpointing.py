@@ -21,14 +21,14 @@ log = logging.getLogger("meshwise")
 class RunCheckpointer:
     """Saves and restores one rank's share of a run.
 
-    ``named_params``: the engine's ``(name, parameter)`` pairs before sharding;
-    ``writers``: the names this rank stores (each logical tensor once).
+    ``pieces``: each engine parameter's box in its logical tensor
+    (``ParallelModel.pieces()``); ``writers``: the names this rank stores (each
+    logical tensor once).
     """
 
-    def __init__(self, cfg, mesh: Mesh, engine, named_params, writers: set[str], model: dict):
+    def __init__(self, cfg, mesh: Mesh, engine, pieces: dict, writers: set[str], model: dict):
         self.cfg, self.mesh, self.engine = cfg, mesh, engine
-        self.pieces = {name: state.logical_piece(name, p, mesh.tp_rank, mesh.dims.tp)
-                       for name, p in named_params}
+        self.pieces = pieces
         self.writers = writers
         self.model = model  # the shape of the model, checked on resume
         p = cfg.parallel
@@ -56,6 +56,7 @@ class RunCheckpointer:
         ckpt = Checkpoint(path)  # verified before the ranks started (``check_resume``)
         same = ckpt.meta["layout"] == self.layout
         state.load(ckpt, self.engine.checkpoint_runs(), self.pieces, self.mesh.rank, same)
+        self.engine.load_done()
         self.engine.step_count = ckpt.meta["optimizer_step"]
         how = "same layout" if same else f"resharded from {ckpt.meta['layout']}"
         log.info("resumed from %s at step %d (%s)", path, ckpt.step, how)

@@ -16,15 +16,17 @@ from meshwise.mesh import ParallelDims
 from meshwise.pipeline.schedules import validate_schedule_config
 
 MODEL_PRESETS = {
-    # name: (n_layer, n_head, d_model, block_size)
-    "tiny": (4, 4, 128, 256),
-    "small": (6, 6, 384, 512),
-    "medium": (12, 12, 768, 1024),
+    # name: the model family (meshwise.models.families) and its sizes
+    "tiny": {"family": "gpt", "n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 256},
+    "small": {"family": "gpt", "n_layer": 6, "n_head": 6, "d_model": 384, "block_size": 512},
+    "medium": {"family": "gpt", "n_layer": 12, "n_head": 12, "d_model": 768,
+               "block_size": 1024},
 }
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ZERO_STAGES = (0, 1, 2, 3)
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 ON_NAN = ("stop", "skip")
 
 
@@ -61,10 +63,21 @@ class ModelConfig:
 
     def resolved(self) -> "ModelConfig":
         """A copy with every size filled in from the preset."""
-        n_layer, n_head, d_model, block_size = MODEL_PRESETS[self.preset]
-        return dataclasses.replace(
-            self, n_layer=self.n_layer or n_layer, n_head=self.n_head or n_head,
-            d_model=self.d_model or d_model, block_size=self.block_size or block_size)
+        preset = MODEL_PRESETS[self.preset]
+        sizes = {f.name: getattr(self, f.name) or preset[f.name]
+                 for f in dataclasses.fields(self) if f.name in preset}
+        return dataclasses.replace(self, **sizes)
+
+    @property
+    def family(self) -> str:
+        return MODEL_PRESETS[self.preset]["family"]
+
+    def sizes(self, vocab_size: int) -> dict:
+        """What defines the model whatever the layout (a checkpoint must match it)."""
+        m = self.resolved()
+        sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
+                 if f.name not in ("preset", "vocab_size", "dropout")}
+        return {"family": self.family, **sizes, "vocab_size": vocab_size}
 
 
 @dataclass
@@ -110,6 +123,7 @@ class CommConfig:
 class RuntimeConfig:
     device: str = "auto"
     dtype: str = "fp32"
+    grad_reduce_dtype: str = "fp32"  # with --dtype bf16: the dtype gradients are summed in
     metrics: str | None = None
     log_every: int = 10
     quiet: bool = False
@@ -158,6 +172,7 @@ class TrainConfig:
         _choice("--zero", p.zero, ZERO_STAGES)
         _choice("--device", self.runtime.device, DEVICES)
         _choice("--dtype", self.runtime.dtype, DTYPES)
+        _choice("--grad-reduce-dtype", self.runtime.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
         _choice("--on-nan", o.on_nan, ON_NAN)
         _choice("--activation-checkpointing", self.runtime.activation_checkpointing,
                 ACTIVATION_CHECKPOINTING)
@@ -184,6 +199,10 @@ class TrainConfig:
             raise ValueError(f"--ranks-per-node {c.ranks_per_node} does not divide the world of "
                              f"dp x tp x pp = {world} ranks; valid: "
                              f"{', '.join(map(str, divisors))}")
+        if self.runtime.grad_reduce_dtype == "bf16" and c.compress != "none":
+            raise ValueError(f"--grad-reduce-dtype bf16 with --compress {c.compress}: the "
+                             "compressor decides what crosses the wire; valid: "
+                             "--grad-reduce-dtype fp32 with --compress, or --compress none")
         if p.zero == 3 and (c.compress != "none" or c.allreduce != "native"):
             raise ValueError(f"--compress {c.compress} --allreduce {c.allreduce} with --zero 3: "
                              "compression and our algorithms serve the ZeRO 0-2 gradient "
@@ -223,9 +242,11 @@ class TrainConfig:
 
     def _validate_layout(self) -> None:
         p, m, d = self.parallel, self.model.resolved(), self.data
-        if p.tp > 1 and m.n_head % p.tp:
-            raise ValueError(f"--n-head {m.n_head} is not divisible by --tp {p.tp}: tensor "
-                             "parallelism splits whole attention heads")
+        if p.tp > 1:
+            from meshwise.models.families import family
+
+            fam = family(self.model.family)
+            fam.check_tp(fam.make_config(self.model.sizes(max(m.vocab_size, 1))), p.tp)
         if p.pp == 1:
             if p.virtual_stages != 1:
                 raise ValueError(f"--virtual-stages {p.virtual_stages} needs --pp > 1")
@@ -240,8 +261,9 @@ class TrainConfig:
                                  f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks")
         allowed = supported_zero_stages(p.pp)
         if p.zero not in allowed:
+            valid = " or ".join(map(str, allowed))
             raise ValueError(f"--zero {p.zero} with --pp {p.pp} is not supported "
-                             f"({UNSUPPORTED_REASON}); valid: --zero {' or '.join(map(str, allowed))}")
+                             f"({UNSUPPORTED_REASON}); valid: --zero {valid}")
         per_step = p.dp * d.grad_accum * p.num_micro_batches
         if d.batch_size % per_step:
             raise ValueError(

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from meshwise.train.config import (ACTIVATION_CHECKPOINTING, DEVICES, DTYPES, MODEL_PRESETS,
+from meshwise.train.config import (ACTIVATION_CHECKPOINTING, DEVICES, DTYPES,
+                                   GRAD_REDUCE_DTYPES, MODEL_PRESETS,
                                    ON_NAN, SCHEDULES, TrainConfig)
 
 # (flag, config section, field, type, help). The help's default is added from
@@ -73,7 +74,9 @@ TRAIN_FLAGS = [
      f"on a non-finite loss or gradient: {' or '.join(ON_NAN)}"),
     ("--max-skipped-steps", "optim", "max_skipped_steps", int,
      "with --on-nan skip: stop after more than N skipped steps in a row"),
-    ("--bucket-mb", "comm", "bucket_mb", float, "gradient bucket size in MB"),
+    ("--bucket-mb", "comm", "bucket_mb", float,
+     "gradient bucket size in MB; with --zero 3, consecutive layers are gathered together "
+     "up to this size"),
     ("--timeout-s", "comm", "timeout_s", float,
      "seconds a collective may wait before the job fails"),
     ("--compress", "comm", "compress", str,
@@ -90,7 +93,12 @@ TRAIN_FLAGS = [
      "ranks per node for hierarchical and adaptive (emulates nodes on one machine)"),
     ("--device", "runtime", "device", str,
      f"{', '.join(DEVICES)}: auto picks cuda (NCCL) when available, else cpu (gloo)"),
-    ("--dtype", "runtime", "dtype", str, f"{' or '.join(DTYPES)} compute"),
+    ("--dtype", "runtime", "dtype", str,
+     f"{' or '.join(DTYPES)}: bf16 is mixed precision: bf16 parameters, activations and "
+     "pipeline messages, fp32 master weights and AdamW state (sharded by ZeRO)"),
+    ("--grad-reduce-dtype", "runtime", "grad_reduce_dtype", str,
+     f"{' or '.join(GRAD_REDUCE_DTYPES)}: the dtype gradients are accumulated and summed "
+     "over dp in (with --dtype bf16; fp32 keeps every micro-step's bits)"),
     ("--activation-checkpointing", "runtime", "activation_checkpointing", str,
      f"{' or '.join(ACTIVATION_CHECKPOINTING)}: full keeps only each transformer block's "
      "input in forward and recomputes the rest in backward (less memory, more compute)"),
@@ -235,9 +243,9 @@ def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
     found = []
     if p.pp == 1 and "schedule" in origins:
         found.append(f"--schedule {p.schedule} has no effect without a pipeline (--pp 1)")
-    if p.zero == 3 and "bucket_mb" in origins:
-        found.append("--bucket-mb has no effect with --zero 3: each ZeRO-3 unit is reduced "
-                     "on its own")
+    if cfg.runtime.dtype != "bf16" and "grad_reduce_dtype" in origins:
+        found.append("--grad-reduce-dtype has no effect without --dtype bf16: fp32 "
+                     "gradients are reduced in fp32")
     comm_flags = [f for f in ("compress", "allreduce") if f in origins]
     if p.dp == 1 and comm_flags:
         found.append(f"--{comm_flags[0]} has no effect with --dp 1: no gradient is reduced "

@@ -12,12 +12,13 @@ replicated and how its gradient is kept consistent:
   communication: its gradient flows from activations that are themselves
   replicated, because ``copy_to_tp``'s backward already summed them over tp
   (Megatron-LM section 3). ``check_tp_replicas`` verifies this at the first step.
-* pp: the token embedding is tied to the head, which lives on the last stage; both
-  ends keep a copy and their gradients are SUMMED over ``mesh.embed`` after the dp
-  sync (Megatron-LM's embedding group), so both copies take the same step.
+* pp: a tie whose members live on different stages (the token embedding and
+  the head on the first and last stage) keeps a copy at each end; their
+  gradients are SUMMED over ``mesh.embed`` after the dp sync (Megatron-LM's
+  embedding group), so both copies take the same step.
 
 The global norm counts each unique parameter once: tp-replicated parameters on tp
-rank 0 only, the tied embedding on the first stage only, and shards summed.
+rank 0 only, a tie on the stage holding its first member only, and shards summed.
 """
 
 from __future__ import annotations
@@ -31,31 +32,30 @@ from meshwise.comm import ops
 from meshwise.mesh import Mesh
 from meshwise.tensor_parallel.layers import is_tp_sharded
 
-TIED_EMBEDDING = "wte.weight"
-
 
 class GradSync3D:
-    """Completes a step's gradients on every axis and computes their global norm."""
+    """Completes a step's gradients on every axis and computes their global norm.
 
-    def __init__(self, named_params, mesh: Mesh, engine):
+    ``named_params``: the parameters as they were handed to the engine (read for
+    their tensor-parallel marks only, so they may be on the meta device);
+    ``engine``: the sharding engine; ``model``: this rank's ``ParallelModel``,
+    for ties across pipeline stages (none without it).
+    """
+
+    def __init__(self, named_params, mesh: Mesh, engine, model=None):
         self.mesh, self.engine = mesh, engine
         self.params = dict(named_params)
-        self.tied = self.params.get(TIED_EMBEDDING) if mesh.embed is not None else None
-        self.counted = {name for name, p in self.params.items() if self._counted(name, p)}
+        self.tied = model.cross_stage_ties if model and mesh.embed is not None else []
+        writer = model.is_writer if model is not None else (lambda name: True)
+        self.counted = {name for name, p in self.params.items()
+                        if writer(name) and (mesh.tp_rank == 0 or is_tp_sharded(p))}
         self._checked_tp = False
-
-    def _counted(self, name: str, param: torch.Tensor) -> bool:
-        if self.mesh.tp_rank > 0 and not is_tp_sharded(param):
-            return False  # a tp replica: counted on tp rank 0
-        if name == TIED_EMBEDDING and self.mesh.dims.pp > 1 and not self.mesh.is_first_stage:
-            return False  # the last stage's copy of the tied embedding
-        return True
 
     def finish(self) -> None:
         """Wait for the dp reductions, then sum the tied embedding over its stages."""
         self.engine.finish_grad_sync()
-        if self.tied is not None:
-            ops.all_reduce(self.tied.grad, self.mesh.embed, category="grad")
+        for name in self.tied:
+            ops.all_reduce(self.engine.grad_of(name), self.mesh.embed, category="grad")
         if not self._checked_tp and self.mesh.dims.tp > 1:
             self.check_tp_replicas()
             self._checked_tp = True
@@ -105,6 +105,8 @@ class GradSync3D:
 
         Needs full gradients (ZeRO stages 0 and 1); skipped when they are sharded.
         """
-        names = [n for n, p in self.params.items()
-                 if not is_tp_sharded(p) and p.grad is not None]
-        self._compare_across_tp(names, [self.params[n].grad for n in names], rtol, "gradients")
+        if getattr(self.engine, "stage", 0) >= 2:
+            return
+        names = [n for n, p in self.params.items() if not is_tp_sharded(p)]
+        self._compare_across_tp(names, [self.engine.grad_of(n) for n in names], rtol,
+                                "gradients")

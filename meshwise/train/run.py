@@ -90,7 +90,7 @@ def prepare(cfg: TrainConfig) -> Path:
         resume.check_not_overwriting(c.save, c.resume)
     start = resume.find_resume(c.resume, c.save)
     if start is not None:
-        resume.open_verified(start, model_shape(cfg, dataset.vocab_size))
+        resume.open_verified(start, cfg.model.sizes(dataset.vocab_size))
     return path
 
 
@@ -143,13 +143,6 @@ def train(cfg: TrainConfig, data_path: Path) -> None:
             start = resume.newest_or(c.save, start)
             log.warning("%s\nrestart %d of %d from %s", exc, attempt + 1, c.max_restarts,
                         start or "the beginning (no checkpoint yet)")
-
-
-def model_shape(cfg: TrainConfig, vocab_size: int) -> dict:
-    """What a checkpoint must match to be resumed: the model's sizes, not its layout."""
-    m = cfg.model.resolved()
-    return {"n_layer": m.n_layer, "n_head": m.n_head, "d_model": m.d_model,
-            "vocab_size": vocab_size, "block_size": m.block_size}
 
 
 def _rank_main(cfg: TrainConfig, data_path: str, device: str, start: str | None) -> None:

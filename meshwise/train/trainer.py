@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import time
+from functools import partial
 
 import torch
 from torch import nn
@@ -28,21 +29,20 @@ from meshwise.data import TokenDataset, rank_slice
 from meshwise.generate import printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
-from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.models.families import family
+from meshwise.optim import AdamWConfig, lr_at
+from meshwise.parallelize import ParallelModel, parallelize
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
-from meshwise.pipeline.stage import build_chunks
-from meshwise.pipeline.stage import named_parameters as stage_parameters
-from meshwise.optim import AdamWConfig, lr_at
+from meshwise.sharding.buckets import ZeroOptimizer
+from meshwise.sharding.flat import Precision
+from meshwise.sharding.zero3 import ZeroStage3
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
 from meshwise.train.grad_comm import GradCommStats, attach_grad_reducer
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.metrics import MetricsLog, peak_rss_bytes
-from meshwise.train.run import model_shape
-from meshwise.zero.optimizer import ZeroOptimizer
-from meshwise.zero.params import ZeroStage3
 
 log = logging.getLogger("meshwise")
 
@@ -52,7 +52,7 @@ class NonFiniteError(RuntimeError):
 
 
 class Trainer:
-    """Trains the GPT of ``cfg`` on this rank's share of the work.
+    """Trains the model of ``cfg`` on this rank's share of the work.
 
     Call inside an initialised process group (``meshwise.launch`` does that).
     """
@@ -64,42 +64,39 @@ class Trainer:
         self.device = torch.device(_rank_device(cfg.runtime.device))
         d, p = cfg.data, cfg.parallel
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size)
-        m = cfg.model.resolved()
-        self.model_cfg = GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
-                                   block_size=m.block_size, vocab_size=self.data.vocab_size,
-                                   dropout=m.dropout)
+        self.model_shape = cfg.model.sizes(self.data.vocab_size)
+        self.family = family(self.model_shape["family"])
+        self.model_cfg = self.family.make_config({**self.model_shape, "dropout": cfg.model.dropout})
         self.dropout = DropoutContext(d.seed)
-        tp_group = self.mesh.tp if p.tp > 1 else None
-        if p.pp > 1:
-            chunks = build_chunks(self.model_cfg, d.seed, self.mesh.pp_rank, p.pp,
-                                  p.virtual_stages, tp_group, self.dropout)
-            self.model = nn.ModuleList(chunks).to(self.device)
-            named_params = stage_parameters(chunks)
-        else:
-            self.model = GPT(self.model_cfg, seed=d.seed, tp_group=tp_group,
-                             dropout=self.dropout).to(self.device)
-            named_params = list(self.model.named_parameters())
-        self.num_params = sum(param.numel() for _, param in named_params)
-        chunks = self.model if p.pp > 1 else [self.model]
-        apply_activation_checkpointing([b for chunk in chunks for b in chunk.blocks],
-                                       cfg.runtime.activation_checkpointing, self.dropout)
+        self.dropout.tp_rank = self.mesh.tp_rank
+        self.pm = self._build_model()
+        self.num_params = sum(param.numel() for _, param in self.pm.named_parameters())
+        apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing,
+                                       self.dropout)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        self.engine = build_engine(self.model, named_params, self.mesh, cfg, self.adamw)
+        named_params = self.pm.named_parameters()  # before the engine owns them
+        values = self.pm.init_values(partial(self.family.init, self.model_cfg), d.seed)
+        self.precision = precision_of(cfg)
+        self.engine = build_engine(self.pm, self.mesh, cfg, self.adamw, values, self.device)
+        chunks = self.pm.chunks
+        self.model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.comm_stats = GradCommStats(self.mesh.world.counters, attach_grad_reducer(
             self.engine, named_params, self.mesh, cfg))
-        self.grad_sync = GradSync3D(named_params, self.mesh, self.engine)
-        self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine, named_params,
+        self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
+        self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine,
+                                            self.pm.pieces(named_params),
                                             writers=self.grad_sync.counted,
-                                            model=model_shape(cfg, self.data.vocab_size))
+                                            model=self.model_shape)
         self.global_tokens = d.batch_size * d.seq_len
         self.pipeline = None
         if p.pp > 1:
-            micro = d.batch_size // (p.dp * d.grad_accum * p.num_micro_batches)
             schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-            self.pipeline = PipelineRuntime(list(self.model), schedule, self.mesh.pp, self.engine,
-                                            (micro, d.seq_len, m.d_model), torch.float32,
-                                            self.device)
+            micro = d.batch_size // (p.dp * d.grad_accum * p.num_micro_batches)
+            self.pipeline = PipelineRuntime(chunks, schedule, self.mesh.pp, self.engine,
+                                            (micro, d.seq_len, self.model_cfg.d_model),
+                                            self.precision.param_dtype, self.device,
+                                            loss_fn=self.pm.loss)
         # Ranks whose loss counts: the last stage, once per tp group.
         self.reports_loss = self.mesh.is_last_stage and self.mesh.tp_rank == 0
         self.is_logging_rank = self.mesh.rank == 0
@@ -109,6 +106,17 @@ class Trainer:
                                   quiet=cfg.runtime.quiet)
         self._fail_at = _injected_failure()
         self.skipped_in_a_row = 0
+
+    def _build_model(self) -> ParallelModel:
+        """The plain model on the meta device, laid out by its family's plan: no rank
+        allocates a parameter here; the engine materialises what it keeps."""
+        p = self.cfg.parallel
+        with torch.device("meta"):
+            model = self.family.build(self.model_cfg, self.dropout)
+        return parallelize(model, self.family.plan(self.model_cfg),
+                           tp_group=self.mesh.tp if p.tp > 1 else None,
+                           pp_rank=self.mesh.pp_rank, pp_size=p.pp,
+                           virtual_stages=p.virtual_stages, vocab_size=self.data.vocab_size)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
@@ -214,22 +222,17 @@ class Trainer:
                 self.pipeline.before_forward = (
                     lambda m, offset=offset: self.dropout.at(step, offset + m * rows))
                 total += self.pipeline.run(micro_batches[r * per_round:(r + 1) * per_round],
-                                           scale, sync=r == rounds - 1, autocast=self._autocast)
+                                           scale, sync=r == rounds - 1)
             return total
         last = len(micro_batches) - 1
         for i, (inputs, targets) in enumerate(micro_batches):
             self.dropout.at(step, first + i * rows)  # which samples these are
             sync = contextlib.nullcontext() if i == last else self.engine.no_sync()
-            with sync, self._autocast():
-                loss = self.model(inputs, targets) * scale
+            with sync:
+                loss = self.pm.loss(self.model(inputs), targets) * scale
                 loss.backward()
             total += loss.item()
         return total
-
-    def _autocast(self):
-        if self.cfg.runtime.dtype == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _reduce(self, values, op: str) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -272,12 +275,15 @@ class Trainer:
         return sums[0] / (self.cfg.data.eval_batches * self.global_tokens)
 
     def _forward(self, inputs, targets=None):
-        """Forward only: the loss sum (or logits) where the last stage is, else None."""
+        """Forward only: the loss sum (or full logits) where the last stage is, else None."""
         if self.pipeline is None:
-            with self._autocast():
-                return self.model(inputs, targets)
-        shape = (*inputs.shape, self.model_cfg.d_model)
-        return self.pipeline.forward_only(inputs, targets, shape, autocast=self._autocast)
+            out = self.model(inputs)
+        else:
+            shape = (*inputs.shape, self.model_cfg.d_model)
+            out = self.pipeline.forward_only(inputs, None, shape)
+            if out is None:
+                return None
+        return self.pm.loss(out, targets) if targets is not None else self.pm.full_logits(out)
 
     @torch.no_grad()
     def sample(self, num_tokens: int, prompt_len: int = 32,
@@ -307,13 +313,27 @@ class Trainer:
                 bytes(new).decode("utf-8", errors="replace"))
 
 
-def build_engine(model, named_params, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig):
+def precision_of(cfg: TrainConfig) -> Precision:
+    """``--dtype`` and ``--grad-reduce-dtype`` as the engines' dtypes."""
+    if cfg.runtime.dtype != "bf16":
+        return Precision()
+    reduce = torch.bfloat16 if cfg.runtime.grad_reduce_dtype == "bf16" else torch.float32
+    return Precision(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+
+
+def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig,
+                 values, device):
     """The gradient synchroniser + optimizer for ``--zero``: stages 0-2 share flat
-    gradient buckets (``ZeroOptimizer``); stage 3 shards the parameters too."""
+    gradient buckets (``ZeroOptimizer``); stage 3 shards the parameters too. Either
+    allocates only what this rank keeps and fills it from ``values``."""
+    precision = precision_of(cfg)
     if cfg.parallel.zero == 3:
-        return ZeroStage3(model, mesh.dp, adamw)
-    return ZeroOptimizer(named_params, mesh.dp, stage=cfg.parallel.zero, adamw=adamw,
-                         bucket_cap_mb=cfg.comm.bucket_mb)
+        (chunk,) = model.chunks  # ZeRO-3 does not combine with a pipeline
+        return ZeroStage3(chunk, mesh.dp, adamw, units=model.layers(), precision=precision,
+                          values=values, device=device, unit_cap_mb=cfg.comm.bucket_mb)
+    return ZeroOptimizer(model.named_parameters(), mesh.dp, stage=cfg.parallel.zero,
+                         adamw=adamw, bucket_cap_mb=cfg.comm.bucket_mb, precision=precision,
+                         modules=model.chunks, values=values, device=device)
 
 
 def _rank_device(device: str) -> str:

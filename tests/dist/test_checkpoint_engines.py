@@ -13,8 +13,8 @@ from meshwise.checkpoint.state import load, logical_piece, save
 from meshwise.checkpoint.store import Checkpoint
 from meshwise.comm import ops
 from meshwise.optim import AdamWConfig
-from meshwise.zero.optimizer import ZeroOptimizer
-from meshwise.zero.params import ZeroStage3
+from meshwise.sharding.buckets import ZeroOptimizer
+from meshwise.sharding.zero3 import ZeroStage3
 from tests.dist.test_data_parallel import BATCH, Net, batch, loss_of
 
 CFG = AdamWConfig(lr=1e-2, weight_decay=0.1)

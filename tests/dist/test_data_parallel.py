@@ -1,4 +1,5 @@
-"""GradBuckets on 2 gloo ranks against single-process full-batch gradients (float64)."""
+"""Data-parallel buckets (ZeRO stage 0) on 2 gloo ranks against single-process
+full-batch gradients (float64)."""
 
 import contextlib
 import warnings
@@ -8,10 +9,17 @@ import torch
 from torch import nn
 
 from meshwise.comm import ops
-from meshwise.data_parallel.buckets import GradBuckets
+from meshwise.optim import AdamWConfig
+from meshwise.sharding.buckets import ZeroOptimizer
 
 WORLD = 2
 BATCH = 12  # global rows; each rank takes a contiguous slice
+
+
+def buckets_of(model, group, cap_mb):
+    """Stage 0: gradient buckets all-reduced over dp, nothing sharded."""
+    return ZeroOptimizer(model.named_parameters(), group, stage=0, adamw=AdamWConfig(),
+                         bucket_cap_mb=cap_mb, modules=[model])
 
 
 class Net(nn.Module):
@@ -65,7 +73,7 @@ def _dp_grads(cap_mb: float, micro_steps: int, extra_on_rank0_only: bool,
     group = ops.world_group()
     model = Net().double()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    buckets = GradBuckets(model.named_parameters(), group, bucket_cap_mb=cap_mb)
+    buckets = buckets_of(model, group, cap_mb)
     values_kept = all(torch.equal(p, initial[n]) for n, p in model.named_parameters())
     per_rank = BATCH // group.size
     rows = slice(group.rank * per_rank, (group.rank + 1) * per_rank)
@@ -88,7 +96,7 @@ def _dp_grads(cap_mb: float, micro_steps: int, extra_on_rank0_only: bool,
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     in_buckets = all(
         p.grad.untyped_storage().data_ptr() ==
-        buckets._grad_bufs[buckets.plan.slots[n].bucket].untyped_storage().data_ptr()
+        buckets.flats[buckets.plan.slots[n].bucket].grad.untyped_storage().data_ptr()
         for n, p in model.named_parameters())
     return {"grads": grads, "values_kept": values_kept, "in_buckets": in_buckets,
             "messages": messages, "num_buckets": len(buckets.plan.buckets),
@@ -171,7 +179,7 @@ def _backward_in_no_sync(buckets, model, x, y):
 def _misuse():
     group = ops.world_group()
     model = Net(with_unused=False).double()
-    buckets = GradBuckets(model.named_parameters(), group, bucket_cap_mb=1e-6)
+    buckets = buckets_of(model, group, 1e-6)
     x, y = batch()
     caught = [_raises_assertion(buckets.finish_grad_sync),  # no backward yet
               _raises_assertion(lambda: _nested_no_sync(buckets))]
@@ -193,7 +201,7 @@ def test_misuse_is_caught(dist_pools):
 def _launched_during_backward():
     group = ops.world_group()
     model = Net(with_unused=False).double()
-    buckets = GradBuckets(model.named_parameters(), group, bucket_cap_mb=600 / 2**20)
+    buckets = buckets_of(model, group, 600 / 2**20)
     x, y = batch()
     loss_of(model(x), y).backward()
     launched = buckets._next_launch

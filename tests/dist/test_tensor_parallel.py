@@ -14,8 +14,9 @@ from torch import nn
 
 from meshwise.mesh import Mesh, ParallelDims
 from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                             VocabParallelEmbedding, is_tp_sharded,
-                                             padded_vocab_size, vocab_parallel_cross_entropy)
+                                             is_tp_sharded, padded_vocab_size)
+from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
+                                            vocab_parallel_cross_entropy)
 from meshwise.tensor_parallel.mappings import gather_from_tp, scatter_to_tp
 
 DT = torch.float64
@@ -137,6 +138,13 @@ def _check_mlp():
     _close(fc2.bias.grad, fc2_ref.bias.grad, "fc2 bias grad")
 
 
+def _tied_head(emb, group):
+    """The output layer sharing the embedding's table (a tied head)."""
+    head = VocabParallelHead(emb.embedding_dim, emb.num_embeddings, group, dtype=DT)
+    head.weight = emb.weight
+    return head
+
+
 def _padded_ref_weight(emb_ref, g):
     """The reference table padded with zero rows like the tp layout."""
     padded = padded_vocab_size(emb_ref.num_embeddings, g.size)
@@ -168,10 +176,11 @@ def _check_embedding_and_loss(vocab, tp):
     h, h_ref = emb(ids), emb_ref(ids)
     _close(h, h_ref, "embedding output")
     h, h_ref = torch.tanh(h), torch.tanh(h_ref)  # something between lookup and head
-    logits = emb.logits(h)
+    head = _tied_head(emb, g)
+    logits = head(h)
     logits_ref = h_ref @ emb_ref.weight.t()
     _close(logits, _chunk(F.pad(logits_ref, (0, rows * g.size - vocab)), g, -1), "logit shard")
-    _close(emb.logits(h, gather_output=True), logits_ref, "gathered logits")
+    _close(head.full_logits(logits), logits_ref, "gathered logits")
     loss = vocab_parallel_cross_entropy(logits, targets, g, vocab_size=vocab, ignore_index=ignore)
     loss_ref = F.cross_entropy(logits_ref.reshape(-1, vocab), targets.reshape(-1),
                                ignore_index=ignore, reduction="sum")
@@ -221,7 +230,8 @@ def _check_identical_to_plain(group):
     col = ColumnParallelLinear(6, 4, group, gather_output=True, init_seed=1, dtype=DT)
     row = RowParallelLinear(4, 6, group, input_is_parallel=False, init_seed=2, dtype=DT)
     lin1, lin2 = nn.Linear(6, 4, dtype=DT), nn.Linear(4, 6, dtype=DT)
-    emb, emb_ref = VocabParallelEmbedding(11, 6, group, init_seed=3, dtype=DT), nn.Embedding(11, 6, dtype=DT)
+    emb = VocabParallelEmbedding(11, 6, group, init_seed=3, dtype=DT)
+    emb_ref = nn.Embedding(11, 6, dtype=DT)
     with torch.no_grad():
         for mine, ref in ((col, lin1), (row, lin2)):
             ref.weight.copy_(mine.weight)
@@ -231,7 +241,8 @@ def _check_identical_to_plain(group):
     ids = torch.tensor([[0, 3, 10], [7, 7, 1]])
     targets = torch.tensor([[1, -100, 10], [4, 0, 2]])
     x_ref = x.detach().clone().requires_grad_()
-    out = row(col(x)).sum() + vocab_parallel_cross_entropy(emb.logits(emb(ids)), targets, group)
+    logits = _tied_head(emb, group)(emb(ids))
+    out = row(col(x)).sum() + vocab_parallel_cross_entropy(logits, targets, group)
     out_ref = lin2(lin1(x_ref)).sum() + F.cross_entropy(
         (emb_ref(ids) @ emb_ref.weight.t()).reshape(-1, 11), targets.reshape(-1), reduction="sum")
     assert torch.equal(out, out_ref)

@@ -9,7 +9,7 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.optim import AdamWConfig, decays
-from meshwise.zero.optimizer import ZeroOptimizer
+from meshwise.sharding.buckets import ZeroOptimizer
 from tests.dist.test_data_parallel import BATCH, Net, batch, loss_of
 
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -61,7 +61,8 @@ def reference_run():
 def _zero_run(stage: int, cap_mb: float):
     group = ops.world_group()
     model = Net(with_unused=False).double()
-    opt = ZeroOptimizer(model.named_parameters(), group, stage, CFG, bucket_cap_mb=cap_mb)
+    opt = ZeroOptimizer(model.named_parameters(), group, stage, CFG, bucket_cap_mb=cap_mb,
+                        modules=[model])  # the parameter all-gather waits in forward
     per_rank = BATCH // group.size
     rows = slice(group.rank * per_rank, (group.rank + 1) * per_rank)
     norms, full_grads_between_micro_steps = [], False
@@ -80,6 +81,7 @@ def _zero_run(stage: int, cap_mb: float):
         sq = float(opt.grad_sq_norm())
         norms.append((sq, float(opt.grad_sq_norm(include=in_fc))))
         opt.step(lr_of(step), clip_scale(sq))
+    opt.wait_params()  # the last all-gather overlaps nothing: wait before reading
     # Stage 2 keeps only the shard, between steps and between micro-steps.
     grads_dropped = (all(p.grad is None for p in model.parameters())
                      and not full_grads_between_micro_steps)
@@ -169,7 +171,7 @@ def _reference_with_unused(world: int):
 
 
 def _unused_run(stage: int):
-    from meshwise.zero.params import ZeroStage3
+    from meshwise.sharding.zero3 import ZeroStage3
 
     group = ops.world_group()
     model = Net(with_unused=True).double()

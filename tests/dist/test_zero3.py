@@ -10,7 +10,7 @@ import torch.nn as nn
 from meshwise.activation_checkpointing import apply_activation_checkpointing
 from meshwise.mesh import Mesh, ParallelDims
 from meshwise.optim import AdamWConfig, decays
-from meshwise.zero.params import ZeroStage3
+from meshwise.sharding.zero3 import ZeroStage3
 
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 GLOBAL_BATCH = 12
@@ -235,8 +235,8 @@ def _peak(prefetch):
     zero.zero_grad()
     _loss(zero, x, y).backward()
     zero.step(CFG.lr)
-    block = zero.blocks[0].plan.padded_numel * 8
-    return zero.peak_gathered_bytes, zero.root.plan.padded_numel * 8, block, \
+    block = zero.blocks[0].flat.plan.padded_numel * 8
+    return zero.peak_gathered_bytes, zero.root.flat.plan.padded_numel * 8, block, \
         sum(p.numel() for p in ref.parameters()) * 8
 
 

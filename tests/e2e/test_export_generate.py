@@ -21,14 +21,14 @@ def saved(tmp_path_factory, corpus):
 def test_export_safetensors_is_the_unsharded_model(saved):
     from safetensors.torch import load_file
 
-    from meshwise.checkpoint.model import load_gpt, open_checkpoint
+    from meshwise.checkpoint.model import load_model, open_checkpoint
 
     result = run_cli("export", saved / "ckpt", "--out", saved / "plain", cwd=saved)
     assert result.returncode == 0, result.stderr
     tensors = load_file(saved / "plain" / "model.safetensors")
     config = json.loads((saved / "plain" / "config.json").read_text())
     assert config["d_model"] == 64 and config["n_layer"] == 2 and config["step"] == 4
-    reference = dict(load_gpt(open_checkpoint(saved / "ckpt")).named_parameters())
+    reference = dict(load_model(open_checkpoint(saved / "ckpt")).named_parameters())
     assert set(tensors) == set(reference)
     assert tensors["wte.weight"].shape == (256, 64)  # vocabulary whole, unpadded
     for name, value in tensors.items():
@@ -37,13 +37,13 @@ def test_export_safetensors_is_the_unsharded_model(saved):
 
 def test_export_hf_loads_in_transformers_with_the_same_logits(saved):
     transformers = pytest.importorskip("transformers")
-    from meshwise.checkpoint.model import load_gpt, open_checkpoint
+    from meshwise.checkpoint.model import load_model, open_checkpoint
 
     result = run_cli("export", saved / "ckpt", "--out", saved / "hf", "--format", "hf",
                      cwd=saved)
     assert result.returncode == 0, result.stderr
     hf = transformers.AutoModelForCausalLM.from_pretrained(saved / "hf").eval()
-    ours = load_gpt(open_checkpoint(saved / "ckpt"))
+    ours = load_model(open_checkpoint(saved / "ckpt"))
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)

@@ -36,7 +36,7 @@ def cosine_lr(step: int) -> float:
 def torch_training(data_path: str, rank: int = 0, world: int = 1) -> list[tuple[float, float]]:
     """(loss, grad norm) per step from plain PyTorch; DDP when ``world`` > 1."""
     dataset = TokenDataset(data_path, SEQ)
-    model = GPT(GPTConfig(block_size=256, vocab_size=256, **SIZES), seed=SEED)
+    model = GPT(GPTConfig(block_size=256, vocab_size=256, **SIZES)).init_weights(SEED)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     named = list(model.named_parameters())

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from meshwise.activation_checkpointing import apply_activation_checkpointing
 from meshwise.models.dropout import DropoutContext
@@ -14,8 +15,18 @@ CFG = GPTConfig(n_layer=3, n_head=2, d_model=16, block_size=32, vocab_size=50, d
 
 def _models():
     """A float64 GPT with dropout and a plain copy of it, each with its own context."""
-    model = GPT(CFG, seed=1, dropout=DropoutContext(7)).double()
-    return model, copy.deepcopy(model)
+    model = GPT(CFG, dropout=DropoutContext(7)).init_weights(1).double()
+    plain = GPT(CFG, dropout=DropoutContext(7)).double()
+    plain.load_state_dict(model.state_dict())
+    return model, plain
+
+
+def _context(model) -> DropoutContext:
+    return model.drop_embed.context
+
+
+def _loss(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
 
 
 def _batch():
@@ -27,22 +38,22 @@ def _batch():
 def test_same_loss_and_gradients_with_blocks_run_twice():
     model, plain = _models()
     names = [n for n, _ in model.named_parameters()]
-    apply_activation_checkpointing(model.blocks, "full", model.dropout)
+    apply_activation_checkpointing(model.blocks.values(), "full", _context(model))
     assert [n for n, _ in model.named_parameters()] == names  # nothing renamed
     runs = []
-    for block in model.blocks:
+    for block in model.blocks.values():
         block.register_forward_pre_hook(lambda module, args: runs.append(module))
     x, y = _batch()
-    model.dropout.at(3, 4)
-    loss = model(x, y)
+    _context(model).at(3, 4)
+    loss = _loss(model, x, y)
     assert len(runs) == CFG.n_layer
     # Under a pipeline other micro-batches' forwards move the dropout context before
     # this backward; the recompute must still draw this forward's masks.
-    model.dropout.at(9, 0)
+    _context(model).at(9, 0)
     loss.backward()
     assert len(runs) == 2 * CFG.n_layer  # each block again, through its hooks
-    plain.dropout.at(3, 4)
-    plain_loss = plain(x, y)
+    _context(plain).at(3, 4)
+    plain_loss = _loss(plain, x, y)
     plain_loss.backward()
     assert loss.item() == plain_loss.item()
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
@@ -51,22 +62,22 @@ def test_same_loss_and_gradients_with_blocks_run_twice():
 
 def test_forward_without_autograd_runs_once_and_copies_stay_checkpointed():
     model, _ = _models()
-    apply_activation_checkpointing(model.blocks, "full")
+    apply_activation_checkpointing(model.blocks.values(), "full")
     model.eval()
     x, _ = _batch()
     with torch.no_grad():
         logits = model(x)
     assert logits.shape == (2, 10, CFG.vocab_size)
     copied = copy.deepcopy(model)
-    assert type(copied.blocks[0]) is type(model.blocks[0])
-    assert copied.blocks[0] is not model.blocks[0]
+    assert type(copied.blocks['0']) is type(model.blocks['0'])
+    assert copied.blocks['0'] is not model.blocks['0']
     torch.testing.assert_close(copied(x), model(x))
 
 
 def test_none_leaves_blocks_alone_and_unknown_mode_is_refused():
     model, _ = _models()
-    block_type = type(model.blocks[0])
-    apply_activation_checkpointing(model.blocks, "none")
-    assert type(model.blocks[0]) is block_type
+    block_type = type(model.blocks['0'])
+    apply_activation_checkpointing(model.blocks.values(), "none")
+    assert type(model.blocks['0']) is block_type
     with pytest.raises(ValueError, match="valid: none, full"):
-        apply_activation_checkpointing(model.blocks, "selective")
+        apply_activation_checkpointing(model.blocks.values(), "selective")

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from meshwise.data_parallel.buckets import BucketPlan, ParamSpec
+from meshwise.sharding.plans import BucketPlan, ParamSpec
 
 MB = 2**20
 

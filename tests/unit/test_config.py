@@ -98,11 +98,11 @@ def test_options_without_effect_are_named():
     from meshwise.train.flags import noop_warnings
 
     cfg, origins = train_config(build_parser().parse_args(
-        ["train", "--schedule", "gpipe", "--zero", "3", "--bucket-mb", "5",
+        ["train", "--schedule", "gpipe", "--zero", "3", "--grad-reduce-dtype", "bf16",
          "--max-skipped-steps", "2", "--sample-tokens", "500", "--eval-batches", "2"]))
     found = "\n".join(noop_warnings(cfg, origins))
-    for flag in ("--schedule gpipe", "--bucket-mb", "--max-skipped-steps", "--sample-tokens 500",
-                 "--eval-batches"):
+    for flag in ("--schedule gpipe", "--grad-reduce-dtype", "--max-skipped-steps",
+                 "--sample-tokens 500", "--eval-batches"):
         assert flag in found
     quiet, origins = train_config(build_parser().parse_args(["train"]))
     assert noop_warnings(quiet, origins) == []

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from meshwise.models.dropout import DropoutContext
 from meshwise.models.gpt import GPT, GPTConfig
@@ -10,12 +11,13 @@ CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, block_size=16, dropout=0.2)
 
 
 def _loss(model, tokens, step, first):
-    model.dropout.at(step, first)
-    return model(tokens[:, :-1], tokens[:, 1:])
+    model.drop_embed.context.at(step, first)
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
 
 
 def test_a_batch_split_in_two_drops_the_same_elements():
-    model = GPT(CFG, seed=1).train()
+    model = GPT(CFG).init_weights(1).train()
     tokens = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
     whole = _loss(model, tokens, step=3, first=0)
     halves = _loss(model, tokens[:2], 3, 0) + _loss(model, tokens[2:], 3, 2)
@@ -29,7 +31,7 @@ def test_a_batch_split_in_two_drops_the_same_elements():
 
 
 def test_masks_change_with_step_and_sample_and_vanish_in_eval():
-    model = GPT(CFG, seed=1).train()
+    model = GPT(CFG).init_weights(1).train()
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     a, b = _loss(model, tokens, 1, 0), _loss(model, tokens, 2, 0)
     assert a != b and a == _loss(model, tokens, 1, 0)
@@ -39,9 +41,10 @@ def test_masks_change_with_step_and_sample_and_vanish_in_eval():
 
 
 def test_heads_draw_their_own_masks():
-    ctx = DropoutContext(seed=0)
-    both = ctx.mask("s", torch.Size([1, 2, 4, 4]), 0.5, "cpu", heads=[0, 1])
-    second = ctx.mask("s", torch.Size([1, 1, 4, 4]), 0.5, "cpu", heads=[1])
+    ctx, other_rank = DropoutContext(seed=0), DropoutContext(seed=0)
+    both = ctx.mask("s", torch.Size([1, 2, 4, 4]), 0.5, "cpu", per_head=True)
+    other_rank.tp_rank = 1  # holds the second of two heads
+    second = other_rank.mask("s", torch.Size([1, 1, 4, 4]), 0.5, "cpu", per_head=True)
     assert torch.equal(both[:, 1:], second)  # head 1 alone (another tp rank) draws the same
     assert not torch.equal(both[:, 0], both[:, 1])
     assert ((both == 0) | (both == 2)).all()

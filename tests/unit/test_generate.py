@@ -3,12 +3,13 @@
 import torch
 
 from meshwise.generate import generate, printable
-from meshwise.models.gpt import GPT, GPTConfig, LayerCache
+from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.models.kv_cache import LayerCache
 
 
 def _model():
-    return GPT(GPTConfig(n_layer=2, n_head=4, d_model=32, block_size=48, vocab_size=256),
-               seed=3).eval()
+    cfg = GPTConfig(n_layer=2, n_head=4, d_model=32, block_size=48, vocab_size=256)
+    return GPT(cfg).init_weights(3).eval()
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from meshwise.optim import AdamWConfig, adamw_update, lr_at
-from meshwise.zero.partition import ShardPlan
+from meshwise.sharding.plans import ShardPlan
 
 
 @pytest.mark.parametrize("numel", [0, 1, 2, 3, 7, 8, 100, 1023, 4097])

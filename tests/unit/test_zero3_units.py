@@ -6,13 +6,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from meshwise.comm.ops import CommCounters
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.optim import AdamWConfig, decays
-from meshwise.zero.flat_unit import FlatUnit, cut_into_units
-from meshwise.zero.params import ZeroStage3
+from meshwise.sharding.binding import values_of
+from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
+from meshwise.sharding.units import cut_into_units
+from meshwise.sharding.zero3 import ZeroStage3
 
 CFG = AdamWConfig(lr=1e-2, weight_decay=0.1)
 
@@ -57,7 +60,8 @@ def test_single_rank_matches_adamw(make):
              else torch.randn(4, 6, generator=gen, dtype=torch.float64))
         losses = []
         for net in (zero, ref):
-            loss = net(x, x).sum() if gpt else net(x).pow(2).sum()
+            loss = (F.cross_entropy(net(x).flatten(0, 1), x.flatten(), reduction="sum") if gpt
+                    else net(x).pow(2).sum())
             loss.backward()
             losses.append(loss.item())
         zero.step(CFG.lr)
@@ -74,7 +78,7 @@ def test_single_rank_matches_adamw(make):
 def test_tied_embedding_stays_in_root():
     zero = ZeroStage3(_gpt(), _group(), CFG)
     assert [u.name for u in zero.units] == ["root", "blocks.0", "blocks.1"]
-    assert "wte.weight" in [s.name for s in zero.root.slots]
+    assert "wte.weight" in [s.name for s in zero.root.flat.slots]
     assert zero.param_names[0] == "wte.weight"
 
 
@@ -88,7 +92,7 @@ def test_eval_forward_frees_everything():
 def test_bad_units_are_rejected_before_touching_the_model():
     model = _gpt()
     with pytest.raises(ValueError, match="disjoint"):
-        cut_into_units(model, [model.blocks[0], model.blocks[0].mlp])
+        cut_into_units(model, [model.blocks["0"], model.blocks["0"].mlp])
     with pytest.raises(ValueError, match="not a submodule"):
         cut_into_units(model, [nn.Linear(2, 2)])
     tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
@@ -98,20 +102,26 @@ def test_bad_units_are_rejected_before_touching_the_model():
     assert len(list(tied.parameters())) == 3  # nothing unregistered
 
 
-def test_shard_segments_and_decay_runs():
+def test_shard_ranges_values_and_decay_runs():
     """weight (4x3=12) + bias (4) = 16: over 3 ranks padded to 18, shards of 6."""
     lin = nn.Linear(3, 4)
-    weight = lin.weight.detach().clone()
-    _, root_params = cut_into_units(lin, [])
-    unit = FlatUnit("u", root_params, _group(size=3, rank=1))
-    assert unit.plan.shard_numel == 6 and unit.plan.padding == 2
-    assert [(s.name, s.start, s.end, s.decays) for s in unit.segments] == [
-        ("weight", 0, 6, True)]
-    assert torch.equal(unit.shard, weight.reshape(-1)[6:12])
-    assert unit.gathered_bytes() == 0 and lin.weight.numel() == 0  # placeholder while freed
-    last = FlatUnit("u", root_params, _group(size=3, rank=2))
-    assert [(s.name, s.start, s.end) for s in last.segments] == [("bias", 0, 4)]
-    mixed = FlatUnit("u", root_params, _group(size=2, rank=1))  # elements 8..16
-    assert [(s.name, s.start, s.end, s.decays) for s in mixed.segments] == [
-        ("weight", 0, 4, True), ("bias", 4, 8, False)]
-    assert mixed._runs() == [(0, 4, True), (4, 8, False)]
+    slots = [ParamSlot("weight", lin.weight.shape, 0, 12, True),
+             ParamSlot("bias", lin.bias.shape, 12, 4, False)]
+    values = values_of(lin.named_parameters())
+
+    def flat(size, rank, stage=3):
+        return FlatParams(slots, _group(size, rank), stage, Precision(), "cpu", values)
+
+    middle = flat(3, 1)
+    assert middle.plan.shard_numel == 6 and middle.plan.padding == 2
+    assert middle.update_range == (6, 12) and middle.params is None
+    assert torch.equal(middle.master, lin.weight.detach().reshape(-1)[6:12])
+    assert middle._runs(None) == [(6, 12, True)]
+    last = flat(3, 2)  # elements 12..16 and two of padding
+    assert last.update_range == (12, 16) and last.master.numel() == 6
+    assert torch.equal(last.master[:4], lin.bias.detach()) and not last.master[4:].any()
+    assert flat(2, 1)._runs(None) == [(8, 12, True), (12, 16, False)]
+    assert flat(2, 1)._runs({"bias"}) == [(12, 16, False)]
+    stage1 = flat(2, 0, stage=1)  # full compute buffer; the master is its own range
+    assert stage1.master.data_ptr() == stage1.params.data_ptr()
+    assert torch.equal(stage1.params[:12], lin.weight.detach().reshape(-1))

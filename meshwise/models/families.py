@@ -1,0 +1,56 @@
+"""Model families: a plain model, its parallel plan and its initialisation, by name.
+
+A family is all meshwise needs to train a model on any layout: ``build`` makes
+the single-device module from its config, ``plan`` says how parallelism applies
+to it (``meshwise.plan``), ``init`` gives each parameter's layout-independent
+initial values (``meshwise.models.init``) and ``check_tp`` refuses a
+tensor-parallel degree the model cannot be split by. Adding a family costs a
+model file and an entry here, nothing in the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from meshwise.models.gpt import GPT, GPTConfig, check_gpt_tp, gpt_init, gpt_plan
+from meshwise.models.init import Init, init_module
+from meshwise.plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How to build, lay out and initialise one kind of model."""
+
+    name: str
+    config: type
+    build: Callable[..., nn.Module]  # (config, dropout context or None) -> module
+    plan: Callable[[Any], ParallelPlan]
+    init: Callable[[Any, str], Init]  # (config, logical parameter name) -> Init
+    check_tp: Callable[[Any, int], None]
+
+    def create(self, cfg, seed: int = 0, dropout=None) -> nn.Module:
+        """The whole model on one process, holding the layout-independent initial
+        values of ``seed`` (what every layout starts from; a reference)."""
+        model = self.build(cfg, dropout)
+        init_module(model, lambda name: self.init(cfg, name), seed, self.plan(cfg).logical_name)
+        return model
+
+    def make_config(self, sizes: dict):
+        """The family's config from a dict of sizes (extra keys are ignored)."""
+        fields = {f.name for f in dataclasses.fields(self.config)}
+        return self.config(**{k: v for k, v in sizes.items() if k in fields})
+
+
+FAMILIES = {
+    "gpt": ModelFamily("gpt", GPTConfig, GPT, gpt_plan, gpt_init, check_gpt_tp),
+}
+
+
+def family(name: str) -> ModelFamily:
+    if name not in FAMILIES:
+        raise ValueError(f"model family {name!r}; valid: {', '.join(FAMILIES)}")
+    return FAMILIES[name]

@@ -1,0 +1,222 @@
+"""Apply a ``ParallelPlan`` to a plain model: pipeline chunks, tensor parallelism, ties.
+
+``parallelize(model, plan, mesh)`` takes a single-device model, best built on
+the meta device (``with torch.device("meta"): model = GPT(cfg)``) so that no
+rank ever allocates what it will not keep, and returns this rank's
+``ParallelModel``: its pipeline chunks with tensor-parallel layers swapped in,
+and what the rest of meshwise needs to know about them (each parameter's
+logical name and tensor-parallel box, ties across stages, the loss). Engines
+(``meshwise.sharding``) then allocate the parameters this rank keeps and fill
+them from ``ParallelModel.init_values`` (or a checkpoint's values).
+
+The order follows torchtitan's: the pipeline cut first (each chunk is a copy of
+the model with the layers and end modules it does not hold removed), then
+tensor parallelism on each chunk, then activation checkpointing and sharding by
+the caller.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from meshwise.checkpoint.pieces import Piece
+from meshwise.checkpoint.state import logical_piece
+from meshwise.models.init import Init, init_values
+from meshwise.plan import ParallelPlan
+from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
+from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
+                                            vocab_parallel_cross_entropy)
+
+_SWAP = {
+    "colwise": ColumnParallelLinear.from_linear,
+    "rowwise": RowParallelLinear.from_linear,
+    "vocab_embedding": VocabParallelEmbedding.from_embedding,
+    "vocab_head": VocabParallelHead.from_linear,
+}
+
+
+@dataclass
+class ParallelModel:
+    """This rank's part of a model laid out by a plan.
+
+    ``chunks``: one module per virtual pipeline stage held here, in order
+    (``stages`` their logical stage indices, of ``num_stages``). Parameter names
+    are the single-process model's (a chunk keeps its layers' global keys).
+    """
+
+    chunks: list[nn.Module]
+    stages: list[int]
+    num_stages: int
+    plan: ParallelPlan
+    tp_group: object
+    vocab_size: int
+    cross_stage_ties: list[str] = field(default_factory=list)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter of every chunk, each once, under its single-process name."""
+        seen, out = set(), []
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
+
+    def layers(self) -> list[nn.Module]:
+        """The repeated layers of every chunk, in order (ZeRO-3 units, checkpointing)."""
+        return [layer for chunk in self.chunks
+                for layer in getattr(chunk, self.plan.layers).values()]
+
+    def logical_name(self, name: str) -> str:
+        return self.plan.logical_name(name)
+
+    def is_writer(self, name: str) -> bool:
+        """Whether this parameter is its tensor's stored copy (a tie's other member
+        is a copy of the first, on another stage)."""
+        return self.logical_name(name) == name
+
+    def pieces(self, named_params=None) -> dict[str, Piece]:
+        """Each parameter's box inside its logical tensor (what a checkpoint stores).
+
+        ``named_params``: the parameters as they were before an engine took them
+        (default: the chunks' own, which ZeRO-3 unregisters)."""
+        rank, size = tp_rank_of(self.tp_group), tp_size_of(self.tp_group)
+        named = self.named_parameters() if named_params is None else named_params
+        return {name: logical_piece(self.logical_name(name), p, rank, size)
+                for name, p in named}
+
+    def init_values(self, init_of: Callable[[str], Init], seed: int):
+        """``values(name, start, end)`` for the engines: the single-process initial
+        values of this rank's slice, drawn for only the elements asked for."""
+        pieces = self.pieces()
+
+        def values(name: str, start: int, end: int) -> torch.Tensor:
+            piece = pieces[name]
+            out = torch.zeros(end - start)
+            # Along dim 0 the real rows come first; padding (vocabulary) stays zero.
+            real_end = min(end, piece.numel)
+            if start < real_end:
+                out[:real_end - start] = init_values(init_of(piece.name), seed,
+                                                     piece.flat(start, real_end))
+            return out
+
+        return values
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum of token losses; from the logit shards under tensor parallelism."""
+        group = self.tp_group if tp_size_of(self.tp_group) > 1 else None
+        return vocab_parallel_cross_entropy(logits, targets, group, vocab_size=self.vocab_size,
+                                            reduction="sum")
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary ``(..., vocab_size)`` (for sampling)."""
+        for module in self.chunks[-1].modules():
+            if isinstance(module, VocabParallelHead):
+                return module.full_logits(logits)
+        return logits[..., :self.vocab_size]
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: int = 0,
+                pp_size: int = 1, virtual_stages: int = 1, vocab_size: int | None = None
+                ) -> ParallelModel:
+    """This rank's ``ParallelModel`` of ``model`` (which is consumed: chunks reuse it).
+
+    ``tp_group``: the tensor-parallel group (``None`` or size 1: none);
+    ``pp_rank``/``pp_size``/``virtual_stages``: the pipeline position (chunk
+    ``v`` is logical stage ``v * pp_size + pp_rank``, Narayanan et al. 2021).
+    """
+    num_stages = pp_size * virtual_stages
+    layers = _layers(model, plan)
+    if len(layers) % num_stages:
+        raise ValueError(f"{len(layers)} layers do not split into pp x virtual stages = "
+                         f"{pp_size} x {virtual_stages} = {num_stages} equal chunks")
+    stages = [v * pp_size + pp_rank for v in range(virtual_stages)]
+    chunks = [_cut(model, plan, s, num_stages) for s in stages]
+    if tp_size_of(tp_group) > 1:
+        for chunk in chunks:
+            _apply_tp(chunk, plan, tp_group)
+    ties = _cross_stage_ties(chunks, plan, num_stages)
+    if vocab_size is None:
+        vocab_size = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    return ParallelModel(chunks, stages, num_stages, plan, tp_group, vocab_size, ties)
+
+
+def _layers(model: nn.Module, plan: ParallelPlan) -> nn.ModuleDict:
+    layers = getattr(model, plan.layers, None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise ValueError(f"plan: {type(model).__name__}.{plan.layers} must be an nn.ModuleDict "
+                         "of the layers keyed by their index")
+    return layers
+
+
+def _cut(model: nn.Module, plan: ParallelPlan, stage: int, num_stages: int) -> nn.Module:
+    """Logical stage ``stage``'s copy of ``model``: its layers, and the end modules it holds."""
+    if num_stages == 1:
+        return model
+    chunk = copy.deepcopy(model)  # cheap on the meta device
+    layers = _layers(chunk, plan)
+    keys = list(layers.keys())
+    per_stage = len(keys) // num_stages
+    keep = set(keys[stage * per_stage:(stage + 1) * per_stage])
+    for key in keys:
+        if key not in keep:
+            del layers[key]
+    if stage != 0:
+        for name in plan.first_stage:
+            _set_module(chunk, name, None)
+    if stage != num_stages - 1:
+        for name in plan.last_stage:
+            _set_module(chunk, name, None)
+    return chunk
+
+
+def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group) -> None:
+    """Swap each module the plan names for its tensor-parallel form; re-tie ties."""
+    for path, module in list(chunk.named_modules()):
+        style = plan.tp_style(path) if module is not None else None
+        if style is not None:
+            _set_module(chunk, path, _SWAP[style](module, tp_group))
+    for tie in plan.ties:
+        held = [name for name in tie if _get_param(chunk, name) is not None]
+        for name in held[1:]:
+            first = _get_param(chunk, held[0])
+            if _get_param(chunk, name).shape != first.shape:
+                raise ValueError(f"plan: tied {held[0]} and {name} are split differently")
+            _set_param(chunk, name, first)
+
+
+def _cross_stage_ties(chunks, plan: ParallelPlan, num_stages: int) -> list[str]:
+    """Names of tie members held here whose partners live on another stage."""
+    if num_stages == 1:
+        return []
+    names = {name for chunk in chunks for name, _ in chunk.named_parameters()}
+    found = []
+    for tie in plan.ties:
+        if any(name in names for name in tie) and not all(name in names for name in tie):
+            found += [name for name in tie if name in names]
+    return found
+
+
+def _set_module(root: nn.Module, path: str, module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, module)
+
+
+def _get_param(root: nn.Module, name: str):
+    path, _, attr = name.rpartition(".")
+    try:
+        module = root.get_submodule(path) if path else root
+    except AttributeError:
+        return None
+    return None if module is None else module._parameters.get(attr)
+
+
+def _set_param(root: nn.Module, name: str, param) -> None:
+    path, _, attr = name.rpartition(".")
+    (root.get_submodule(path) if path else root)._parameters[attr] = param

@@ -1,0 +1,93 @@
+"""Where engine storage meets the model: initial values, parameter owners, buffer reuse.
+
+Engines never need a model's full parameters to exist: they ask a *values*
+function for the elements each rank keeps, ``values(name, start, end)`` (the
+flattened parameter's ``[start, end)``), and allocate their flat buffers
+directly. A model built on the meta device (``torch.device("meta")``) thus never
+holds memory for what a rank does not keep; ``meshwise.parallelize`` supplies
+the layout-independent initial values (or a checkpoint's). For a model whose
+parameters already hold values, ``values_of`` reads them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+Values = Callable[[str, int, int], torch.Tensor]
+
+
+def values_of(named_params: Iterable[tuple[str, torch.Tensor]]) -> Values:
+    """Initial values read from parameters that hold them (not on the meta device)."""
+    params = dict(named_params)
+    for name, p in params.items():
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {name} is on the meta device: pass the values to "
+                             "materialise it from (see meshwise.parallelize)")
+
+    def read(name: str, start: int, end: int) -> torch.Tensor:
+        return params[name].detach().reshape(-1)[start:end]
+
+    return read
+
+
+def param_owners(modules: Iterable[nn.Module]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every ``(module, attribute)`` registering each parameter (several when tied)."""
+    owners: dict[int, list] = defaultdict(list)
+    seen = set()
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    owners[id(p)].append((module, attr))
+    return owners
+
+
+def rebind(param: nn.Parameter, storage: torch.Tensor, owners) -> nn.Parameter:
+    """Make ``param`` live in ``storage`` (a view of a flat buffer), keeping its attributes.
+
+    In place when the types allow it; a parameter on the meta device (or of
+    another dtype) is replaced by a new one in every module that registers it.
+    """
+    if param.device == storage.device and param.dtype == storage.dtype:
+        param.data = storage
+        return param
+    if not owners.get(id(param)):
+        raise ValueError("a parameter on another device or dtype than its engine buffer must "
+                         "be reached through the modules given to the engine")
+    new = nn.Parameter(storage, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)  # tensor-parallel marks and the like
+    for module, attr in owners[id(param)]:
+        module._parameters[attr] = new
+    return new
+
+
+class BufferPool:
+    """Flat buffers handed out again instead of allocated anew.
+
+    Buffers that are used and dropped every step (a ZeRO-3 unit's gathered
+    parameters and its gradient, a ZeRO-2 bucket's gradient) would otherwise go
+    back to the allocator each time; on CPU, glibc then keeps much of that memory
+    resident anyway and the process grows. A pool holds at most what was in use
+    at once (the running unit, the prefetched one, the one being reduced).
+    """
+
+    def __init__(self):
+        self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        self.allocated_bytes = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        free = self._free[(numel, dtype, str(device))]
+        if free:
+            return free.pop()
+        self.allocated_bytes += numel * dtype.itemsize
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._free[(buf.numel(), buf.dtype, str(buf.device))].append(buf)

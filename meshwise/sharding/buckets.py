@@ -1,0 +1,295 @@
+"""Data parallelism with overlapped gradient buckets, ZeRO stages 0, 1 and 2.
+
+Parameters are packed into flat buckets (``BucketPlan``, reverse registration
+order); each bucket is a ``FlatParams``. A post-accumulate-grad hook per
+parameter counts the bucket's arrivals and launches its reduction the moment it
+is complete, so communication overlaps the rest of backward (Megatron-LM's
+``start_grad_sync`` / ``finish_grad_sync``). Gradients are SUMMED over dp: each
+micro-batch loss is already divided by the global token count.
+
+- stage 0: buckets all-reduced; every rank updates everything.
+- stage 1 (P_os): all-reduced; AdamW state and update for this rank's shard only,
+  then the parameters are all-gathered.
+- stage 2 (P_os+g): a bucket's full gradient exists only from its first gradient
+  until its reduce-scatter lands (buffers come from a pool); the rank keeps its
+  shard, accumulating micro-steps into it (as DeepSpeed's stage 2 does).
+
+After the update (stages 1-2) the all-gathers are launched and *not* waited
+for: a forward pre-hook on each module waits for the buckets it reads, so the
+gathers overlap the next forward. Anything else that reads parameters calls
+``wait_params()`` (checkpoints do).
+
+Protocol per optimizer step: ``zero_grad()``; backwards under ``no_sync()``
+accumulate locally (stage 2: each reduces when ``no_sync`` exits); the last
+backward runs outside it; ``finish_grad_sync()``; ``grad_sq_norm()``;
+``step(lr, grad_scale)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from functools import partial
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from meshwise.comm import ops
+from meshwise.optim import AdamWConfig, decays
+from meshwise.sharding.binding import BufferPool, param_owners, rebind, values_of
+from meshwise.sharding.engine import EngineBase
+from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
+from meshwise.sharding.plans import BucketPlan, ParamSpec
+
+ZERO_STAGES = (0, 1, 2)
+
+
+class ZeroOptimizer(EngineBase):
+    """Data-parallel gradient sync plus AdamW, with ZeRO stage 0, 1 or 2 sharding.
+
+    ``named_params``: ``(name, parameter)`` pairs; they move into flat buckets.
+    ``modules``: the model (or its pipeline chunks): needed for parameters on the
+    meta device (they are replaced by ones living in the buckets) and to overlap
+    the parameter all-gather with the next forward. ``values``: initial values
+    (default: the parameters' own). ``precision``: compute and reduction dtypes.
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group, stage: int,
+                 adamw: AdamWConfig, bucket_cap_mb: float = 25.0, *,
+                 precision: Precision | None = None, modules: list[nn.Module] | None = None,
+                 values=None, device=None):
+        if stage not in ZERO_STAGES:
+            raise ValueError(f"stage must be one of {ZERO_STAGES}, got {stage!r}")
+        named, seen = [], set()
+        for n, p in named_params:
+            if p.requires_grad and id(p) not in seen:  # a shared parameter is bucketed once
+                seen.add(id(p))
+                named.append((n, p))
+        if not named:
+            raise ValueError("no parameters that require grad")
+        precision = precision or Precision.of(named[0][1].dtype)
+        super().__init__(dp_group, stage, adamw, precision)
+        device = device or _device_of([p for _, p in named])
+        values = values or values_of(named)
+        self._names = [n for n, _ in named]
+        self._shapes = [p.shape for _, p in named]
+        # One dtype and device for all (the engine's); weight decay is per parameter.
+        specs = [ParamSpec(n, p.numel(), precision.param_dtype.itemsize) for n, p in named]
+        self.plan = BucketPlan(specs, bucket_cap_mb, pad_to=dp_group.size)
+        self._slots = [self.plan.slots[n] for n in self._names]
+        self._members = [[] for _ in self.plan.buckets]  # bucket -> param indices
+        for i, slot in enumerate(self._slots):
+            self._members[slot.bucket].append(i)
+        self.flats = [self._make_flat(b, named, values, device) for b in self.plan.buckets]
+        owners = param_owners(modules or [])
+        self._params = [rebind(p, self._param_view(i), owners) for i, (_, p) in enumerate(named)]
+        self._pool = BufferPool()
+        self._grad_views: list[torch.Tensor | None] = [None] * len(self._params)
+        self._full_grads: dict[int, torch.Tensor] = {}  # stage 2: buckets being reduced
+        self._accumulate_by_hook = precision.reduce_dtype != precision.param_dtype
+        if stage < 2:
+            for b in range(len(self.flats)):
+                self._point_grads(b, self.flats[b].grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
+                       for i, p in enumerate(self._params)]
+        self._gathers: list = [None] * len(self.flats)
+        self._wait_in_forward = bool(modules) and stage > 0
+        if self._wait_in_forward:
+            self._register_forward_waits(modules)
+        self._sync_enabled = True
+        self._warned_unused = False
+        self._has_grad = [False] * len(self._params)  # got a gradient since zero_grad()
+        self._reset_sync_state()
+
+    def _make_flat(self, bucket, named, values, device) -> FlatParams:
+        params = dict(named)
+        slots = [ParamSlot(n, params[n].shape, self.plan.slots[n].offset, params[n].numel(),
+                           decays(n, params[n])) for n in bucket.names]
+        return FlatParams(slots, self.group, self.stage, self.precision, device, values)
+
+    def _param_view(self, i: int) -> torch.Tensor:
+        slot = self._slots[i]
+        flat = self.flats[slot.bucket].params
+        return flat[slot.offset:slot.offset + slot.numel].view(self._shapes[i])
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The managed parameters, living in the buckets."""
+        return list(zip(self._names, self._params))
+
+    # ------------------------------------------------------------ gradient buffers
+    def _point_grads(self, b: int, grad_buf: torch.Tensor) -> None:
+        """Point ``.grad`` views of bucket ``b``'s parameters into ``grad_buf``, so
+        autograd accumulates in place (it does ``grad += new`` once grad is set)."""
+        for i in self._members[b]:
+            slot, param = self._slots[i], self._params[i]
+            self._grad_views[i] = grad_buf[slot.offset:slot.offset + slot.numel].view_as(param)
+            if not self._accumulate_by_hook:
+                param.grad = self._grad_views[i]
+
+    def _full_grad(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s full gradient buffer; stage 2 takes one when its first gradient
+        of a backward arrives and gives it back once the reduction has landed."""
+        if self.stage < 2:
+            return self.flats[b].grad
+        if b not in self._full_grads:
+            self._full_grads[b] = self.flats[b].new_full_grad(self._pool)
+            self._point_grads(b, self._full_grads[b])
+        return self._full_grads[b]
+
+    def _release_full_grad(self, b: int, buf: torch.Tensor) -> None:
+        for i in self._members[b]:
+            self._grad_views[i] = None
+            self._params[i].grad = None
+        self._pool.release(self._full_grads.pop(b))
+
+    # ------------------------------------------------------------ state machine
+    def _reset_sync_state(self) -> None:
+        self._ready = [False] * len(self._params)  # got its gradient in the syncing backward
+        self._seen = [False] * len(self._params)  # got a gradient since the last finish
+        self._pending = [len(m) for m in self._members]
+        self._handles: list = [None] * len(self.flats)
+        self._next_launch = 0
+        self._backward_seen = False
+
+    def _idle(self) -> bool:
+        return not self._backward_seen and self._next_launch == 0
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        bucket = self._slots[index].bucket
+        grad = param.grad  # read first: taking a stage-2 buffer points .grad into it
+        self._full_grad(bucket)
+        view = self._grad_views[index]
+        if self._accumulate_by_hook:  # e.g. bf16 gradients into an fp32 buffer
+            with torch.no_grad():
+                view.add_(grad)
+            param.grad = None
+        elif grad is not view:
+            # Autograd made a new tensor (.grad was replaced or set to None, or
+            # create_graph): copy it into the bucket.
+            with torch.no_grad():
+                view.copy_(grad)
+            param.grad = view
+        self._seen[index] = self._has_grad[index] = True
+        if not self._sync_enabled:
+            # Local accumulation may overlap a sync in progress (a pipeline's
+            # chunks finish at different times), never into a bucket in flight.
+            assert self._handles[bucket] is None, (
+                f"gradient of {self._names[index]} arrived in no_sync() after its bucket's "
+                "reduction started")
+            return
+        assert not self._ready[index], (
+            f"gradient of {self._names[index]} arrived twice before finish_grad_sync(); "
+            "run one backward per sync (use no_sync() for the others)")
+        self._ready[index] = self._backward_seen = True
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0:
+            self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        # Every rank must issue the same collectives in the same order: bucket k
+        # starts only once it is complete and buckets < k have started.
+        while self._next_launch < len(self._pending) and self._pending[self._next_launch] == 0:
+            b = self._next_launch
+            release = partial(self._release_full_grad, b) if self.stage == 2 else None
+            self._handles[b] = self.flats[b].start_reduce(
+                self._full_grad(b), self.grad_reducer, key=b,
+                on_done=release)
+            self._next_launch += 1
+
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets not started yet and wait for every reduction."""
+        assert self._sync_enabled, "finish_grad_sync() called inside no_sync()"
+        assert self._backward_seen, (
+            "finish_grad_sync() without a backward outside no_sync() since the last one")
+        unused = [n for n, seen in zip(self._names, self._seen) if not seen]
+        if unused and not self._warned_unused:
+            self._warned_unused = True
+            # Their buckets (and every later one) could only start here, not during
+            # backward; a parameter that is never used should not require grad.
+            warnings.warn(f"parameters got no gradient this step (their gradient stays zero; "
+                          f"their buckets wait for finish_grad_sync()): {', '.join(unused)}",
+                          stacklevel=2)
+        self.wait_params()  # a bucket unused in forward: its gather must land first
+        self._pending = [0] * len(self._pending)
+        self._launch_in_order()
+        for handle in self._handles:
+            handle.finish()
+        self._reset_sync_state()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside accumulates into the buckets without communication.
+
+        It may be entered while buckets of other parameters are being reduced
+        (pipeline chunks whose last backward has passed); a gradient for a bucket
+        already in flight is an error. Stage 2 keeps no full gradient between
+        backwards: each one is reduce-scattered into the shard when this exits.
+        """
+        assert self._sync_enabled, "no_sync() is not re-entrant"
+        if self.stage == 2:
+            yield
+            self.finish_grad_sync()
+            return
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = True
+
+    def zero_grad(self) -> None:
+        """Zero the accumulated gradients (the full buffers, or the shards)."""
+        assert self._idle(), "zero_grad() while a gradient sync is in progress"
+        for flat in self.flats:
+            (flat.grad if self.stage < 2 else flat.grad_shard).zero_()
+        self._seen = [False] * len(self._params)
+        self._has_grad = [False] * len(self._params)
+
+    def _used_names(self) -> set[str]:
+        """Parameters any dp rank gave a gradient since ``zero_grad()`` (a collective)."""
+        flags = torch.tensor(self._has_grad, dtype=torch.float32, device=self.flats[0].device)
+        ops.all_reduce(flags, self.group, op="max", category="check")
+        return {n for n, used in zip(self._names, flags.bool().tolist()) if used}
+
+    def grad_of(self, name: str) -> torch.Tensor:
+        """The reduced full gradient of parameter ``name`` (stages 0-1 hold one)."""
+        assert self.stage < 2, "stage 2 keeps gradient shards only"
+        i = self._names.index(name)
+        return self._grad_views[i]
+
+    # ------------------------------------------------------------ parameters after a step
+    def _publish(self) -> None:
+        # Launched in forward order (the last bucket holds the first layers).
+        for b in reversed(range(len(self.flats))):
+            self._gathers[b] = self.flats[b].publish()
+        if not self._wait_in_forward:
+            self.wait_params()
+
+    def wait_params(self) -> None:
+        """Wait for every parameter all-gather still in flight."""
+        for b, handle in enumerate(self._gathers):
+            if handle is not None:
+                handle.wait()
+                self._gathers[b] = None
+
+    def _register_forward_waits(self, modules: list[nn.Module]) -> None:
+        bucket_of = {id(p): self._slots[i].bucket for i, p in enumerate(self._params)}
+        for root in modules:
+            for module in root.modules():
+                buckets = sorted({bucket_of[id(p)] for p in module._parameters.values()
+                                  if p is not None and id(p) in bucket_of})
+                if buckets:
+                    module.register_forward_pre_hook(partial(self._wait_buckets, buckets))
+
+    def _wait_buckets(self, buckets: list[int], module, args) -> None:
+        for b in buckets:
+            if self._gathers[b] is not None:
+                self._gathers[b].wait()
+                self._gathers[b] = None
+
+
+def _device_of(params: list[torch.Tensor]) -> torch.device:
+    for p in params:
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")

@@ -1,0 +1,109 @@
+"""The engine protocol, and what the ZeRO 0-2 and ZeRO-3 engines share.
+
+An engine owns a model's parameters as a list of ``FlatParams`` (``self.flats``)
+and offers the trainer one protocol, whatever the stage:
+
+- ``zero_grad()``; backward(s), all but the last under ``no_sync()``;
+  ``finish_grad_sync()`` (reductions were started during backward);
+- ``grad_sq_norm(include)``: the squared global gradient norm over dp;
+- ``step(lr, grad_scale)``: AdamW on what this rank owns, then the updated
+  values are published to the compute parameters (an all-gather that may
+  still be in flight: ``wait_params()`` before reading them outside a forward);
+- ``checkpoint_runs()``, ``load_done()``, ``state_bytes()``, ``step_count``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshwise.checkpoint.state import FlatRun
+from meshwise.comm import ops
+from meshwise.optim import AdamWConfig
+
+
+class EngineBase:
+    """Optimizer step, norm, checkpoint view and memory over ``self.flats``."""
+
+    # --compress / --allreduce: a ``meshwise.comm.reducer.GradReducer`` the trainer
+    # sets; it takes over each bucket's dp reduction.
+    grad_reducer = None
+
+    def __init__(self, group, stage: int, adamw: AdamWConfig, precision):
+        self.group, self.stage, self.adamw, self.precision = group, stage, adamw, precision
+        self.step_count = 0
+        self.flats: list = []
+
+    # -- to be provided by each engine -------------------------------------------------
+    def _idle(self) -> bool:
+        raise NotImplementedError
+
+    def _used_names(self) -> set[str]:
+        raise NotImplementedError
+
+    def _before_update(self) -> None:
+        """Gradients must be complete before the norm and the update."""
+        assert self._idle(), "the gradient sync is still in progress: call finish_grad_sync()"
+
+    def _publish(self) -> None:
+        """Start making the updated master values the compute parameters."""
+
+    def wait_params(self) -> None:
+        """Wait until the compute parameters hold the latest values."""
+
+    # -- shared --------------------------------------------------------------------------
+    @torch.no_grad()
+    def grad_sq_norm(self, include=None) -> torch.Tensor:
+        """Sum of squared reduced-gradient elements over the parameters, complete over dp.
+
+        ``include(name)`` picks which parameters count (e.g. tp-replicated ones
+        on one tp rank only). Sharded gradients (stages 2-3) are summed over dp, so
+        every dp rank must call it.
+        """
+        self._before_update()
+        total = torch.zeros((), dtype=torch.float64, device=self.flats[0].device)
+        for flat in self.flats:
+            total += flat.grad_sq_sum(include)
+        if self.stage >= 2:
+            ops.all_reduce(total, self.group, category="norm")
+        return total
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """AdamW on what this rank owns, gradients times ``grad_scale`` (clipping).
+
+        A parameter that got no gradient since ``zero_grad()`` on any dp rank is
+        left alone, moments and weight decay included, as ``torch.optim.AdamW``
+        skips a parameter whose ``.grad`` is None.
+        """
+        self._before_update()
+        self.wait_params()
+        self.step_count += 1
+        used = self._used_names()
+        for flat in self.flats:
+            flat.adamw_step(self.step_count, lr, self.adamw, grad_scale, used)
+        self._publish()
+
+    def checkpoint_runs(self) -> list[FlatRun]:
+        """Each flat buffer as a checkpoint sees it (this rank's dp shard of the fp32
+        parameters and of AdamW's moments)."""
+        self.wait_params()
+        return [flat.checkpoint_run() for flat in self.flats]
+
+    @torch.no_grad()
+    def load_done(self) -> None:
+        """Values were written into ``checkpoint_runs()``' tensors: publish them."""
+        handles = [flat.publish() for flat in self.flats if flat.stage < 3]
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+
+    def state_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state this rank keeps between
+        steps, counted from the storages of the tensors it holds (each once)."""
+        storages = {}
+        for flat in self.flats:
+            for tensor in flat.state_tensors():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        storages.pop(0, None)  # empty tensors may share the null pointer
+        return sum(storages.values())
