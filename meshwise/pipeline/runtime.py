@@ -172,6 +172,5 @@ class PipelineRuntime:
                 recvs.append((buf, a.peer, self._tag(backward, stage, a.micro_batch)))
         # Wait for the receives only: a sender computes on while its message
         # travels, which is what reaches the schedule's simulated bubble.
-        pending = ops.batch_p2p(sends, recvs, self.pp_group, category="p2p", wait_sends=False)
-        if pending is not None:
-            self._pending_sends.append(pending)
+        self._pending_sends += ops.batch_p2p(sends, recvs, self.pp_group, category="p2p",
+                                             wait_sends=False)
