@@ -25,6 +25,7 @@ from torch import nn
 from meshwise.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops
 from meshwise.data import TokenDataset, rank_slice
+from meshwise.devices import synchronize
 from meshwise.generate import printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
@@ -172,6 +173,7 @@ class Trainer:
         every = self.cfg.runtime.check_replicas_every
         if every and step % every == 0 and self.mesh.dims.tp > 1:
             self.grad_sync.check_replica_values()
+        synchronize(self.device)  # the optimizer's kernels may still be queued
         step_time_s = time.perf_counter() - start
         gathered = getattr(self.engine, "peak_gathered_bytes", 0)  # ZeRO-3 only
         state_bytes, rss, gathered = self._reduce(
