@@ -116,7 +116,7 @@ class MeshwiseRunner:
         start = time.perf_counter()
         self.engine.zero_grad()
         pipe_start = time.perf_counter()
-        loss = self.runtime.run(micro, self.scale)
+        loss = self.runtime.run(micro, self.scale).item()
         pipe_end = time.perf_counter()
         self.engine.finish_grad_sync()
         self.engine.step(self.lr)

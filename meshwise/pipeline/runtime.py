@@ -49,18 +49,20 @@ class PipelineRuntime:
         return chunk * self.num_stages + self.rank
 
     def run(self, micro_batches, loss_scale: float, sync: bool = True,
-            autocast=contextlib.nullcontext) -> float:
+            autocast=contextlib.nullcontext) -> torch.Tensor:
         """One pass of the schedule over ``micro_batches`` [(inputs, targets)].
 
-        Returns the summed scaled loss on the last logical stage's rank (0.0
-        elsewhere). ``sync=False`` keeps every backward local (an accumulation
-        round); otherwise each chunk's last backward starts its dp reduction.
+        Returns the summed scaled loss as a 0-dim float64 tensor on the device,
+        without waiting for it (zero on ranks without the last logical stage).
+        ``sync=False`` keeps every backward local (an accumulation round);
+        otherwise each chunk's last backward starts its dp reduction.
         """
         assert len(micro_batches) == self.schedule.num_micro_batches
         self._inputs, self._outputs, self._grads_in = {}, {}, {}
         self._recv_f, self._recv_b, self._handoff, self._handoff_grad = {}, {}, {}, {}
         self._micro_batches, self._loss_scale, self._autocast = micro_batches, loss_scale, autocast
-        self._sync, self._loss, self._pending_sends = sync, 0.0, []
+        self._sync, self._pending_sends = sync, []
+        self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.compute_s = 0.0  # time in F and B this run: the rest is bubble and comms
         with contextlib.nullcontext() if sync else self.engine.no_sync():
             for step in self.steps:
@@ -94,7 +96,7 @@ class PipelineRuntime:
         with self._autocast():
             if stage == self.num_logical - 1:
                 out = self.chunks[a.chunk](x, targets) * self._loss_scale
-                self._loss += out.item()
+                self._loss += out.detach()  # stays on the device: no host sync per micro-batch
             else:
                 out = self.chunks[a.chunk](x)
         self._inputs[key] = x

@@ -156,12 +156,13 @@ class Trainer:
         self.engine.zero_grad()
         loss_part = self._forward_backward(self._micro_batches(step, "train"), step)
         if inject:  # "nan": this rank's loss of the step is not a number
-            loss_part = float("nan")
+            loss_part = loss_part + float("nan")
         self.grad_sync.finish()
 
         grad_norm = self.grad_sync.grad_norm()
         clip = self.cfg.optim.clip
         grad_scale = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        # The loss stays on the device until here: one host sync per step, with the rest.
         sums = self._reduce([loss_part if self.reports_loss else 0.0,
                              counters.bytes_sent["grad"] - grad_bytes_before], op="sum")
         loss = sums[0]
@@ -200,12 +201,14 @@ class Trainer:
         num = num or d.grad_accum * p.num_micro_batches
         return [(mb[:, :-1], mb[:, 1:]) for mb in local.chunk(num)]
 
-    def _forward_backward(self, micro_batches, step: int) -> float:
-        """Run every micro-batch; return this rank's share of the global mean loss.
+    def _forward_backward(self, micro_batches, step: int) -> torch.Tensor:
+        """Run every micro-batch; return this rank's share of the global mean loss
+        (0-dim, on the device: reading it would wait for every micro-batch).
 
         Gradients sync over dp only during the last accumulation round.
         """
-        total, scale = 0.0, 1.0 / self.global_tokens
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        scale = 1.0 / self.global_tokens
         rows = micro_batches[0][0].shape[0]
         first = self.mesh.dp_rank * rows * len(micro_batches)  # of this rank's slice
         if self.pipeline is not None:
@@ -225,7 +228,7 @@ class Trainer:
             with sync, self._autocast():
                 loss = self.model(inputs, targets) * scale
                 loss.backward()
-            total += loss.item()
+            total += loss.detach()
         return total
 
     def _autocast(self):
@@ -234,7 +237,9 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _reduce(self, values, op: str) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        """All-reduce numbers and 0-dim device tensors as one tensor; back on the host."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
+                         for v in values])
         ops.all_reduce(t, self.mesh.world, op=op, category="metrics")
         return t.tolist()
 
@@ -264,11 +269,12 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean token loss over ``eval_batches`` held-out global batches."""
         self.model.eval()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(self.cfg.data.eval_batches):
             for inputs, targets in self._micro_batches(i + 1, "val", num=1):
                 loss = self._forward(inputs, targets)
-                total += loss.item() if loss is not None and self.reports_loss else 0.0
+                if loss is not None and self.reports_loss:
+                    total += loss.detach()
         self.model.train()
         sums = self._reduce([total], op="sum")
         return sums[0] / (self.cfg.data.eval_batches * self.global_tokens)
