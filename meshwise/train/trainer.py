@@ -96,11 +96,8 @@ class Trainer:
         self.global_tokens = d.batch_size * d.seq_len
         self.pipeline = None
         if p.pp > 1:
-            micro = d.batch_size // (p.dp * d.grad_accum * p.num_micro_batches)
             schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-            self.pipeline = PipelineRuntime(list(self.model), schedule, self.mesh.pp, self.engine,
-                                            (micro, d.seq_len, m.d_model), torch.float32,
-                                            self.device)
+            self.pipeline = PipelineRuntime(list(self.model), schedule, self.mesh.pp, self.engine)
         # Ranks whose loss counts: the last stage, once per tp group.
         self.reports_loss = self.mesh.is_last_stage and self.mesh.tp_rank == 0
         self.is_logging_rank = self.mesh.rank == 0
@@ -284,8 +281,7 @@ class Trainer:
         if self.pipeline is None:
             with self._autocast():
                 return self.model(inputs, targets)
-        shape = (*inputs.shape, self.model_cfg.d_model)
-        return self.pipeline.forward_only(inputs, targets, shape, autocast=self._autocast)
+        return self.pipeline.forward_only(inputs, targets, autocast=self._autocast)
 
     @torch.no_grad()
     def sample(self, num_tokens: int, prompt_len: int = 32,
