@@ -1,4 +1,4 @@
-"""Pipeline messages that carry their own shape and dtype.
+"""Pipeline messages that carry their own shape and dtype, and freeing what was sent.
 
 An edge is a (sending stage, receiving stage, direction) triple. Stages exchange
 metadata rather than being told one fixed activation shape (nanotron's p2p sends
@@ -137,3 +137,17 @@ class Channels:
                 "each stage the same shape and dtype (cut the batch into equal micro-batches)")
         return [message]
 
+
+def release_storage(tensor: torch.Tensor) -> None:
+    """Free an activation's data but keep its autograd graph (Megatron-LM's
+    ``deallocate_output_tensor`` idea): once sent, only its ``grad_fn`` is needed.
+
+    The tensor keeps its shape, now over a one-element storage (stride 0), so a
+    plain ``torch.autograd.backward(tensor, grad)`` still passes the shape check on
+    every PyTorch release, without the engine's private entry point. A backward
+    that saved this very output (``tanh``, ``exp``) holds its own reference to the
+    data, so it stays correct; only that memory is then not freed. A view is
+    released the same way; its base's memory goes once nothing else holds it.
+    """
+    if tensor.numel() > 1:
+        tensor.data = tensor.new_empty(1).expand(tensor.shape)

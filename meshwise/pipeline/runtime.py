@@ -9,8 +9,10 @@ may be any modules: nothing about the activations is fixed up front.
 
 Per micro-batch and chunk it keeps the input (a leaf that will receive the
 input gradient), the output (or, on the last logical stage, the loss) until
-that chunk's backward, then frees them. Between two chunks on the same rank
-(``S == 1``) the hand-off is local: no message, same bookkeeping.
+that chunk's backward, then frees them. An output sent to the next rank keeps
+only its autograd graph once the send has completed (``release_storage``).
+Between two chunks on the same rank (``S == 1``) the hand-off is local: no
+message, same bookkeeping.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import torch
 
 from meshwise.comm import ops
-from meshwise.pipeline.p2p import Channels, Incoming, Outgoing
+from meshwise.pipeline.p2p import Channels, Incoming, Outgoing, release_storage
 from meshwise.pipeline.schedules import Action, Schedule, group_steps
 
 
@@ -72,7 +74,7 @@ class PipelineRuntime:
         self._inputs, self._outputs, self._grads_in = {}, {}, {}
         self._recv_f, self._recv_b, self._handoff, self._handoff_grad = {}, {}, {}, {}
         self._micro_batches, self._loss_scale, self._autocast = micro_batches, loss_scale, autocast
-        self._sync, self._pending_sends = sync, []
+        self._sync, self._in_flight = sync, []
         self._loss = torch.zeros((), dtype=torch.float64, device=self._device)
         self.compute_s = 0.0  # time in F and B this run: the rest is bubble and comms
         with contextlib.nullcontext() if sync else self.engine.no_sync():
@@ -86,8 +88,7 @@ class PipelineRuntime:
                 else:
                     self._backward(step)
                 self.compute_s += time.perf_counter() - start
-            for handle in self._pending_sends:
-                handle.wait()
+            self._finish_sends()
         assert not self._outputs and not self._inputs, "activations left after the step"
         return self._loss
 
@@ -141,6 +142,8 @@ class PipelineRuntime:
                 out.backward()
             else:
                 grad = self._recv_b.pop(key) if key in self._recv_b else self._handoff_grad.pop(key)
+                # ``out`` may hold no data any more (released after its send): only
+                # its graph is used, and its shape still matches ``grad``.
                 torch.autograd.backward(out, grad)
         if self.stage(a.chunk) > 0:
             # An input the chunk did not use gets no gradient; its sender still waits for one.
@@ -200,15 +203,17 @@ class PipelineRuntime:
         return ((int(backward) * self.num_logical) + receiver_stage) * num_mb + micro_batch
 
     def _communicate(self, batch: tuple[Action, ...]) -> None:
-        sends, recvs = [], []
+        sends, recvs, sent_keys = [], [], []
         for a in batch:
             key, stage, mb = (a.chunk, a.micro_batch), self.stage(a.chunk), a.micro_batch
             if a.kind == "SEND_F":
                 sends.append(Outgoing(self._outputs[key].detach(), a.peer,
                                       self._tag(False, stage + 1, mb), stage, stage + 1))
+                sent_keys.append(key)
             elif a.kind == "SEND_B":
                 sends.append(Outgoing(self._grads_in.pop(key), a.peer,
                                       self._tag(True, stage - 1, mb), stage, stage - 1, True))
+                sent_keys.append(None)
             else:
                 backward = a.kind == "RECV_B"
                 src = stage + 1 if backward else stage - 1
@@ -220,4 +225,33 @@ class PipelineRuntime:
         for a, tensor in zip(receivers, received, strict=True):
             inbox = self._recv_b if a.kind == "RECV_B" else self._recv_f
             inbox[(a.chunk, a.micro_batch)] = tensor
-        self._pending_sends += [handle for pending in handles for handle in pending]
+        # Sends are waited for, and their activations freed, at the latest in the next
+        # batch (torch's pipelining waits at the same point): a runtime that waits for
+        # them at once is proven deadlock-free, so waiting later is too. A send listed
+        # before a receive from the same peer is waited for now: messages are placed in
+        # meeting-time order, so that peer has posted its end already and waiting costs
+        # at most the transfer (1F1B's steady state frees each output as soon as it is sent).
+        sent = iter(zip(handles, sent_keys, strict=True))
+        now, later = [], []
+        for i, a in enumerate(batch):
+            if a.kind in ("SEND_F", "SEND_B"):
+                answered = any(b.kind in ("RECV_F", "RECV_B") and b.peer == a.peer
+                               for b in batch[i + 1:])
+                (now if answered else later).append(next(sent))
+        self._in_flight += now
+        self._finish_sends()
+        self._in_flight = later
+
+    def _finish_sends(self) -> None:
+        for pending, _ in self._in_flight:
+            for handle in pending:
+                handle.wait()
+        self._release([key for _, key in self._in_flight])
+        self._in_flight = []
+
+    def _release(self, sent_keys) -> None:
+        """Free the data of activations whose send completed; their backward needs only
+        the graph (the gradient comes back from the next stage)."""
+        for key in sent_keys:
+            if key is not None and key in self._outputs:
+                release_storage(self._outputs[key])

@@ -10,12 +10,15 @@ sequence lengths that change between ``forward_only`` calls.
 
 import contextlib
 import copy
+import ctypes
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import meshwise.pipeline.runtime as runtime_module
 from meshwise.mesh import Mesh, ParallelDims
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
@@ -184,6 +187,56 @@ def _wrong_shape():
     runtime.run(micro_batches, 1.0)
 
 
+class Scale(nn.Module):
+    """``x * w``: its backward keeps ``x`` (an input) but not its output."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((d,), 0.5, dtype=DT))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_at_first_backward(rows, d, num_micro_batches, release):
+    """GPipe on 2 ranks: stage 0's resident memory and its sent outputs' storage, as
+    measured when its first backward runs (all forwards sent by then)."""
+    # Large blocks are mmapped and unmapped at free: the resident set shows what is live.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    mesh = Mesh.build(ParallelDims(pp=2))
+    outputs, probe = [], {}
+
+    def measure(grad):  # runs inside stage 0's backward, first micro-batch first
+        probe.setdefault("at", (_rss_bytes(), [o.untyped_storage().nbytes() for o in outputs]))
+
+    chunk = Scale(d) if mesh.pp_rank == 0 else Lambda(lambda x: x)
+    if mesh.pp_rank == 0:
+        chunk.register_forward_hook(lambda m, args, out: outputs.append(out))
+        chunk.w.register_hook(measure)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_micro_batches * rows, d, generator=g, dtype=DT)
+    micro_batches = [(mb, None) for mb in x.chunk(num_micro_batches)]
+    runtime = PipelineRuntime([chunk], build_schedule("gpipe", 2, num_micro_batches), mesh.pp,
+                              NoSyncEngine(), loss_fn=lambda out, _: out.sum())
+    saved = runtime_module.release_storage
+    if not release:  # the same run holding its outputs, to measure what releasing saves
+        runtime_module.release_storage = lambda tensor: None
+    try:
+        before = _rss_bytes()
+        runtime.run(micro_batches, 1.0)
+    finally:
+        runtime_module.release_storage = saved
+    if mesh.pp_rank != 0:
+        return None
+    rss, storage = probe["at"]
+    return rss - before, storage
+
+
 # ---------------------------------------------------------------- tests
 @pytest.mark.parametrize("kind, num_virtual, num_micro_batches", [
     ("gpipe", 1, 4), ("1f1b", 1, 4), ("1f1b", 1, 1), ("interleaved-1f1b", 2, 4)])
@@ -218,6 +271,21 @@ def test_hidden_states_that_are_not_3d(dist_pools):
 @pytest.mark.parametrize("edges", ["3d-fp64", "not-3d", "bf16"])
 def test_forward_only_with_changing_sequence_length(dist_pools, edges):
     dist_pools.run(2, _check_forward_only, edges)
+
+
+def test_sent_activations_are_freed(dist_pools):
+    rows, d, num_micro_batches = 2048, 1024, 4
+    activation_bytes = rows * d * 8  # 16 MiB each
+    freed, _ = dist_pools.run(2, _memory_at_first_backward, rows, d, num_micro_batches, True)
+    held, _ = dist_pools.run(2, _memory_at_first_backward, rows, d, num_micro_batches, False)
+    (freed_rss, freed_storage), (held_rss, held_storage) = freed, held
+    print(f"\nstage 0 resident growth at its first backward, {num_micro_batches} sent "
+          f"activations of {activation_bytes / 2**20:.0f} MiB: {held_rss / 2**20:.1f} MiB "
+          f"holding them, {freed_rss / 2**20:.1f} MiB releasing them "
+          f"({(held_rss - freed_rss) / 2**20:.1f} MiB freed)")
+    assert freed_storage == [8] * num_micro_batches  # one float64 left of each
+    assert held_storage == [activation_bytes] * num_micro_batches
+    assert held_rss - freed_rss > 0.9 * num_micro_batches * activation_bytes
 
 
 def test_wrong_shaped_stage_output_raises(dist_pools):

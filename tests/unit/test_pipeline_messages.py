@@ -1,9 +1,10 @@
-"""Pipeline messages in one process: headers, and the runtime on one rank."""
+"""Pipeline messages in one process: headers, released activations, and the runtime on one rank."""
 
 import pytest
 import torch
 
 from meshwise.comm.tensor_meta import MAX_DIMS, MESSAGE_LEN, TensorMeta
+from meshwise.pipeline.p2p import release_storage
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
 from tests.dist.test_pipeline_runtime import (DT, ROWS, T, NoSyncEngine, _batch, _reference,
@@ -28,6 +29,21 @@ def test_header_limits_are_clear_errors():
         TensorMeta((2,), torch.float8_e4m3fn).to_message(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="out of step"):
         TensorMeta.from_message(torch.arange(MESSAGE_LEN))
+
+
+@pytest.mark.parametrize("last", [torch.tanh, lambda h: h + 1.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_released_output_still_backpropagates(last, dtype):
+    """tanh saves its output, ``+ 1`` saves nothing: both give the same gradients."""
+    w = torch.randn(6, 6, dtype=dtype, requires_grad=True)
+    x = torch.randn(4, 6, dtype=dtype)
+    grad = torch.randn(4, 6, dtype=dtype)
+    expected = torch.autograd.grad(last(x @ w), w, grad)[0]
+    out = last(x @ w)
+    release_storage(out)
+    assert out.shape == (4, 6) and out.untyped_storage().nbytes() == out.element_size()
+    torch.autograd.backward(out, grad)
+    torch.testing.assert_close(w.grad, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind, num_virtual", [("gpipe", 1), ("interleaved-1f1b", 3)])
