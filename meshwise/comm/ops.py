@@ -119,7 +119,9 @@ class Handle:
         if self._counters is not None:
             self._counters.wait_s[self._category] += time.perf_counter() - start
         self.done = True
-        self._keep = None
+        # Drop the works too: a finished work may still reference its tensors, and a
+        # sent activation's memory is only returned once nothing references it.
+        self._works, self._keep = [], None
         if self._on_done is not None:
             self._on_done()
 
@@ -261,13 +263,14 @@ def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0,
 
 def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
               recvs: list[tuple[torch.Tensor, int, int]], group: Group,
-              category: str = "p2p", wait_sends: bool = True) -> Handle | None:
+              category: str = "p2p", wait_sends: bool = True) -> list[Handle]:
     """Post several sends and receives together: ``(tensor, group_rank, tag)`` each.
 
     Posting them at once (rather than one blocking call after another) is what
     lets two neighbours exchange in both directions without deadlock. Returns
     after the receives complete; with ``wait_sends=False`` the sends may still be
-    in flight and their ``Handle`` is returned (it keeps the tensors alive).
+    in flight: one ``Handle`` per send, in order (each keeps its tensor alive
+    until waited for), or none where the backend completed the whole batch as one.
     """
     ops, keep = [], []
     for tensor, dst, tag in sends:
@@ -279,17 +282,21 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
         ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(src),
                               group=group.pg, tag=tag))
     works = list(dist.batch_isend_irecv(ops)) if ops else []
+    ops = None  # the P2POps hold the tensors too
     peers = sorted({group.global_rank(peer) for _, peer, _ in sends + recvs})
     what = f"point-to-point batch on group {group.name} (peers {peers})"
-    if len(works) != len(ops):  # one coalesced work for the whole batch (NCCL)
+    if len(works) != len(sends) + len(recvs):  # one coalesced work for the whole batch (NCCL)
         Handle(works, group.counters, category, what=what).wait()
-        return None
+        return []
     Handle(works[len(sends):], group.counters, category, what=what).wait()
-    send_handle = Handle(works[:len(sends)], group.counters, category, keep=keep, what=what)
+    send_handles = [Handle(work, group.counters, category, keep=tensor, what=what)
+                    for work, tensor in zip(works[:len(sends)], keep)]
+    del works, keep
     if wait_sends:
-        send_handle.wait()
-        return None
-    return send_handle
+        for handle in send_handles:
+            handle.wait()
+        return []
+    return send_handles
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

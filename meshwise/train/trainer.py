@@ -26,6 +26,7 @@ from torch import nn
 from meshwise.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops
 from meshwise.data import TokenDataset, rank_slice
+from meshwise.devices import synchronize
 from meshwise.generate import printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
@@ -92,10 +93,7 @@ class Trainer:
         self.pipeline = None
         if p.pp > 1:
             schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-            micro = d.batch_size // (p.dp * d.grad_accum * p.num_micro_batches)
             self.pipeline = PipelineRuntime(chunks, schedule, self.mesh.pp, self.engine,
-                                            (micro, d.seq_len, self.model_cfg.d_model),
-                                            self.precision.param_dtype, self.device,
                                             loss_fn=self.pm.loss)
         # Ranks whose loss counts: the last stage, once per tp group.
         self.reports_loss = self.mesh.is_last_stage and self.mesh.tp_rank == 0
@@ -163,12 +161,13 @@ class Trainer:
         self.engine.zero_grad()
         loss_part = self._forward_backward(self._micro_batches(step, "train"), step)
         if inject:  # "nan": this rank's loss of the step is not a number
-            loss_part = float("nan")
+            loss_part = loss_part + float("nan")
         self.grad_sync.finish()
 
         grad_norm = self.grad_sync.grad_norm()
         clip = self.cfg.optim.clip
         grad_scale = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        # The loss stays on the device until here: one host sync per step, with the rest.
         sums = self._reduce([loss_part if self.reports_loss else 0.0,
                              counters.bytes_sent["grad"] - grad_bytes_before], op="sum")
         loss = sums[0]
@@ -180,6 +179,7 @@ class Trainer:
         every = self.cfg.runtime.check_replicas_every
         if every and step % every == 0 and self.mesh.dims.tp > 1:
             self.grad_sync.check_replica_values()
+        synchronize(self.device)  # the optimizer's kernels may still be queued
         step_time_s = time.perf_counter() - start
         gathered = getattr(self.engine, "peak_gathered_bytes", 0)  # ZeRO-3 only
         state_bytes, rss, gathered = self._reduce(
@@ -206,12 +206,14 @@ class Trainer:
         num = num or d.grad_accum * p.num_micro_batches
         return [(mb[:, :-1], mb[:, 1:]) for mb in local.chunk(num)]
 
-    def _forward_backward(self, micro_batches, step: int) -> float:
-        """Run every micro-batch; return this rank's share of the global mean loss.
+    def _forward_backward(self, micro_batches, step: int) -> torch.Tensor:
+        """Run every micro-batch; return this rank's share of the global mean loss
+        (0-dim, on the device: reading it would wait for every micro-batch).
 
         Gradients sync over dp only during the last accumulation round.
         """
-        total, scale = 0.0, 1.0 / self.global_tokens
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        scale = 1.0 / self.global_tokens
         rows = micro_batches[0][0].shape[0]
         first = self.mesh.dp_rank * rows * len(micro_batches)  # of this rank's slice
         if self.pipeline is not None:
@@ -231,11 +233,13 @@ class Trainer:
             with sync:
                 loss = self.pm.loss(self.model(inputs), targets) * scale
                 loss.backward()
-            total += loss.item()
+            total += loss.detach()
         return total
 
     def _reduce(self, values, op: str) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        """All-reduce numbers and 0-dim device tensors as one tensor; back on the host."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
+                         for v in values])
         ops.all_reduce(t, self.mesh.world, op=op, category="metrics")
         return t.tolist()
 
@@ -265,11 +269,12 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean token loss over ``eval_batches`` held-out global batches."""
         self.model.eval()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(self.cfg.data.eval_batches):
             for inputs, targets in self._micro_batches(i + 1, "val", num=1):
                 loss = self._forward(inputs, targets)
-                total += loss.item() if loss is not None and self.reports_loss else 0.0
+                if loss is not None and self.reports_loss:
+                    total += loss.detach()
         self.model.train()
         sums = self._reduce([total], op="sum")
         return sums[0] / (self.cfg.data.eval_batches * self.global_tokens)
@@ -279,8 +284,7 @@ class Trainer:
         if self.pipeline is None:
             out = self.model(inputs)
         else:
-            shape = (*inputs.shape, self.model_cfg.d_model)
-            out = self.pipeline.forward_only(inputs, None, shape)
+            out = self.pipeline.forward_only(inputs)
             if out is None:
                 return None
         return self.pm.loss(out, targets) if targets is not None else self.pm.full_logits(out)
