@@ -129,3 +129,19 @@ def test_an_unreadable_tokenizer_exits_2(tmp_path, tok):
     locked.chmod(0)
     result = run_main(*TRAIN, "--tokenizer", locked, cwd=tmp_path)
     assert result.returncode == 2 and "cannot read it" in result.stderr
+
+
+def test_a_prepared_bin_brings_its_tokenizer_and_resume_checks_it(tmp_path, tok, corpus):
+    from meshwise.train.config import TrainConfig
+    from meshwise.train.run import check_same_tokenizer, prepare_data
+
+    result = run_main("data", "prepare", corpus, "--out", tmp_path / "c.bin", "--tokenizer", tok,
+                      cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    cfg = TrainConfig()
+    cfg.data.path = str(tmp_path / "c.bin")
+    assert prepare_data(cfg) == tmp_path / "c.bin"
+    assert cfg.data.tokenizer == str(tok.resolve()) and cfg.model.vocab_size == 512
+    check_same_tokenizer({"data": {"tokenizer_digest": cfg.data.tokenizer_digest}}, cfg)
+    with pytest.raises(ValueError, match="trained with the tokenizer byte-level"):
+        check_same_tokenizer({"data": {}}, cfg)  # a checkpoint of a byte-level run
