@@ -26,7 +26,7 @@ from typing import Iterable
 
 import numpy as np
 
-from meshwise.tokenizer import BYTE_LEVEL, Tokenizer, load_tokenizer
+from meshwise.tokenizer import BYTE_LEVEL, BYTE_VOCAB_SIZE, Tokenizer, load_tokenizer
 
 logger = logging.getLogger("meshwise")
 
@@ -34,7 +34,6 @@ FORMAT_VERSION = 2
 WRITTEN_BY = "meshwise"
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_DTYPE = TOKEN_DTYPES["uint16"]  # the default, and the only one before sidecars said
-BYTE_VOCAB_SIZE = 256
 ACCEPTED = "a text file, a folder of text files, or a .bin of token ids (uint16 by default)"
 _SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a .bin for its max token
 
@@ -184,6 +183,8 @@ def check_tokenizer(meta: dict, tokenizer: Tokenizer, data: str | os.PathLike) -
     fit the tokenizer's vocabulary.
     """
     recorded = meta.get("tokenizer")
+    if recorded is None and meta.get("vocab_size") == BYTE_VOCAB_SIZE:
+        recorded = {"kind": BYTE_LEVEL, "digest": BYTE_LEVEL}  # built before sidecars said
     if recorded is None:
         max_token = meta.get("max_token")
         if max_token is not None and max_token >= tokenizer.vocab_size:
@@ -191,11 +192,14 @@ def check_tokenizer(meta: dict, tokenizer: Tokenizer, data: str | os.PathLike) -
                              f"vocabulary of --tokenizer {tokenizer.describe()}")
         return
     if recorded.get("digest") != tokenizer.digest:
-        theirs = recorded.get("path") or recorded.get("kind")
-        raise ValueError(f"--data {data} was tokenized with {theirs} (digest "
-                         f"{recorded.get('digest')}), not with --tokenizer "
-                         f"{tokenizer.describe()}; valid: --tokenizer {theirs}, or the text "
-                         "prepared again with this tokenizer")
+        if recorded.get("kind") == BYTE_LEVEL:
+            theirs, valid = "byte-level", "no --tokenizer"
+        else:
+            theirs = f"{recorded.get('path')} (digest {recorded.get('digest')})"
+            valid = f"--tokenizer {recorded.get('path')}"
+        raise ValueError(f"--data {data} was tokenized with {theirs}, not with --tokenizer "
+                         f"{tokenizer.describe()}; valid: {valid}, or the text prepared "
+                         "again with this tokenizer")
 
 
 def recorded_tokenizer(bin_path: str | os.PathLike) -> Tokenizer | None:

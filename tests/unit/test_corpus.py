@@ -155,3 +155,12 @@ def test_a_bin_names_the_tokenizer_that_wrote_it(tmp_path, bpe_path, wide_path):
     np.array([1, 700], dtype="<u2").tofile(raw)
     with pytest.raises(ValueError, match="holds token id 700, outside the vocabulary"):
         resolve_data(raw, tokenizer=load_tokenizer(bpe_path))
+
+
+def test_a_byte_level_bin_from_before_tokenizers_is_known_as_byte_level(tmp_path, bpe_path):
+    path = tmp_path / "old.bin"
+    np.frombuffer(b"hello", np.uint8).astype("<u2").tofile(path)
+    _write_meta(path, {"num_tokens": 5, "vocab_size": 256, "max_token": None, "source": "x"})
+    with pytest.raises(ValueError, match="tokenized with byte-level, not with --tokenizer .*"
+                                         "valid: no --tokenizer"):
+        resolve_data(path, tokenizer=load_tokenizer(bpe_path))
