@@ -66,6 +66,9 @@ def _atomic_write(dest: Path, chunks: Iterable[bytes], before_replace=None) -> N
     """
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file private (0600); the result should have the
+        # permissions any new file gets here, so other users' ranks can read it.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
@@ -77,6 +80,13 @@ def _atomic_write(dest: Path, chunks: Iterable[bytes], before_replace=None) -> N
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """This process's umask (reading it means setting it; put straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_meta(bin_path: Path, meta: dict) -> None:

@@ -1,6 +1,7 @@
 """Token files of both dtypes, and corpora encoded in parallel with a tokenizer."""
 
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -164,3 +165,14 @@ def test_a_byte_level_bin_from_before_tokenizers_is_known_as_byte_level(tmp_path
     with pytest.raises(ValueError, match="tokenized with byte-level, not with --tokenizer .*"
                                          "valid: no --tokenizer"):
         resolve_data(path, tokenizer=load_tokenizer(bpe_path))
+
+
+def test_token_files_get_the_usual_permissions(tmp_path):
+    (tmp_path / "a.txt").write_text("hello\n")
+    saved = os.umask(0o022)
+    try:
+        out = resolve_data(tmp_path / "a.txt", tmp_path / "c")
+    finally:
+        os.umask(saved)
+    assert out.stat().st_mode & 0o777 == 0o644
+    assert sidecar_path(out).stat().st_mode & 0o777 == 0o644
