@@ -125,7 +125,7 @@ DEFAULT_TEXT = {
     "n_layer": "the preset's", "n_head": "the preset's", "d_model": "the preset's",
     "block_size": "the preset's",
     "vocab_size": "the tokenizer's, else the data's (byte-level: 256)",
-    "tokenizer": "byte-level (vocab 256), or the one a .bin was prepared with",
+    "tokenizer": "byte-level, vocab 256; or the one a .bin was prepared with",
     "path": "the Python standard library's sources, byte-level",
     "cache_dir": "$MESHWISE_CACHE or ~/.cache/meshwise",
     "metrics": "none", "save": "none", "resume": "none: start fresh",
