@@ -1,4 +1,4 @@
-"""``meshwise`` command line: ``train``, ``schedule``, ``export`` and ``generate``.
+"""``meshwise`` command line: ``train``, ``schedule``, ``export``, ``generate``, ``data``, ``bench``.
 
 The entry point only parses, validates and hands over: configuration errors exit
 with status 2 and one line before any rank starts; training itself lives in
@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Continue a prompt with a checkpoint's model on one "
                                           "process, using a KV cache.")
     add_generate_arguments(generate)
+    from meshwise.data_cmd import add_data_arguments
+
+    data = sub.add_parser("data", help="text to token files; train a tokenizer",
+                          description="Prepare token files for --data and train tokenizers "
+                                      "for --tokenizer.")
+    add_data_arguments(data)
     from meshwise.comm.bench import add_bench_comm_arguments
 
     bench = sub.add_parser("bench", help="benchmarks: comm (all-reduce algorithms)")
@@ -102,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench_comm(args)
     if args.command in ("export", "generate"):
         return _run_offline(args)
+    if args.command == "data":
+        from meshwise.data_cmd import run_data
+
+        return run_data(args)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s")
     from meshwise.launch import RankFailed, Stopped

@@ -1,11 +1,14 @@
-"""Byte-level corpora, uint16 token files and deterministic global batches.
+"""Corpora, token files and deterministic global batches.
 
-A token file is a flat little-endian uint16 array (``.bin``) with meshwise's
-JSON sidecar (``meshwise.token_files``). ``resolve_data`` turns what the user
-gave (nothing, a text file, a folder, a ``.bin``) into such a file, building and caching it once, atomically (temp file
-in the same folder, then ``os.replace``), so concurrent builders or a crash never
-leave a half-written file. Call it once before spawning ranks; every rank then
-opens the result with ``TokenDataset``, which only memory-maps it.
+A token file is a flat little-endian array of uint16 (or, past 65,536 ids,
+uint32) token ids (``.bin``) with meshwise's JSON sidecar
+(``meshwise.token_files``). ``resolve_data`` turns what the user gave (nothing,
+a text file, a folder, a ``.bin``) into such a file: text is encoded with the
+run's tokenizer (byte-level by default, ``meshwise.tokenizer``) by
+``meshwise.corpus`` and cached once, atomically (temp file in the same folder,
+then ``os.replace``), so concurrent builders or a crash never leave a
+half-written file. Call it once before spawning ranks; every rank then opens
+the result with ``TokenDataset``, which only memory-maps it.
 
 Global batch ``step`` is drawn from ``numpy.random.default_rng([seed, step,
 split_id])``: the same in every process and layout, and independent of how many
@@ -20,23 +23,24 @@ import logging
 import os
 import platform
 import sysconfig
-import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 import torch
 
+from meshwise.corpus import build_token_file, list_files
+from meshwise.progress import Progress
 # Re-exported: the token-file format is part of this module's interface.
 from meshwise.token_files import (ACCEPTED, BYTE_VOCAB_SIZE, TOKEN_DTYPE,  # noqa: F401
-                                  _atomic_write, _write_meta, read_meta, resolve_vocab_size,
-                                  sidecar_path)
+                                  check_tokenizer, read_meta, recorded_tokenizer,
+                                  resolve_vocab_size, sidecar_path, token_dtype)
+from meshwise.tokenizer import BYTE_LEVEL, ByteTokenizer, Tokenizer
 
 logger = logging.getLogger("meshwise")
 
 SPLITS = {"train": 0, "val": 1}
 VAL_MIN_SEQUENCES = 4  # the validation split holds at least this many windows
-_SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary
 
 
 def default_cache_dir() -> Path:
@@ -52,58 +56,25 @@ def _hash_key(parts: Iterable[object]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _list_files(root: Path, suffix: str = "", skip_dirs: frozenset = frozenset()) -> list[str]:
-    """Sorted POSIX relative paths of the files under ``root`` (hidden entries skipped)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
-        rel_dir = Path(dirpath).relative_to(root)
-        found += [(rel_dir / f).as_posix() for f in filenames
-                  if f.endswith(suffix) and not f.startswith(".")]
-    return sorted(found)
-
-
-def _read_text(path: Path) -> bytes | None:
-    """The bytes of ``path``, or None when it looks binary (NUL in its first 8 KiB)."""
-    with open(path, "rb") as f:
-        head = f.read(_SNIFF_BYTES)
-        return None if b"\0" in head else head + f.read()
-
-
-def _as_tokens(contents: Iterable[bytes | None], stats: dict) -> Iterator[bytes]:
-    """uint16 token bytes of ``b"\\n".join(contents)`` (None entries skipped), in one pass."""
-    sep = np.frombuffer(b"\n", np.uint8).astype(TOKEN_DTYPE).tobytes()
-    for data in contents:
-        if data is None:
-            stats["skipped"] += 1
-            continue
-        if stats["files"]:
-            yield sep
-        stats["files"] += 1
-        stats["content_bytes"] += len(data)
-        yield np.frombuffer(data, np.uint8).astype(TOKEN_DTYPE).tobytes()
-
-
-def _build_bytes_corpus(dest: Path, contents: Iterable[bytes | None], source: str) -> Path:
-    """Build the byte-level token file ``dest`` (and sidecar) from file contents, atomically."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    stats = {"files": 0, "skipped": 0, "content_bytes": 0}
-    start = time.perf_counter()
-
-    def finish(tmp: Path) -> None:
-        if stats["content_bytes"] == 0:
-            raise ValueError(f"data path {source!r} holds no text (empty corpus or only "
-                             f"binary files); expected {ACCEPTED}")
-        stats["num_tokens"] = tmp.stat().st_size // TOKEN_DTYPE.itemsize
-        # The sidecar goes first: a .bin present in the cache always has one.
-        _write_meta(dest, {"num_tokens": stats["num_tokens"], "vocab_size": BYTE_VOCAB_SIZE,
-                           "max_token": None, "source": source})
-
-    _atomic_write(dest, _as_tokens(contents, stats), before_replace=finish)
+def _build_corpus(dest: Path, files: list[Path], source: str, tokenizer: Tokenizer,
+                  num_workers: int) -> Path:
+    """Build the token file ``dest`` (and sidecar) from text files, atomically."""
+    stats = build_with_progress(dest, files, tokenizer, source, num_workers)
     logger.info("built corpus %s: %d tokens from %d files (%d binary skipped) in %.1f s",
-                dest, stats["num_tokens"], stats["files"], stats["skipped"],
-                time.perf_counter() - start)
+                dest, stats["num_tokens"], stats["files"], stats["skipped"], stats["seconds"])
     return dest
+
+
+def build_with_progress(dest: Path, files: list[Path], tokenizer: Tokenizer, source: str,
+                        num_workers: int) -> dict:
+    """``meshwise.corpus.build_token_file`` with its progress shown on stderr."""
+    bar = Progress(f"tokenizing {source}")
+    try:
+        return build_token_file(dest, files, tokenizer, source, num_workers,
+                                lambda done, total, tokens: bar.update(done, total,
+                                                                       f"{tokens:,} tokens"))
+    finally:
+        bar.close()
 
 
 def _cached(dest: Path, build) -> Path:
@@ -127,43 +98,60 @@ def _cached(dest: Path, build) -> Path:
         return build()
 
 
-def _stdlib_corpus(cache_dir: Path) -> Path:
-    """The default corpus: the standard library's ``.py`` sources, byte-level."""
+def _stdlib_corpus(cache_dir: Path, tokenizer: Tokenizer, num_workers: int) -> Path:
+    """The default corpus: the standard library's ``.py`` sources."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = frozenset({"site-packages", "__pycache__"})
-    files = _list_files(root, ".py", skip)
-    key = _hash_key((rel, (root / rel).stat().st_size) for rel in files)
+    files = list_files(root, ".py", skip)
+    key = _hash_key(_tokenizer_key(tokenizer) + [(rel, (root / rel).stat().st_size)
+                                                 for rel in files])
     dest = cache_dir / f"stdlib-{platform.python_version()}-{key}.bin"
-    return _cached(dest, lambda: _build_bytes_corpus(
-        dest, ((root / rel).read_bytes() for rel in files), f"stdlib:{root}"))
+    return _cached(dest, lambda: _build_corpus(dest, [root / rel for rel in files],
+                                               f"stdlib:{root}", tokenizer, num_workers))
 
 
-def _text_corpus(path: Path, cache_dir: Path) -> Path:
-    """Byte-level tokens of one text file, or of every text file under a folder."""
+def _text_corpus(path: Path, cache_dir: Path, tokenizer: Tokenizer, num_workers: int) -> Path:
+    """Tokens of one text file, or of every text file under a folder."""
     path = path.resolve()
+    files = text_files(path)
     if path.is_dir():
-        files = _list_files(path, skip_dirs=frozenset({"__pycache__"}))
-        stats = [(path / rel).stat() for rel in files]
-        key = _hash_key([str(path)] + [(rel, st.st_size, st.st_mtime_ns)
-                                       for rel, st in zip(files, stats)])
-        contents = (_read_text(path / rel) for rel in files)
+        parts = [str(path)] + [(file.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns)
+                               for file, st in ((file, file.stat()) for file in files)]
     else:
         st = path.stat()
-        key = _hash_key((str(path), st.st_size, st.st_mtime_ns))
-        contents = (_read_text(p) for p in [path])
+        parts = [str(path), st.st_size, st.st_mtime_ns]
+    key = _hash_key(_tokenizer_key(tokenizer) + parts)
     dest = cache_dir / f"{path.stem or 'corpus'}-{key}.bin"
-    return _cached(dest, lambda: _build_bytes_corpus(dest, contents, str(path)))
+    return _cached(dest, lambda: _build_corpus(dest, files, str(path), tokenizer, num_workers))
 
 
-def resolve_data(path: str | os.PathLike | None,
-                 cache_dir: str | os.PathLike | None = None) -> Path:
+def _tokenizer_key(tokenizer: Tokenizer) -> list:
+    """The tokenizer's part of a cache key: nothing for byte-level, so corpora
+    cached before tokenizers existed keep their names."""
+    if tokenizer.kind == BYTE_LEVEL:
+        return []
+    return [("tokenizer", tokenizer.digest, tuple(tokenizer.separator))]
+
+
+def text_files(path: Path) -> list[Path]:
+    """The documents of ``path``: the file itself, or every file under the folder."""
+    if not path.is_dir():
+        return [path]
+    return [path / rel for rel in list_files(path, skip_dirs=frozenset({"__pycache__"}))]
+
+
+def resolve_data(path: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None,
+                 tokenizer: Tokenizer | None = None, num_workers: int = 1) -> Path:
     """Path of the token ``.bin`` for ``path``, building and caching it if needed.
 
     ``None`` selects the default corpus (the standard library's sources); a text
-    file or a folder of text files is tokenized byte-level (vocab 256) and cached
-    in ``cache_dir`` (default ``default_cache_dir()``); a ``.bin`` is used as is.
-    Use ``read_meta`` on the result for its vocabulary size. Raises ValueError for
-    a missing path or an empty corpus.
+    file or a folder of text files is encoded with ``tokenizer`` (default
+    byte-level, vocab 256) by ``num_workers`` processes and cached in
+    ``cache_dir`` (default ``default_cache_dir()``), the key including the
+    tokenizer's digest; a ``.bin`` is used as is, after checking that
+    ``tokenizer`` (when given) is the one that wrote it. Use ``read_meta`` on the
+    result for its vocabulary size. Raises ValueError for a missing path, an
+    empty corpus or another tokenizer's token file.
     """
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if path is not None:
@@ -171,10 +159,15 @@ def resolve_data(path: str | os.PathLike | None,
         if not path.exists():
             raise ValueError(f"data path {str(path)!r} does not exist; expected {ACCEPTED}")
         if path.is_file() and path.suffix == ".bin":
-            read_meta(path)  # validates, and writes the sidecar once if missing
+            meta = read_meta(path)  # validates, and writes the sidecar once if missing
+            if tokenizer is not None:
+                check_tokenizer(meta, tokenizer, path)
             return path
+    tokenizer = tokenizer or ByteTokenizer()
     try:
-        return _stdlib_corpus(cache) if path is None else _text_corpus(path, cache)
+        if path is None:
+            return _stdlib_corpus(cache, tokenizer, num_workers)
+        return _text_corpus(path, cache, tokenizer, num_workers)
     except OSError as exc:
         origin = ("--cache-dir" if cache_dir is not None else
                   "MESHWISE_CACHE" if os.environ.get("MESHWISE_CACHE") else "the default")
@@ -196,6 +189,8 @@ def rank_slice(batch: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
 class TokenDataset:
     """Random windows of ``seq_len + 1`` tokens from a memory-mapped token file.
 
+    The file is read with the dtype its sidecar records (uint16 or uint32).
+
     The last ``val_fraction`` of the tokens (at least ``VAL_MIN_SEQUENCES``
     windows' worth; none when ``val_fraction`` is 0) is the validation split;
     train windows end before it, so no train window overlaps it. Opening is
@@ -214,7 +209,8 @@ class TokenDataset:
         self.val_fraction = val_fraction
         meta = read_meta(self.path)
         self.vocab_size: int = resolve_vocab_size(meta, vocab_size)
-        self._tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        self.dtype = token_dtype(meta)
+        self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         window = seq_len + 1
         num_tokens = len(self._tokens)
         num_val = 0
@@ -236,7 +232,7 @@ class TokenDataset:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
 
     def _split_range(self, split: str) -> tuple[int, int]:
         if split not in SPLITS:

@@ -2,7 +2,8 @@
 
 The prompt goes through the model once (filling each layer's keys and values);
 each new token then costs one position's forward instead of the whole prefix.
-Text is byte-level, as the default training corpus is.
+Text is encoded and decoded with the tokenizer the checkpoint was trained with
+(its configuration names it and its digest), byte-level when it names none.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from meshwise.checkpoint.model import load_model, open_checkpoint
 from meshwise.models.kv_cache import LayerCache
+from meshwise.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
 def add_generate_arguments(parser) -> None:
@@ -26,6 +28,10 @@ def add_generate_arguments(parser) -> None:
     parser.add_argument("--top-k", type=int, default=0,
                         help="sample among the K most likely tokens; 0: all (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="the tokenizer.json the checkpoint was trained with, when it is no "
+                             "longer where training found it (default: the one its "
+                             "configuration names; byte-level if none)")
 
 
 def check_generate_arguments(args) -> None:
@@ -40,18 +46,56 @@ def check_generate_arguments(args) -> None:
 
 
 def run_generate(args) -> str:
+    """The text generated after ``--prompt``."""
     check_generate_arguments(args)
-    model = load_model(open_checkpoint(args.checkpoint))
-    if model.cfg.vocab_size != 256:
-        raise ValueError(f"the checkpoint's vocabulary has {model.cfg.vocab_size} tokens; "
-                         "--prompt text is encoded byte-level (256)")
-    prompt = list(args.prompt.encode("utf-8"))
-    if len(prompt) >= model.cfg.block_size:
-        raise ValueError(f"--prompt is {len(prompt)} bytes; the model's context is "
-                         f"{model.cfg.block_size}")
+    ckpt = open_checkpoint(args.checkpoint)
+    model = load_model(ckpt)
+    tokenizer = checkpoint_tokenizer(ckpt.meta.get("config", {}).get("data", {}),
+                                     args.tokenizer)
+    vocab_size = model.cfg.vocab_size
+    if tokenizer.kind == ByteTokenizer.kind and vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"the checkpoint's vocabulary has {vocab_size} tokens and it names no "
+                         "tokenizer; --prompt text would be encoded byte-level (256): pass "
+                         "--tokenizer PATH")
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"--tokenizer {tokenizer.describe()} has more tokens than the "
+                         f"checkpoint's vocabulary of {vocab_size}")
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt or len(prompt) >= model.cfg.block_size:
+        raise ValueError(f"--prompt is {len(prompt)} tokens; the model's context holds 1 to "
+                         f"{model.cfg.block_size - 1}")
     tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
                       args.seed)
-    return bytes(tokens).decode("utf-8", errors="replace")
+    return tokenizer.decode_continuation(prompt, tokens)
+
+
+def checkpoint_tokenizer(data: dict, flag: str | None) -> Tokenizer:
+    """The tokenizer a checkpoint was trained with.
+
+    ``data`` is the ``data`` section of its configuration; ``flag`` is
+    ``--tokenizer``, which must then be the same file by digest. Raises
+    ValueError naming the recorded path when it cannot be found or has changed.
+    """
+    path, digest = data.get("tokenizer"), data.get("tokenizer_digest")
+    if flag:
+        tokenizer = load_tokenizer(flag)
+        if digest and tokenizer.digest != digest:
+            raise ValueError(f"--tokenizer {tokenizer.describe()} is not the tokenizer the "
+                             f"checkpoint was trained with: {path} (digest {digest})")
+        return tokenizer
+    if not path:
+        return ByteTokenizer()
+    try:
+        tokenizer = load_tokenizer(path)
+    except ValueError:
+        raise ValueError(f"the checkpoint was trained with the tokenizer {path} (digest "
+                         f"{digest}), which cannot be read there; pass --tokenizer PATH to a "
+                         "copy of it") from None
+    if tokenizer.digest != digest:
+        raise ValueError(f"the tokenizer {path} changed since the checkpoint was trained with "
+                         f"it (digest {tokenizer.digest}, then {digest}); pass --tokenizer PATH "
+                         "to the one it was trained with")
+    return tokenizer
 
 
 def printable(text: str) -> str:

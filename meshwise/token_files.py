@@ -1,10 +1,15 @@
-"""Token files: a flat uint16 array (``.bin``) and meshwise's JSON sidecar beside it.
+"""Token files: a flat array of token ids (``.bin``) and meshwise's JSON sidecar beside it.
 
-The sidecar ``<name>.bin.meshwise.json`` holds ``{"num_tokens", "vocab_size",
-"max_token", "source", "format", "written_by"}``. ``vocab_size`` is the
-tokenizer's when it is known (256 for byte-level corpora) and ``null`` for a
-``.bin`` meshwise did not build; ``max_token`` is the largest id in the file
-when it was scanned. The sidecar's name is ours alone and ``written_by`` marks
+The ids are little-endian uint16 when the vocabulary fits (at most 65,536
+ids), uint32 above (Llama 3's 128,256). The sidecar ``<name>.bin.meshwise.json``
+holds ``{"num_tokens", "vocab_size", "max_token", "source", "dtype",
+"tokenizer", "format", "written_by"}``. ``vocab_size`` is the tokenizer's when
+it is known (256 for byte-level corpora) and ``null`` for a ``.bin`` meshwise
+did not build; ``max_token`` is the largest id in the file when it was scanned;
+``tokenizer`` is what wrote the file (``meshwise.tokenizer``: kind, path,
+digest, vocab_size, separator), absent for a scanned file. A ``.bin`` without
+our sidecar, or a sidecar without ``dtype`` (written before there was a
+choice), is uint16. The sidecar's name is ours alone and ``written_by`` marks
 it: a file of that name that meshwise did not write is never read or replaced.
 Every write is atomic (a temp file in the same folder, then ``os.replace``).
 """
@@ -21,14 +26,30 @@ from typing import Iterable
 
 import numpy as np
 
+from meshwise.tokenizer import BYTE_LEVEL, BYTE_VOCAB_SIZE, Tokenizer, load_tokenizer
+
 logger = logging.getLogger("meshwise")
 
 FORMAT_VERSION = 2
 WRITTEN_BY = "meshwise"
-TOKEN_DTYPE = np.dtype("<u2")
-BYTE_VOCAB_SIZE = 256
-ACCEPTED = "a text file, a folder of text files, or a .bin of uint16 tokens"
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+TOKEN_DTYPE = TOKEN_DTYPES["uint16"]  # the default, and the only one before sidecars said
+ACCEPTED = "a text file, a folder of text files, or a .bin of token ids (uint16 by default)"
 _SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a .bin for its max token
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The narrowest token dtype that holds every id below ``vocab_size``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def token_dtype(meta: dict) -> np.dtype:
+    """The dtype a token file's metadata records (uint16 when it says none)."""
+    name = meta.get("dtype") or "uint16"
+    if name not in TOKEN_DTYPES:
+        raise ValueError(f"{meta.get('source')}: its sidecar records token dtype {name!r}; "
+                         f"valid: {', '.join(TOKEN_DTYPES)}")
+    return TOKEN_DTYPES[name]
 
 
 def sidecar_path(path: str | os.PathLike) -> Path:
@@ -45,6 +66,9 @@ def _atomic_write(dest: Path, chunks: Iterable[bytes], before_replace=None) -> N
     """
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file private (0600); the result should have the
+        # permissions any new file gets here, so other users' ranks can read it.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
@@ -56,6 +80,13 @@ def _atomic_write(dest: Path, chunks: Iterable[bytes], before_replace=None) -> N
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """This process's umask (reading it means setting it; put straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_meta(bin_path: Path, meta: dict) -> None:
@@ -88,29 +119,34 @@ def _scan_bin(path: str, size: int, mtime_ns: int) -> dict:
     for start in range(0, len(tokens), _SCAN_CHUNK):
         max_token = max(max_token, int(tokens[start : start + _SCAN_CHUNK].max()))
     return {"num_tokens": len(tokens), "vocab_size": None, "max_token": max_token,
-            "source": path}
+            "source": path, "dtype": "uint16"}
 
 
 def read_meta(path: str | os.PathLike) -> dict:
     """Metadata of a token file: its sidecar, or computed once from the tokens.
 
-    Without a (valid) sidecar the file is scanned once for ``max token + 1``;
-    the sidecar is then written next to it if that folder is writable, and
-    otherwise the result is kept in memory for this process.
+    Without a (valid) sidecar the file is read as uint16 and scanned once for
+    ``max token + 1``; the sidecar is then written next to it if that folder is
+    writable, and otherwise the result is kept in memory for this process.
     """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"data path {str(path)!r} does not exist; expected {ACCEPTED}")
     st = path.stat()
-    if st.st_size == 0 or st.st_size % TOKEN_DTYPE.itemsize:
-        raise ValueError(f"token file {str(path)!r} has {st.st_size} bytes, not a non-empty "
-                         f"array of uint16 tokens; expected {ACCEPTED}")
     side = sidecar_path(path)
-    if side.exists():
-        meta = _ours(side)
-        if (meta.get("num_tokens") == st.st_size // TOKEN_DTYPE.itemsize
+    meta = _ours(side) if side.exists() else None
+    dtype = token_dtype(meta) if meta else TOKEN_DTYPE
+    if st.st_size == 0 or st.st_size % dtype.itemsize:
+        raise ValueError(f"token file {str(path)!r} has {st.st_size} bytes, not a non-empty "
+                         f"array of {dtype.name} tokens; expected {ACCEPTED}")
+    if meta is not None:
+        if (meta.get("num_tokens") == st.st_size // dtype.itemsize
                 and meta.get("format") == FORMAT_VERSION):
             return meta
+        if meta.get("tokenizer"):  # built from text: a rescan would lose what wrote it
+            raise ValueError(f"token file {str(path)!r} has {st.st_size} bytes, but its sidecar "
+                             f"records {meta.get('num_tokens')} {dtype.name} tokens: it changed "
+                             "since meshwise wrote it; prepare it again")
         logger.warning("rebuilding the stale sidecar %s", side)
     meta = dict(_scan_bin(str(path.resolve()), st.st_size, st.st_mtime_ns))
     if os.access(path.parent, os.W_OK):
@@ -138,7 +174,8 @@ def resolve_vocab_size(meta: dict, requested: int = 0) -> int:
                              f"{requested}; valid: --vocab-size {max_token + 1} or more")
         if stated and requested < stated:
             raise ValueError(f"--vocab-size {requested} is smaller than the vocabulary of "
-                             f"{stated} the data was tokenized with")
+                             f"{stated} the data was tokenized with; valid: --vocab-size "
+                             f"{stated} or more")
         return requested
     if stated:
         return stated
@@ -147,3 +184,47 @@ def resolve_vocab_size(meta: dict, requested: int = 0) -> int:
     raise ValueError(f"{source} holds token ids up to {max_token}, beyond the byte-level "
                      f"{BYTE_VOCAB_SIZE}; say the vocabulary with --vocab-size "
                      f"(at least {max_token + 1})")
+
+
+def check_tokenizer(meta: dict, tokenizer: Tokenizer, data: str | os.PathLike) -> None:
+    """A token file must have been written by ``tokenizer`` (``--tokenizer``).
+
+    A ``.bin`` meshwise did not build records no tokenizer: its ids must then
+    fit the tokenizer's vocabulary.
+    """
+    recorded = meta.get("tokenizer")
+    if recorded is None and meta.get("vocab_size") == BYTE_VOCAB_SIZE:
+        recorded = {"kind": BYTE_LEVEL, "digest": BYTE_LEVEL}  # built before sidecars said
+    if recorded is None:
+        max_token = meta.get("max_token")
+        if max_token is not None and max_token >= tokenizer.vocab_size:
+            raise ValueError(f"--data {data} holds token id {max_token}, outside the "
+                             f"vocabulary of --tokenizer {tokenizer.describe()}")
+        return
+    if recorded.get("digest") != tokenizer.digest:
+        if recorded.get("kind") == BYTE_LEVEL:
+            theirs, valid = "byte-level", "no --tokenizer"
+        else:
+            theirs = f"{recorded.get('path')} (digest {recorded.get('digest')})"
+            valid = f"--tokenizer {recorded.get('path')}"
+        raise ValueError(f"--data {data} was tokenized with {theirs}, not with --tokenizer "
+                         f"{tokenizer.describe()}; valid: {valid}, or the text prepared "
+                         "again with this tokenizer")
+
+
+def recorded_tokenizer(bin_path: str | os.PathLike) -> Tokenizer | None:
+    """The ``tokenizer.json`` a token file's sidecar names, if it is still there
+    unchanged (same digest); None for byte-level data or one that cannot be found."""
+    recorded = read_meta(bin_path).get("tokenizer") or {}
+    if recorded.get("kind") == BYTE_LEVEL or not recorded.get("path"):
+        return None
+    try:
+        tokenizer = load_tokenizer(recorded["path"])
+    except ValueError:
+        tokenizer = None
+    if tokenizer is None or tokenizer.digest != recorded.get("digest"):
+        logger.warning("warning: %s was tokenized with %s (digest %s), which is no longer "
+                       "there unchanged; pass --tokenizer to decode samples", bin_path,
+                       recorded["path"], recorded.get("digest"))
+        return None
+    return tokenizer

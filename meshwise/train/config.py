@@ -58,7 +58,7 @@ class ModelConfig:
     n_head: int = 0
     d_model: int = 0
     block_size: int = 0
-    vocab_size: int = 0  # 0: from the data (its tokenizer's, or byte-level)
+    vocab_size: int = 0  # 0: from the tokenizer, else the data (byte-level: 256)
     dropout: float = 0.0
 
     def resolved(self) -> "ModelConfig":
@@ -97,6 +97,8 @@ class OptimConfig:
 class DataConfig:
     path: str | None = None
     cache_dir: str | None = None
+    tokenizer: str | None = None  # a tokenizer.json; None: byte-level
+    tokenizer_digest: str | None = None  # set by ``prepare``: what a checkpoint records
     seq_len: int = 128
     batch_size: int = 16
     grad_accum: int = 1

@@ -5,7 +5,7 @@ given different flags (or data, or code). Before anything else, every rank
 sends a fingerprint of its configuration, its token file and meshwise's source
 to the others; a difference stops the job at once, naming the first key that
 differs. Paths are left out (nodes may mount the same files elsewhere); the
-files' contents stand for them.
+files' contents stand for them (the tokenizer's by its digest).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from meshwise.comm import ops
 
 # Fields that may differ between nodes: where things are, how much is printed.
-PER_NODE = {"data.path", "data.cache_dir", "runtime.metrics", "runtime.quiet",
+PER_NODE = {"data.path", "data.cache_dir", "data.tokenizer", "runtime.metrics", "runtime.quiet",
             "runtime.log_every", "checkpoint.save", "checkpoint.resume"}
 _SAMPLE_BYTES = 1 << 20
 

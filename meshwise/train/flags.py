@@ -51,10 +51,13 @@ TRAIN_FLAGS = [
     ("--seq-len", "data", "seq_len", int, "tokens per sequence"),
     ("--batch-size", "data", "batch_size", int,
      "global sequences per optimizer step, whatever the layout"),
-    ("--data", "data", "path", str, "a text file, a folder of text files, or a .bin of uint16 "
-     "tokens"),
+    ("--data", "data", "path", str, "a text file, a folder of text files, or a .bin token file "
+     "(meshwise data prepare)"),
     ("--cache-dir", "data", "cache_dir", str,
      "where built token files are cached"),
+    ("--tokenizer", "data", "tokenizer", str,
+     "a Hugging Face tokenizer.json (or a folder holding one): encodes text --data, sets "
+     "the vocabulary, decodes samples; a .bin must have been prepared with it"),
     ("--eval-every", "data", "eval_every", int,
      "validation loss every N steps; 0: only at the end"),
     ("--eval-batches", "data", "eval_batches", int, "global batches per evaluation"),
@@ -129,7 +132,8 @@ DEFAULT_TEXT = {
     "micro_batches": "pp",
     "n_layer": "the preset's", "n_head": "the preset's", "d_model": "the preset's",
     "block_size": "the preset's",
-    "vocab_size": "the data's (byte-level: 256)",
+    "vocab_size": "the tokenizer's, else the data's (byte-level: 256)",
+    "tokenizer": "byte-level, vocab 256; or the one a .bin was prepared with",
     "path": "the Python standard library's sources, byte-level",
     "cache_dir": "$MESHWISE_CACHE or ~/.cache/meshwise",
     "metrics": "none", "save": "none", "resume": "none: start fresh",

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from meshwise import launch
 from meshwise.checkpoint import resume
-from meshwise.data import TokenDataset, resolve_data
+from meshwise.corpus import available_cpus
+from meshwise.data import TokenDataset, recorded_tokenizer, resolve_data
+from meshwise.tokenizer import check_vocab_fits, load_tokenizer
 from meshwise.train.config import TrainConfig
 
 log = logging.getLogger("meshwise")
@@ -82,7 +84,7 @@ def prepare(cfg: TrainConfig) -> Path:
         if slowdown > 2:
             log.warning("warning: --dtype bf16: a bf16 matmul measured %.0fx slower than fp32 on "
                         "this CPU (no native bf16 support); fp32 will train faster", slowdown)
-    path = resolve_data(cfg.data.path, cfg.data.cache_dir)
+    path = prepare_data(cfg)
     dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size)  # checks
     c = cfg.checkpoint
     if c.save:
@@ -90,8 +92,40 @@ def prepare(cfg: TrainConfig) -> Path:
         resume.check_not_overwriting(c.save, c.resume)
     start = resume.find_resume(c.resume, c.save)
     if start is not None:
-        resume.open_verified(start, cfg.model.sizes(dataset.vocab_size))
+        ckpt = resume.open_verified(start, cfg.model.sizes(dataset.vocab_size))
+        check_same_tokenizer(ckpt.meta.get("config", {}), cfg)
     return path
+
+
+def prepare_data(cfg: TrainConfig) -> Path:
+    """The token file for ``--data``, encoded with ``--tokenizer`` when given.
+
+    Records the tokenizer (path and digest) in ``cfg.data``, so the metrics'
+    config file and every checkpoint's manifest name it, and takes the model's
+    vocabulary from it when ``--vocab-size`` is not given. A ``.bin`` prepared
+    with a tokenizer brings it along when ``--tokenizer`` is not given.
+    """
+    d = cfg.data
+    tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
+    if tokenizer is not None:
+        check_vocab_fits(tokenizer, cfg.model.vocab_size)
+    path = resolve_data(d.path, d.cache_dir, tokenizer, num_workers=available_cpus())
+    tokenizer = tokenizer or recorded_tokenizer(path)
+    if tokenizer is not None and tokenizer.path is not None:
+        d.tokenizer, d.tokenizer_digest = tokenizer.path, tokenizer.digest
+        cfg.model.vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+        log.info("tokenizer: %s", tokenizer.describe())
+    return path
+
+
+def check_same_tokenizer(saved: dict, cfg: TrainConfig) -> None:
+    """A run resumes only with the tokenizer its checkpoint was trained with."""
+    theirs = saved.get("data", {}).get("tokenizer_digest")
+    if theirs != cfg.data.tokenizer_digest:
+        name = saved.get("data", {}).get("tokenizer") or "byte-level"
+        raise ValueError(f"--resume: the checkpoint was trained with the tokenizer {name} "
+                         f"(digest {theirs}), this run has {cfg.data.tokenizer or 'byte-level'} "
+                         f"(digest {cfg.data.tokenizer_digest}); valid: --tokenizer {name}")
 
 
 def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:

@@ -38,6 +38,7 @@ from meshwise.pipeline.schedules import build_schedule
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.zero3 import ZeroStage3
+from meshwise.tokenizer import decode_sample
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
@@ -310,11 +311,8 @@ class Trainer:
             tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
         self.model.train()
         ids = tokens[0].tolist()
-        prompt, new = ids[:prompt_len], ids[prompt_len:]
-        if self.model_cfg.vocab_size > 256:
-            return " ".join(map(str, prompt)), " " + " ".join(map(str, new))
-        return (bytes(prompt).decode("utf-8", errors="replace"),
-                bytes(new).decode("utf-8", errors="replace"))
+        return decode_sample(self.cfg.data.tokenizer, ids[:prompt_len], ids[prompt_len:],
+                             self.model_cfg.vocab_size)
 
 
 def precision_of(cfg: TrainConfig) -> Precision:

@@ -1,0 +1,151 @@
+"""``meshwise data prepare`` and ``meshwise data train-tokenizer``.
+
+``prepare`` encodes text into a token file (``meshwise.corpus``) that
+``meshwise train --data FILE.bin`` reads; ``train-tokenizer`` learns a
+byte-level BPE (``meshwise.bpe``) whose ``tokenizer.json`` both ``prepare`` and
+``train`` take as ``--tokenizer``. Bad input exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from meshwise.corpus import available_cpus, plan_pieces, read_piece
+from meshwise.token_files import _ours, sidecar_path
+from meshwise.tokenizer import ByteTokenizer
+
+TEXT_INPUT = "a text file or a folder of text files"
+
+
+def add_data_arguments(parser) -> None:
+    """The ``prepare`` and ``train-tokenizer`` subcommands of ``meshwise data``."""
+    commands = parser.add_subparsers(dest="data_command", required=True)
+    prepare = _text_command(
+        commands, "prepare", "tokenize text into a token file for --data",
+        "Tokenize a text file, or every text file under a folder (sorted; binary files "
+        "skipped), into FILE.bin and its sidecar FILE.bin.meshwise.json, in parallel "
+        "processes. Documents (files) are joined by the tokenizer's end-of-text token; "
+        "byte-level joins them with a newline.")
+    prepare.add_argument("--out", required=True, metavar="FILE.bin",
+                         help="the token file to write (replaced atomically if meshwise wrote it)")
+    prepare.add_argument("--tokenizer", metavar="PATH",
+                         help="a Hugging Face tokenizer.json, or a folder holding one "
+                              "(default: byte-level, vocab 256)")
+    prepare.add_argument("--workers", type=int, default=available_cpus(), metavar="N",
+                         help="processes encoding in parallel (default: the CPUs available, "
+                              f"{available_cpus()} here)")
+    train = _text_command(
+        commands, "train-tokenizer", "train a byte-level BPE tokenizer on local text",
+        "Learn a byte-level BPE (GPT-2's scheme, <|endoftext|> as id 0) from a text file or "
+        "a folder of text files, without downloading anything; write it as a tokenizer.json "
+        "for --tokenizer, tokenizers.Tokenizer.from_file and "
+        "transformers.PreTrainedTokenizerFast(tokenizer_file=...).")
+    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                       help="entries in the vocabulary: 256 bytes, <|endoftext|> and the "
+                            "merges (fewer if the text runs out of repeated pairs)")
+    train.add_argument("--out", required=True, metavar="tokenizer.json",
+                       help="where to write the tokenizer (a folder: FOLDER/tokenizer.json)")
+
+
+def _text_command(commands, name: str, help_text: str, description: str):
+    """A subcommand whose first argument is the text to read."""
+    command = commands.add_parser(name, help=help_text, description=description)
+    command.add_argument("input", metavar="INPUT", help=TEXT_INPUT)
+    return command
+
+
+def run_data(args) -> int:
+    """Run ``meshwise data ...``; a ValueError becomes exit status 2 and one line."""
+    try:
+        if args.data_command == "prepare":
+            print(_prepare(args))
+        else:
+            print(_train_tokenizer(args))
+    except ValueError as exc:
+        print(f"meshwise data {args.data_command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _input_files(text: str) -> tuple[Path, list[Path]]:
+    from meshwise.data import text_files
+
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise ValueError(f"INPUT {text} does not exist; expected {TEXT_INPUT}")
+    if path.is_file() and path.suffix == ".bin":
+        raise ValueError(f"INPUT {text} is a .bin (already tokens?); expected {TEXT_INPUT}")
+    return path, text_files(path.resolve())
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` must name a ``.bin`` that is new or one meshwise wrote (its sidecar says so)."""
+    if out.suffix != ".bin" or out.is_dir():
+        raise ValueError(f"--out {out} is not valid; expected a file name ending in .bin")
+    if out.exists():
+        side = sidecar_path(out)
+        if not side.exists():
+            raise ValueError(f"--out {out} exists and was not written by meshwise; it is left "
+                             "alone: choose another name or remove it")
+        _ours(side)  # raises for a file of that name someone else wrote
+
+
+def _prepare(args) -> str:
+    from meshwise.data import build_with_progress
+    from meshwise.tokenizer import load_tokenizer
+
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    path, files = _input_files(args.input)
+    out = Path(args.out).expanduser()
+    _check_out(out)
+    tokenizer = load_tokenizer(args.tokenizer)
+    try:
+        stats = build_with_progress(out, files, tokenizer, str(path.resolve()), args.workers)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+    skipped = f" ({stats['skipped']} binary skipped)" if stats["skipped"] else ""
+    workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
+    return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens from "
+            f"{stats['files']:,} files{skipped} in {stats['seconds']:.1f} s "
+            f"({stats['content_bytes'] / 1e6 / stats['seconds']:.1f} MB/s, {workers}); "
+            f"tokenizer {tokenizer.describe()}")
+
+
+def _texts(files: list[Path], stats: dict) -> Iterator[str]:
+    """The text of every document, in pieces of a few hundred KiB (cut after a newline)."""
+    pieces, counts = plan_pieces(files, ByteTokenizer())
+    stats.update(counts)
+    for piece in pieces:
+        yield read_piece(piece).decode("utf-8", errors="replace")
+
+
+def _train_tokenizer(args) -> str:
+    from meshwise.bpe import check_vocab_size, save_tokenizer, train_bpe
+
+    check_vocab_size(args.vocab_size)
+    path, files = _input_files(args.input)
+    out = Path(args.out).expanduser()
+    if out.is_dir():
+        out = out / "tokenizer.json"
+    start, stats = time.perf_counter(), {}
+    texts = _texts(files, stats)
+    first = next(texts, None)  # plans every piece: the counts are known from here
+    if not stats["content_bytes"]:
+        raise ValueError(f"INPUT {args.input} holds no text (empty, or only binary files); "
+                         f"expected {TEXT_INPUT}")
+    tokenizer = train_bpe(itertools.chain([first], texts), args.vocab_size,
+                          show_progress=sys.stderr.isatty())
+    try:
+        save_tokenizer(tokenizer, out)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    short = "" if size == args.vocab_size else (
+        f"; asked {args.vocab_size:,}, but the text has no more pairs seen twice")
+    return (f"wrote {out}: byte-level BPE, vocab {size:,}{short}; from {stats['files']:,} files "
+            f"({stats['content_bytes'] / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s")
