@@ -67,7 +67,8 @@ def _rank_entry(rank: int, fn: Callable, world_size: int, port: int, queue, time
         warnings.filterwarnings("ignore", category=category)
     torch.set_num_threads(1)  # one core per rank; more would oversubscribe the machine
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))  # as torchrun sets them
     ops.init_process_group("gloo", timeout_s=timeout_s)
     queue.put((rank, fn(rank, *args)))
     ops.destroy_process_group()
