@@ -21,7 +21,7 @@ formula's model-state bytes per parameter for fp32 AdamW (16, 8 + 8/N,
 The peers train the same meshwise GPT (same initial weights) on the same global
 batches of the same token file with the same AdamW, learning-rate schedule,
 weight-decay split, clipping and bucket size; ``--dtype bf16`` is meshwise's
-autocast with fp32 weights, DDP under autocast, FSDP2 with
+mixed precision (bf16 parameters, fp32 master weights), DDP under autocast, FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and DeepSpeed's
 ``bf16`` config. ``--allocator mmap`` (the default) runs every job with
 ``MALLOC_MMAP_THRESHOLD_=65536``, so that glibc returns freed buffers and RSS

@@ -116,6 +116,20 @@ class MeshwiseRunner:
         return self.trainer.train_step(step)["loss"]
 
 
+class SummedLoss(torch.nn.Module):
+    """The GPT's summed token loss as the module a peer wraps (DDP, FSDP2 and DeepSpeed
+    call their module with the batch and expect the loss)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs, targets):
+        logits = self.model(inputs)  # (B, T, V)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                 targets.flatten(), reduction="sum")
+
+
 class PeerRunner:
     """A peer's step: forward, backward, clip, AdamW at ``lr_at``, the loss all-reduced
     (as any training loop that logs its loss does)."""
@@ -129,11 +143,12 @@ class PeerRunner:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         d, m = cfg.data, cfg.model.resolved()
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=m.vocab_size)
-        model = GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
-                              block_size=m.block_size, vocab_size=self.data.vocab_size),
-                    seed=d.seed)
-        self.num_params = sum(p.numel() for p in model.parameters())
-        apply_activation_checkpointing(model.blocks, cfg.runtime.activation_checkpointing)
+        gpt = GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
+                            block_size=m.block_size, vocab_size=self.data.vocab_size)
+                  ).init_weights(d.seed)
+        self.num_params = sum(p.numel() for p in gpt.parameters())
+        apply_activation_checkpointing(gpt.blocks.values(), cfg.runtime.activation_checkpointing)
+        model = SummedLoss(gpt)
         self.global_tokens = d.batch_size * d.seq_len
         self.bf16 = cfg.runtime.dtype == "bf16"
         self.autocast = False  # DDP computes in bf16 under autocast; the others cast params
@@ -166,7 +181,7 @@ class PeerRunner:
         mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if self.bf16 else MixedPrecisionPolicy())
-        for block in model.blocks:
+        for block in model.model.blocks.values():
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.model, self.opt, self.engine = model, self._adamw(model.named_parameters()), None

@@ -76,18 +76,29 @@ class BufferPool:
     back to the allocator each time; on CPU, glibc then keeps much of that memory
     resident anyway and the process grows. A pool holds at most what was in use
     at once (the running unit, the prefetched one, the one being reduced).
+
+    Buckets differ in size by a few elements, so a request is served by the
+    smallest free buffer large enough (as a view of its start), and a new buffer
+    is made as large as the largest request so far, to serve them all.
     """
 
     def __init__(self):
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        self._largest: dict[tuple, int] = defaultdict(int)
         self.allocated_bytes = 0
 
     def acquire(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        free = self._free[(numel, dtype, str(device))]
-        if free:
-            return free.pop()
-        self.allocated_bytes += numel * dtype.itemsize
-        return torch.empty(numel, dtype=dtype, device=device)
+        key = (dtype, str(device))
+        self._largest[key] = max(self._largest[key], numel)
+        free = self._free[key]
+        fits = [i for i, buf in enumerate(free) if buf.numel() >= numel]
+        if fits:
+            base = free.pop(min(fits, key=lambda i: free[i].numel()))
+        else:
+            base = torch.empty(self._largest[key], dtype=dtype, device=device)
+            self.allocated_bytes += base.numel() * base.element_size()
+        return base if base.numel() == numel else base[:numel]
 
     def release(self, buf: torch.Tensor) -> None:
-        self._free[(buf.numel(), buf.dtype, str(buf.device))].append(buf)
+        base = buf if buf._base is None else buf._base
+        self._free[(base.dtype, str(base.device))].append(base)

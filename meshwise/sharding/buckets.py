@@ -43,6 +43,8 @@ from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
 from meshwise.sharding.plans import BucketPlan, ParamSpec
 
 ZERO_STAGES = (0, 1, 2)
+# Stage 2: reductions left in flight while backward goes on (each holds a bucket).
+MAX_INFLIGHT_REDUCTIONS = 1
 
 
 class ZeroOptimizer(EngineBase):
@@ -150,6 +152,7 @@ class ZeroOptimizer(EngineBase):
         self._pending = [len(m) for m in self._members]
         self._handles: list = [None] * len(self.flats)
         self._next_launch = 0
+        self._next_finish = 0
         self._backward_seen = False
 
     def _idle(self) -> bool:
@@ -196,6 +199,16 @@ class ZeroOptimizer(EngineBase):
                 self._full_grad(b), self.grad_reducer, key=b,
                 on_done=release)
             self._next_launch += 1
+            if self.stage == 2:
+                # Each reduction in flight holds a full bucket of gradient: finish the
+                # older ones so backward keeps about two buckets, not the whole model.
+                self._finish_launched(keep=MAX_INFLIGHT_REDUCTIONS)
+
+    def _finish_launched(self, keep: int = 0) -> None:
+        """Finish launched reductions, oldest first, until ``keep`` are in flight."""
+        while self._next_launch - self._next_finish > keep:
+            self._handles[self._next_finish].finish()
+            self._next_finish += 1
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets not started yet and wait for every reduction."""
@@ -213,8 +226,7 @@ class ZeroOptimizer(EngineBase):
         self.wait_params()  # a bucket unused in forward: its gather must land first
         self._pending = [0] * len(self._pending)
         self._launch_in_order()
-        for handle in self._handles:
-            handle.finish()
+        self._finish_launched()
         self._reset_sync_state()
 
     @contextlib.contextmanager

@@ -37,10 +37,12 @@ from meshwise.optim import AdamWConfig, adamw_update, squared_sum
 from meshwise.sharding.plans import ShardPlan
 
 _UPDATE_CHUNK = 2**18  # elements per adamw_update call: its ~8 passes stay in cache
-# Gloo's all_gather_into_tensor beats an all-reduce of the same buffer (each rank
-# zeroes what it does not own) for small buffers but not large ones (2 ranks, 2
-# cores: 8 MiB 5.2 vs 7.6 ms, 25 MiB 21.1 vs 26.4 ms, 40 MiB 79.7 vs 43.4 ms).
-_GLOO_GATHER_VIA_ALL_REDUCE_BYTES = 32 * 2**20
+# On gloo a parameter all-gather is an all-reduce of the buffer in which each rank
+# zeroes what it does not own. Gloo's all_gather_into_tensor allocates a temporary
+# as large as its output (26 MiB: +27 MiB peak RSS; the all-reduce allocates
+# nothing), and the buckets' gathers overlap each other and the next forward, so
+# these temporaries would add up to most of a model. Its speed is close (2 ranks,
+# 2 cores: 8 MiB 5.2 vs 7.6 ms, 25 MiB 21.1 vs 26.4 ms, 40 MiB 79.7 vs 43.4 ms).
 
 
 @dataclass(frozen=True)
@@ -232,8 +234,7 @@ class FlatParams:
 
     def _all_gather_in_place(self, buf: torch.Tensor):
         s0, s1 = self.shard_range
-        nbytes = buf.numel() * buf.element_size()
-        if ops.backend(self.group) == "gloo" and nbytes >= _GLOO_GATHER_VIA_ALL_REDUCE_BYTES:
+        if ops.backend(self.group) == "gloo":
             buf[:s0].zero_()  # x + 0 is exact: the sum is the owners' values
             buf[s1:].zero_()
             return ops.all_reduce(buf, self.group, category="param", async_op=True)

@@ -129,10 +129,20 @@ class Unit:
     # -- gradients -----------------------------------------------------------------
     @torch.no_grad()
     def gradient_ready(self, grads) -> None:
-        """Every view's gradient is complete: one flat buffer in the reduction dtype."""
+        """Every view's gradient is complete: one flat buffer in the reduction dtype.
+
+        The unit's backward is over, so its gathered parameters are not needed any
+        more: when the dtypes agree their buffer takes the gradient (one buffer less
+        at the peak); the engine frees the unit without giving it back to the pool.
+        """
         flat = self.flat
-        full = self.pool.acquire(flat.plan.padded_numel, flat.precision.reduce_dtype,
-                                 flat.device)
+        if self.buffer is not None and self.buffer.dtype == flat.precision.reduce_dtype:
+            self.wait_gather()
+            full, self.buffer = self.buffer, None
+            self.hide_views()
+        else:
+            full = self.pool.acquire(flat.plan.padded_numel, flat.precision.reduce_dtype,
+                                     flat.device)
         for i, (slot, grad) in enumerate(zip(flat.slots, grads)):
             part = full[slot.offset:slot.offset + slot.numel]
             if grad is None:

@@ -44,9 +44,15 @@ from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.units import ROOT, Unit, cut_into_units
 
-# Reductions in flight at once: each holds a unit's full gradient, so bounding
-# them keeps gradient memory at about one unit (FSDP2 waits in the same way).
-MAX_INFLIGHT_REDUCTIONS = 1
+
+def default_inflight_reductions(group) -> int:
+    """Unit reductions left running while backward goes on: each holds a unit's full
+    gradient. One, as FSDP2 allows, where the transfer overlaps compute (NCCL's own
+    stream); none on gloo, whose transfer runs on the CPU cores the backward uses:
+    waiting at once cost no step time on 2 cores (1.48 vs 1.51 s, 57M parameters)
+    and saved a unit of peak memory (0.5 bytes per parameter there)."""
+    return 0 if ops.backend(group) in ("gloo", "local") else 1
+
 
 
 class ZeroStage3(EngineBase):
@@ -64,11 +70,13 @@ class ZeroStage3(EngineBase):
     def __init__(self, model: nn.Module, dp_group, adamw: AdamWConfig,
                  units: list[nn.Module] | None = None, prefetch: bool = True, *,
                  precision: Precision | None = None, values=None, device=None,
-                 unit_cap_mb: float | None = None):
+                 unit_cap_mb: float | None = None, max_inflight_reductions: int | None = None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         precision = precision or Precision.of(named[0][1].dtype)
         super().__init__(dp_group, 3, adamw, precision)
         self.model, self.prefetch = model, prefetch
+        self.max_inflight = (default_inflight_reductions(dp_group)
+                             if max_inflight_reductions is None else max_inflight_reductions)
         self.param_names = [n for n, _ in named]
         device = device or next((p.device for _, p in named if p.device.type != "meta"),
                                 torch.device("cpu"))
@@ -207,11 +215,15 @@ class ZeroStage3(EngineBase):
         self.events.append(("backward", unit.name))
 
     def _on_gradient(self, unit: Unit, full_grad: torch.Tensor) -> None:
+        if self._by_storage.get(full_grad.untyped_storage().data_ptr()) is unit:
+            # The unit's gathered buffer now holds its gradient (``Unit.gradient_ready``).
+            del self._by_storage[full_grad.untyped_storage().data_ptr()]
+            self.events.append(("free", unit.name))
         self.events.append(("reduce_scatter", unit.name))
         self._pending.append(unit.flat.start_reduce(full_grad, on_done=self.pool.release))
         unit.needs_backward = unit.in_backward = False
         self._free(unit)
-        while len(self._pending) > MAX_INFLIGHT_REDUCTIONS:
+        while len(self._pending) > self.max_inflight:
             self._pending.popleft().finish()
 
     # -- gather bookkeeping ------------------------------------------------------
