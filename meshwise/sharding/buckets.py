@@ -77,7 +77,9 @@ class ZeroOptimizer(EngineBase):
         self._names = [n for n, _ in named]
         self._shapes = [p.shape for _, p in named]
         # One dtype and device for all (the engine's); weight decay is per parameter.
-        specs = [ParamSpec(n, p.numel(), precision.param_dtype.itemsize) for n, p in named]
+        # The cap is in bytes of gradient, as DDP's bucket_cap_mb.
+        grad_bytes = precision.reduce_dtype.itemsize
+        specs = [ParamSpec(n, p.numel(), grad_bytes) for n, p in named]
         self.plan = BucketPlan(specs, bucket_cap_mb, pad_to=dp_group.size)
         self._slots = [self.plan.slots[n] for n in self._names]
         self._members = [[] for _ in self.plan.buckets]  # bucket -> param indices

@@ -9,18 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
 log = logging.getLogger("meshwise")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _format_duration(seconds: float) -> str:

@@ -77,6 +77,10 @@ def prepare(cfg: TrainConfig) -> Path:
             raise ValueError(f"dp x tp x pp = {local} local ranks need {local} GPUs, but "
                              f"{torch.cuda.device_count()} are visible; use fewer ranks, or "
                              "torchrun across nodes")
+        if cfg.runtime.dtype == "bf16" and not _native_bf16(torch):
+            name = torch.cuda.get_device_name()
+            raise ValueError(f"--dtype bf16: {name} has no bfloat16 support (CUDA needs "
+                             "compute capability 8.0 or newer); valid here: --dtype fp32")
     if cfg.runtime.metrics:
         check_writable_file(cfg.runtime.metrics, "--metrics")
     if device == "cpu" and cfg.runtime.dtype == "bf16":
@@ -126,6 +130,14 @@ def check_same_tokenizer(saved: dict, cfg: TrainConfig) -> None:
         raise ValueError(f"--resume: the checkpoint was trained with the tokenizer {name} "
                          f"(digest {theirs}), this run has {cfg.data.tokenizer or 'byte-level'} "
                          f"(digest {cfg.data.tokenizer_digest}); valid: --tokenizer {name}")
+
+
+def _native_bf16(torch) -> bool:
+    """Whether the GPU computes in bf16 itself (not emulated through fp32)."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # PyTorch before 2.3 only reports native support
+        return torch.cuda.is_bf16_supported()
 
 
 def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:

@@ -44,7 +44,8 @@ from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
 from meshwise.train.grad_comm import GradCommStats, attach_grad_reducer
 from meshwise.train.grad_sync import GradSync3D
-from meshwise.train.metrics import MetricsLog, peak_rss_bytes
+from meshwise.train.memory import PeakMemory
+from meshwise.train.metrics import MetricsLog
 
 log = logging.getLogger("meshwise")
 
@@ -105,6 +106,7 @@ class Trainer:
                                   quiet=cfg.runtime.quiet)
         self._fail_at = _injected_failure()
         self.skipped_in_a_row = 0
+        self.memory = PeakMemory(self.device)  # after start-up: it keeps that peak too
 
     def _build_model(self) -> ParallelModel:
         """The plain model on the meta device, laid out by its family's plan: no rank
@@ -151,6 +153,7 @@ class Trainer:
         self.comm_stats.close()
 
     def train_step(self, step: int) -> dict:
+        self.memory.start_step()
         start = time.perf_counter()
         counters = self.mesh.world.counters
         grad_bytes_before = counters.bytes_sent["grad"]
@@ -183,14 +186,15 @@ class Trainer:
         synchronize(self.device)  # the optimizer's kernels may still be queued
         step_time_s = time.perf_counter() - start
         gathered = getattr(self.engine, "peak_gathered_bytes", 0)  # ZeRO-3 only
-        state_bytes, rss, gathered = self._reduce(
-            [self.engine.state_bytes(), peak_rss_bytes(), gathered], op="max")
+        state_bytes, rss, peak, gathered = self._reduce(
+            [self.engine.state_bytes(), self.memory.run_peak_rss_bytes(),
+             self.memory.step_peak_bytes(), gathered], op="max")
         record = {
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
             "tokens": self.global_tokens, "step_time_s": step_time_s,
             "tokens_per_s": self.global_tokens / step_time_s,
             "grad_sync_bytes": int(sums[1]), "model_state_bytes": int(state_bytes),
-            "peak_rss_bytes": int(rss),
+            "peak_rss_bytes": int(rss), "peak_mem_bytes": int(peak),
         }
         record.update(self.comm_stats.step_record(self._reduce))
         if self.cfg.parallel.zero == 3:

@@ -1,7 +1,9 @@
 """ZeRO-3 on gloo ranks against a single-process torch.optim.AdamW reference."""
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -208,6 +210,23 @@ def test_model_without_blocks_is_one_unit(dist_pools):
     for res in dist_pools.run(2, _no_blocks):
         assert any("one unit" in w for w in res["warnings"])
         assert res["param_diff"] < 1e-10
+
+
+def _originals_released():
+    """After sharding, nothing may keep the model's original full parameters alive."""
+    mesh = Mesh.build(ParallelDims(dp=torch.distributed.get_world_size()))
+    model = Net()
+    originals = [weakref.ref(p) for p in model.parameters()]
+    zero = ZeroStage3(model, mesh.dp, CFG)
+    x, y = _batch(1, torch.float32)
+    _loss(zero, x, y).backward()
+    zero.step(CFG.lr)
+    gc.collect()
+    return [name for ref, name in zip(originals, zero.param_names) if ref() is not None]
+
+
+def test_the_original_parameters_are_released(dist_pools):
+    assert dist_pools.run(2, _originals_released) == [[], []]
 
 
 def _state_bytes():

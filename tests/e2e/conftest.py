@@ -24,7 +24,11 @@ def corpus(tmp_path_factory) -> Path:
 
 def run_cli(*args, cwd=None, env_extra=None, timeout=240):
     env = dict(os.environ, MESHWISE_CACHE=str(Path(cwd or ".") / "cache"), PYTHONUNBUFFERED="1")
-    env.update(env_extra or {})
+    for name, value in (env_extra or {}).items():  # None: leave the variable unset
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return subprocess.run([sys.executable, "-m", "meshwise", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -72,6 +72,19 @@ def test_gpus_are_counted_before_spawning(monkeypatch):
         prepare(parse("--device", "cuda", "--dp", "2"))
 
 
+def test_bf16_on_a_gpu_without_it_is_refused_before_spawning(monkeypatch):
+    import torch
+
+    from meshwise.train.run import prepare
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kwargs: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla V100")
+    with pytest.raises(ValueError, match="--dtype bf16: Tesla V100 has no bfloat16 support"):
+        prepare(parse("--device", "cuda", "--dp", "2", "--dtype", "bf16"))
+
+
 def test_torchrun_world_gives_dp(monkeypatch):
     for name, value in dict(RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", MASTER_ADDR="h",
                             MASTER_PORT="1").items():

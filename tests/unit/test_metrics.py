@@ -4,6 +4,9 @@ import io
 import json
 import math
 
+import pytest
+import torch
+
 from meshwise.train.metrics import MetricsLog, strict_json
 
 
@@ -43,3 +46,20 @@ def test_non_finite_values_are_strict_json():
     back = json.loads(line)
     assert back["loss"] is None and back["grad_norm"] is None
     assert back["non_finite"] == ["loss", "grad_norm"]
+
+
+def test_step_peak_is_measured_by_the_os_and_reset_each_step():
+    from meshwise.train.memory import PeakMemory, status_kib
+
+    memory = PeakMemory(torch.device("cpu"))
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del big  # above glibc's largest mmap threshold: returned at once
+    memory.start_step()
+    if not memory.per_step:
+        pytest.skip("/proc/self/clear_refs cannot be written here")
+    after_reset = memory.step_peak_bytes()
+    assert memory.run_peak_rss_bytes() >= after_reset + 60 * 2**20  # the run kept its peak
+    held = torch.ones(32 * 2**20 // 4)
+    assert memory.step_peak_bytes() >= after_reset + 30 * 2**20
+    assert status_kib("VmHWM", "VmRSS:\t10 kB\nVmHWM:\t  12 kB\n") == 12
+    del held

@@ -1,0 +1,80 @@
+"""The process's memory as the operating system or the device allocator reports it.
+
+Never counted from the tensors meshwise knows about: a figure an engine computes
+from its own buffers agrees with the ZeRO formula by construction, whatever else
+the process holds. ``peak_mem_bytes`` is the step's peak:
+
+- on CUDA, ``torch.cuda.max_memory_allocated`` (its peak statistics reset at the
+  start of each step);
+- on the CPU, the resident set's high-water mark (``VmHWM``), reset at the start
+  of each step by writing ``5`` to ``/proc/self/clear_refs`` (Linux). Where that
+  file cannot be written, the mark covers the whole run so far instead.
+
+``peak_rss_bytes`` stays the run's peak resident set (start-up included).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def status_kib(field: str, text: str | None = None) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``), or None."""
+    if text is None:
+        try:
+            with open(_STATUS) as f:
+                text = f.read()
+        except OSError:
+            return None
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return None
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")  # resets the resident set's high-water mark to the current size
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Per-step and whole-run peaks of this process's memory on ``device``."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        # Start-up, before any reset: what getrusage has seen so far.
+        self._run_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.per_step = True
+
+    def start_step(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._run_peak_rss = self.run_peak_rss_bytes()  # keep it past the reset
+            self.per_step = _reset_rss_peak()
+
+    def step_peak_bytes(self) -> int:
+        """The peak since ``start_step`` (see the module's docstring)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self._rss_hwm()
+
+    def run_peak_rss_bytes(self) -> int:
+        """The resident set's peak over the whole run, start-up included."""
+        return max(self._run_peak_rss, self._rss_hwm())
+
+    @staticmethod
+    def _rss_hwm() -> int:
+        kib = status_kib("VmHWM")
+        if kib is None:  # not Linux: getrusage's peak (never reset)
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return kib * 1024
