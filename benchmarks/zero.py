@@ -156,6 +156,7 @@ class TorchRunner:
         self.world_size = dist.get_world_size()
 
     def step(self, x, y, settle: bool = True) -> tuple[float, dict]:
+        # ``settle`` as for meshwise: the wrappers leave nothing in flight after a step.
         def forward_backward():
             loss = token_loss_sum(self.model(x), y) / self.global_tokens
             (loss * self.world_size).backward()
