@@ -21,8 +21,9 @@ rank's chunk parameters with a dp group of size 1, ``finish_grad_sync`` then
 ``step``; torch: ``torch.optim.AdamW`` with the same weight-decay split). The
 loss is the sum of token cross-entropies divided by the global token count on
 both sides (meshwise: ``ParallelModel.loss`` as the runtime's ``loss_fn``;
-torch: ``scale_grads=False`` and a ``loss_fn`` on the last chunk's logits). The tied embedding's two copies (first and last stage) are not
-synchronised on either side: that is the trainer's job, not the schedule's.
+torch: ``scale_grads=False`` and a ``loss_fn`` on the last chunk's logits). The
+tied embedding's two copies (first and last stage) are not synchronised on
+either side: that is the trainer's job, not the schedule's.
 
 A rank's step time is its wall time from a barrier to the end of the step; the F
 and B actions inside it are timed too (wall and thread CPU time), and an idle
