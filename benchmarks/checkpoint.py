@@ -23,20 +23,25 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import median, print_json, spawn, torch_param_groups
-from meshwise.checkpoint.state import load, logical_piece, save
-from meshwise.checkpoint.store import Checkpoint
-from meshwise.comm import ops
-from meshwise.models.gpt import GPT, GPTConfig
-from meshwise.optim import AdamWConfig
-from meshwise.sharding.buckets import ZeroOptimizer
-from meshwise.sharding.zero3 import ZeroStage3
+# Runnable from a checkout without installing (spawned ranks re-import this file).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (median, meshwise_gpt, print_json, reference_gpt,  # noqa: E402
+                               spawn, token_loss_sum, torch_param_groups)
+from meshwise.checkpoint.state import load, save  # noqa: E402
+from meshwise.checkpoint.store import Checkpoint  # noqa: E402
+from meshwise.comm import ops  # noqa: E402
+from meshwise.models.gpt import GPTConfig  # noqa: E402
+from meshwise.optim import AdamWConfig  # noqa: E402
+from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
+from meshwise.sharding.zero3 import ZeroStage3  # noqa: E402
 
 PRESETS = {"small": GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=128),
            "medium": GPTConfig(n_layer=12, n_head=12, d_model=768, block_size=128)}
@@ -59,20 +64,22 @@ def _timed(group, fn) -> float:
 
 
 def _meshwise_engine(cfg: GPTConfig, zero: int, group):
-    model = GPT(cfg)
-    named = list(model.named_parameters())
-    pieces = {n: logical_piece(n, p, 0, 1) for n, p in named}
-    engine = (ZeroStage3(model, group, ADAMW) if zero == 3 else
-              ZeroOptimizer(named, group, zero, ADAMW))
-    return model, engine, pieces
+    """The GPT as ``meshwise train`` builds it, its engine and each parameter's piece."""
+    pm, values = meshwise_gpt(cfg)
+    (model,) = pm.chunks
+    named = pm.named_parameters()  # before the engine takes them
+    pieces = pm.pieces(named)
+    engine = (ZeroStage3(model, group, ADAMW, units=pm.layers(), values=values) if zero == 3
+              else ZeroOptimizer(named, group, zero, ADAMW, modules=pm.chunks, values=values))
+    return pm, engine, pieces
 
 
 def meshwise_rank(rank: int, preset: str, zero: int, root: str, repeats: int) -> dict:
     group, cfg = ops.world_group(), PRESETS[preset]
-    model, engine, pieces = _meshwise_engine(cfg, zero, group)
+    pm, engine, pieces = _meshwise_engine(cfg, zero, group)
     x, y, tokens = _batch(rank, group.size, cfg)
     engine.zero_grad()
-    (model(x, y) / tokens).backward()
+    (pm.loss(pm.chunks[0](x), y) / tokens).backward()
     engine.finish_grad_sync()
     engine.step(ADAMW.lr)
     _, fresh, _ = _meshwise_engine(cfg, zero, group)
@@ -94,8 +101,8 @@ def torch_rank(rank: int, preset: str, root: str, repeats: int) -> dict:
     group, cfg = ops.world_group(), PRESETS[preset]
 
     def build():
-        model = GPT(cfg)
-        for block in model.blocks:
+        model = reference_gpt(cfg)
+        for block in model.blocks.values():
             fully_shard(block)
         fully_shard(model)
         opt = torch.optim.AdamW(torch_param_groups(model.named_parameters(), ADAMW), lr=ADAMW.lr,
@@ -104,10 +111,11 @@ def torch_rank(rank: int, preset: str, root: str, repeats: int) -> dict:
 
     model, opt = build()
     x, y, tokens = _batch(rank, group.size, cfg)
-    (model(x, y) / tokens).backward()
+    (token_loss_sum(model(x), y) / tokens).backward()
     opt.step()
     fresh_model, fresh_opt = build()
-    (fresh_model(x, y) / tokens).backward()  # AdamW state exists before it is loaded into
+    # AdamW state exists before it is loaded into
+    (token_loss_sum(fresh_model(x), y) / tokens).backward()
     fresh_opt.step()
     saves, loads = [], []
     for i in range(repeats):

@@ -11,8 +11,15 @@ Each script compares meshwise with a PyTorch peer the same way:
 - ``print_json`` prints the summary as the last line.
 
 ``timed_step`` times one training step by phase. The GPT benchmarks also share
-their flags, their ``GPTConfig`` and their AdamW setup, so that both sides of a
-comparison use the same hyperparameters and weight-decay split.
+their flags, their ``GPTConfig``, their AdamW setup and how the model is built,
+so that both sides of a comparison start from the same weights and use the same
+hyperparameters, weight-decay split and loss:
+
+- ``meshwise_gpt`` lays the GPT out as ``meshwise train`` does (built on the meta
+  device, ``parallelize``d, the engine materialising what the rank keeps from
+  the layout-independent initial values);
+- ``reference_gpt`` is the whole model holding those same values, for the peers;
+- ``token_loss_sum`` is the summed token loss computed from its logits.
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from meshwise.comm import ops
 from meshwise.launch import free_port
-from meshwise.models.gpt import GPTConfig
+from meshwise.models.gpt import GPT, GPTConfig, gpt_init, gpt_plan
 from meshwise.optim import AdamWConfig, decays
+from meshwise.parallelize import ParallelModel, parallelize
 
 median = statistics.median
 
@@ -177,6 +186,31 @@ def add_gpt_args(p: argparse.ArgumentParser, *, n_layer: int, n_head: int, d_mod
 def gpt_config(args, vocab_size: int = 256) -> GPTConfig:
     return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
                      block_size=args.seq_len, vocab_size=vocab_size)
+
+
+def meshwise_gpt(cfg: GPTConfig, seed: int = 0, **layout) -> tuple[ParallelModel, Callable]:
+    """This rank's ``ParallelModel`` of the GPT, on the meta device, and the values
+    function an engine fills it from (``values=``): the trainer's path.
+
+    ``layout``: ``parallelize``'s ``tp_group``, ``pp_rank``, ``pp_size``,
+    ``virtual_stages``. Pass the chunks to ``ZeroOptimizer(modules=...)`` (their
+    meta parameters are replaced by ones in the buckets) or the chunk to
+    ``ZeroStage3``.
+    """
+    with torch.device("meta"):
+        model = GPT(cfg)
+    pm = parallelize(model, gpt_plan(cfg), **layout)
+    return pm, pm.init_values(lambda name: gpt_init(cfg, name), seed)
+
+
+def reference_gpt(cfg: GPTConfig, seed: int = 0) -> GPT:
+    """The whole GPT in this process with ``meshwise_gpt``'s initial values."""
+    return GPT(cfg).init_weights(seed)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies of logits (B, T, V) against targets (B, T), in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
 def adamw_config(args) -> AdamWConfig:

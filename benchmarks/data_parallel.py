@@ -72,7 +72,7 @@ def blocking_all_reduce_s(engine, group, reps: int = 10) -> float:
     for _ in range(reps):
         ops.barrier(group)
         start = time.perf_counter()
-        for buf in engine._grad_bufs:
+        for buf in (flat.grad for flat in engine.flats):  # stage 0: full gradient buckets
             ops.all_reduce(buf, group, category="bench")
         times.append(time.perf_counter() - start)
     return median(times)

@@ -2,7 +2,9 @@
 
 Spawns 2 gloo ranks on this machine (one thread each) and cuts the same GPT
 (``meshwise.models.gpt``, identical initial weights everywhere) into pipeline
-chunks with ``meshwise.pipeline.stage.build_chunks``. Four variants train their
+chunks with ``meshwise.parallelize`` (meshwise: on the meta device, the engine
+materialising the chunks as ``meshwise train`` does; torch: a copy of the whole
+model holding the same values, cut the same way). Four variants train their
 own copy on the same global batches (M micro-batches), in alternating rounds
 after a warm-up (every variant ``--steps`` steps per round, the order reversed
 every other round) so drift in machine speed hits all alike:
@@ -18,9 +20,10 @@ of every micro-batch), AdamW (meshwise: ``ZeroOptimizer`` stage 0 over the
 rank's chunk parameters with a dp group of size 1, ``finish_grad_sync`` then
 ``step``; torch: ``torch.optim.AdamW`` with the same weight-decay split). The
 loss is the sum of token cross-entropies divided by the global token count on
-both sides (torch: ``scale_grads=False`` and a ``loss_fn`` on the last chunk's
-logits). The tied embedding's two copies (first and last stage) are not
-synchronised on either side: that is the trainer's job, not the schedule's.
+both sides (meshwise: ``ParallelModel.loss`` as the runtime's ``loss_fn``;
+torch: ``scale_grads=False`` and a ``loss_fn`` on the last chunk's logits). The
+tied embedding's two copies (first and last stage) are not synchronised on
+either side: that is the trainer's job, not the schedule's.
 
 A rank's step time is its wall time from a barrier to the end of the step; the F
 and B actions inside it are timed too (wall and thread CPU time), and an idle
@@ -50,14 +53,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (add_gpt_args, add_round_args, adamw_config,  # noqa: E402
-                               gpt_config, median, new_timings, print_json, record,
-                               run_rounds, spawn, torch_param_groups)
+                               gpt_config, median, meshwise_gpt, new_timings, print_json,
+                               record, reference_gpt, run_rounds, spawn, torch_param_groups)
 from benchmarks.pipeline_report import VARIANTS, report, virtual_stages  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.mesh import Mesh, ParallelDims  # noqa: E402
+from meshwise.models.gpt import gpt_plan  # noqa: E402
+from meshwise.parallelize import parallelize  # noqa: E402
 from meshwise.pipeline.runtime import PipelineRuntime  # noqa: E402
 from meshwise.pipeline.schedules import build_schedule  # noqa: E402
-from meshwise.pipeline.stage import build_chunks, named_parameters  # noqa: E402
 from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
 
 
@@ -95,13 +99,16 @@ class MeshwiseRunner:
 
     def __init__(self, args, mesh: Mesh, num_virtual: int):
         S, M = mesh.dims.pp, args.micro_batches
-        self.chunks = build_chunks(gpt_config(args, args.vocab_size), args.seed, mesh.pp_rank,
-                                   S, num_virtual)
-        self.engine = ZeroOptimizer(named_parameters(self.chunks), mesh.dp, stage=0,
-                                    adamw=adamw_config(args))
+        pm, values = meshwise_gpt(gpt_config(args, args.vocab_size), args.seed,
+                                  pp_rank=mesh.pp_rank, pp_size=S, virtual_stages=num_virtual)
+        self.engine = ZeroOptimizer(pm.named_parameters(), mesh.dp, stage=0,
+                                    adamw=adamw_config(args), modules=pm.chunks, values=values)
+        self.chunks = pm.chunks
+        self.num_params = sum(p.numel() for _, p in pm.named_parameters())
         kind = "1f1b" if num_virtual == 1 else "interleaved-1f1b"
         schedule = build_schedule(kind, S, M, num_virtual)
-        self.runtime = PipelineRuntime(self.chunks, schedule, mesh.pp, self.engine)
+        self.runtime = PipelineRuntime(self.chunks, schedule, mesh.pp, self.engine,
+                                       loss_fn=pm.loss)
         # Benchmark-only timers on the instance: split compute_s into F and B.
         self.fwd = self.runtime._forward = Timer(self.runtime._forward)
         self.bwd = self.runtime._backward = Timer(self.runtime._backward)
@@ -133,8 +140,11 @@ class TorchRunner:
                                                   ScheduleInterleaved1F1B)
 
         S, M = mesh.dims.pp, args.micro_batches
-        self.chunks = build_chunks(gpt_config(args, args.vocab_size), args.seed, mesh.pp_rank,
-                                   S, num_virtual)
+        cfg = gpt_config(args, args.vocab_size)
+        pm = parallelize(reference_gpt(cfg, args.seed), gpt_plan(cfg), pp_rank=mesh.pp_rank,
+                         pp_size=S, virtual_stages=num_virtual)
+        self.chunks = pm.chunks
+        self.num_params = sum(p.numel() for _, p in pm.named_parameters())
         total_stages = S * num_virtual
         self.stages = [PipelineStage(chunk, v * S + mesh.pp_rank, total_stages,
                                      torch.device("cpu"))
@@ -162,9 +172,9 @@ class TorchRunner:
         else:
             self.schedule = ScheduleInterleaved1F1B(self.stages, M, loss_fn=self.loss_timer,
                                                     scale_grads=False)
-        cfg = adamw_config(args)
-        groups = torch_param_groups(named_parameters(self.chunks), cfg)
-        self.opt = torch.optim.AdamW(groups, lr=args.lr, betas=cfg.betas, eps=cfg.eps)
+        adamw = adamw_config(args)
+        groups = torch_param_groups(pm.named_parameters(), adamw)
+        self.opt = torch.optim.AdamW(groups, lr=args.lr, betas=adamw.betas, eps=adamw.eps)
 
     def step(self, inputs, targets) -> tuple[float, dict]:
         timers = [self.loss_timer] + self.fwd_timers + self.bwd_timers
@@ -271,7 +281,7 @@ def rank_main(rank: int, args) -> dict:
 
     run_rounds(names, args.warmup, 1, lambda name, r, i: step(name, False), alternate=False)
     run_rounds(names, args.rounds, args.steps, lambda name, r, i: step(name, True))
-    num_params = sum(p.numel() for _, p in named_parameters(runners[names[0]].chunks))
+    num_params = runners[names[0]].num_params
     return {"timings": timings, "losses": losses, "errors": errors,
             "num_params": num_params, "p2p_latency_s": p2p_latency_s(args, mesh)}
 

@@ -5,7 +5,7 @@ blocks (LayerNorm -> Linear d->4d -> GELU -> Linear 4d->d, residual), split the
 Megatron way (Shoeybi et al. 2019, section 3: first GEMM by columns, second by
 rows, one all-reduce forward and one backward per block):
 
-* meshwise: ``ColumnParallelLinear`` + ``RowParallelLinear``;
+* meshwise: ``ColumnParallelLinear`` + ``RowParallelLinear`` (``from_linear``);
 * torch: ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``
   on a ``DeviceMesh`` over the gloo world.
 
@@ -61,20 +61,16 @@ def build_reference(args) -> nn.Sequential:
 
 
 def build_meshwise(args, reference: nn.Sequential, tp_group) -> nn.Sequential:
+    """Each block's linears turned parallel by ``from_linear`` (it keeps this rank's slice)."""
+    import copy
+
     from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    d, h = args.d_model, 4 * args.d_model
-    blocks = [Block(d, ColumnParallelLinear(d, h, tp_group), RowParallelLinear(h, d, tp_group))
-              for _ in range(args.n_layer)]
-    rank, size = tp_group.rank, tp_group.size
-    with torch.no_grad():
-        for mine, ref in zip(blocks, reference):
-            mine.norm.load_state_dict(ref.norm.state_dict())
-            mine.fc1.weight.copy_(ref.fc1.weight.chunk(size, dim=0)[rank])
-            mine.fc1.bias.copy_(ref.fc1.bias.chunk(size, dim=0)[rank])
-            mine.fc2.weight.copy_(ref.fc2.weight.chunk(size, dim=1)[rank])
-            mine.fc2.bias.copy_(ref.fc2.bias)
-    return nn.Sequential(*blocks)
+    model = copy.deepcopy(reference)
+    for block in model:
+        block.fc1 = ColumnParallelLinear.from_linear(block.fc1, tp_group)
+        block.fc2 = RowParallelLinear.from_linear(block.fc2, tp_group)
+    return model
 
 
 def build_torch_tp(args, reference: nn.Sequential):

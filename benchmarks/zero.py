@@ -4,16 +4,23 @@ Spawns 2 gloo ranks on this machine (one thread each). Every variant trains its
 own copy of the same GPT (``meshwise.models.gpt``, identical initial weights) on
 the same global batches, each rank taking a contiguous half; the summed token
 loss is divided by the global token count. AdamW everywhere with the same
-hyperparameters and the same weight-decay split (matrices only):
+hyperparameters and the same weight-decay split (matrices only). The meshwise
+variants build the model as ``meshwise train`` does (on the meta device, the
+engine materialising what the rank keeps); the torch peers wrap the whole model
+holding the same initial values:
 
 - ``zero0`` meshwise ``ZeroOptimizer(stage=0)``  vs ``ddp``: ``DistributedDataParallel``
   + ``torch.optim.AdamW``;
 - ``zero1`` meshwise ``ZeroOptimizer(stage=1)``  vs ``zero_redundancy``:
   ``ZeroRedundancyOptimizer(optimizer_class=AdamW)`` around DDP;
 - ``zero2`` meshwise ``ZeroOptimizer(stage=2)`` (no torch peer);
-- ``zero3`` meshwise ``ZeroStage3`` vs ``fsdp2``: ``fully_shard`` on each
-  transformer block then the root, over a gloo ``DeviceMesh`` on CPU (FSDP1 if
-  FSDP2 fails to run; the error is printed).
+- ``zero3`` meshwise ``ZeroStage3`` (one unit per transformer block) vs
+  ``fsdp2``: ``fully_shard`` on each transformer block then the root, over a
+  gloo ``DeviceMesh`` on CPU (FSDP1 if FSDP2 fails to run; the error is printed).
+
+ZeRO-1/2 leave the parameter all-gather of a step in flight, to be waited for
+by the next forward; the last step of each round waits for it inside its own
+time, so every timed step pays for one gather.
 
 DDP uses ``gradient_as_bucket_view=True`` (no second gradient copy, the stronger
 peer on memory and time). Steps run in alternating rounds after a warm-up (every
@@ -49,9 +56,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (add_gpt_args, add_round_args, adamw_config,  # noqa: E402
-                               gpt_config, medians, new_timings, print_json, record, rel_diff,
-                               run_rounds, slowest_timings, spawn, timed_step,
-                               torch_param_groups)
+                               gpt_config, medians, meshwise_gpt, new_timings, print_json,
+                               record, reference_gpt, rel_diff, run_rounds, slowest_timings,
+                               spawn, timed_step, token_loss_sum, torch_param_groups)
 from benchmarks.zero_memory import memory_table, zero_formula_bytes  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.data import rank_slice  # noqa: E402
@@ -106,19 +113,29 @@ def torch_state_bytes(model: nn.Module, opt) -> int:
 
 # ---------------------------------------------------------------- runners
 class MeshwiseRunner:
-    """zero_grad, forward + backward, finish_grad_sync, AdamW step on a meshwise engine."""
+    """zero_grad, forward + backward, finish_grad_sync, AdamW step on a meshwise engine.
 
-    def __init__(self, model, engine, global_tokens: int, lr: float):
-        self.model, self.engine, self.global_tokens, self.lr = model, engine, global_tokens, lr
+    ``settle`` also waits for the step's parameter all-gather (ZeRO-1/2 leave it
+    to the next forward): the last step before other work runs.
+    """
 
-    def step(self, x, y) -> tuple[float, dict]:
+    def __init__(self, pm, engine, global_tokens: int, lr: float):
+        self.model, self.loss_fn = pm.chunks[0], pm.loss
+        self.engine, self.global_tokens, self.lr = engine, global_tokens, lr
+
+    def step(self, x, y, settle: bool = True) -> tuple[float, dict]:
         def forward_backward():
-            loss = self.model(x, y) / self.global_tokens
+            loss = self.loss_fn(self.model(x), y) / self.global_tokens
             loss.backward()
             return loss
 
+        def optimizer_step():
+            self.engine.step(self.lr)
+            if settle:
+                self.engine.wait_params()
+
         loss, times = timed_step(self.engine.zero_grad, forward_backward,
-                                 self.engine.finish_grad_sync, lambda: self.engine.step(self.lr))
+                                 self.engine.finish_grad_sync, optimizer_step)
         return loss.item(), times
 
     def state_bytes(self) -> int:
@@ -138,9 +155,10 @@ class TorchRunner:
         self.model, self.opt, self.global_tokens = model, opt, global_tokens
         self.world_size = dist.get_world_size()
 
-    def step(self, x, y) -> tuple[float, dict]:
+    def step(self, x, y, settle: bool = True) -> tuple[float, dict]:
+        # ``settle`` as for meshwise: the wrappers leave nothing in flight after a step.
         def forward_backward():
-            loss = self.model(x, y) / self.global_tokens
+            loss = token_loss_sum(self.model(x), y) / self.global_tokens
             (loss * self.world_size).backward()
             return loss
 
@@ -153,14 +171,18 @@ class TorchRunner:
 
 def build_runner(name: str, args, group, mesh):
     """The model + engine / wrapper + optimizer of variant ``name``."""
-    model, cfg = GPT(gpt_config(args)), adamw_config(args)
-    tokens = args.batch_size * args.seq_len
-    if name in ("zero0", "zero1", "zero2"):
-        engine = ZeroOptimizer(model.named_parameters(), group, stage=STAGE_OF[name],
-                               adamw=cfg, bucket_cap_mb=args.bucket_mb)
-        return MeshwiseRunner(model, engine, tokens, args.lr)
-    if name == "zero3":
-        return MeshwiseRunner(model, ZeroStage3(model, group, cfg), tokens, args.lr)
+    cfg, tokens = adamw_config(args), args.batch_size * args.seq_len
+    if name in ("zero0", "zero1", "zero2", "zero3"):
+        pm, values = meshwise_gpt(gpt_config(args), args.seed)
+        if name == "zero3":
+            (chunk,) = pm.chunks
+            engine = ZeroStage3(chunk, group, cfg, units=pm.layers(), values=values)
+        else:
+            engine = ZeroOptimizer(pm.named_parameters(), group, stage=STAGE_OF[name],
+                                   adamw=cfg, bucket_cap_mb=args.bucket_mb,
+                                   modules=pm.chunks, values=values)
+        return MeshwiseRunner(pm, engine, tokens, args.lr)
+    model = reference_gpt(gpt_config(args), args.seed)
     kwargs = dict(lr=args.lr, betas=cfg.betas, eps=cfg.eps)
     if name in ("ddp", "zero_redundancy"):
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
@@ -174,7 +196,7 @@ def build_runner(name: str, args, group, mesh):
         return TorchRunner(ddp, opt, tokens)
     if name == "fsdp2":
         from torch.distributed.fsdp import fully_shard
-        for block in model.blocks:
+        for block in model.blocks.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif name == "fsdp1":
@@ -223,7 +245,8 @@ def rank_main(rank: int, args) -> dict:
             losses[name].append(runners[name].step(x, y)[0])
 
     def one_step(name: str, r: int, i: int) -> None:
-        loss, t = runners[name].step(*data[args.warmup + r * args.steps + i])
+        batch = data[args.warmup + r * args.steps + i]
+        loss, t = runners[name].step(*batch, settle=i == args.steps - 1)
         losses[name].append(loss)
         record(timings[name], t)
 
@@ -235,7 +258,12 @@ def rank_main(rank: int, args) -> dict:
         profile_variant(runners[args.profile], data[:args.steps], args, rank)
     return {"timings": timings, "losses": losses, "state_bytes": state,
             "peak_gathered_bytes": peak, "errors": errors,
-            "num_params": sum(p.numel() for p in GPT(gpt_config(args)).parameters())}
+            "num_params": num_params(args)}
+
+
+def num_params(args) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(gpt_config(args)).parameters())
 
 
 def profile_variant(runner, data, args, rank: int) -> None:
@@ -320,6 +348,7 @@ def main(argv=None) -> None:
                    help="bucket_cap_mb for meshwise stages 0-2 and DDP (default 25)")
     p.add_argument("--zro-bucket-view", action="store_true",
                    help="ZeroRedundancyOptimizer(parameters_as_bucket_view=True)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights (default 0)")
     add_round_args(p, warmup=2, rounds=8, steps=3)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset to run (default all: {','.join(VARIANTS)})")

@@ -13,10 +13,10 @@ import gc
 
 import torch
 
-from benchmarks.common import spawn, timed_step
+from benchmarks.common import meshwise_gpt, spawn, timed_step
 from meshwise.comm import ops
 from meshwise.data import rank_slice
-from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.models.gpt import GPTConfig
 from meshwise.optim import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.zero3 import ZeroStage3
@@ -32,7 +32,8 @@ def zero_formula_bytes(stage: int, num_params: int, world_size: int) -> float:
 
 
 def memory_rank_main(rank: int, world_size: int) -> dict:
-    """One step of each stage on the ``small`` preset; this rank's bytes."""
+    """One step of each stage on the ``small`` preset, built as ``meshwise train``
+    builds it (meta device, the engine materialising its share); this rank's bytes."""
     group = ops.world_group()
     cfg = AdamWConfig(lr=1e-4)
     gen = torch.Generator().manual_seed(0)
@@ -41,20 +42,23 @@ def memory_rank_main(rank: int, world_size: int) -> dict:
     global_tokens = batch[:, 1:].numel()
     out = {}
     for stage in range(4):
-        model = GPT(SMALL_PRESET)
-        num_params = sum(p.numel() for p in model.parameters())
-        engine = (ZeroStage3(model, group, cfg) if stage == 3 else
-                  ZeroOptimizer(model.named_parameters(), group, stage=stage, adamw=cfg))
+        pm, values = meshwise_gpt(SMALL_PRESET)
+        (model,) = pm.chunks
+        num_params = sum(p.numel() for _, p in pm.named_parameters())
+        engine = (ZeroStage3(model, group, cfg, units=pm.layers(), values=values) if stage == 3
+                  else ZeroOptimizer(pm.named_parameters(), group, stage=stage, adamw=cfg,
+                                     modules=pm.chunks, values=values))
 
         def forward_backward():
-            loss = model(local[:, :-1], local[:, 1:]) / global_tokens
+            loss = pm.loss(model(local[:, :-1]), local[:, 1:]) / global_tokens
             loss.backward()
             return loss
 
         timed_step(engine.zero_grad, forward_backward, engine.finish_grad_sync,
                    lambda: engine.step(cfg.lr))
+        engine.wait_params()
         out[stage] = (engine.state_bytes(), getattr(engine, "peak_gathered_bytes", 0))
-        del model, engine
+        del pm, model, engine
         gc.collect()
     return {"bytes": out, "num_params": num_params}
 
