@@ -1,0 +1,93 @@
+"""A plan applied to a plain model: which parameters are split how, ties, logical names."""
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from meshwise.checkpoint.pieces import Piece
+from meshwise.models.gpt import GPT, GPTConfig, gpt_init, gpt_plan
+from meshwise.models.init import init_values
+from meshwise.parallelize import parallelize
+from meshwise.plan import ParallelPlan
+from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from meshwise.tensor_parallel.vocab import VocabParallelEmbedding, VocabParallelHead
+
+CFG = GPTConfig(n_layer=4, n_head=4, d_model=16, block_size=8, vocab_size=50)
+
+
+def _tp(rank, size=2):
+    return types.SimpleNamespace(rank=rank, size=size)
+
+
+def _laid_out(tp_rank=0, tp_size=2, cfg=CFG, **pipeline):
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return parallelize(model, gpt_plan(cfg), tp_group=_tp(tp_rank, tp_size), **pipeline)
+
+
+def test_modules_are_swapped_by_style_and_the_tie_survives():
+    chunk = _laid_out().chunks[0]
+    block = chunk.blocks["0"]
+    assert isinstance(block.attn.qkv, ColumnParallelLinear)
+    assert isinstance(block.mlp.proj, RowParallelLinear)
+    assert isinstance(chunk.wte, VocabParallelEmbedding)
+    assert isinstance(chunk.lm_head, VocabParallelHead)
+    assert chunk.lm_head.weight is chunk.wte.weight  # one parameter, re-tied after the swap
+    assert isinstance(block.ln1, nn.LayerNorm) and not hasattr(block.ln1.weight, "tp_dim")
+    shapes = {n: (tuple(p.shape), getattr(p, "tp_dim", None)) for n, p in chunk.named_parameters()}
+    assert shapes["blocks.0.attn.qkv.weight"] == ((24, 16), 0)  # whole heads: 2 of 4
+    assert shapes["blocks.0.attn.proj.weight"] == ((16, 8), 1)
+    assert shapes["blocks.0.attn.proj.bias"] == ((16,), None)  # replicated, added once
+    assert shapes["wte.weight"] == ((25, 16), 0)  # vocabulary 50 split in two
+    assert all(p.device.type == "meta" for _, p in chunk.named_parameters())
+
+
+def test_pieces_and_init_values_are_the_slices_of_the_single_process_tensors():
+    seed = 5
+    full = dict(GPT(CFG).init_weights(seed).named_parameters())
+    for rank in (0, 1):
+        parts = _laid_out(rank)
+        values = parts.init_values(lambda name: gpt_init(CFG, name), seed)
+        for name, param in parts.named_parameters():
+            got = values(name, 0, param.numel()).view(param.shape)
+            dim = getattr(param, "tp_dim", None)
+            expected = full[name] if dim is None else full[name].chunk(2, dim)[rank]
+            torch.testing.assert_close(got, expected.detach(), rtol=0, atol=0, msg=name)
+        piece = parts.pieces()["blocks.1.mlp.fc.weight"]
+        assert piece.box_offsets == (rank * 32, 0) and piece.box_sizes == (32, 16)
+
+
+def test_vocabulary_padding_rows_are_zero_and_outside_the_logical_tensor():
+    cfg = GPTConfig(n_layer=1, n_head=3, d_model=12, block_size=8, vocab_size=50)
+    parts = _laid_out(tp_rank=2, tp_size=3, cfg=cfg)  # 50 rows padded to 51: rank 2: 34..50
+    values = parts.init_values(lambda name: gpt_init(cfg, name), 0)
+    piece = parts.pieces()["wte.weight"]
+    assert piece.box_offsets == (34, 0) and piece.box_sizes == (16, 12)
+    local = values("wte.weight", 0, 17 * 12).view(17, 12)
+    assert not local[16].any()
+    expected = init_values(gpt_init(cfg, "wte.weight"), 0, Piece.whole("wte.weight", (50, 12)))
+    torch.testing.assert_close(local[:16], expected.view(50, 12)[34:], rtol=0, atol=0)
+
+
+def test_pipeline_stages_keep_their_layers_and_name_the_tie_to_sync():
+    first = _laid_out(tp_size=1, pp_rank=0, pp_size=2)
+    last = _laid_out(tp_size=1, pp_rank=1, pp_size=2)
+    assert first.cross_stage_ties == ["wte.weight"] and last.cross_stage_ties == ["lm_head.weight"]
+    assert first.is_writer("wte.weight") and not last.is_writer("lm_head.weight")
+    assert last.pieces()["lm_head.weight"].name == "wte.weight"  # stored once, as the embedding
+    interleaved = _laid_out(tp_size=1, pp_rank=1, pp_size=2, virtual_stages=2)
+    assert interleaved.stages == [1, 3]
+    assert [list(c.blocks.keys()) for c in interleaved.chunks] == [["1"], ["3"]]
+
+
+def test_bad_plans_and_cuts_are_refused():
+    with pytest.raises(ValueError, match="style 'diagonal'"):
+        ParallelPlan(layers="blocks", tp=(("x", "diagonal"),))
+    with pytest.raises(ValueError, match="4 layers do not split into pp x virtual stages"):
+        _laid_out(tp_size=1, pp_rank=0, pp_size=3)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="must be an nn.ModuleDict"):
+        parallelize(model, ParallelPlan(layers="blocks"))
