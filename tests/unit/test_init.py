@@ -14,7 +14,7 @@ def test_any_box_and_flat_range_is_a_slice_of_the_whole_tensor():
         box = Piece.box("w", shape, offsets, sizes)
         expected = whole[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]
         assert torch.equal(init_values(normal(0.5), 7, box).view(sizes), expected)
-        start, end = 5, box.numel - BLOCK // 3  # a ZeRO shard cutting across rows and blocks
+        start, end = 5, max(6, box.numel - BLOCK // 3)  # a shard cutting rows and blocks
         assert torch.equal(init_values(normal(0.5), 7, box.flat(start, end)),
                            expected.reshape(-1)[start:end])
 
