@@ -97,6 +97,13 @@ class EngineBase:
             if handle is not None:
                 handle.wait()
 
+    def reduction_layouts(self) -> dict:
+        """``{key: [(offset, shape), ...]}``: the parameters inside each flat buffer whose
+        gradient a ``GradReducer`` reduces under that key (PowerSGD compresses the
+        matrices among them)."""
+        return {key: [(s.offset, tuple(s.shape)) for s in flat.slots]
+                for key, flat in enumerate(self.flats)}
+
     def state_bytes(self) -> int:
         """Bytes of parameters, gradients and optimizer state this rank keeps between
         steps, counted from the storages of the tensors it holds (each once)."""

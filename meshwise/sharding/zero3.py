@@ -220,7 +220,9 @@ class ZeroStage3(EngineBase):
             del self._by_storage[full_grad.untyped_storage().data_ptr()]
             self.events.append(("free", unit.name))
         self.events.append(("reduce_scatter", unit.name))
-        self._pending.append(unit.flat.start_reduce(full_grad, on_done=self.pool.release))
+        self._pending.append(unit.flat.start_reduce(full_grad, self.grad_reducer,
+                                                    key=self.units.index(unit),
+                                                    on_done=self.pool.release))
         unit.needs_backward = unit.in_backward = False
         self._free(unit)
         while len(self._pending) > self.max_inflight:

@@ -205,10 +205,6 @@ class TrainConfig:
             raise ValueError(f"--grad-reduce-dtype bf16 with --compress {c.compress}: the "
                              "compressor decides what crosses the wire; valid: "
                              "--grad-reduce-dtype fp32 with --compress, or --compress none")
-        if p.zero == 3 and (c.compress != "none" or c.allreduce != "native"):
-            raise ValueError(f"--compress {c.compress} --allreduce {c.allreduce} with --zero 3: "
-                             "compression and our algorithms serve the ZeRO 0-2 gradient "
-                             "buckets; valid with --zero 3: --compress none --allreduce native")
         if c.allreduce == "hierarchical":
             per_node = c.ranks_per_node or world
             for ranks in p.dims.axis_groups("dp"):

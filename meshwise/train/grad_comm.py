@@ -17,13 +17,7 @@ log = logging.getLogger("meshwise")
 REPORTED = ("native", "ring", "tree", "hierarchical", "p2p")
 
 
-def bucket_layouts(plan, named_params) -> dict:
-    """``{bucket: [(offset, shape), ...]}`` from a ``BucketPlan`` (PowerSGD's matrices)."""
-    shapes = {name: tuple(p.shape) for name, p in named_params}
-    return {b.index: [(plan.slots[n].offset, shapes[n]) for n in b.names] for b in plan.buckets}
-
-
-def attach_grad_reducer(engine, named_params, mesh: Mesh, cfg: TrainConfig):
+def attach_grad_reducer(engine, mesh: Mesh, cfg: TrainConfig):
     """Give the engine a ``GradReducer`` when compression or an algorithm asks for one."""
     c = cfg.comm
     if (c.compress == "none" and c.allreduce == "native") or mesh.dims.dp == 1:
@@ -33,7 +27,7 @@ def attach_grad_reducer(engine, named_params, mesh: Mesh, cfg: TrainConfig):
                                   warmup_steps=c.compress_warmup_steps,
                                   topk_ramp_steps=c.topk_ramp_steps)
     reducer = GradReducer(mesh.dp, compressor, c.allreduce, Topology.of(mesh.dp.ranks, per_node))
-    reducer.set_layouts(bucket_layouts(engine.plan, named_params))
+    reducer.set_layouts(engine.reduction_layouts())
     engine.grad_reducer = reducer
     if mesh.rank == 0:
         log.info("dp gradient sync: --compress %s (error feedback %s), --allreduce %s, "

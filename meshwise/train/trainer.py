@@ -85,7 +85,7 @@ class Trainer:
         chunks = self.pm.chunks
         self.model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.comm_stats = GradCommStats(self.mesh.world.counters, attach_grad_reducer(
-            self.engine, named_params, self.mesh, cfg))
+            self.engine, self.mesh, cfg))
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
         self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine,
                                             self.pm.pieces(named_params),

@@ -23,11 +23,11 @@ def single(tmp_path_factory, corpus):
 
 
 @pytest.mark.parametrize("flags", [
-    ["--dp", "2", "--allreduce", "ring"],
+    ["--dp", "2", "--zero", "3", "--allreduce", "ring"],
     ["--dp", "2", "--zero", "1", "--allreduce", "tree"],
     ["--dp", "4", "--zero", "2", "--allreduce", "hierarchical", "--ranks-per-node", "2"],
     ["--dp", "2", "--pp", "2", "--allreduce", "adaptive", "--ranks-per-node", "2"],
-], ids=["ring", "tree-zero1", "hierarchical-zero2", "adaptive-pp2"])
+], ids=["ring-zero3", "tree-zero1", "hierarchical-zero2", "adaptive-pp2"])
 def test_exact_algorithms_keep_the_loss_curve(tmp_path, corpus, single, flags):
     records, _ = _train(tmp_path, corpus, "algo", *flags)
     for ref, got in zip(single, records, strict=True):
@@ -40,10 +40,10 @@ def test_exact_algorithms_keep_the_loss_curve(tmp_path, corpus, single, flags):
     assert sum(records[-1]["allreduce_bytes"].values()) <= records[-1]["grad_sync_bytes"]
 
 
-@pytest.mark.parametrize("spec,ratio", [("bf16", 2), ("int8", 3.9), ("topk:0.01", 20),
-                                        ("powersgd:2", 4)])
-def test_compression_trains_and_reports_its_ratio(tmp_path, corpus, single, spec, ratio):
-    records, result = _train(tmp_path, corpus, "c", "--dp", "2", "--zero", "2",
+@pytest.mark.parametrize("spec,ratio,zero", [("bf16", 2, 2), ("int8", 3.9, 2),
+                                             ("topk:0.01", 20, 2), ("powersgd:2", 4, 3)])
+def test_compression_trains_and_reports_its_ratio(tmp_path, corpus, single, spec, ratio, zero):
+    records, result = _train(tmp_path, corpus, "c", "--dp", "2", "--zero", zero,
                              "--compress", spec, "--compress-warmup-steps", "2",
                              *(["--topk-ramp-steps", "0"] if spec.startswith("topk") else []))
     last = records[-1]
@@ -66,7 +66,8 @@ def test_compression_trains_and_reports_its_ratio(tmp_path, corpus, single, spec
      "--allreduce hierarchical cannot serve the dp group: all ranks of the group [0, 1] are on "
      "one node"),
     (["--dp", "2", "--allreduce", "hierarchical", "--ranks-per-node", "1"], "alone on its node"),
-    (["--dp", "2", "--zero", "3", "--compress", "int8"], "valid with --zero 3: --compress none"),
+    (["--dp", "2", "--dtype", "bf16", "--grad-reduce-dtype", "bf16", "--compress", "int8"],
+     "--grad-reduce-dtype bf16 with --compress int8: the compressor decides"),
     (["--error-feedback", "maybe"], "--error-feedback 'maybe' is not valid; valid: on, off"),
 ])
 def test_bad_comm_values_exit_2_with_the_valid_ones(tmp_path, corpus, flags, message):
