@@ -70,10 +70,12 @@ def _version() -> str:
 
 def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]:
     """The validated configuration of ``meshwise train`` and where each value came from."""
+    from meshwise.train.init_from import apply_init_from
     from meshwise.train.run import apply_launch_defaults
 
     cfg, origins = config_from_args(args)
     cfg.runtime.quiet = args.quiet
+    apply_init_from(cfg, origins)
     apply_launch_defaults(cfg, origins)
     return cfg.validate(), origins
 
