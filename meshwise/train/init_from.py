@@ -41,6 +41,7 @@ def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
                              f"{where} holds a Llama; valid: leave --model out, or --model "
                              f"{' or '.join(p for p in MODEL_PRESETS if p.startswith(FAMILY))}")
         m.preset = "llama-tiny"  # for its family: every size below comes from config.json
+        origins["preset"] = "init-from"
     for field, value in sizes.items():
         given = getattr(m, field)
         if field in origins and given not in (None, 0) and given != value:

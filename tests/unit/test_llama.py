@@ -163,3 +163,12 @@ def test_reading_a_piece_reads_its_box_and_flat_run(tmp_path):
         assert torch.equal(got, expected), (start, end)
     cfg = LlamaConfig(**llama_sizes(read_config(tmp_path), "d"))
     assert hf_shapes(cfg) == {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def test_bf16_weights_are_read_as_float32(tmp_path):
+    from safetensors.torch import save_file
+
+    full = torch.randn(6, 4).to(torch.bfloat16)
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    got = SafetensorsDir(tmp_path).read("w", Piece.box("w", (6, 4), (2, 0), (3, 4)).flat(1, 9))
+    assert got.dtype == torch.float32 and torch.equal(got, full[2:5].float().reshape(-1)[1:9])
