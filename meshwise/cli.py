@@ -22,9 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"meshwise {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
-        "train", help="train a GPT across local ranks (or join a torchrun launch)",
-        description="Train a GPT. With no flags on a CPU machine: the tiny preset on 2 "
-                    "data-parallel ranks over the Python standard library's sources.")
+        "train", help="train a GPT or a Llama across local ranks (or join a torchrun launch)",
+        description="Train a GPT or a Llama (--model, --init-from). With no flags on a CPU "
+                    "machine: the tiny GPT preset on 2 data-parallel ranks over the Python "
+                    "standard library's sources.")
     add_train_arguments(train)
     train.add_argument("-q", "--quiet", action="store_true", help="only warnings and the summary")
     from meshwise.pipeline.schedule_cmd import add_schedule_arguments
@@ -70,10 +71,12 @@ def _version() -> str:
 
 def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]:
     """The validated configuration of ``meshwise train`` and where each value came from."""
+    from meshwise.train.init_from import apply_init_from
     from meshwise.train.run import apply_launch_defaults
 
     cfg, origins = config_from_args(args)
     cfg.runtime.quiet = args.quiet
+    apply_init_from(cfg, origins)
     apply_launch_defaults(cfg, origins)
     return cfg.validate(), origins
 

@@ -2,16 +2,25 @@
 
 ``--format safetensors`` writes ``model.safetensors`` (single-process parameter
 names) and ``config.json`` (the model's sizes). ``--format hf`` writes a
-Hugging Face GPT-2 directory that ``transformers.AutoModelForCausalLM``
-loads: the same architecture (pre-LayerNorm, tanh GELU, tied head, learned
-positions), with our head-by-head QKV rows reordered into GPT-2's
-query/key/value blocks and every linear weight transposed for its ``Conv1D``.
-The output directory appears complete or not at all.
+Hugging Face directory that ``transformers.AutoModelForCausalLM`` loads:
+
+- a GPT as ``GPT2LMHeadModel``: the same architecture (pre-LayerNorm, tanh
+  GELU, tied head, learned positions), with our head-by-head QKV rows reordered
+  into GPT-2's query/key/value blocks and every linear weight transposed for
+  its ``Conv1D``;
+- a Llama as ``LlamaForCausalLM``: the same tensors under the ``model.`` prefix
+  (``meshwise.hf.llama``).
+
+With ``hf``, the tokenizer the checkpoint was trained with (its
+``tokenizer.json``, when it is still there unchanged) is copied too, so
+``transformers.AutoTokenizer`` loads the directory. The output directory
+appears complete or not at all.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -19,8 +28,10 @@ from pathlib import Path
 import torch
 
 from meshwise.checkpoint.model import model_config, model_tensors, open_checkpoint
+from meshwise.hf.llama import hf_config, hf_name
 
 FORMATS = ("safetensors", "hf")
+log = logging.getLogger("meshwise")
 
 
 def add_export_arguments(parser) -> None:
@@ -29,7 +40,8 @@ def add_export_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="directory to create")
     parser.add_argument("--format", choices=FORMATS, default="safetensors",
                         help="safetensors: meshwise names + config.json; hf: a Hugging Face "
-                             "GPT-2 directory (default safetensors)")
+                             "directory (GPT-2 or Llama, with the tokenizer) (default "
+                             "safetensors)")
 
 
 def run_export(args) -> Path:
@@ -39,11 +51,16 @@ def run_export(args) -> Path:
         raise ValueError(f"--out {out}: already exists; choose a new directory")
     cfg = model_config(ckpt)
     tensors = model_tensors(ckpt)
-    if args.format == "hf":
+    family = ckpt.meta["model"].get("family", "gpt")
+    if args.format == "hf" and family == "llama":
+        tensors = {hf_name(name): t for name, t in tensors.items()}
+        config = hf_config(cfg)
+    elif args.format == "hf":
         tensors, config = _to_gpt2(tensors, cfg), _gpt2_config(cfg)
     else:
-        config = {"architecture": "meshwise-gpt", **ckpt.meta["model"], "tied_embeddings": True,
-                  "step": ckpt.step}
+        tied = family == "gpt" or cfg.tie_embeddings
+        config = {"architecture": f"meshwise-{family}", **ckpt.meta["model"],
+                  "tied_embeddings": tied, "step": ckpt.step}
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -52,8 +69,39 @@ def run_export(args) -> Path:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if args.format == "hf":
+        _copy_tokenizer(ckpt, tmp)
     os.rename(tmp, out)
     return out
+
+
+def _copy_tokenizer(ckpt, out: Path) -> None:
+    """The checkpoint's tokenizer.json, if it is still where training read it and
+    unchanged (by digest), with the tokenizer_config.json and
+    special_tokens_map.json beside it, else a tokenizer_config.json naming the
+    fast tokenizer class."""
+    from meshwise.tokenizer import load_tokenizer
+
+    data = ckpt.meta.get("config", {}).get("data", {})
+    path, digest = data.get("tokenizer"), data.get("tokenizer_digest")
+    if not path:
+        return
+    try:
+        tokenizer = load_tokenizer(path)
+    except ValueError:
+        tokenizer = None
+    if tokenizer is None or tokenizer.digest != digest:
+        log.warning("meshwise export: the tokenizer %s is gone or changed since training; "
+                    "copy it into the export yourself", path)
+        return
+    source = Path(tokenizer.path)
+    shutil.copyfile(source, out / "tokenizer.json")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if source.with_name(name).is_file():
+            shutil.copyfile(source.with_name(name), out / name)
+    if not (out / "tokenizer_config.json").is_file():
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _to_gpt2(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:

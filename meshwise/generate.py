@@ -108,7 +108,7 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float =
              top_k: int = 0, seed: int = 0) -> list[int]:
     """New tokens after ``prompt`` (stops when the model's context is full)."""
     gen = torch.Generator().manual_seed(seed)
-    cache = [LayerCache() for _ in model.blocks]
+    cache = [LayerCache() for _ in range(model.cfg.n_layer)]
     inputs = torch.tensor([prompt])  # (1, P)
     out: list[int] = []
     budget = min(max_new_tokens, model.cfg.block_size - len(prompt))

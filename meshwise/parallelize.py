@@ -94,6 +94,12 @@ class ParallelModel:
     def init_values(self, init_of: Callable[[str], Init], seed: int):
         """``values(name, start, end)`` for the engines: the single-process initial
         values of this rank's slice, drawn for only the elements asked for."""
+        return self.values_from(lambda piece: init_values(init_of(piece.name), seed, piece))
+
+    def values_from(self, read: Callable[[Piece], torch.Tensor]):
+        """``values(name, start, end)`` for the engines from ``read(piece)``, which
+        gives the elements of a piece of a logical tensor (flat, float32): elements
+        ``[start, end)`` of this rank's parameter ``name`` are the piece they map to."""
         pieces = self.pieces()
 
         def values(name: str, start: int, end: int) -> torch.Tensor:
@@ -102,8 +108,7 @@ class ParallelModel:
             # Along dim 0 the real rows come first; padding (vocabulary) stays zero.
             real_end = min(end, piece.numel)
             if start < real_end:
-                out[:real_end - start] = init_values(init_of(piece.name), seed,
-                                                     piece.flat(start, real_end))
+                out[:real_end - start] = read(piece.flat(start, real_end))
             return out
 
         return values

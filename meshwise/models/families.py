@@ -18,6 +18,7 @@ from torch import nn
 
 from meshwise.models.gpt import GPT, GPTConfig, check_gpt_tp, gpt_init, gpt_plan
 from meshwise.models.init import Init, init_module
+from meshwise.models.llama import Llama, LlamaConfig, check_llama_tp, llama_init, llama_plan
 from meshwise.plan import ParallelPlan
 
 
@@ -47,6 +48,7 @@ class ModelFamily:
 
 FAMILIES = {
     "gpt": ModelFamily("gpt", GPTConfig, GPT, gpt_plan, gpt_init, check_gpt_tp),
+    "llama": ModelFamily("llama", LlamaConfig, Llama, llama_plan, llama_init, check_llama_tp),
 }
 
 

@@ -19,7 +19,7 @@ from meshwise.comm import ops
 
 # Fields that may differ between nodes: where things are, how much is printed.
 PER_NODE = {"data.path", "data.cache_dir", "data.tokenizer", "runtime.metrics", "runtime.quiet",
-            "runtime.log_every", "checkpoint.save", "checkpoint.resume"}
+            "runtime.log_every", "checkpoint.save", "checkpoint.resume", "model.init_from"}
 _SAMPLE_BYTES = 1 << 20
 
 

@@ -45,7 +45,19 @@ TRAIN_FLAGS = [
      "dropout probability (embeddings, residual branches, attention weights); its masks "
      "are the same whatever the layout"),
     ("--block-size", "model", "block_size", int,
-     "override the preset's context length (learned positions)"),
+     "override the preset's context length (GPT: learned positions; llama: the longest "
+     "sequence)"),
+    ("--n-kv-head", "model", "n_kv_head", int,
+     "llama: key/value heads of grouped-query attention (divides --n-head; tp must divide it)"),
+    ("--ffn-hidden-size", "model", "ffn_hidden_size", int,
+     "llama: width of the SwiGLU MLP"),
+    ("--rope-theta", "model", "rope_theta", float,
+     "llama: base of the rotary position embedding's wavelengths"),
+    ("--norm-eps", "model", "norm_eps", float, "llama: epsilon of the RMSNorms"),
+    ("--init-from", "model", "init_from", str,
+     "a local Hugging Face Llama directory (config.json + safetensors): the model's sizes "
+     "come from its config.json and its weights start from the directory's; its "
+     "tokenizer.json is the default --tokenizer"),
     ("--vocab-size", "model", "vocab_size", int,
      "vocabulary of the model; needed for a .bin with token ids past 255"),
     ("--seq-len", "data", "seq_len", int, "tokens per sequence"),
@@ -131,7 +143,9 @@ DEFAULT_TEXT = {
     "dp": "2 for the CPU demo (no layout flags), else 1; under torchrun: the world / (tp x pp)",
     "micro_batches": "pp",
     "n_layer": "the preset's", "n_head": "the preset's", "d_model": "the preset's",
-    "block_size": "the preset's",
+    "block_size": "the preset's", "n_kv_head": "the preset's",
+    "ffn_hidden_size": "the preset's", "rope_theta": "the preset's", "norm_eps": "the preset's",
+    "init_from": "none: the initialisation drawn from --seed",
     "vocab_size": "the tokenizer's, else the data's (byte-level: 256)",
     "tokenizer": "byte-level, vocab 256; or the one a .bin was prepared with",
     "path": "the Python standard library's sources, byte-level",

@@ -19,6 +19,7 @@ from meshwise.corpus import available_cpus
 from meshwise.data import TokenDataset, recorded_tokenizer, resolve_data
 from meshwise.tokenizer import check_vocab_fits, load_tokenizer
 from meshwise.train.config import TrainConfig
+from meshwise.train.init_from import check_init_from
 
 log = logging.getLogger("meshwise")
 
@@ -88,6 +89,7 @@ def prepare(cfg: TrainConfig) -> Path:
         if slowdown > 2:
             log.warning("warning: --dtype bf16: a bf16 matmul measured %.0fx slower than fp32 on "
                         "this CPU (no native bf16 support); fp32 will train faster", slowdown)
+    check_init_from(cfg)
     path = prepare_data(cfg)
     dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size)  # checks
     c = cfg.checkpoint

@@ -44,6 +44,7 @@ from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
 from meshwise.train.grad_comm import GradCommStats, attach_grad_reducer
 from meshwise.train.grad_sync import GradSync3D
+from meshwise.train.init_from import initial_values
 from meshwise.train.memory import PeakMemory
 from meshwise.train.metrics import MetricsLog
 
@@ -79,7 +80,7 @@ class Trainer:
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         named_params = self.pm.named_parameters()  # before the engine owns them
-        values = self.pm.init_values(partial(self.family.init, self.model_cfg), d.seed)
+        values = initial_values(self.pm, cfg, partial(self.family.init, self.model_cfg), d.seed)
         self.precision = precision_of(cfg)
         self.engine = build_engine(self.pm, self.mesh, cfg, self.adamw, values, self.device)
         chunks = self.pm.chunks

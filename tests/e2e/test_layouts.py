@@ -29,12 +29,30 @@ LAYOUTS = {
 }
 
 
-def run_layout(tmp_path, corpus, name, flags):
+# The Llama family on a representative handful (each layout axis, ZeRO-3 and 3D).
+LLAMA = [*MODEL, "--model", "llama-tiny", "--n-kv-head", "2", "--ffn-hidden-size", "96"]
+LLAMA_LAYOUTS = {
+    "tp2": ["--tp", "2"],
+    "pp2-interleaved": LAYOUTS["pp2-interleaved"],
+    "dp2-tp2-zero3": LAYOUTS["dp2-tp2-zero3"],
+    "dp2-pp2": LAYOUTS["dp2-pp2"],
+    "dp2-tp2-pp2-zero1": LAYOUTS["dp2-tp2-pp2-zero1"],
+}
+
+
+def run_layout(tmp_path, corpus, name, flags, model=MODEL):
     metrics = tmp_path / f"{name}.jsonl"
     result = run_cli("train", "--data", corpus, "--steps", STEPS, "--metrics", metrics,
-                     *MODEL, *flags, cwd=tmp_path, timeout=300)  # later flags win
+                     *model, *flags, cwd=tmp_path, timeout=300)  # later flags win
     assert result.returncode == 0, result.stderr
     return read_metrics(metrics)
+
+
+def assert_same_curve(name, reference, records):
+    assert len(records) == STEPS
+    for ref, got in zip(reference, records, strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (name, ref, got)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (name, ref, got)
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +60,22 @@ def reference(tmp_path_factory, corpus):
     return run_layout(tmp_path_factory.mktemp("ref"), corpus, "single", ["--dp", "1"])
 
 
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory, corpus):
+    return run_layout(tmp_path_factory.mktemp("ref"), corpus, "llama", ["--dp", "1"], LLAMA)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_single_process(tmp_path, corpus, reference, name):
-    records = run_layout(tmp_path, corpus, name, LAYOUTS[name])
-    assert len(records) == STEPS
-    for ref, got in zip(reference, records, strict=True):
-        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (name, ref, got)
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (name, ref, got)
+    assert_same_curve(name, reference, run_layout(tmp_path, corpus, name, LAYOUTS[name]))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", LLAMA_LAYOUTS)
+def test_llama_layout_matches_single_process(tmp_path, corpus, llama_reference, name):
+    records = run_layout(tmp_path, corpus, name, LLAMA_LAYOUTS[name], LLAMA)
+    assert_same_curve(f"llama {name}", llama_reference, records)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,0 +1,1 @@
+"""Hugging Face model folders: Llama configs and names, safetensors read slice by slice."""

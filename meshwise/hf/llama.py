@@ -1,0 +1,137 @@
+"""Hugging Face's Llama ``config.json`` and tensor names, to and from ours (pure).
+
+Our module names are Hugging Face's without the ``model.`` prefix that
+``LlamaForCausalLM`` puts before its decoder (``lm_head`` has none), so a
+tensor's name maps by that prefix alone. ``config.json`` is read in both the
+format transformers 4 writes (``rope_theta`` and ``rope_scaling`` at the top)
+and the one transformers 5 writes (``rope_parameters``); exports use the first,
+which both versions read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from meshwise.models.llama import LlamaConfig, rope_type_of
+
+ARCHITECTURE = "LlamaForCausalLM"
+# Our LlamaConfig field <- config.json key.
+SIZES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+         "n_kv_head": "num_key_value_heads", "d_model": "hidden_size",
+         "ffn_hidden_size": "intermediate_size", "block_size": "max_position_embeddings",
+         "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps"}
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings")
+DEFAULT_ROPE_THETA = 10000.0  # what transformers assumes when config.json names none
+
+
+def hf_name(name: str) -> str:
+    """The ``LlamaForCausalLM`` name of our parameter ``name``."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def read_config(directory: str | Path) -> dict:
+    """``DIR/config.json`` as a dict; ValueError when missing or unreadable."""
+    path = Path(directory) / "config.json"
+    if not Path(directory).is_dir():
+        raise ValueError(f"--init-from {directory}: no such directory; expected a Hugging Face "
+                         "Llama directory (config.json + model.safetensors)")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--init-from {directory}: no config.json there; expected a Hugging "
+                         "Face Llama directory (config.json + model.safetensors)") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--init-from {path}: not a readable JSON file ({exc})") from None
+
+
+def llama_sizes(config: dict, where: str) -> dict:
+    """Our model settings (``LlamaConfig`` fields) from a ``config.json`` dict.
+
+    Raises ValueError naming ``where`` for another architecture or a Llama
+    variant meshwise does not compute (biases, another activation, head size)."""
+    architectures = config.get("architectures") or [ARCHITECTURE]
+    if config.get("model_type") != "llama" or ARCHITECTURE not in architectures:
+        raise ValueError(f"--init-from {where}: config.json describes model_type "
+                         f"{config.get('model_type')!r} ({', '.join(architectures)}); valid: "
+                         f"a Llama (model_type 'llama', {ARCHITECTURE})")
+    missing = [key for key in SIZES.values() if key not in config and key != "num_key_value_heads"]
+    if missing:
+        raise ValueError(f"--init-from {where}: config.json lacks {', '.join(missing)}")
+    sizes = {ours: config[theirs] for ours, theirs in SIZES.items() if theirs in config}
+    sizes.setdefault("n_kv_head", sizes["n_head"])  # no key: multi-head attention
+    _check_supported(config, sizes, where)
+    rope = dict(config.get("rope_parameters") or {})
+    theta = config.get("rope_theta", rope.get("rope_theta", DEFAULT_ROPE_THETA))
+    scaling = config.get("rope_scaling") or rope
+    sizes.update(rope_theta=float(theta), norm_eps=float(sizes["norm_eps"]),
+                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                 rope_scaling=_rope_scaling(scaling, where))
+    try:
+        LlamaConfig(**sizes)
+    except ValueError as exc:
+        raise ValueError(f"--init-from {where}: {exc}") from None
+    return sizes
+
+
+def _check_supported(config: dict, sizes: dict, where: str) -> None:
+    head_dim = sizes["d_model"] // sizes["n_head"]
+    unsupported = [
+        (config.get("attention_bias", False), "attention_bias true", "false"),
+        (config.get("mlp_bias", False), "mlp_bias true", "false"),
+        (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r}",
+         "'silu'"),
+        (config.get("head_dim", head_dim) != head_dim, f"head_dim {config.get('head_dim')}",
+         f"hidden_size / num_attention_heads = {head_dim}"),
+    ]
+    for bad, what, valid in unsupported:
+        if bad:
+            raise ValueError(f"--init-from {where}: config.json has {what}, which meshwise's "
+                             f"Llama does not compute; valid: {valid}")
+
+
+def _rope_scaling(scaling: dict, where: str) -> dict | None:
+    """None for plain RoPE, else the llama3 parameters (other types are refused)."""
+    kind = rope_type_of(scaling)
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"--init-from {where}: rope_scaling type {kind!r} is not supported; "
+                         "valid: llama3, or no rope_scaling")
+    missing = [key for key in LLAMA3_KEYS if key not in scaling]
+    if missing:
+        raise ValueError(f"--init-from {where}: llama3 rope_scaling lacks {', '.join(missing)}")
+    return {"rope_type": "llama3", **{key: scaling[key] for key in LLAMA3_KEYS}}
+
+
+def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
+    """The ``config.json`` of ``cfg`` for ``LlamaForCausalLM``."""
+    config = {"architectures": [ARCHITECTURE], "model_type": "llama",
+              **{theirs: getattr(cfg, ours) for ours, theirs in SIZES.items()},
+              "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False,
+              "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+              "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+              "torch_dtype": dtype, "use_cache": True}
+    if cfg.rope_scaling:
+        config["rope_scaling"] = dict(cfg.rope_scaling)
+    return config
+
+
+def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor ``LlamaForCausalLM`` stores for ``cfg``, by its name, with its shape
+    (``lm_head.weight`` included only when it is not tied to the embedding)."""
+    d, kv, ffn = cfg.d_model, cfg.n_kv_head * cfg.head_dim, cfg.ffn_hidden_size
+    shapes = {"embed_tokens.weight": (cfg.vocab_size, d), "norm.weight": (d,)}
+    for i in range(cfg.n_layer):
+        layer = f"layers.{i}."
+        shapes.update({
+            layer + "input_layernorm.weight": (d,),
+            layer + "post_attention_layernorm.weight": (d,),
+            layer + "self_attn.q_proj.weight": (d, d), layer + "self_attn.k_proj.weight": (kv, d),
+            layer + "self_attn.v_proj.weight": (kv, d), layer + "self_attn.o_proj.weight": (d, d),
+            layer + "mlp.gate_proj.weight": (ffn, d), layer + "mlp.up_proj.weight": (ffn, d),
+            layer + "mlp.down_proj.weight": (d, ffn)})
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return {hf_name(name): shape for name, shape in shapes.items()}

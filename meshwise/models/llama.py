@@ -1,0 +1,295 @@
+"""A Llama decoder (Touvron et al. 2023), plain single-device code.
+
+RMSNorm before attention and MLP (Zhang & Sennrich 2019), rotary position
+embeddings (Su et al. 2021, "RoFormer") in the rotate-half layout that Hugging
+Face's ``LlamaForCausalLM`` checkpoints are written for, a SwiGLU MLP (Shazeer
+2020, "GLU variants improve Transformer"), grouped-query attention (Ainslie et
+al. 2023: ``n_kv_head`` key/value heads, each serving ``n_head / n_kv_head``
+query heads) and no biases. The output head is its own matrix unless
+``tie_embeddings``.
+
+Modules are named as in Hugging Face's model without its ``model.`` prefix
+(``embed_tokens``, ``layers.N.self_attn.q_proj``, ``layers.N.mlp.gate_proj``,
+``norm``, ``lm_head``), so checkpoints map by name (``meshwise.hf``). As for
+every family, nothing here knows about parallelism: ``llama_plan`` says how it
+is laid out, and reshapes of split dimensions use ``-1`` so the same code runs
+on a tensor-parallel shard (fewer heads per rank, the same ratio of query to
+key/value heads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshwise.models.init import ONES, Init, init_module, normal
+from meshwise.models.kv_cache import LayerCache
+from meshwise.plan import ParallelPlan
+
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The sizes of a Llama; ``rope_scaling``: None, or Hugging Face's ``llama3`` dict."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 2
+    d_model: int = 128
+    ffn_hidden_size: int = 384
+    block_size: int = 256  # the longest context (rotary positions need no table)
+    vocab_size: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    rope_scaling: dict | None = field(default=None, hash=False)
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.d_model % self.n_head:
+            raise ValueError(f"--d-model {self.d_model} is not divisible by --n-head "
+                             f"{self.n_head}")
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            valid = [k for k in range(1, self.n_head + 1) if self.n_head % k == 0]
+            raise ValueError(f"--n-kv-head {self.n_kv_head} does not divide --n-head "
+                             f"{self.n_head} (each key/value head serves a whole group of "
+                             f"query heads); valid: {', '.join(map(str, valid))}")
+        if self.dropout:
+            raise ValueError(f"--dropout {self.dropout}: the llama family trains without "
+                             "dropout, as Llama does; valid: 0")
+        rope_type = rope_type_of(self.rope_scaling)
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; valid: "
+                             f"{', '.join(ROPE_TYPES)} (or no rope_scaling)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def rope_type_of(scaling: dict | None) -> str:
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+# ---------------------------------------------------------------- rotary embedding
+def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """theta^(-2i/d) per pair of dimensions (RoFormer, eq. 15), in float32 on the CPU,
+    computed as Hugging Face computes them so that imported models match it."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    if rope_type_of(cfg.rope_scaling) == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, cfg.rope_scaling)
+    return inv_freq  # (head_dim / 2,)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's context extension (Meta, "The Llama 3 Herd of Models", 2024):
+    wavelengths longer than ``original / low_freq_factor`` are stretched by
+    ``factor``, those shorter than ``original / high_freq_factor`` are kept, and
+    the band between is interpolated linearly in ``original / wavelength``."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    blend = (original / wavelength - low) / (high - low)  # 0 at the long end, 1 at the short
+    between = (1 - blend) * stretched / factor + blend * stretched
+    in_band = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(in_band, between, stretched)
+
+
+class Rotary:
+    """cos and sin of each position's rotation angles (not a module: it holds no
+    parameters, and models hold no buffers). The inverse frequencies are
+    computed once per device."""
+
+    def __init__(self, cfg: LlamaConfig):
+        self.cfg = cfg
+        self._inv_freq: dict[str, torch.Tensor] = {}
+
+    def __call__(self, start: int, length: int, device, dtype) -> tuple[torch.Tensor, ...]:
+        key = str(device)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = rope_inverse_frequencies(self.cfg).to(device)
+        pos = torch.arange(start, start + length, device=device, dtype=torch.float)
+        angles = pos[:, None] * self._inv_freq[key][None, :]  # (T, hd / 2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, hd): both halves rotate alike
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Pairs dimension i with i + hd/2 (the layout of Hugging Face's Llama weights,
+    not RoFormer's interleaved pairs): (x1, x2) -> (-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin  # (B, h, T, hd) with (T, hd)
+
+
+# ---------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the mean of squares taken in float32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary positions."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.group = cfg.n_head // cfg.n_kv_head  # query heads per key/value head
+        kv = cfg.n_kv_head * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, kv, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, kv, bias=False)
+        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        cos, sin = rope
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        causal = True
+        if cache is not None:
+            # Decoding one token after the cached prefix: it may see every key.
+            causal = cache.k is None
+            if not causal and T != 1:
+                raise ValueError("with a filled KV cache, feed one token at a time")
+            k, v = cache.append(k, v)  # (B, nkv, P + T, hd): cached before the repeat
+        # Query head i reads key/value head i // group; a tp shard holds whole groups.
+        k = k.repeat_interleave(self.group, dim=1)  # (B, nh, P + T, hd)
+        v = v.repeat_interleave(self.group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """A Llama decoder: token ids in, logits out (``LlamaForCausalLM``'s computation).
+
+    ``dropout``: the family interface's dropout context, unused (Llama trains
+    without dropout; ``LlamaConfig`` refuses a non-zero probability).
+    """
+
+    def __init__(self, cfg: LlamaConfig, dropout=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.n_layer)})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg)
+
+    def init_weights(self, seed: int = 0) -> "Llama":
+        """Hugging Face's initial values (``llama_init``), drawn as every layout draws them."""
+        init_module(self, lambda name: llama_init(self.cfg, name), seed,
+                    llama_plan(self.cfg).logical_name)
+        return self
+
+    def forward(self, x: torch.Tensor, cache: list[LayerCache] | None = None) -> torch.Tensor:
+        """``x``: token ids (B, T) where the embedding is held, else hidden states
+        (B, T, C). Returns logits (B, T, V) where the head is held, else hidden
+        states. ``cache``: one ``LayerCache`` per layer (generation)."""
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)  # (B, T, C)
+        start = cache[0].length if cache else 0
+        rope = self.rotary(start, x.shape[1], x.device, x.dtype)
+        for i, layer in enumerate(self.layers.values()):
+            x = layer(x, rope, cache[i] if cache else None)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)  # (B, T, V)
+        return x
+
+
+def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
+    """Megatron-LM's layout (Shoeybi et al. 2019, section 3) for Llama: q/k/v and
+    gate/up column parallel (whole query and key/value heads per rank), o and down
+    row parallel, the vocabulary split for the embedding and the head."""
+    return ParallelPlan(
+        layers="layers",
+        first_stage=("embed_tokens",),
+        last_stage=("norm", "lm_head"),
+        tp=(("embed_tokens", "vocab_embedding"),
+            ("layers.*.self_attn.q_proj", "colwise"), ("layers.*.self_attn.k_proj", "colwise"),
+            ("layers.*.self_attn.v_proj", "colwise"), ("layers.*.self_attn.o_proj", "rowwise"),
+            ("layers.*.mlp.gate_proj", "colwise"), ("layers.*.mlp.up_proj", "colwise"),
+            ("layers.*.mlp.down_proj", "rowwise"), ("lm_head", "vocab_head")),
+        ties=(("embed_tokens.weight", "lm_head.weight"),) if cfg.tie_embeddings else (),
+    )
+
+
+def llama_init(cfg: LlamaConfig, name: str) -> Init:
+    """Hugging Face's ``LlamaForCausalLM`` initialisation: N(0, 0.02) for every
+    linear and embedding weight, ones for the RMSNorm weights."""
+    if name.endswith("layernorm.weight") or name == "norm.weight":
+        return ONES
+    return normal(0.02)
+
+
+def valid_llama_tp(cfg: LlamaConfig) -> list[int]:
+    """Tensor-parallel degrees that split whole query and key/value heads and the MLP."""
+    return [t for t in range(1, cfg.n_kv_head + 1)
+            if cfg.n_kv_head % t == 0 and cfg.n_head % t == 0 and cfg.ffn_hidden_size % t == 0]
+
+
+def check_llama_tp(cfg: LlamaConfig, tp: int) -> None:
+    """Each tp rank holds whole key/value heads with their query groups, so tp must
+    divide the key/value heads (a fortiori the query heads) and the MLP width.
+    Replicating key/value heads across ranks (as some frameworks do when tp
+    exceeds them) is not supported."""
+    if tp in valid_llama_tp(cfg):
+        return
+    valid = ", ".join(map(str, valid_llama_tp(cfg)))
+    raise ValueError(f"--tp {tp} cannot split the model's {cfg.n_kv_head} key/value heads, "
+                     f"{cfg.n_head} query heads and MLP width {cfg.ffn_hidden_size}: each tp "
+                     f"rank must hold whole key/value heads; valid: --tp {valid}")

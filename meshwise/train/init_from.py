@@ -1,0 +1,86 @@
+"""``meshwise train --init-from DIR``: start from a local Hugging Face Llama directory.
+
+Three moments, each where it belongs:
+
+- ``apply_init_from`` (reading the command line, before validation): the
+  model's settings come from ``config.json``; a flag that says otherwise is an
+  error, and the directory's ``tokenizer.json`` becomes the default
+  ``--tokenizer``;
+- ``check_init_from`` (``prepare``, before any rank starts): the weights'
+  headers hold every tensor that config implies, with its shape, and the
+  tokenizer fits the model's vocabulary;
+- ``initial_values`` (on each rank): the ``values(name, start, end)`` the
+  engines fill their buffers from, reading only this rank's slices.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshwise.hf.llama import SIZES, hf_name, hf_shapes, llama_sizes, read_config
+from meshwise.hf.safetensors_dir import SafetensorsDir
+from meshwise.train.config import MODEL_PRESETS, TrainConfig
+
+FAMILY = "llama"
+
+
+def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
+    """Take the model's settings from ``--init-from``'s config.json (ValueError on a
+    contradicting flag or another architecture)."""
+    from meshwise.train.flags import BY_FIELD
+
+    m = cfg.model
+    if not m.init_from:
+        return
+    where = m.init_from
+    sizes = llama_sizes(read_config(where), where)
+    preset_family = MODEL_PRESETS[m.preset]["family"]
+    if preset_family != FAMILY:
+        if "preset" in origins:
+            raise ValueError(f"--model {m.preset} is a {preset_family} model but --init-from "
+                             f"{where} holds a Llama; valid: leave --model out, or --model "
+                             f"{' or '.join(p for p in MODEL_PRESETS if p.startswith(FAMILY))}")
+        m.preset = "llama-tiny"  # for its family: every size below comes from config.json
+        origins["preset"] = "init-from"
+    for field, value in sizes.items():
+        given = getattr(m, field)
+        if field in origins and given not in (None, 0) and given != value:
+            flag = BY_FIELD[field][0]
+            raise ValueError(f"{flag} {given} contradicts --init-from {where}: its config.json "
+                             f"has {SIZES.get(field, field)} {value}; leave {flag} out")
+        setattr(m, field, value)
+        origins.setdefault(field, "init-from")
+    tokenizer = Path(where) / "tokenizer.json"
+    if not cfg.data.tokenizer and tokenizer.is_file():
+        cfg.data.tokenizer = str(tokenizer)
+        origins["tokenizer"] = "init-from"
+
+
+def check_init_from(cfg: TrainConfig) -> None:
+    """Before any rank starts: every tensor is where config.json says, with its shape
+    (headers only), and the tokenizer's ids fit the model's vocabulary."""
+    from meshwise.models.families import family
+    from meshwise.tokenizer import load_tokenizer
+
+    m = cfg.model
+    if not m.init_from:
+        return
+    llama = family(FAMILY).make_config(m.sizes(m.vocab_size))
+    optional = ("lm_head.weight",) if llama.tie_embeddings else ()
+    SafetensorsDir(m.init_from).check(hf_shapes(llama), optional)
+    if cfg.data.tokenizer:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        if tokenizer.vocab_size > llama.vocab_size:
+            raise ValueError(f"--tokenizer {tokenizer.describe()} has more tokens than the "
+                             f"vocabulary of {llama.vocab_size} in --init-from {m.init_from}'s "
+                             "config.json; valid: the model's own tokenizer (its "
+                             "tokenizer.json, the default)")
+
+
+def initial_values(pm, cfg: TrainConfig, init_of, seed: int):
+    """The engines' ``values(name, start, end)``: the directory's weights with
+    ``--init-from``, else the layout-independent initialisation of ``seed``."""
+    if not cfg.model.init_from:
+        return pm.init_values(init_of, seed)
+    weights = SafetensorsDir(cfg.model.init_from)
+    return pm.values_from(lambda piece: weights.read(hf_name(piece.name), piece))

@@ -1,0 +1,72 @@
+"""Small random Hugging Face Llamas built in the test (no downloads), and meshwise's
+model of the same directory, laid out on any layout and filled from its files."""
+
+from __future__ import annotations
+
+import torch
+
+from meshwise.hf.llama import hf_name, llama_sizes, read_config
+from meshwise.hf.safetensors_dir import SafetensorsDir
+from meshwise.models.llama import Llama, LlamaConfig, llama_plan
+from meshwise.parallelize import parallelize
+from meshwise.sharding.binding import param_owners, rebind
+
+# 4 layers (pp 2 x 2 virtual stages), GQA with 2 kv heads (tp 2), an odd vocabulary
+# (padded under tp 2).
+HF_SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=301,
+                max_position_embeddings=128, rope_theta=500000.0, rms_norm_eps=1e-5)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+ATOL = 1e-5
+
+
+def save_hf_llama(out, tie: bool = False, rope_scaling: dict | None = None,
+                  max_shard_size: str | None = None, seed: int = 0, **sizes):
+    """A random ``LlamaForCausalLM`` (norm weights random too) saved to ``out``."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    config = HFLlamaConfig(**{**HF_SIZES, **sizes}, tie_word_embeddings=tie,
+                           rope_scaling=dict(rope_scaling) if rope_scaling else None)  # it edits it
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.2)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return model
+
+
+def hf_logits(directory, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def token_ids(vocab_size: int = HF_SIZES["vocab_size"], shape=(2, 24), seed: int = 0):
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def laid_out(directory, tp_group=None, pp_rank: int = 0, pp_size: int = 1,
+             virtual_stages: int = 1):
+    """meshwise's ``ParallelModel`` of ``directory`` (on the meta device) and the
+    ``values(name, start, end)`` that read its slices from the files."""
+    cfg = LlamaConfig(**llama_sizes(read_config(directory), str(directory)))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    pm = parallelize(model, llama_plan(cfg), tp_group=tp_group, pp_rank=pp_rank,
+                     pp_size=pp_size, virtual_stages=virtual_stages)
+    weights = SafetensorsDir(directory)
+    return pm, pm.values_from(lambda piece: weights.read(hf_name(piece.name), piece))
+
+
+def materialize(pm, values) -> None:
+    """Give every parameter its values in one process, as an engine would (ties kept)."""
+    owners = param_owners(pm.chunks)
+    for name, param in pm.named_parameters():
+        rebind(param, values(name, 0, param.numel()).view(param.shape), owners)
