@@ -5,37 +5,32 @@ import pytest
 
 from tests.e2e.conftest import SMALL, read_metrics, run_cli, run_main
 
-STEPS = 10
+STEPS = 6
 MODEL = [*SMALL, "--n-layer", "4"]
 
 LAYOUTS = {
-    # pipeline (issue: GPipe, 1F1B, interleaved 1F1B)
+    # pipeline (every schedule's runtime is checked against one process in float64 in
+    # tests/dist/test_pipeline_runtime.py; here the trainer's use of them)
     "pp2": ["--pp", "2"],
     "pp4": ["--pp", "4"],
-    "pp2-gpipe": ["--pp", "2", "--schedule", "gpipe", "--micro-batches", "4"],
-    "pp2-1f1b-m4": ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "4"],
     "pp2-interleaved": ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
                         "--micro-batches", "4"],
     "dp2-pp2": ["--dp", "2", "--pp", "2"],
     "pp2-accum2": ["--pp", "2", "--grad-accum", "2"],
     # tensor parallel and 3D
-    "tp2": ["--tp", "2"],
     "dp2-tp2": ["--dp", "2", "--tp", "2"],
     "tp2-pp2": ["--tp", "2", "--pp", "2"],
-    "dp2-tp2-pp2-zero0": ["--dp", "2", "--tp", "2", "--pp", "2"],
     "dp2-tp2-pp2-zero1": ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1"],
     "dp2-tp2-zero2": ["--dp", "2", "--tp", "2", "--zero", "2"],
     "dp2-tp2-zero3": ["--dp", "2", "--tp", "2", "--zero", "3"],
 }
 
 
-# The Llama family on a representative handful (each layout axis, ZeRO-3 and 3D).
+# The Llama family: its plan split by tp, cut into stages and sharded by ZeRO-3.
 LLAMA = [*MODEL, "--model", "llama-tiny", "--n-kv-head", "2", "--ffn-hidden-size", "96"]
 LLAMA_LAYOUTS = {
     "tp2": ["--tp", "2"],
-    "pp2-interleaved": LAYOUTS["pp2-interleaved"],
     "dp2-tp2-zero3": LAYOUTS["dp2-tp2-zero3"],
-    "dp2-pp2": LAYOUTS["dp2-pp2"],
     "dp2-tp2-pp2-zero1": LAYOUTS["dp2-tp2-pp2-zero1"],
 }
 

@@ -41,10 +41,8 @@ def test_each_stage_saves_what_the_formula_says_measured_from_the_process(tmp_pa
     # step holds besides model state (a bucket or two of gradient, gathered units,
     # activations) comes off that.
     assert saved[1] >= 3.5 and saved[2] >= 5.0 and saved[3] >= 6.5, saved
-
-
-@pytest.mark.timeout(400)
-def test_zero3_saves_memory_with_glibcs_default_allocator(tmp_path, corpus):
-    zero0 = peak_bytes(tmp_path, corpus, 0, DEFAULT_ALLOCATOR)
-    zero3 = peak_bytes(tmp_path, corpus, 3, DEFAULT_ALLOCATOR)
-    assert (zero0 - zero3) / NUM_PARAMS >= 4.0, (zero0, zero3)
+    # With glibc's own settings, buffers freed and allocated every step would stay
+    # resident; stage 3's pool must keep it at least 4 bytes per parameter below
+    # stage 0, whose peak only grows under those settings (1309 vs 1258 MiB here).
+    default_zero3 = peak_bytes(tmp_path, corpus, 3, DEFAULT_ALLOCATOR)
+    assert (zero0 - default_zero3) / NUM_PARAMS >= 4.0, (zero0, default_zero3)
