@@ -143,21 +143,30 @@ def _native_bf16(torch) -> bool:
 
 
 def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
-    """Time of a bf16 matmul over an fp32 one here (median of ``repeats``)."""
+    """Time of a bf16 matmul over an fp32 one here (median of ``repeats``).
+
+    On one thread: the launcher forks the ranks afterwards, and a thread pool
+    must not exist at a fork (``meshwise.launch.start_method``).
+    """
     import statistics
     import time
 
     import torch
 
-    times = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(size, size).to(dtype)
-        runs = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ a
-            runs.append(time.perf_counter() - start)
-        times[dtype] = statistics.median(runs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.randn(size, size).to(dtype)
+            runs = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ a
+                runs.append(time.perf_counter() - start)
+            times[dtype] = statistics.median(runs)
+    finally:
+        torch.set_num_threads(threads)
     return times[torch.bfloat16] / max(times[torch.float32], 1e-9)
 
 

@@ -120,7 +120,7 @@ def test_bad_checkpoint_flags_exit_2(tmp_path, corpus):
 
 
 def _rank_pids(launcher_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(launcher_pid), "-f", "spawn_main"],
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid)],
                          capture_output=True, text=True).stdout
     return [int(pid) for pid in out.split()]
 
