@@ -32,13 +32,10 @@ from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
 from meshwise.models.families import family
 from meshwise.optim import AdamWConfig, lr_at
-from meshwise.parallelize import ParallelModel, parallelize
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
-from meshwise.sharding.buckets import ZeroOptimizer
-from meshwise.sharding.flat import Precision
-from meshwise.sharding.zero3 import ZeroStage3
 from meshwise.tokenizer import decode_sample
+from meshwise.train.build import build_engine, build_model, precision_of
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
@@ -73,7 +70,8 @@ class Trainer:
         self.model_cfg = self.family.make_config({**self.model_shape, "dropout": cfg.model.dropout})
         self.dropout = DropoutContext(d.seed)
         self.dropout.tp_rank = self.mesh.tp_rank
-        self.pm = self._build_model()
+        self.pm = build_model(self.cfg, self.family, self.model_cfg, self.mesh, self.dropout,
+                              self.data.vocab_size)
         self.num_params = sum(param.numel() for _, param in self.pm.named_parameters())
         apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing,
                                        self.dropout)
@@ -108,17 +106,6 @@ class Trainer:
         self._fail_at = _injected_failure()
         self.skipped_in_a_row = 0
         self.memory = PeakMemory(self.device)  # after start-up: it keeps that peak too
-
-    def _build_model(self) -> ParallelModel:
-        """The plain model on the meta device, laid out by its family's plan: no rank
-        allocates a parameter here; the engine materialises what it keeps."""
-        p = self.cfg.parallel
-        with torch.device("meta"):
-            model = self.family.build(self.model_cfg, self.dropout)
-        return parallelize(model, self.family.plan(self.model_cfg),
-                           tp_group=self.mesh.tp if p.tp > 1 else None,
-                           pp_rank=self.mesh.pp_rank, pp_size=p.pp,
-                           virtual_stages=p.virtual_stages, vocab_size=self.data.vocab_size)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
@@ -318,29 +305,6 @@ class Trainer:
         ids = tokens[0].tolist()
         return decode_sample(self.cfg.data.tokenizer, ids[:prompt_len], ids[prompt_len:],
                              self.model_cfg.vocab_size)
-
-
-def precision_of(cfg: TrainConfig) -> Precision:
-    """``--dtype`` and ``--grad-reduce-dtype`` as the engines' dtypes."""
-    if cfg.runtime.dtype != "bf16":
-        return Precision()
-    reduce = torch.bfloat16 if cfg.runtime.grad_reduce_dtype == "bf16" else torch.float32
-    return Precision(param_dtype=torch.bfloat16, reduce_dtype=reduce)
-
-
-def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig,
-                 values, device):
-    """The gradient synchroniser + optimizer for ``--zero``: stages 0-2 share flat
-    gradient buckets (``ZeroOptimizer``); stage 3 shards the parameters too. Either
-    allocates only what this rank keeps and fills it from ``values``."""
-    precision = precision_of(cfg)
-    if cfg.parallel.zero == 3:
-        (chunk,) = model.chunks  # ZeRO-3 does not combine with a pipeline
-        return ZeroStage3(chunk, mesh.dp, adamw, units=model.layers(), precision=precision,
-                          values=values, device=device, unit_cap_mb=cfg.comm.bucket_mb)
-    return ZeroOptimizer(model.named_parameters(), mesh.dp, stage=cfg.parallel.zero,
-                         adamw=adamw, bucket_cap_mb=cfg.comm.bucket_mb, precision=precision,
-                         modules=model.chunks, values=values, device=device)
 
 
 def _rank_device(device: str) -> str:

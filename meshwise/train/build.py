@@ -1,0 +1,54 @@
+"""What a run trains with: the model laid out on this rank, and its sharding engine.
+
+``build_model`` makes the family's plain model on the meta device and lays it
+out by the family's plan (``meshwise.parallelize``): no rank allocates a
+parameter there. ``build_engine`` then allocates what this rank keeps, filled
+from the initial values (or a Hugging Face directory's, ``--init-from``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshwise.mesh import Mesh
+from meshwise.models.families import ModelFamily
+from meshwise.optim import AdamWConfig
+from meshwise.parallelize import ParallelModel, parallelize
+from meshwise.sharding.buckets import ZeroOptimizer
+from meshwise.sharding.flat import Precision
+from meshwise.sharding.zero3 import ZeroStage3
+from meshwise.train.config import TrainConfig
+
+
+def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh, dropout,
+                vocab_size: int) -> ParallelModel:
+    """This rank's part of the model: pipeline chunks with tensor-parallel layers, on meta."""
+    p = cfg.parallel
+    with torch.device("meta"):
+        model = family.build(model_cfg, dropout)
+    return parallelize(model, family.plan(model_cfg), tp_group=mesh.tp if p.tp > 1 else None,
+                       pp_rank=mesh.pp_rank, pp_size=p.pp, virtual_stages=p.virtual_stages,
+                       vocab_size=vocab_size)
+
+
+def precision_of(cfg: TrainConfig) -> Precision:
+    """``--dtype`` and ``--grad-reduce-dtype`` as the engines' dtypes."""
+    if cfg.runtime.dtype != "bf16":
+        return Precision()
+    reduce = torch.bfloat16 if cfg.runtime.grad_reduce_dtype == "bf16" else torch.float32
+    return Precision(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+
+
+def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig,
+                 values, device):
+    """The gradient synchroniser + optimizer for ``--zero``: stages 0-2 share flat
+    gradient buckets (``ZeroOptimizer``); stage 3 shards the parameters too. Either
+    allocates only what this rank keeps and fills it from ``values``."""
+    precision = precision_of(cfg)
+    if cfg.parallel.zero == 3:
+        (chunk,) = model.chunks  # ZeRO-3 does not combine with a pipeline
+        return ZeroStage3(chunk, mesh.dp, adamw, units=model.layers(), precision=precision,
+                          values=values, device=device, unit_cap_mb=cfg.comm.bucket_mb)
+    return ZeroOptimizer(model.named_parameters(), mesh.dp, stage=cfg.parallel.zero,
+                         adamw=adamw, bucket_cap_mb=cfg.comm.bucket_mb, precision=precision,
+                         modules=model.chunks, values=values, device=device)
