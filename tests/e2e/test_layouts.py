@@ -13,6 +13,7 @@ LAYOUTS = {
     # tests/dist/test_pipeline_runtime.py; here the trainer's use of them)
     "pp2": ["--pp", "2"],
     "pp4": ["--pp", "4"],
+    "pp2-gpipe": ["--pp", "2", "--schedule", "gpipe", "--micro-batches", "4"],
     "pp2-interleaved": ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
                         "--micro-batches", "4"],
     "dp2-pp2": ["--dp", "2", "--pp", "2"],
@@ -30,6 +31,7 @@ LAYOUTS = {
 LLAMA = [*MODEL, "--model", "llama-tiny", "--n-kv-head", "2", "--ffn-hidden-size", "96"]
 LLAMA_LAYOUTS = {
     "tp2": ["--tp", "2"],
+    "pp2-interleaved": LAYOUTS["pp2-interleaved"],
     "dp2-tp2-zero3": LAYOUTS["dp2-tp2-zero3"],
     "dp2-tp2-pp2-zero1": LAYOUTS["dp2-tp2-pp2-zero1"],
 }
