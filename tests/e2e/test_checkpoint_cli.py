@@ -33,8 +33,9 @@ def _saved_run(tmp_path, corpus, name, *layout):
 
 
 @pytest.mark.parametrize("layout", [["--dp", "2", "--zero", "1"],
-                                    ["--dp", "2", "--tp", "2", "--pp", "2"]],
-                         ids=["dp2-zero1", "dp2-tp2-pp2"])
+                                    ["--dp", "2", "--tp", "2", "--pp", "2"],
+                                    ["--dp", "2", "--zero", "3", "--dtype", "bf16"]],
+                         ids=["dp2-zero1", "dp2-tp2-pp2", "dp2-zero3-bf16"])
 def test_same_layout_resume_is_bit_exact(tmp_path, corpus, layout):
     whole, step5 = _saved_run(tmp_path, corpus, "whole", *layout)
     resumed, result = _train(tmp_path, corpus, "resumed", *layout, "--resume", step5)
