@@ -119,7 +119,8 @@ def measure(group, settings: dict) -> dict:
     """Every rank calls this; returns the results (the same on every rank)."""
     import torch
 
-    from meshwise.comm.algorithms import AllReducer, Topology
+    from meshwise.comm.algorithms import Topology
+    from meshwise.comm.allreducer import AllReducer
 
     topology = Topology.of(group.ranks, settings["per_node"])
     device = settings.get("device", "cpu")

@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from meshwise.comm import ops
-from meshwise.comm.algorithms import AllReducer, Topology
+from meshwise.comm.algorithms import Topology
+from meshwise.comm.allreducer import AllReducer
 from meshwise.comm.compression import Compressor, NoCompression
 
 log = logging.getLogger("meshwise")

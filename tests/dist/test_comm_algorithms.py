@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from meshwise.comm import ops
-from meshwise.comm.algorithms import AllReducer, Topology
+from meshwise.comm.algorithms import Topology
+from meshwise.comm.allreducer import AllReducer
 from meshwise.comm.compression import build_compressor
 from meshwise.comm.reducer import GradReducer
 
