@@ -14,8 +14,10 @@ is all the format needs:
   overlap it, so the saving layout does not matter.
 
 Stored names: ``model.<param>``, ``optim.exp_avg.<param>``,
-``optim.exp_avg_sq.<param>`` (``<param>`` the single-process name), and
-``rng.rank<r>`` for each rank's CPU generator state.
+``optim.exp_avg_sq.<param>`` (``<param>`` the single-process name),
+``rng.rank<r>`` for each rank's CPU generator state, and ``<group>.rank<r>.<name>``
+for other per-rank state (``comm``: what gradient compression carries between
+steps).
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ def _stored(piece: Piece, kind: str) -> Piece:
 
 
 def save(save_dir: str | Path, step: int, runs: list[FlatRun], pieces: dict[str, Piece],
-         writers: set[str], world: ops.Group, meta: dict) -> Path | None:
+         writers: set[str], world: ops.Group, meta: dict,
+         rank_state: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
     """Write a checkpoint of ``step`` (a collective over ``world``); rank 0 returns its path.
 
     ``pieces``: every engine parameter name -> its ``logical_piece``;
-    ``writers``: the names this rank writes.
+    ``writers``: the names this rank writes; ``rank_state``: group -> name -> tensor
+    of this rank's own state, stored as ``<group>.rank<r>.<name>``.
     """
     tmp = temp_dir(save_dir, step)
     if world.rank == 0:
@@ -98,6 +102,9 @@ def save(save_dir: str | Path, step: int, runs: list[FlatRun], pieces: dict[str,
                 entries.append((_stored(sub, kind), tensor[lo - base:hi - base]))
     rng = torch.get_rng_state()
     entries.append((Piece.whole(f"rng.rank{world.rank}", rng.shape), rng))
+    for group, tensors in (rank_state or {}).items():
+        for name, tensor in tensors.items():
+            entries.append((Piece.whole(f"{group}.rank{world.rank}.{name}", tensor.shape), tensor))
     fragment = write_rank_file(tmp, world.rank, entries)
     fragments = ops.all_gather_object(fragment, world, category="checkpoint")
     path = None
@@ -118,6 +125,13 @@ def load(ckpt: Checkpoint, runs: list[FlatRun], pieces: dict[str, Piece], rank: 
                 ckpt.read_into(tensor[lo - base:hi - base], _stored(sub, kind))
     if same_layout:
         torch.set_rng_state(ckpt.read(f"rng.rank{rank}"))
+
+
+def rank_state(ckpt: Checkpoint, group: str, rank: int) -> dict[str, torch.Tensor]:
+    """What ``save`` stored of ``rank``'s ``group`` state: name -> tensor."""
+    prefix = f"{group}.rank{rank}."
+    return {name[len(prefix):]: ckpt.read(name) for name in ckpt.tensors
+            if name.startswith(prefix)}
 
 
 def owned_values(runs: list[FlatRun]) -> dict[str, torch.Tensor]:

@@ -96,6 +96,11 @@ def build_compressor(spec: CompressSpec | str, error_feedback: bool = True,
                               warmup_steps=warmup_steps)
 
 
+def _key_part(text: str):
+    """A key part back from its name in ``state_tensors`` (engines key buckets by int)."""
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 class LocalComm:
     """The collectives of a group of one (for tests and single-process use)."""
 
@@ -118,6 +123,7 @@ class Compressor:
     """Base: error-feedback state per bucket key; ``reduce`` does the work."""
 
     name = "none"
+    carried = {"error": "errors"}  # name -> attribute: the per-bucket state kept across steps
 
     def __init__(self, error_feedback: bool = True):
         self.error_feedback = error_feedback
@@ -137,6 +143,24 @@ class Compressor:
     def _keep_error(self, key, residual: torch.Tensor) -> None:
         if self.error_feedback:
             self.errors[key] = residual
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's state a restart on the same layout needs, by name: each tensor
+        of the ``carried`` dicts as ``<kind>.<key>`` (a tuple key's parts joined by dots)."""
+        out = {}
+        for kind, attr in self.carried.items():
+            for key, tensor in getattr(self, attr).items():
+                parts = key if isinstance(key, tuple) else (key,)
+                out[".".join([kind, *map(str, parts)])] = tensor
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], device) -> None:
+        """Take back what ``state_tensors`` returned."""
+        for name, tensor in tensors.items():
+            kind, *parts = name.split(".")
+            key = tuple(map(_key_part, parts))
+            getattr(self, self.carried[kind])[key if len(key) > 1 else key[0]] = tensor.to(
+                device=device, dtype=torch.float32)
 
     def reduce(self, key, flat: torch.Tensor, comm, scatter: bool = False) -> None:
         raise NotImplementedError
@@ -206,6 +230,7 @@ class Int8Compressor(Compressor):
     """Per-chunk-scaled int8 with error feedback on both sides of a two-phase all-reduce."""
 
     name = "int8"
+    carried = {"error": "errors", "owner_error": "owner_errors"}
 
     def __init__(self, error_feedback: bool = True, chunk: int = INT8_CHUNK):
         super().__init__(error_feedback)

@@ -33,6 +33,7 @@ class PowerSGDCompressor(Compressor):
     """
 
     name = "powersgd"
+    carried = {"error": "errors", "q": "qs"}  # qs: (key, offset) -> the last step's Q
 
     def __init__(self, rank: int, error_feedback: bool = True,
                  warmup_steps: int = COMPRESS_WARMUP_STEPS, seed: int = 0):

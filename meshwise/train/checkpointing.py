@@ -4,7 +4,9 @@ A checkpoint holds the engine's parameters and AdamW moments (sharded, see
 ``meshwise.checkpoint.state``) and, in its manifest, the step reached (which
 fixes the learning rate and the next global batch, both pure functions of the
 step), the optimizer's step count, the model's shape, the layout and the whole
-configuration.
+configuration. With ``--compress``, each rank also stores what its compressor
+carries to the next step (error feedback, PowerSGD's warm-started ``Q``), so a
+run resumed on the same layout and buckets continues bit-exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from meshwise.mesh import Mesh
 
 log = logging.getLogger("meshwise")
 
+# What fixes the dp buckets and what a compressor carries for them, besides the layout.
+BUCKET_SETTINGS = (("comm", "compress"), ("comm", "error_feedback"), ("comm", "bucket_mb"),
+                   ("runtime", "dtype"), ("runtime", "grad_reduce_dtype"))
+
 
 class RunCheckpointer:
     """Saves and restores one rank's share of a run.
@@ -26,8 +32,10 @@ class RunCheckpointer:
     logical tensor once).
     """
 
-    def __init__(self, cfg, mesh: Mesh, engine, pieces: dict, writers: set[str], model: dict):
+    def __init__(self, cfg, mesh: Mesh, engine, pieces: dict, writers: set[str], model: dict,
+                 compressor=None, device=None):
         self.cfg, self.mesh, self.engine = cfg, mesh, engine
+        self.compressor, self.device = compressor, device
         self.pieces = pieces
         self.writers = writers
         self.model = model  # the shape of the model, checked on resume
@@ -45,8 +53,9 @@ class RunCheckpointer:
         c = self.cfg.checkpoint
         meta = {"step": step, "optimizer_step": self.engine.step_count, "model": self.model,
                 "layout": self.layout, "config": dataclasses.asdict(self.cfg)}
+        rank_state = {"comm": self.compressor.state_tensors()} if self.compressor else None
         path = state.save(c.save, step, self.engine.checkpoint_runs(), self.pieces,
-                          self.writers, self.mesh.world, meta)
+                          self.writers, self.mesh.world, meta, rank_state)
         if path is not None:
             removed = state.keep_newest(c.save, c.keep_last)
             log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")
@@ -58,6 +67,23 @@ class RunCheckpointer:
         state.load(ckpt, self.engine.checkpoint_runs(), self.pieces, self.mesh.rank, same)
         self.engine.load_done()
         self.engine.step_count = ckpt.meta["optimizer_step"]
+        if self.compressor is not None:
+            self._load_compressor(ckpt, same)
         how = "same layout" if same else f"resharded from {ckpt.meta['layout']}"
         log.info("resumed from %s at step %d (%s)", path, ckpt.step, how)
         return ckpt.step
+
+    def _load_compressor(self, ckpt: Checkpoint, same_layout: bool) -> None:
+        """The warm-up and top-k ramp go on from the step reached; the carried state
+        comes back where the buckets are the same (layout, sizes, compressor)."""
+        self.compressor.step = ckpt.step
+        saved, now = ckpt.meta["config"], dataclasses.asdict(self.cfg)
+        changed = [key for section, key in BUCKET_SETTINGS
+                   if saved.get(section, {}).get(key) != now[section][key]]
+        if same_layout and not changed:
+            self.compressor.load_state_tensors(
+                state.rank_state(ckpt, "comm", self.mesh.rank), self.device)
+        elif self.mesh.rank == 0:
+            why = "another layout" if not same_layout else "changed " + ", ".join(changed)
+            log.info("--compress %s: its carried errors start from zero (%s)",
+                     self.cfg.comm.compress, why)

@@ -83,13 +83,15 @@ class Trainer:
         self.engine = build_engine(self.pm, self.mesh, cfg, self.adamw, values, self.device)
         chunks = self.pm.chunks
         self.model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-        self.comm_stats = GradCommStats(self.mesh.world.counters, attach_grad_reducer(
-            self.engine, self.mesh, cfg))
+        reducer = attach_grad_reducer(self.engine, self.mesh, cfg)
+        self.comm_stats = GradCommStats(self.mesh.world.counters, reducer)
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
         self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine,
                                             self.pm.pieces(named_params),
                                             writers=self.grad_sync.counted,
-                                            model=self.model_shape)
+                                            model=self.model_shape,
+                                            compressor=reducer and reducer.compressor,
+                                            device=self.device)
         self.global_tokens = d.batch_size * d.seq_len
         self.pipeline = None
         if p.pp > 1:

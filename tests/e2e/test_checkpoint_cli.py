@@ -34,8 +34,16 @@ def _saved_run(tmp_path, corpus, name, *layout):
 
 @pytest.mark.parametrize("layout", [["--dp", "2", "--zero", "1"],
                                     ["--dp", "2", "--tp", "2", "--pp", "2"],
-                                    ["--dp", "2", "--zero", "3", "--dtype", "bf16"]],
-                         ids=["dp2-zero1", "dp2-tp2-pp2", "dp2-zero3-bf16"])
+                                    ["--dp", "2", "--zero", "3", "--dtype", "bf16"],
+                                    # The resume lands inside top-k's density ramp, with
+                                    # errors carried: both must come back.
+                                    ["--dp", "2", "--compress", "topk:0.05",
+                                     "--compress-warmup-steps", "2", "--topk-ramp-steps", "6"],
+                                    ["--dp", "2", "--zero", "2", "--compress", "powersgd:2",
+                                     "--compress-warmup-steps", "2"],
+                                    ["--dp", "2", "--compress", "int8", "--allreduce", "ring"]],
+                         ids=["dp2-zero1", "dp2-tp2-pp2", "dp2-zero3-bf16", "topk-ramp",
+                              "zero2-powersgd", "int8-ring"])
 def test_same_layout_resume_is_bit_exact(tmp_path, corpus, layout):
     whole, step5 = _saved_run(tmp_path, corpus, "whole", *layout)
     resumed, result = _train(tmp_path, corpus, "resumed", *layout, "--resume", step5)
