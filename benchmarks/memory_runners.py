@@ -26,9 +26,9 @@ import torch
 
 from meshwise.comm import ops
 from meshwise.train.config import TrainConfig
+from meshwise.train.memory import reset_rss_peak, status_kib
 
 STATUS_PATH = Path("/proc/self/status")
-CLEAR_REFS_PATH = Path("/proc/self/clear_refs")
 
 MESHWISE = ("zero0", "zero1", "zero2", "zero3")
 DEEPSPEED = ("deepspeed1", "deepspeed2", "deepspeed3")
@@ -42,34 +42,10 @@ DEEPSPEED_LAZY_IMPORTS = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.st
 
 
 # ---------------------------------------------------------------- process memory
-def status_bytes(text: str, key: str) -> int:
-    """The value of ``key`` (e.g. ``VmHWM``) in /proc/<pid>/status text, in bytes."""
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name == key:
-            number, unit = value.split()
-            if unit != "kB":
-                raise ValueError(f"{key}: unexpected unit {unit!r} in {line!r}")
-            return int(number) * 1024
-    raise KeyError(f"{key} is not in the status text")
-
-
 def process_memory() -> dict[str, int]:
     """This process's resident set now (``VmRSS``) and its high-water mark (``VmHWM``)."""
     text = STATUS_PATH.read_text()
-    return {"rss": status_bytes(text, "VmRSS"), "hwm": status_bytes(text, "VmHWM")}
-
-
-def reset_peak() -> bool:
-    """Set the high-water mark to the current RSS (Linux >= 4.0); whether that worked.
-
-    Without it, a transient peak during the imports would count as the variant's.
-    """
-    try:
-        CLEAR_REFS_PATH.write_text("5")
-    except OSError:
-        return False
-    return True
+    return {"rss": status_kib("VmRSS", text) * 1024, "hwm": status_kib("VmHWM", text) * 1024}
 
 
 # ---------------------------------------------------------------- runners
@@ -245,7 +221,7 @@ def rank_main(rank: int, variant: str, cfg: TrainConfig, data_path: str) -> dict
     import_for(variant)
     gc.collect()
     baseline = process_memory()["rss"]
-    peak_was_reset = reset_peak()
+    peak_was_reset = reset_rss_peak()  # a transient peak of the imports must not count
     if variant in MESHWISE:
         runner = MeshwiseRunner(cfg, data_path)
     else:

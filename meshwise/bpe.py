@@ -10,7 +10,6 @@ puts it between documents.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterable
 
@@ -53,10 +52,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
 
 def save_tokenizer(tokenizer, out: Path) -> None:
     """Write ``tokenizer.json`` to ``out`` atomically (a temp file, then a rename)."""
+    from meshwise.token_files import _atomic_write
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tokenizer.save(str(tmp))
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _atomic_write(out, [tokenizer.to_str(pretty=True).encode()])

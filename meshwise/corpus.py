@@ -28,8 +28,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from meshwise.token_files import (ACCEPTED, TOKEN_DTYPES, _atomic_write, _write_meta,
-                                  dtype_for_vocab)
+from meshwise.token_files import (ACCEPTED, SIDECAR_SUFFIX, TOKEN_DTYPES, _atomic_write,
+                                  _write_meta, dtype_for_vocab)
 from meshwise.tokenizer import Tokenizer, load_tokenizer
 
 PIECE_BYTES = 1 << 18  # a long document is cut about every 256 KiB
@@ -38,7 +38,6 @@ SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary
 _CUT_WINDOW = 1 << 16  # bytes searched at a time for a cut
 _CONTEXT = 256  # bytes either side of a candidate cut that are encoded to check it
 _MAX_CUT_TRIES = 32  # candidates checked per window before moving on
-SIDECAR_SUFFIX = ".meshwise.json"
 
 
 @dataclass(frozen=True)

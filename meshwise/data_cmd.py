@@ -98,8 +98,6 @@ def _prepare(args) -> str:
     from meshwise.data import build_with_progress
     from meshwise.tokenizer import load_tokenizer
 
-    if args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers}")
     path, files = _input_files(args.input)
     out = Path(args.out).expanduser()
     _check_out(out)

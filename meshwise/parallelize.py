@@ -193,7 +193,7 @@ def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group) -> None:
             first = _get_param(chunk, held[0])
             if _get_param(chunk, name).shape != first.shape:
                 raise ValueError(f"plan: tied {held[0]} and {name} are split differently")
-            _set_param(chunk, name, first)
+            set_param(chunk, name, first)
 
 
 def _cross_stage_ties(chunks, plan: ParallelPlan, num_stages: int) -> list[str]:
@@ -222,6 +222,7 @@ def _get_param(root: nn.Module, name: str):
     return None if module is None else module._parameters.get(attr)
 
 
-def _set_param(root: nn.Module, name: str, param) -> None:
+def set_param(root: nn.Module, name: str, param) -> None:
+    """Make ``param`` the parameter ``name`` of ``root`` (how ties are made)."""
     path, _, attr = name.rpartition(".")
     (root.get_submodule(path) if path else root)._parameters[attr] = param

@@ -32,6 +32,7 @@ logger = logging.getLogger("meshwise")
 
 FORMAT_VERSION = 2
 WRITTEN_BY = "meshwise"
+SIDECAR_SUFFIX = ".meshwise.json"  # corpus.bin -> corpus.bin.meshwise.json
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_DTYPE = TOKEN_DTYPES["uint16"]  # the default, and the only one before sidecars said
 ACCEPTED = "a text file, a folder of text files, or a .bin of token ids (uint16 by default)"
@@ -55,7 +56,7 @@ def token_dtype(meta: dict) -> np.dtype:
 def sidecar_path(path: str | os.PathLike) -> Path:
     """Our JSON sidecar of a token file: ``corpus.bin`` -> ``corpus.bin.meshwise.json``."""
     path = Path(path)
-    return path.with_name(path.name + ".meshwise.json")
+    return path.with_name(path.name + SIDECAR_SUFFIX)
 
 
 def _atomic_write(dest: Path, chunks: Iterable[bytes], before_replace=None) -> None:

@@ -13,6 +13,7 @@ import torch
 from meshwise.checkpoint.state import KIND_PREFIX
 from meshwise.checkpoint.store import Checkpoint, CheckpointError, resolve
 from meshwise.models.families import family
+from meshwise.parallelize import set_param
 
 PARAM_PREFIX = KIND_PREFIX["param"]
 
@@ -56,12 +57,6 @@ def load_model(ckpt: Checkpoint) -> torch.nn.Module:
         params[name].copy_(tensors[name].view(params[name].shape))
     plan = fam.plan(cfg)
     for tie in plan.ties:  # to_empty gave each member its own storage: tie them again
-        _retie(model, tie)
+        for name in tie[1:]:
+            set_param(model, name, model.get_parameter(tie[0]))
     return model.eval()
-
-
-def _retie(model: torch.nn.Module, tie) -> None:
-    first = model.get_parameter(tie[0])
-    for name in tie[1:]:
-        path, _, attr = name.rpartition(".")
-        model.get_submodule(path)._parameters[attr] = first

@@ -79,11 +79,11 @@ def _stored(piece: Piece, kind: str) -> Piece:
 
 def save(save_dir: str | Path, step: int, runs: list[FlatRun], pieces: dict[str, Piece],
          writers: set[str], world: ops.Group, meta: dict,
-         rank_state: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
+         rank_tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
     """Write a checkpoint of ``step`` (a collective over ``world``); rank 0 returns its path.
 
     ``pieces``: every engine parameter name -> its ``logical_piece``;
-    ``writers``: the names this rank writes; ``rank_state``: group -> name -> tensor
+    ``writers``: the names this rank writes; ``rank_tensors``: group -> name -> tensor
     of this rank's own state, stored as ``<group>.rank<r>.<name>``.
     """
     tmp = temp_dir(save_dir, step)
@@ -102,7 +102,7 @@ def save(save_dir: str | Path, step: int, runs: list[FlatRun], pieces: dict[str,
                 entries.append((_stored(sub, kind), tensor[lo - base:hi - base]))
     rng = torch.get_rng_state()
     entries.append((Piece.whole(f"rng.rank{world.rank}", rng.shape), rng))
-    for group, tensors in (rank_state or {}).items():
+    for group, tensors in (rank_tensors or {}).items():
         for name, tensor in tensors.items():
             entries.append((Piece.whole(f"{group}.rank{world.rank}.{name}", tensor.shape), tensor))
     fragment = write_rank_file(tmp, world.rank, entries)

@@ -2,7 +2,7 @@
 
 A compressor reduces one flat gradient bucket over a group: it compresses this
 rank's contribution, moves the compressed pieces with the collectives of a
-``comm`` (an ``algorithms.AllReducer``: ``size``, ``rank``, ``all_reduce``,
+``comm`` (an ``allreducer.AllReducer``: ``size``, ``rank``, ``all_reduce``,
 ``reduce_scatter``, ``all_gather``, ``all_to_all``), and writes the decompressed
 SUM back into the bucket, identical on every rank. With ``scatter=True`` (ZeRO-2's
 reduce-scatter) only this rank's equal chunk of the bucket must be right
@@ -96,11 +96,6 @@ def build_compressor(spec: CompressSpec | str, error_feedback: bool = True,
                               warmup_steps=warmup_steps)
 
 
-def _key_part(text: str):
-    """A key part back from its name in ``state_tensors`` (engines key buckets by int)."""
-    return int(text) if text.lstrip("-").isdigit() else text
-
-
 class LocalComm:
     """The collectives of a group of one (for tests and single-process use)."""
 
@@ -158,7 +153,7 @@ class Compressor:
         """Take back what ``state_tensors`` returned."""
         for name, tensor in tensors.items():
             kind, *parts = name.split(".")
-            key = tuple(map(_key_part, parts))
+            key = tuple(map(int, parts))  # engines key buckets by int
             getattr(self, self.carried[kind])[key if len(key) > 1 else key[0]] = tensor.to(
                 device=device, dtype=torch.float32)
 

@@ -105,14 +105,14 @@ def _rope_scaling(scaling: dict, where: str) -> dict | None:
     return {"rope_type": "llama3", **{key: scaling[key] for key in LLAMA3_KEYS}}
 
 
-def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
+def hf_config(cfg: LlamaConfig) -> dict:
     """The ``config.json`` of ``cfg`` for ``LlamaForCausalLM``."""
     config = {"architectures": [ARCHITECTURE], "model_type": "llama",
               **{theirs: getattr(cfg, ours) for ours, theirs in SIZES.items()},
               "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False,
               "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
               "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
-              "torch_dtype": dtype, "use_cache": True}
+              "torch_dtype": "float32", "use_cache": True}
     if cfg.rope_scaling:
         config["rope_scaling"] = dict(cfg.rope_scaling)
     return config

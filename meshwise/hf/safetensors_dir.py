@@ -105,6 +105,3 @@ class SafetensorsDir:
         block = self._handle(self._file(name)).get_slice(name)[(rows, *rest)]  # (rows, *box)
         start = piece.flat_start - first * inner
         return block.reshape(-1)[start:start + piece.numel].float()
-
-    def close(self) -> None:
-        self._open.clear()  # safe_open releases its mapping when dropped

@@ -73,10 +73,6 @@ class Channels:
         self._meta_tag_base = meta_tag_base
         self.headers_sent = self.headers_received = 0
 
-    def forward_meta(self, src: int, dst: int) -> TensorMeta:
-        """The header of forward edge ``src -> dst`` in this run (sent or received)."""
-        return self._meta[(src, dst)]
-
     def exchange(self, sends: list[Outgoing], recvs: list[Incoming], device: torch.device
                  ) -> tuple[list[torch.Tensor], list[list[ops.Handle]]]:
         """Post one batch; return the received tensors (in ``recvs`` order) once they

@@ -85,7 +85,6 @@ class BufferPool:
     def __init__(self):
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self._largest: dict[tuple, int] = defaultdict(int)
-        self.allocated_bytes = 0
 
     def acquire(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         key = (dtype, str(device))
@@ -96,9 +95,13 @@ class BufferPool:
             base = free.pop(min(fits, key=lambda i: free[i].numel()))
         else:
             base = torch.empty(self._largest[key], dtype=dtype, device=device)
-            self.allocated_bytes += base.numel() * base.element_size()
         return base if base.numel() == numel else base[:numel]
 
     def release(self, buf: torch.Tensor) -> None:
         base = buf if buf._base is None else buf._base
         self._free[(base.dtype, str(base.device))].append(base)
+
+
+def device_of(params) -> torch.device:
+    """Where the first parameter not on the meta device lives; the CPU if none is."""
+    return next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))

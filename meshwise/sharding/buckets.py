@@ -37,7 +37,7 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.optim import AdamWConfig, decays
-from meshwise.sharding.binding import BufferPool, param_owners, rebind, values_of
+from meshwise.sharding.binding import BufferPool, device_of, param_owners, rebind, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
 from meshwise.sharding.plans import BucketPlan, ParamSpec
@@ -72,7 +72,7 @@ class ZeroOptimizer(EngineBase):
             raise ValueError("no parameters that require grad")
         precision = precision or Precision.of(named[0][1].dtype)
         super().__init__(dp_group, stage, adamw, precision)
-        device = device or _device_of([p for _, p in named])
+        device = device or device_of(p for _, p in named)
         values = values or values_of(named)
         self._names = [n for n, _ in named]
         self._shapes = [p.shape for _, p in named]
@@ -116,10 +116,6 @@ class ZeroOptimizer(EngineBase):
         slot = self._slots[i]
         flat = self.flats[slot.bucket].params
         return flat[slot.offset:slot.offset + slot.numel].view(self._shapes[i])
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The managed parameters, living in the buckets."""
-        return list(zip(self._names, self._params))
 
     # ------------------------------------------------------------ gradient buffers
     def _point_grads(self, b: int, grad_buf: torch.Tensor) -> None:
@@ -300,10 +296,3 @@ class ZeroOptimizer(EngineBase):
             if self._gathers[b] is not None:
                 self._gathers[b].wait()
                 self._gathers[b] = None
-
-
-def _device_of(params: list[torch.Tensor]) -> torch.device:
-    for p in params:
-        if p.device.type != "meta":
-            return p.device
-    return torch.device("cpu")

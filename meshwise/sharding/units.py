@@ -122,10 +122,6 @@ class Unit:
             for module, attr in owners:
                 setattr(module, attr, self._empty)
 
-    def owns(self, tensor: torch.Tensor) -> bool:
-        return self.buffer is not None and (
-            tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
-
     # -- gradients -----------------------------------------------------------------
     @torch.no_grad()
     def gradient_ready(self, grads) -> None:

@@ -39,7 +39,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from meshwise.comm import ops
 from meshwise.optim import AdamWConfig
-from meshwise.sharding.binding import BufferPool, values_of
+from meshwise.sharding.binding import BufferPool, device_of, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.units import ROOT, Unit, cut_into_units
@@ -78,8 +78,7 @@ class ZeroStage3(EngineBase):
         self.max_inflight = (default_inflight_reductions(dp_group)
                              if max_inflight_reductions is None else max_inflight_reductions)
         self.param_names = [n for n, _ in named]
-        device = device or next((p.device for _, p in named if p.device.type != "meta"),
-                                torch.device("cpu"))
+        device = device or device_of(p for _, p in named)
         values = values or values_of(named)
         cap = unit_cap_mb * 2**20 if unit_cap_mb else None
         unit_params, root_params = cut_into_units(model, units, cap)

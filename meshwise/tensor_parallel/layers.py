@@ -48,18 +48,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshwise.checkpoint.pieces import Piece
-from meshwise.models.init import Init, full_init, init_values, normal
+from meshwise.models.init import Init, init_values, normal
 from meshwise.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
                                                scatter_to_tp, tp_rank_of, tp_size_of)
 
 
 # ---------------------------------------------------------------- helpers
-def init_normal(shape, std: float, seed: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The full tensor N(0, std^2) as one process builds it from ``seed``
-    (``meshwise.models.init``: drawn block by block, in float32, then cast)."""
-    return full_init(normal(std), seed, "weight", shape, dtype or torch.get_default_dtype())
-
-
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """``vocab_size`` rounded up to a multiple of ``tp_size``."""
     return -(-vocab_size // tp_size) * tp_size

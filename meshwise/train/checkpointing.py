@@ -53,9 +53,9 @@ class RunCheckpointer:
         c = self.cfg.checkpoint
         meta = {"step": step, "optimizer_step": self.engine.step_count, "model": self.model,
                 "layout": self.layout, "config": dataclasses.asdict(self.cfg)}
-        rank_state = {"comm": self.compressor.state_tensors()} if self.compressor else None
+        own = None if self.compressor is None else {"comm": self.compressor.state_tensors()}
         path = state.save(c.save, step, self.engine.checkpoint_runs(), self.pieces,
-                          self.writers, self.mesh.world, meta, rank_state)
+                          self.writers, self.mesh.world, meta, own)
         if path is not None:
             removed = state.keep_newest(c.save, c.keep_last)
             log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")

@@ -24,7 +24,8 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 
 
 def status_kib(field: str, text: str | None = None) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``), or None."""
+    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``), or None where
+    there is no such file or field; ``text``: status text already read."""
     if text is None:
         try:
             with open(_STATUS) as f:
@@ -33,11 +34,16 @@ def status_kib(field: str, text: str | None = None) -> int | None:
             return None
     for line in text.splitlines():
         if line.startswith(field + ":"):
-            return int(line.split()[1])
+            number, unit = line.split()[1:3]
+            if unit != "kB":
+                raise ValueError(f"{field}: unexpected unit {unit!r} in {line!r}")
+            return int(number)
     return None
 
 
-def _reset_rss_peak() -> bool:
+def reset_rss_peak() -> bool:
+    """Set the resident set's high-water mark to its current size (Linux >= 4.0);
+    whether that worked."""
     try:
         with open(_CLEAR_REFS, "w") as f:
             f.write("5")  # resets the resident set's high-water mark to the current size
@@ -46,13 +52,18 @@ def _reset_rss_peak() -> bool:
         return False
 
 
+def _rusage_peak_bytes() -> int:
+    """The resident set's peak since the process started (never reset; Linux: KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class PeakMemory:
     """Per-step and whole-run peaks of this process's memory on ``device``."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         # Start-up, before any reset: what getrusage has seen so far.
-        self._run_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self._run_peak_rss = _rusage_peak_bytes()
         self.per_step = True
 
     def start_step(self) -> None:
@@ -60,7 +71,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._run_peak_rss = self.run_peak_rss_bytes()  # keep it past the reset
-            self.per_step = _reset_rss_peak()
+            self.per_step = reset_rss_peak()
 
     def step_peak_bytes(self) -> int:
         """The peak since ``start_step`` (see the module's docstring)."""
@@ -76,5 +87,5 @@ class PeakMemory:
     def _rss_hwm() -> int:
         kib = status_kib("VmHWM")
         if kib is None:  # not Linux: getrusage's peak (never reset)
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            return _rusage_peak_bytes()
         return kib * 1024

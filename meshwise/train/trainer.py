@@ -35,7 +35,7 @@ from meshwise.optim import AdamWConfig, lr_at
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
 from meshwise.tokenizer import decode_sample
-from meshwise.train.build import build_engine, build_model, precision_of
+from meshwise.train.build import build_engine, build_model
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
@@ -72,25 +72,25 @@ class Trainer:
         self.dropout.tp_rank = self.mesh.tp_rank
         self.pm = build_model(self.cfg, self.family, self.model_cfg, self.mesh, self.dropout,
                               self.data.vocab_size)
-        self.num_params = sum(param.numel() for _, param in self.pm.named_parameters())
         apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing,
                                        self.dropout)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         named_params = self.pm.named_parameters()  # before the engine owns them
+        self.num_params = sum(param.numel() for _, param in named_params)
         values = initial_values(self.pm, cfg, partial(self.family.init, self.model_cfg), d.seed)
-        self.precision = precision_of(cfg)
         self.engine = build_engine(self.pm, self.mesh, cfg, self.adamw, values, self.device)
         chunks = self.pm.chunks
         self.model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         reducer = attach_grad_reducer(self.engine, self.mesh, cfg)
+        compressor = reducer.compressor if reducer and cfg.comm.compress != "none" else None
         self.comm_stats = GradCommStats(self.mesh.world.counters, reducer)
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
         self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine,
                                             self.pm.pieces(named_params),
                                             writers=self.grad_sync.counted,
                                             model=self.model_shape,
-                                            compressor=reducer and reducer.compressor,
+                                            compressor=compressor,
                                             device=self.device)
         self.global_tokens = d.batch_size * d.seq_len
         self.pipeline = None
@@ -233,8 +233,11 @@ class Trainer:
 
     def _reduce(self, values, op: str) -> list[float]:
         """All-reduce numbers and 0-dim device tensors as one tensor; back on the host."""
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
-                         for v in values])
+        if any(torch.is_tensor(v) for v in values):
+            t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
+                             for v in values])
+        else:  # plain numbers: one copy to the device, not one per number
+            t = torch.tensor(values, dtype=torch.float64, device=self.device)
         ops.all_reduce(t, self.mesh.world, op=op, category="metrics")
         return t.tolist()
 

@@ -5,18 +5,18 @@ from pathlib import Path
 import pytest
 
 from benchmarks.memory import summarize
-from benchmarks.memory_runners import process_memory, status_bytes
+from benchmarks.memory_runners import process_memory
+from meshwise.train.memory import status_kib
 
 STATUS = "Name:\tpython\nVmPeak:\t 2000000 kB\nVmHWM:\t   20480 kB\nVmRSS:\t   10240 kB\n"
 
 
-def test_status_bytes_reads_kib_fields_by_exact_name():
-    assert status_bytes(STATUS, "VmHWM") == 20480 * 1024
-    assert status_bytes(STATUS, "VmRSS") == 10240 * 1024
-    with pytest.raises(KeyError):
-        status_bytes(STATUS, "VmHW")  # a prefix of VmHWM is not VmHWM
+def test_status_kib_reads_kib_fields_by_exact_name():
+    assert status_kib("VmHWM", STATUS) == 20480
+    assert status_kib("VmRSS", STATUS) == 10240
+    assert status_kib("VmHW", STATUS) is None  # a prefix of VmHWM is not VmHWM
     with pytest.raises(ValueError, match="unit"):
-        status_bytes("VmHWM:\t 3 MB\n", "VmHWM")
+        status_kib("VmHWM", "VmHWM:\t 3 MB\n")
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
