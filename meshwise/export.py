@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from meshwise.checkpoint.model import model_config, model_tensors, open_checkpoint
+from meshwise.checkpoint.model import model_config, model_family, model_tensors, open_checkpoint
 from meshwise.hf.llama import hf_config, hf_name
 
 FORMATS = ("safetensors", "hf")
@@ -51,7 +51,7 @@ def run_export(args) -> Path:
         raise ValueError(f"--out {out}: already exists; choose a new directory")
     cfg = model_config(ckpt)
     tensors = model_tensors(ckpt)
-    family = ckpt.meta["model"].get("family", "gpt")
+    family = model_family(ckpt)
     if args.format == "hf" and family == "llama":
         tensors = {hf_name(name): t for name, t in tensors.items()}
         config = hf_config(cfg)
@@ -80,17 +80,14 @@ def _copy_tokenizer(ckpt, out: Path) -> None:
     unchanged (by digest), with the tokenizer_config.json and
     special_tokens_map.json beside it, else a tokenizer_config.json naming the
     fast tokenizer class."""
-    from meshwise.tokenizer import load_tokenizer
+    from meshwise.tokenizer import load_unchanged
 
     data = ckpt.meta.get("config", {}).get("data", {})
     path, digest = data.get("tokenizer"), data.get("tokenizer_digest")
     if not path:
         return
-    try:
-        tokenizer = load_tokenizer(path)
-    except ValueError:
-        tokenizer = None
-    if tokenizer is None or tokenizer.digest != digest:
+    tokenizer = load_unchanged(path, digest)
+    if tokenizer is None:
         log.warning("meshwise export: the tokenizer %s is gone or changed since training; "
                     "copy it into the export yourself", path)
         return

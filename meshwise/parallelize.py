@@ -115,9 +115,8 @@ class ParallelModel:
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of token losses; from the logit shards under tensor parallelism."""
-        group = self.tp_group if tp_size_of(self.tp_group) > 1 else None
-        return vocab_parallel_cross_entropy(logits, targets, group, vocab_size=self.vocab_size,
-                                            reduction="sum")
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group,
+                                            vocab_size=self.vocab_size, reduction="sum")
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary ``(..., vocab_size)`` (for sampling)."""
@@ -184,7 +183,7 @@ def _cut(model: nn.Module, plan: ParallelPlan, stage: int, num_stages: int) -> n
 def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group) -> None:
     """Swap each module the plan names for its tensor-parallel form; re-tie ties."""
     for path, module in list(chunk.named_modules()):
-        style = plan.tp_style(path) if module is not None else None
+        style = plan.tp_style(path)
         if style is not None:
             _set_module(chunk, path, _SWAP[style](module, tp_group))
     for tie in plan.ties:

@@ -26,7 +26,7 @@ from typing import Iterable
 
 import numpy as np
 
-from meshwise.tokenizer import BYTE_LEVEL, BYTE_VOCAB_SIZE, Tokenizer, load_tokenizer
+from meshwise.tokenizer import BYTE_LEVEL, BYTE_VOCAB_SIZE, Tokenizer, load_unchanged
 
 logger = logging.getLogger("meshwise")
 
@@ -219,11 +219,8 @@ def recorded_tokenizer(bin_path: str | os.PathLike) -> Tokenizer | None:
     recorded = read_meta(bin_path).get("tokenizer") or {}
     if recorded.get("kind") == BYTE_LEVEL or not recorded.get("path"):
         return None
-    try:
-        tokenizer = load_tokenizer(recorded["path"])
-    except ValueError:
-        tokenizer = None
-    if tokenizer is None or tokenizer.digest != recorded.get("digest"):
+    tokenizer = load_unchanged(recorded["path"], recorded.get("digest"))
+    if tokenizer is None:
         logger.warning("warning: %s was tokenized with %s (digest %s), which is no longer "
                        "there unchanged; pass --tokenizer to decode samples", bin_path,
                        recorded["path"], recorded.get("digest"))

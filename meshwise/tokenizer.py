@@ -195,6 +195,16 @@ def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
                          f"expected {EXPECTED}") from None
 
 
+def load_unchanged(path: str, digest: str | None) -> Tokenizer | None:
+    """The tokenizer recorded at ``path`` if it is still there unchanged (same
+    ``digest``); None where it is gone, unreadable or different."""
+    try:
+        tokenizer = load_tokenizer(path)
+    except ValueError:
+        return None
+    return tokenizer if tokenizer.digest == digest else None
+
+
 @lru_cache(maxsize=4)
 def _load_file(path: str, size: int, mtime_ns: int) -> HFTokenizer:
     """Parse a ``tokenizer.json`` once per (path, size, mtime): workers and the

@@ -27,10 +27,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return ckpt
 
 
+def model_family(ckpt: Checkpoint) -> str:
+    """The checkpoint's model family (older checkpoints are GPTs)."""
+    return ckpt.meta["model"].get("family", "gpt")
+
+
 def model_config(ckpt: Checkpoint):
-    """The checkpoint's model config (of its family; older checkpoints are GPTs)."""
-    sizes = ckpt.meta["model"]
-    return family(sizes.get("family", "gpt")).make_config(sizes)
+    """The checkpoint's model config, of its family."""
+    return family(model_family(ckpt)).make_config(ckpt.meta["model"])
 
 
 def model_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
@@ -42,8 +46,7 @@ def model_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_model(ckpt: Checkpoint) -> torch.nn.Module:
     """The single-process model holding the checkpoint's parameters (evaluation mode)."""
-    fam = family(ckpt.meta["model"].get("family", "gpt"))
-    cfg = fam.make_config(ckpt.meta["model"])
+    fam, cfg = family(model_family(ckpt)), model_config(ckpt)
     with torch.device("meta"):
         model = fam.build(cfg, None)
     tensors = model_tensors(ckpt)

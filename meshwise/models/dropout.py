@@ -30,8 +30,8 @@ from torch import nn
 class DropoutContext:
     """Where in training the next forward is: the seed, the step, its first sample.
 
-    ``tp_rank``: this rank's place on the tensor-parallel axis (set by
-    ``meshwise.parallelize``): a rank holding heads 4..7 draws their masks.
+    ``tp_rank``: this rank's place on the tensor-parallel axis (the trainer sets
+    it): a rank holding heads 4..7 draws their masks.
     """
 
     def __init__(self, seed: int):

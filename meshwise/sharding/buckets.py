@@ -35,7 +35,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from meshwise.comm import ops
 from meshwise.optim import AdamWConfig, decays
 from meshwise.sharding.binding import BufferPool, device_of, param_owners, rebind, values_of
 from meshwise.sharding.engine import EngineBase
@@ -255,11 +254,8 @@ class ZeroOptimizer(EngineBase):
         self._seen = [False] * len(self._params)
         self._has_grad = [False] * len(self._params)
 
-    def _used_names(self) -> set[str]:
-        """Parameters any dp rank gave a gradient since ``zero_grad()`` (a collective)."""
-        flags = torch.tensor(self._has_grad, dtype=torch.float32, device=self.flats[0].device)
-        ops.all_reduce(flags, self.group, op="max", category="check")
-        return {n for n, used in zip(self._names, flags.bool().tolist()) if used}
+    def _gradient_flags(self) -> tuple[list[str], list[bool]]:
+        return self._names, self._has_grad
 
     def grad_of(self, name: str) -> torch.Tensor:
         """The reduced full gradient of parameter ``name`` (stages 0-1 hold one)."""

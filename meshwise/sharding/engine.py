@@ -37,8 +37,16 @@ class EngineBase:
     def _idle(self) -> bool:
         raise NotImplementedError
 
-    def _used_names(self) -> set[str]:
+    def _gradient_flags(self) -> tuple[list[str], list[bool]]:
+        """Each parameter's name, and whether it got a gradient here since ``zero_grad()``."""
         raise NotImplementedError
+
+    def _used_names(self) -> set[str]:
+        """Parameters any dp rank gave a gradient since ``zero_grad()`` (a collective)."""
+        names, flags = self._gradient_flags()
+        used = torch.tensor(flags, dtype=torch.float32, device=self.flats[0].device)
+        ops.all_reduce(used, self.group, op="max", category="check")
+        return {name for name, flag in zip(names, used.tolist()) if flag}
 
     def _before_update(self) -> None:
         """Gradients must be complete before the norm and the update."""

@@ -112,19 +112,19 @@ class FlatParams:
         self.shard_range = self.plan.shard_range(group.rank)
         self.update_range = (0, self.numel) if stage == 0 else self.plan.owned_range(group.rank)
         lo, hi = self.update_range
-        self.device, self._values = device, values
+        self.device = device
         fp32 = precision.master_dtype
         self.params = None  # the persistent compute buffer (stages 0-2)
         if stage < 3:
             self.params = torch.zeros(self.plan.padded_numel, dtype=precision.param_dtype,
                                       device=device)
-            self._fill(self.params, 0, self.numel)
+            self._fill(self.params, 0, self.numel, values)
         if stage < 3 and not precision.mixed:
             self.master = self.params[lo:hi]  # the optimizer updates the compute values
         else:  # stage 3 keeps its whole (padded) shard: the all-gather's input
             size = hi - lo if stage < 3 else self.plan.shard_numel
             self.master = torch.zeros(size, dtype=fp32, device=device)
-            self._fill(self.master, lo, hi)
+            self._fill(self.master, lo, hi, values)
         self.exp_avg = torch.zeros(hi - lo, dtype=fp32, device=device)
         self.exp_avg_sq = torch.zeros(hi - lo, dtype=fp32, device=device)
         self.grad = self.grad_shard = None
@@ -133,16 +133,20 @@ class FlatParams:
                                     device=device)
         else:
             self.grad_shard = torch.zeros(self.plan.shard_numel, dtype=fp32, device=device)
-        self._values = None  # initial values are only read here
 
-    def _fill(self, dst: torch.Tensor, start: int, end: int) -> None:
-        """``dst`` holds buffer elements ``[start, ...)``: fill ``[start, end)`` from values."""
+    def _overlaps(self, lo: int, hi: int):
+        """``(slot, a, b)``: each parameter's part ``[a, b)`` inside ``[lo, hi)``, in order."""
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                yield slot, a, b
+
+    def _fill(self, dst: torch.Tensor, start: int, end: int, values) -> None:
+        """``dst`` holds buffer elements ``[start, ...)``: fill ``[start, end)`` from ``values``."""
         with torch.no_grad():
-            for slot in self.slots:
-                a, b = max(start, slot.offset), min(end, slot.offset + slot.numel)
-                if a < b:
-                    dst[a - start:b - start].copy_(
-                        self._values(slot.name, a - slot.offset, b - slot.offset))
+            for slot, a, b in self._overlaps(start, end):
+                dst[a - start:b - start].copy_(
+                    values(slot.name, a - slot.offset, b - slot.offset))
 
     # ------------------------------------------------------------ gradients
     def new_full_grad(self, pool) -> torch.Tensor:
@@ -179,9 +183,8 @@ class FlatParams:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if include is None:
             return total + squared_sum(_upcast(grad))
-        for slot in self.slots:
-            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if a < b and include(slot.name):
+        for slot, a, b in self._overlaps(lo, hi):
+            if include(slot.name):
                 total += squared_sum(_upcast(grad[a - lo:b - lo]))
         return total
 
@@ -206,9 +209,8 @@ class FlatParams:
         """``[start, end)`` runs of ``update_range`` to update, one weight decay each."""
         lo, hi = self.update_range
         runs: list[list] = []
-        for slot in self.slots:
-            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if a >= b or (used is not None and slot.name not in used):
+        for slot, a, b in self._overlaps(lo, hi):
+            if used is not None and slot.name not in used:
                 continue
             if runs and runs[-1][1] == a and runs[-1][2] == slot.decays:
                 runs[-1][1] = b

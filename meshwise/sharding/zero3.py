@@ -279,13 +279,9 @@ class ZeroStage3(EngineBase):
             unit.flat.grad_shard.zero_()
             unit.has_grad = [False] * len(unit.has_grad)
 
-    def _used_names(self) -> set[str]:
-        """Names that got a gradient on any dp rank since ``zero_grad()`` (a collective)."""
-        flags = torch.tensor([float(f) for u in self.units for f in u.has_grad],
-                             device=self.flats[0].device)
-        ops.all_reduce(flags, self.group, op="max", category="check")
-        names = [slot.name for u in self.units for slot in u.flat.slots]
-        return {name for name, flag in zip(names, flags.tolist()) if flag}
+    def _gradient_flags(self) -> tuple[list[str], list[bool]]:
+        return ([slot.name for u in self.units for slot in u.flat.slots],
+                [flag for u in self.units for flag in u.has_grad])
 
     @property
     def peak_gathered_bytes(self) -> int:
