@@ -20,10 +20,7 @@ afterwards; what each compressor does then:
 - PowerSGD: P and Q are all-reduced in full (they are tiny); every rank
   decompresses the whole bucket and keeps its chunk.
 
-Error feedback (Seide et al. 2014; Karimireddy et al. 2019): the residual
-``(g + e) - decompressed`` of this rank is kept per bucket and added next step,
-so over steps the sum of what was applied plus what is held equals the sum of
-the gradients (``tests/unit/test_compression.py`` checks exactly that).
+Error feedback and the state carried between steps: ``meshwise.comm.compressor``.
 
 This module does no communication of its own (only through ``comm``) and does
 not import ``torch.distributed``.
@@ -36,9 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from meshwise.comm.compressor import COMPRESS_WARMUP_STEPS, Compressor, NoCompression
+from meshwise.comm.powersgd import PowerSGDCompressor
+
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk:FRACTION", "powersgd:RANK")
 INT8_CHUNK = 1024
-COMPRESS_WARMUP_STEPS = 10  # uncompressed steps before top-k and PowerSGD start
 TOPK_RAMP_STEPS = 100  # top-k density ramp after the warm-up (Lin et al. 2018, DGC)
 TOPK_RAMP_START = 0.25  # DGC's first density: 75% sparsity
 
@@ -79,7 +78,7 @@ def parse_compress(spec: str) -> CompressSpec:
 
 def build_compressor(spec: CompressSpec | str, error_feedback: bool = True,
                      warmup_steps: int = COMPRESS_WARMUP_STEPS,
-                     topk_ramp_steps: int = TOPK_RAMP_STEPS) -> "Compressor":
+                     topk_ramp_steps: int = TOPK_RAMP_STEPS) -> Compressor:
     spec = parse_compress(spec) if isinstance(spec, str) else spec
     if spec.name == "none":
         return NoCompression()
@@ -90,83 +89,8 @@ def build_compressor(spec: CompressSpec | str, error_feedback: bool = True,
     if spec.name == "topk":
         return TopKCompressor(spec.fraction, error_feedback=error_feedback,
                               warmup_steps=warmup_steps, ramp_steps=topk_ramp_steps)
-    from meshwise.comm.powersgd import PowerSGDCompressor
-
     return PowerSGDCompressor(spec.rank, error_feedback=error_feedback,
                               warmup_steps=warmup_steps)
-
-
-class LocalComm:
-    """The collectives of a group of one (for tests and single-process use)."""
-
-    size, rank = 1, 0
-
-    def all_reduce(self, tensor):
-        pass
-
-    def reduce_scatter(self, flat):
-        return 0, flat.numel()
-
-    def all_gather(self, out, inp):
-        out.copy_(inp.view_as(out))
-
-    def all_to_all(self, sends, recvs):
-        recvs[0].copy_(sends[0])
-
-
-class Compressor:
-    """Base: error-feedback state per bucket key; ``reduce`` does the work."""
-
-    name = "none"
-    carried = {"error": "errors"}  # name -> attribute: the per-bucket state kept across steps
-
-    def __init__(self, error_feedback: bool = True):
-        self.error_feedback = error_feedback
-        self.errors: dict = {}  # key -> residual this rank did not send
-        self.step = 0  # optimizer steps finished (``end_step``)
-
-    def end_step(self) -> None:
-        self.step += 1
-
-    def _with_error(self, key, flat: torch.Tensor) -> torch.Tensor:
-        """``flat + e`` in fp32 (a new tensor)."""
-        acc = flat.float() if flat.dtype != torch.float32 else flat.clone()
-        if self.error_feedback and key in self.errors:
-            acc += self.errors[key]
-        return acc
-
-    def _keep_error(self, key, residual: torch.Tensor) -> None:
-        if self.error_feedback:
-            self.errors[key] = residual
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's state a restart on the same layout needs, by name: each tensor
-        of the ``carried`` dicts as ``<kind>.<key>`` (a tuple key's parts joined by dots)."""
-        out = {}
-        for kind, attr in self.carried.items():
-            for key, tensor in getattr(self, attr).items():
-                parts = key if isinstance(key, tuple) else (key,)
-                out[".".join([kind, *map(str, parts)])] = tensor
-        return out
-
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], device) -> None:
-        """Take back what ``state_tensors`` returned."""
-        for name, tensor in tensors.items():
-            kind, *parts = name.split(".")
-            key = tuple(map(int, parts))  # engines key buckets by int
-            getattr(self, self.carried[kind])[key if len(key) > 1 else key[0]] = tensor.to(
-                device=device, dtype=torch.float32)
-
-    def reduce(self, key, flat: torch.Tensor, comm, scatter: bool = False) -> None:
-        raise NotImplementedError
-
-
-class NoCompression(Compressor):
-    def reduce(self, key, flat, comm, scatter=False):
-        if scatter:
-            comm.reduce_scatter(flat)
-        else:
-            comm.all_reduce(flat)
 
 
 class CastCompressor(Compressor):

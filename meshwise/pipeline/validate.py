@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from meshwise.pipeline.replay import replay
 from meshwise.pipeline.schedules import (COMM_KINDS, COMPUTE_KINDS, Action, Schedule,
                                          ScheduleError)
 
@@ -35,8 +36,6 @@ def validate(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {rank}: {action}: {problem}")
     for rank in range(S):
         _check_rank_order(schedule, rank)
-    from meshwise.pipeline.simulator import replay  # lazy: the simulator imports this module
-
     replay(schedule, lambda action: 1.0)
 
 

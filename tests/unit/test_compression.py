@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from meshwise.comm.compression import (
-    CastCompressor, Int8Compressor, LocalComm, TopKCompressor, build_compressor, dequantize_int8,
+    CastCompressor, Int8Compressor, TopKCompressor, build_compressor, dequantize_int8,
     parse_compress, quantize_int8)
+from meshwise.comm.compressor import LocalComm
 from meshwise.comm.powersgd import PowerSGDCompressor, orthogonalize
 
 

@@ -3,12 +3,13 @@ import dataclasses
 
 import pytest
 
+from meshwise.pipeline.replay import match_messages
 from meshwise.pipeline.schedules import (
     SCHEDULE_KINDS, Action, Schedule, ScheduleError, build_schedule, from_compute_orders,
     group_steps, parse_action, validate_schedule_config,
 )
+from meshwise.pipeline.simulator import ideal_bubble_fraction, render_text, simulate
 from meshwise.pipeline.validate import validate
-from meshwise.pipeline.simulator import ideal_bubble_fraction, match_messages, render_text, simulate
 
 # Every configuration the formula is checked on: gpipe and 1f1b for all S in 1..8, M in 1..16
 # (the formula (S-1)/(M+S-1) holds for M < S too), interleaved for S in 2..8, V in 2..4, M = kS.
