@@ -39,7 +39,7 @@ from meshwise.checkpoint.state import load, save  # noqa: E402
 from meshwise.checkpoint.store import Checkpoint  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.models.gpt import GPTConfig  # noqa: E402
-from meshwise.optim import AdamWConfig  # noqa: E402
+from meshwise.sharding.adamw import AdamWConfig  # noqa: E402
 from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
 from meshwise.sharding.zero3 import ZeroStage3  # noqa: E402
 

@@ -36,11 +36,11 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from meshwise.apply.parallelize import ParallelModel, parallelize
+from meshwise.cli.launch import free_port
 from meshwise.comm import ops
-from meshwise.launch import free_port
 from meshwise.models.gpt import GPT, GPTConfig, gpt_init, gpt_plan
-from meshwise.optim import AdamWConfig, decays
-from meshwise.parallelize import ParallelModel, parallelize
+from meshwise.sharding.adamw import AdamWConfig, decays
 
 median = statistics.median
 

@@ -103,9 +103,9 @@ def ddp_rank(rank: int, data_path: str, hook: str, steps: int) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-    from meshwise.data import TokenDataset
+    from meshwise.data.dataset import TokenDataset
     from meshwise.models.gpt import GPT, GPTConfig
-    from meshwise.optim import lr_at
+    from meshwise.train.lr_schedule import lr_at
 
     world, seq, batch, seed = dist.get_world_size(), 128, 16, 1234
     dataset = TokenDataset(data_path, seq)
@@ -159,7 +159,7 @@ def ddp_rank(rank: int, data_path: str, hook: str, steps: int) -> dict:
 
 def part_ddp(args, workdir: Path) -> list[dict]:
     from benchmarks.common import spawn
-    from meshwise.data import resolve_data
+    from meshwise.data.dataset import resolve_data
 
     data_path = str(resolve_data(args.data, None))
     rows = []

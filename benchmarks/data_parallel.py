@@ -34,7 +34,7 @@ from benchmarks.common import (add_round_args, median, medians, new_timings,  # 
                                print_json, record, run_rounds, spawn, timed_step,
                                torch_param_groups)
 from meshwise.comm import ops  # noqa: E402
-from meshwise.optim import AdamWConfig  # noqa: E402
+from meshwise.sharding.adamw import AdamWConfig  # noqa: E402
 from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
 
 

@@ -131,9 +131,10 @@ def torch_worker(rank: int, args, data: str, sizes: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from meshwise.data import TokenDataset
+    from meshwise.data.dataset import TokenDataset
     from meshwise.models.families import family
-    from meshwise.optim import decays, lr_at
+    from meshwise.sharding.adamw import decays
+    from meshwise.train.lr_schedule import lr_at
 
     cfg = family("llama").make_config(sizes)
     model = torch_tp_model(cfg, init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",)))
@@ -170,7 +171,7 @@ def run_torch(args, data: Path, sizes: dict) -> dict:
 # ---------------------------------------------------------------- driver
 def prepare(args) -> tuple[Path, dict]:
     """The token file every variant reads, and the model's sizes."""
-    from meshwise.data import resolve_data
+    from meshwise.data.dataset import resolve_data
     from meshwise.train.config import ModelConfig
 
     data = resolve_data(args.data, None, None)

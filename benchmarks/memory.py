@@ -78,8 +78,8 @@ def meshwise_command(args, data_path: Path) -> list[str]:
 
 def train_config(flags: list[str], stage: int):
     """The validated ``TrainConfig`` that ``meshwise train <flags> --zero stage`` runs."""
-    from meshwise.cli import build_parser
-    from meshwise.cli import train_config as cli_train_config
+    from meshwise.cli.main import build_parser
+    from meshwise.cli.train import train_config as cli_train_config
 
     return cli_train_config(build_parser().parse_args(["train", *flags, "--zero", str(stage)]))[0]
 
@@ -191,7 +191,7 @@ def parse_args(argv):
 def main(argv=None) -> None:
     start = time.perf_counter()
     args = parse_args(argv)
-    from meshwise.data import resolve_data
+    from meshwise.data.dataset import resolve_data
 
     data_path = resolve_data(args.data)
     flags = meshwise_command(args, data_path)

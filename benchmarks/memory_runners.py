@@ -112,8 +112,8 @@ class PeerRunner:
 
     def __init__(self, variant: str, cfg: TrainConfig, data_path: str, rank: int,
                  world_size: int):
-        from meshwise.activation_checkpointing import apply_activation_checkpointing
-        from meshwise.data import TokenDataset
+        from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
+        from meshwise.data.dataset import TokenDataset
         from meshwise.models.gpt import GPT, GPTConfig
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -135,7 +135,7 @@ class PeerRunner:
     # ------------------------------------------------------------ builders
     def _adamw(self, named_parameters):
         from benchmarks.common import torch_param_groups
-        from meshwise.optim import AdamWConfig
+        from meshwise.sharding.adamw import AdamWConfig
 
         o = self.cfg.optim
         adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
@@ -186,8 +186,8 @@ class PeerRunner:
 
     # ------------------------------------------------------------ the step
     def step(self, step: int) -> float:
-        from meshwise.data import rank_slice
-        from meshwise.optim import lr_at
+        from meshwise.data.dataset import rank_slice
+        from meshwise.train.lr_schedule import lr_at
 
         o = self.cfg.optim
         lr = lr_at(step, o.lr, o.warmup_steps, o.steps)

@@ -2,7 +2,7 @@
 
 Spawns 2 gloo ranks on this machine (one thread each) and cuts the same GPT
 (``meshwise.models.gpt``, identical initial weights everywhere) into pipeline
-chunks with ``meshwise.parallelize`` (meshwise: on the meta device, the engine
+chunks with ``meshwise.apply.parallelize`` (meshwise: on the meta device, the engine
 materialising the chunks as ``meshwise train`` does; torch: a copy of the whole
 model holding the same values, cut the same way). Four variants train their
 own copy on the same global batches (M micro-batches), in alternating rounds
@@ -56,10 +56,10 @@ from benchmarks.common import (add_gpt_args, add_round_args, adamw_config,  # no
                                gpt_config, median, meshwise_gpt, new_timings, print_json,
                                record, reference_gpt, run_rounds, spawn, torch_param_groups)
 from benchmarks.pipeline_report import VARIANTS, report, virtual_stages  # noqa: E402
+from meshwise.apply.parallelize import parallelize  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.mesh import Mesh, ParallelDims  # noqa: E402
 from meshwise.models.gpt import gpt_plan  # noqa: E402
-from meshwise.parallelize import parallelize  # noqa: E402
 from meshwise.pipeline.runtime import PipelineRuntime  # noqa: E402
 from meshwise.pipeline.schedules import build_schedule  # noqa: E402
 from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402

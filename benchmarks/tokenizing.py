@@ -3,7 +3,7 @@
 Both sides encode the same documents (by default the standard library's ``.py``
 sources, the default training corpus) with the same ``tokenizer.json``:
 
-- meshwise: ``meshwise.corpus.build_token_file`` with N worker processes, the
+- meshwise: ``meshwise.data.corpus.build_token_file`` with N worker processes, the
   path of ``meshwise data prepare`` (plan, encode, write the file in order);
 - tokenizers: ``Tokenizer.encode_batch_fast`` over every document at once, with
   its Rayon pool of N threads (``RAYON_NUM_THREADS``), in a fresh process per N;
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import median, print_json
-from meshwise.bpe import save_tokenizer, train_bpe
-from meshwise.corpus import build_token_file, list_files
-from meshwise.tokenizer import load_tokenizer
+from meshwise.data.bpe import save_tokenizer, train_bpe
+from meshwise.data.corpus import build_token_file, list_files
+from meshwise.data.tokenizer import load_tokenizer
 
 # Runs in a fresh process, so RAYON_NUM_THREADS sizes the pool it creates.
 _REFERENCE = """

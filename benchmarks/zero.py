@@ -61,7 +61,7 @@ from benchmarks.common import (add_gpt_args, add_round_args, adamw_config,  # no
                                spawn, timed_step, token_loss_sum, torch_param_groups)
 from benchmarks.zero_memory import memory_table, zero_formula_bytes  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
-from meshwise.data import rank_slice  # noqa: E402
+from meshwise.data.dataset import rank_slice  # noqa: E402
 from meshwise.models.gpt import GPT  # noqa: E402
 from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
 from meshwise.sharding.zero3 import ZeroStage3  # noqa: E402

@@ -15,9 +15,9 @@ import torch
 
 from benchmarks.common import meshwise_gpt, spawn, timed_step
 from meshwise.comm import ops
-from meshwise.data import rank_slice
+from meshwise.data.dataset import rank_slice
 from meshwise.models.gpt import GPTConfig
-from meshwise.optim import AdamWConfig
+from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.zero3 import ZeroStage3
 

@@ -15,28 +15,53 @@ The public names, grouped by what they are for:
   ``vocab_parallel_cross_entropy``;
 * pipeline: ``build_schedule`` (schedules as data), ``PipelineRuntime``;
 * training: ``AdamWConfig``, ``GPT``, ``GPTConfig``, ``TrainConfig``, ``Trainer``.
+
+Each name is imported on first use (PEP 562), so ``import meshwise.comm.ops``
+loads the collectives and nothing of the trainer, the models or the command
+line.
 """
 
-from meshwise import launch
-from meshwise.mesh import Mesh, ParallelDims
-from meshwise.models.gpt import GPT, GPTConfig
-from meshwise.optim import AdamWConfig
-from meshwise.parallelize import ParallelModel, parallelize
-from meshwise.pipeline.runtime import PipelineRuntime
-from meshwise.pipeline.schedules import build_schedule
-from meshwise.plan import ParallelPlan
-from meshwise.sharding.buckets import ZeroOptimizer
-from meshwise.sharding.flat import Precision
-from meshwise.sharding.zero3 import ZeroStage3
-from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
-                                            vocab_parallel_cross_entropy)
-from meshwise.train.config import TrainConfig
-from meshwise.train.trainer import Trainer
+from __future__ import annotations
 
-__all__ = [
-    "AdamWConfig", "ColumnParallelLinear", "GPT", "GPTConfig", "Mesh", "ParallelDims",
-    "ParallelModel", "ParallelPlan", "PipelineRuntime", "Precision", "RowParallelLinear",
-    "TrainConfig", "Trainer", "VocabParallelEmbedding", "VocabParallelHead", "ZeroOptimizer",
-    "ZeroStage3", "build_schedule", "launch", "parallelize", "vocab_parallel_cross_entropy",
-]
+import importlib
+
+# public name -> the module defining it
+_PUBLIC = {
+    "AdamWConfig": "meshwise.sharding.adamw",
+    "ColumnParallelLinear": "meshwise.tensor_parallel.layers",
+    "GPT": "meshwise.models.gpt",
+    "GPTConfig": "meshwise.models.gpt",
+    "Mesh": "meshwise.mesh",
+    "ParallelDims": "meshwise.mesh",
+    "ParallelModel": "meshwise.apply.parallelize",
+    "ParallelPlan": "meshwise.layout.plan",
+    "PipelineRuntime": "meshwise.pipeline.runtime",
+    "Precision": "meshwise.sharding.flat",
+    "RowParallelLinear": "meshwise.tensor_parallel.layers",
+    "TrainConfig": "meshwise.train.config",
+    "Trainer": "meshwise.train.trainer",
+    "VocabParallelEmbedding": "meshwise.tensor_parallel.vocab",
+    "VocabParallelHead": "meshwise.tensor_parallel.vocab",
+    "ZeroOptimizer": "meshwise.sharding.buckets",
+    "ZeroStage3": "meshwise.sharding.zero3",
+    "build_schedule": "meshwise.pipeline.schedules",
+    "parallelize": "meshwise.apply.parallelize",
+    "vocab_parallel_cross_entropy": "meshwise.tensor_parallel.vocab",
+}
+_PUBLIC_MODULES = {"launch": "meshwise.cli.launch"}  # public name -> a module
+__all__ = sorted([*_PUBLIC, *_PUBLIC_MODULES])
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC_MODULES:
+        value = importlib.import_module(_PUBLIC_MODULES[name])
+    elif name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    else:
+        raise AttributeError(f"module 'meshwise' has no attribute {name!r}")
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,5 +1,5 @@
 import sys
 
-from meshwise.cli import main
+from meshwise.cli.main import main
 
 sys.exit(main())

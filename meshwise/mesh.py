@@ -81,7 +81,7 @@ class Mesh:
     """This rank's place in the layout and one process group per axis.
 
     Built with ``Mesh.build(dims)`` after ``torch.distributed`` is initialised
-    (see ``meshwise.launch``). Pass it explicitly to whatever needs a group.
+    (see ``meshwise.cli.launch``). Pass it explicitly to whatever needs a group.
     """
 
     def __init__(self, dims: ParallelDims, rank: int, world, dp, pp, tp, embed=None):

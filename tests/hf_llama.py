@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from meshwise.apply.parallelize import parallelize
 from meshwise.hf.llama import hf_name, llama_sizes, read_config
 from meshwise.hf.safetensors_dir import SafetensorsDir
 from meshwise.models.llama import Llama, LlamaConfig, llama_plan
-from meshwise.parallelize import parallelize
 from meshwise.sharding.binding import param_owners, rebind
 
 # 4 layers (pp 2 x 2 virtual stages), GQA with 2 kv heads (tp 2), an odd vocabulary

@@ -23,54 +23,18 @@ steps).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from meshwise.checkpoint.pieces import Piece, pieces_in_range
 from meshwise.checkpoint.store import (Checkpoint, finalize, prune, temp_dir,
                                        write_rank_file)
 from meshwise.comm import ops
-from meshwise.tensor_parallel.layers import is_tp_sharded
+from meshwise.layout.flat_runs import FlatRun
+from meshwise.layout.pieces import Piece, pieces_in_range
 
 KIND_PREFIX = {"param": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
-
-
-@dataclass
-class FlatRun:
-    """One flat buffer of an engine, as a checkpoint sees it.
-
-    ``names``: ``(parameter name, offset in the buffer, elements)``; ``save_range``: the
-    ``[start, end)`` of the buffer this rank writes (its dp shard);
-    ``tensors``: kind (``param``, ``exp_avg``, ``exp_avg_sq``) -> ``(tensor,
-    base)``, the tensor holding buffer elements ``[base, base + numel)``.
-    """
-
-    names: list[tuple[str, int, int]]
-    save_range: tuple[int, int]
-    tensors: dict[str, tuple[torch.Tensor, int]]
-
-
-def logical_piece(name: str, param: torch.Tensor, tp_rank: int, tp_size: int) -> Piece:
-    """Where this rank's ``param`` sits in the single-process tensor ``name``.
-
-    A tp-sharded parameter is a box along ``tp_dim``; vocabulary padding (rows
-    past ``tp_unpadded_size``) belongs to no logical element and is dropped.
-    """
-    shape = list(param.shape)
-    if not is_tp_sharded(param):
-        return Piece.whole(name, shape)
-    dim = param.tp_dim
-    local = shape[dim]
-    real = getattr(param, "tp_unpadded_size", local * tp_size)
-    if real != local * tp_size and dim != 0:
-        raise ValueError(f"{name}: padding is only supported along dim 0")
-    start = min(tp_rank * local, real)
-    size = max(0, min(local, real - tp_rank * local))
-    full_shape, offsets, sizes = list(shape), [0] * len(shape), list(shape)
-    full_shape[dim], offsets[dim], sizes[dim] = real, start, size
-    return Piece.box(name, full_shape, offsets, sizes)
+PARAM_PREFIX = KIND_PREFIX["param"]
 
 
 def _stored(piece: Piece, kind: str) -> Piece:
@@ -134,18 +98,10 @@ def rank_state(ckpt: Checkpoint, group: str, rank: int) -> dict[str, torch.Tenso
             if name.startswith(prefix)}
 
 
-def owned_values(runs: list[FlatRun]) -> dict[str, torch.Tensor]:
-    """Each parameter's elements in this rank's dp shard, flat: over the dp ranks,
-    every element once (also where every rank holds all of them)."""
-    out = {}
-    for run in runs:
-        tensor, base = run.tensors["param"]
-        start, end = run.save_range
-        for name, offset, numel in run.names:
-            lo, hi = max(offset, start), min(offset + numel, end)
-            if lo < hi:
-                out[name] = tensor[lo - base:hi - base]
-    return out
+def model_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """Every model parameter, whole, under its single-process name."""
+    return {name[len(PARAM_PREFIX):]: ckpt.read(name) for name in sorted(ckpt.tensors)
+            if name.startswith(PARAM_PREFIX)}
 
 
 def keep_newest(save_dir: str | Path, keep_last: int | None) -> list[Path]:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from meshwise.checkpoint.pieces import Piece, copy_overlap
+from meshwise.layout.pieces import Piece, copy_overlap
 
 FORMAT = "meshwise-checkpoint"
 VERSION = 1
@@ -208,6 +208,15 @@ def resolve(path: str | os.PathLike) -> Path:
     if not found:
         raise CheckpointError(f"{path}: neither a checkpoint nor a directory holding one")
     return found[-1]
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """A checkpoint directory, or a ``--save`` directory's newest one, verified."""
+    if not Path(path).exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    ckpt = Checkpoint(resolve(path))
+    ckpt.verify()
+    return ckpt
 
 
 def prune(save_dir: str | os.PathLike, keep_last: int) -> list[Path]:

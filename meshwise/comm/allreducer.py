@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from meshwise.comm import ops
+from meshwise.comm import ops, policy
 from meshwise.comm.algorithms import (
     ALGORITHMS, Topology, _exchange, all_to_all, hierarchical_all_reduce, hierarchical_problem,
     ring_all_gather, ring_all_reduce, ring_reduce_scatter, tree_all_reduce)
+from meshwise.comm.timing import timed_runs
 
 log = logging.getLogger("meshwise")
 
@@ -85,33 +85,29 @@ class CostModel:
 
 
 def _ping_pong(group, a: int, b: int, nbytes: int, repeats: int) -> float:
-    """One-way time between group ranks ``a`` and ``b`` (the fastest of ``repeats``, the
-    least disturbed by other processes; measured on ``a``, else 0)."""
+    """One-way time between group ranks ``a`` and ``b`` (the fastest of ``repeats``
+    round trips, the least disturbed by other processes; measured on ``a``, else 0)."""
     if group.rank not in (a, b):
         return 0.0
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up (connection set-up)
-        start = time.perf_counter()
+    other = b if group.rank == a else a
+
+    def round_trip():
         if group.rank == a:
-            _exchange(group, buf, b, None, 0, "probe")
-            _exchange(group, None, 0, buf, b, "probe")
+            _exchange(group, buf, other, None, 0, "probe")
+            _exchange(group, None, 0, buf, other, "probe")
         else:
-            _exchange(group, None, 0, buf, a, "probe")
-            _exchange(group, buf, a, None, 0, "probe")
-        times.append((time.perf_counter() - start) / 2)
-    return min(times[1:]) if group.rank == a else 0.0
+            _exchange(group, None, 0, buf, other, "probe")
+            _exchange(group, buf, other, None, 0, "probe")
+
+    times = timed_runs(round_trip, repeats)
+    return min(times) / 2 if group.rank == a else 0.0
 
 
 def _time_native(group, nbytes: int, repeats: int) -> float:
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    times = []
-    for _ in range(repeats + 1):
-        ops.barrier(group)
-        start = time.perf_counter()
-        ops.all_reduce(buf, group, category="probe")
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+    return min(timed_runs(lambda: ops.all_reduce(buf, group, category="probe"), repeats,
+                          group=group))
 
 
 def probe(group, topology: Topology, small: int = 8, large: int = 2**20,
@@ -181,7 +177,7 @@ class AllReducer:
     def rank(self) -> int:
         return self.group.rank
 
-    def _pick(self, nbytes: int) -> str:
+    def pick(self, nbytes: int) -> str:
         if self.group.size == 1:
             return "native"
         if self.algorithm == "adaptive":
@@ -193,9 +189,9 @@ class AllReducer:
         ``nbytes`` uncompressed: the reference of ``compress_ratio``. Every exact all-reduce
         here moves ``2 (p-1)`` buffers in total; a ring or NCCL reduce-scatter half that."""
         p = self.size
-        name = self._pick(nbytes)
-        halves = scatter and (name == "ring" or (name == "native"
-                                                 and ops.backend(self.group) != "gloo"))
+        name = self.pick(nbytes)
+        halves = scatter and (name == "ring" or (
+            name == "native" and not policy.reduce_scatter_by_all_reduce(self.group)))
         return (p - 1) / p * nbytes * (1 if halves else 2)
 
     def _count(self, name: str, before: float) -> None:
@@ -216,7 +212,7 @@ class AllReducer:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """In-place sum over the group."""
         flat = tensor.view(-1)  # needs a contiguous tensor
-        name = self._pick(flat.numel() * flat.element_size())
+        name = self.pick(flat.numel() * flat.element_size())
         before = self.group.counters.bytes_sent[self.category]
         self._run_all_reduce(name, flat)
         self._count(name, before)
@@ -227,22 +223,22 @@ class AllReducer:
         p, rank = self.group.size, self.group.rank
         assert flat.numel() % p == 0, "reduce_scatter needs a multiple of the group size"
         size = flat.numel() // p
-        name = self._pick(flat.numel() * flat.element_size())
+        name = self.pick(flat.numel() * flat.element_size())
         before = self.group.counters.bytes_sent[self.category]
         if name == "ring":
             ring_reduce_scatter(list(flat.split(size)), self.group, category=self.category)
-        elif name == "native" and ops.backend(self.group) != "gloo":
+        elif name == "native" and not policy.reduce_scatter_by_all_reduce(self.group):
             out = torch.empty(size, dtype=flat.dtype, device=flat.device)
             ops.reduce_scatter(out, flat, self.group, category=self.category)
             flat[rank * size:(rank + 1) * size].copy_(out)
-        else:  # gloo's all-reduce beats its reduce-scatter; tree/hierarchical have none
+        else:  # tree and hierarchical have no reduce-scatter of their own
             self._run_all_reduce(name, flat)
         self._count(name, before)
         return rank * size, (rank + 1) * size
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Concatenate every rank's ``inp`` (equal sizes) into ``out``, in rank order."""
-        name = "native" if self._pick(out.numel() * out.element_size()) == "native" else "ring"
+        name = "native" if self.pick(out.numel() * out.element_size()) == "native" else "ring"
         before = self.group.counters.bytes_sent[self.category]
         if name == "native":
             ops.all_gather(out, inp, self.group, category=self.category)

@@ -14,13 +14,14 @@ all-reduce sends ``2 (n-1)/n`` of the buffer, reduce-scatter and all-gather
 from __future__ import annotations
 
 import copy
-import os
 import time
 from collections import defaultdict
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from meshwise.comm.devices import rank_device
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -130,7 +131,7 @@ def init_process_group(backend: str, timeout_s: float) -> None:
     """Initialise from the ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` env."""
     kwargs = {}
     if backend == "nccl":
-        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        kwargs["device_id"] = rank_device("cuda")
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
@@ -167,11 +168,9 @@ def _finish(work, group: Group, category: str, async_op: bool, on_done=None, kee
 
 
 def backend(group: Group) -> str:
-    """The backend that carries ``group``'s collectives: ``"gloo"``, ``"nccl"``, ...
-
-    Callers pick a collective formulation per backend (gloo's reduce-scatter is
-    slower than its all-reduce; NCCL's is not). A group of one rank needs none.
-    """
+    """The backend that carries ``group``'s collectives: ``"gloo"``, ``"nccl"``, ...;
+    ``"local"`` for a group of one rank. What differs per backend is decided in
+    ``meshwise.comm.policy``."""
     if group.size == 1:
         return "local"
     return str(dist.get_backend(group.pg))

@@ -30,7 +30,7 @@ import torch
 from meshwise.comm import ops
 from meshwise.comm.algorithms import Topology
 from meshwise.comm.allreducer import AllReducer
-from meshwise.comm.compression import Compressor, NoCompression
+from meshwise.comm.compressor import Compressor, NoCompression
 
 log = logging.getLogger("meshwise")
 
@@ -96,10 +96,6 @@ class GradReducer:
         self.sent_bytes += sent - self._merged
         self._merged = sent
         self.shared.wait_s["grad"] += waited_s
-
-    def end_step(self) -> None:
-        """An optimizer step ended (PowerSGD's warm-up counts these)."""
-        self.compressor.end_step()
 
     def algorithm_stats(self) -> tuple[dict, dict]:
         """Calls and bytes per algorithm actually used, since the start."""

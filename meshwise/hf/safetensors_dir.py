@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from meshwise.checkpoint.pieces import Piece
+from meshwise.layout.pieces import Piece
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -2,8 +2,8 @@
 
 A family is all meshwise needs to train a model on any layout: ``build`` makes
 the single-device module from its config, ``plan`` says how parallelism applies
-to it (``meshwise.plan``), ``init`` gives each parameter's layout-independent
-initial values (``meshwise.models.init``) and ``check_tp`` refuses a
+to it (``meshwise.layout.plan``), ``init`` gives each parameter's layout-independent
+initial values (``meshwise.layout.init``) and ``check_tp`` refuses a
 tensor-parallel degree the model cannot be split by. Adding a family costs a
 model file and an entry here, nothing in the runtime.
 """
@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 from torch import nn
 
+from meshwise.layout.init import Init, init_module
+from meshwise.layout.plan import ParallelPlan
 from meshwise.models.gpt import GPT, GPTConfig, check_gpt_tp, gpt_init, gpt_plan
-from meshwise.models.init import Init, init_module
 from meshwise.models.llama import Llama, LlamaConfig, check_llama_tp, llama_init, llama_plan
-from meshwise.plan import ParallelPlan
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Nothing here knows about parallelism: ``gpt_plan`` says which modules become
 tensor parallel, where pipeline stages are cut and which parameters are tied,
-and ``meshwise.parallelize`` applies it. ``gpt_init`` gives every parameter its
-layout-independent initial values (``meshwise.models.init``).
+and ``meshwise.apply.parallelize`` applies it. ``gpt_init`` gives every parameter its
+layout-independent initial values (``meshwise.layout.init``).
 
 The model returns logits (or, on a pipeline stage without the head, hidden
 states); the loss is computed outside it, so that a tensor-parallel head can
@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshwise.layout.init import ONES, ZEROS, Init, init_module, normal
+from meshwise.layout.plan import ParallelPlan
 from meshwise.models.dropout import DropoutContext, KeyedDropout
-from meshwise.models.init import ONES, ZEROS, Init, init_module, normal
 from meshwise.models.kv_cache import LayerCache
-from meshwise.plan import ParallelPlan
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshwise.models.init import ONES, Init, init_module, normal
+from meshwise.layout.init import ONES, Init, init_module, normal
+from meshwise.layout.plan import ParallelPlan
 from meshwise.models.kv_cache import LayerCache
-from meshwise.plan import ParallelPlan
 
 ROPE_TYPES = ("default", "llama3")
 

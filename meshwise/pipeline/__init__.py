@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data (validated, replayed, simulated; pure), the runtime."""

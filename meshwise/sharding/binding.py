@@ -4,7 +4,7 @@ Engines never need a model's full parameters to exist: they ask a *values*
 function for the elements each rank keeps, ``values(name, start, end)`` (the
 flattened parameter's ``[start, end)``), and allocate their flat buffers
 directly. A model built on the meta device (``torch.device("meta")``) thus never
-holds memory for what a rank does not keep; ``meshwise.parallelize`` supplies
+holds memory for what a rank does not keep; ``meshwise.apply.parallelize`` supplies
 the layout-independent initial values (or a checkpoint's). For a model whose
 parameters already hold values, ``values_of`` reads them.
 """
@@ -26,7 +26,7 @@ def values_of(named_params: Iterable[tuple[str, torch.Tensor]]) -> Values:
     for name, p in params.items():
         if p.device.type == "meta":
             raise ValueError(f"parameter {name} is on the meta device: pass the values to "
-                             "materialise it from (see meshwise.parallelize)")
+                             "materialise it from (see meshwise.apply.parallelize)")
 
     def read(name: str, start: int, end: int) -> torch.Tensor:
         return params[name].detach().reshape(-1)[start:end]

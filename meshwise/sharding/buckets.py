@@ -35,7 +35,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from meshwise.optim import AdamWConfig, decays
+from meshwise.sharding.adamw import AdamWConfig, decays
 from meshwise.sharding.binding import BufferPool, device_of, param_owners, rebind, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
@@ -54,12 +54,13 @@ class ZeroOptimizer(EngineBase):
     meta device (they are replaced by ones living in the buckets) and to overlap
     the parameter all-gather with the next forward. ``values``: initial values
     (default: the parameters' own). ``precision``: compute and reduction dtypes.
+    ``grad_reducer``: takes over the buckets' dp reductions (``EngineBase``).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group, stage: int,
                  adamw: AdamWConfig, bucket_cap_mb: float = 25.0, *,
                  precision: Precision | None = None, modules: list[nn.Module] | None = None,
-                 values=None, device=None):
+                 values=None, device=None, grad_reducer=None):
         if stage not in ZERO_STAGES:
             raise ValueError(f"stage must be one of {ZERO_STAGES}, got {stage!r}")
         named, seen = [], set()
@@ -70,7 +71,7 @@ class ZeroOptimizer(EngineBase):
         if not named:
             raise ValueError("no parameters that require grad")
         precision = precision or Precision.of(named[0][1].dtype)
-        super().__init__(dp_group, stage, adamw, precision)
+        super().__init__(dp_group, stage, adamw, precision, grad_reducer)
         device = device or device_of(p for _, p in named)
         values = values or values_of(named)
         self._names = [n for n, _ in named]
@@ -104,6 +105,7 @@ class ZeroOptimizer(EngineBase):
         self._warned_unused = False
         self._has_grad = [False] * len(self._params)  # got a gradient since zero_grad()
         self._reset_sync_state()
+        self._connect_reducer()
 
     def _make_flat(self, bucket, named, values, device) -> FlatParams:
         params = dict(named)

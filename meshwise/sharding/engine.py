@@ -16,22 +16,31 @@ from __future__ import annotations
 
 import torch
 
-from meshwise.checkpoint.state import FlatRun
 from meshwise.comm import ops
-from meshwise.optim import AdamWConfig
+from meshwise.layout.flat_runs import FlatRun
+from meshwise.sharding.adamw import AdamWConfig
 
 
 class EngineBase:
-    """Optimizer step, norm, checkpoint view and memory over ``self.flats``."""
+    """Optimizer step, norm, checkpoint view and memory over ``self.flats``.
 
-    # --compress / --allreduce: a ``meshwise.comm.reducer.GradReducer`` the trainer
-    # sets; it takes over each bucket's dp reduction.
-    grad_reducer = None
+    ``grad_reducer``: a ``meshwise.comm.reducer.GradReducer`` (``--compress``,
+    ``--allreduce``) that takes over each flat buffer's dp reduction; ``None``:
+    the group's native collectives. Each engine calls ``_connect_reducer()``
+    once its flat buffers exist.
+    """
 
-    def __init__(self, group, stage: int, adamw: AdamWConfig, precision):
+    def __init__(self, group, stage: int, adamw: AdamWConfig, precision, grad_reducer=None):
         self.group, self.stage, self.adamw, self.precision = group, stage, adamw, precision
+        self.grad_reducer = grad_reducer
         self.step_count = 0
         self.flats: list = []
+
+    def _connect_reducer(self) -> None:
+        """Tell the reducer which parameters each buffer holds (PowerSGD compresses
+        the matrices among them)."""
+        if self.grad_reducer is not None:
+            self.grad_reducer.set_layouts(self.reduction_layouts())
 
     # -- to be provided by each engine -------------------------------------------------
     def _idle(self) -> bool:
@@ -107,8 +116,7 @@ class EngineBase:
 
     def reduction_layouts(self) -> dict:
         """``{key: [(offset, shape), ...]}``: the parameters inside each flat buffer whose
-        gradient a ``GradReducer`` reduces under that key (PowerSGD compresses the
-        matrices among them)."""
+        gradient a ``GradReducer`` reduces under that key."""
         return {key: [(s.offset, tuple(s.shape)) for s in flat.slots]
                 for key, flat in enumerate(self.flats)}
 

@@ -31,18 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.checkpoint.state import FlatRun
-from meshwise.comm import ops
-from meshwise.optim import AdamWConfig, adamw_update, squared_sum
+from meshwise.comm import ops, policy
+from meshwise.layout.flat_runs import FlatRun
+from meshwise.sharding.adamw import AdamWConfig, adamw_update, squared_sum
 from meshwise.sharding.plans import ShardPlan
 
 _UPDATE_CHUNK = 2**18  # elements per adamw_update call: its ~8 passes stay in cache
-# On gloo a parameter all-gather is an all-reduce of the buffer in which each rank
-# zeroes what it does not own. Gloo's all_gather_into_tensor allocates a temporary
-# as large as its output (26 MiB: +27 MiB peak RSS; the all-reduce allocates
-# nothing), and the buckets' gathers overlap each other and the next forward, so
-# these temporaries would add up to most of a model. Its speed is close (2 ranks,
-# 2 cores: 8 MiB 5.2 vs 7.6 ms, 25 MiB 21.1 vs 26.4 ms, 40 MiB 79.7 vs 43.4 ms).
 
 
 @dataclass(frozen=True)
@@ -161,9 +155,7 @@ class FlatParams:
         if reducer is not None:
             handle = reducer.start(key, full_grad, self.shard_range if scatter else None)
             return PendingReduce(self, handle, full_grad, on_done=on_done)
-        if not scatter or ops.backend(self.group) == "gloo":
-            # Gloo's reduce_scatter_tensor is slower than its all_reduce (2 ranks, 2
-            # cores: 16 MiB 32.8 vs 21.2 ms, 64 MiB 121 vs 54 ms): all-reduce, keep our slice.
+        if not scatter or policy.reduce_scatter_by_all_reduce(self.group):
             handle = ops.all_reduce(full_grad, self.group, category="grad", async_op=True)
             return PendingReduce(self, handle, full_grad, on_done=on_done)
         out = torch.empty(self.plan.shard_numel, dtype=full_grad.dtype, device=self.device)
@@ -236,7 +228,7 @@ class FlatParams:
 
     def _all_gather_in_place(self, buf: torch.Tensor):
         s0, s1 = self.shard_range
-        if ops.backend(self.group) == "gloo":
+        if policy.all_gather_by_all_reduce(self.group):
             buf[:s0].zero_()  # x + 0 is exact: the sum is the owners' values
             buf[s1:].zero_()
             return ops.all_reduce(buf, self.group, category="param", async_op=True)

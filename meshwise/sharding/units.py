@@ -23,7 +23,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from meshwise.optim import decays
+from meshwise.sharding.adamw import decays
 from meshwise.sharding.flat import FlatParams, ParamSlot
 
 ROOT = "root"

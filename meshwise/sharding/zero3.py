@@ -37,22 +37,12 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from meshwise.comm import ops
-from meshwise.optim import AdamWConfig
+from meshwise.comm import ops, policy
+from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.binding import BufferPool, device_of, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.units import ROOT, Unit, cut_into_units
-
-
-def default_inflight_reductions(group) -> int:
-    """Unit reductions left running while backward goes on: each holds a unit's full
-    gradient. One, as FSDP2 allows, where the transfer overlaps compute (NCCL's own
-    stream); none on gloo, whose transfer runs on the CPU cores the backward uses:
-    waiting at once cost no step time on 2 cores (1.48 vs 1.51 s, 57M parameters)
-    and saved a unit of peak memory (0.5 bytes per parameter there)."""
-    return 0 if ops.backend(group) in ("gloo", "local") else 1
-
 
 
 class ZeroStage3(EngineBase):
@@ -61,7 +51,8 @@ class ZeroStage3(EngineBase):
     ``units``: the layers (default ``model.blocks``); parameters outside them form
     the root unit; with ``unit_cap_mb`` consecutive layers are gathered together
     up to that size. ``prefetch`` launches the next unit's all-gather ahead of
-    its use. ``values``/``precision``/``device``: as for ``ZeroOptimizer``.
+    its use. ``values``/``precision``/``device``/``grad_reducer``: as for
+    ``ZeroOptimizer``.
     ``events`` lists what the latest forward/backward did, as ``(kind, unit)``
     with kind in ``gather_start``, ``forward``, ``free``, ``backward``,
     ``reduce_scatter``.
@@ -70,12 +61,13 @@ class ZeroStage3(EngineBase):
     def __init__(self, model: nn.Module, dp_group, adamw: AdamWConfig,
                  units: list[nn.Module] | None = None, prefetch: bool = True, *,
                  precision: Precision | None = None, values=None, device=None,
-                 unit_cap_mb: float | None = None, max_inflight_reductions: int | None = None):
+                 unit_cap_mb: float | None = None, max_inflight_reductions: int | None = None,
+                 grad_reducer=None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         precision = precision or Precision.of(named[0][1].dtype)
-        super().__init__(dp_group, 3, adamw, precision)
+        super().__init__(dp_group, 3, adamw, precision, grad_reducer)
         self.model, self.prefetch = model, prefetch
-        self.max_inflight = (default_inflight_reductions(dp_group)
+        self.max_inflight = (policy.overlapped_reductions(dp_group)
                              if max_inflight_reductions is None else max_inflight_reductions)
         self.param_names = [n for n, _ in named]
         device = device or device_of(p for _, p in named)
@@ -104,6 +96,7 @@ class ZeroStage3(EngineBase):
         self._saved_hooks = None
         self._peak_window = 0
         self._last_step_peak: int | None = None
+        self._connect_reducer()
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)

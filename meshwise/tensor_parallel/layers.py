@@ -10,31 +10,20 @@
 * the vocabulary split across ranks: ``meshwise.tensor_parallel.vocab``.
 
 Initialisation never depends on the layout: a layer draws only its slice of the
-tensor one process would build from ``init_seed`` (``meshwise.models.init``
+tensor one process would build from ``init_seed`` (``meshwise.layout.init``
 defines the values block by block, so no rank builds the whole matrix). Give
 every layer of a model its own ``init_seed``. Built under
 ``torch.device("meta")`` a layer holds shapes only, to be materialised later
-(``meshwise.parallelize``); ``from_linear`` / ``from_embedding`` turn a plain
+(``meshwise.apply.parallelize``); ``from_linear`` / ``from_embedding`` turn a plain
 module into its parallel form. With ``tp_group`` ``None`` (or of size 1) each
 layer is numerically identical to ``nn.Linear`` / ``nn.Embedding`` /
 ``F.cross_entropy`` holding the same tensors.
 
-Parameter convention (relied on by gradient synchronisation, grad-norm and
-checkpointing): every parameter created here carries
-
-* ``param.tp_sharded: bool``: ``True`` if the parameter is a slice of a full
-  tensor split across tp ranks (each rank holds a different slice), ``False``
-  if it is replicated (identical on every tp rank). It describes the kind of
-  parameter, so it is the same for every layout, ``True`` even at tp=1;
-* ``param.tp_dim: int | None``: the dim along which the full tensor is split,
-  in rank order (``None`` when replicated);
-* ``param.tp_unpadded_size: int``, only on padded parameters (the embedding):
-  the real size of the full tensor along ``tp_dim``; rows beyond it are padding
-  (a checkpoint stores only the real rows; a rank of another tp size loading it
-  keeps its own zero padding).
-
-A parameter without the attributes (LayerNorm, ...) counts as replicated; use
-:func:`is_tp_sharded`. Replicated parameters receive identical gradients on every
+Every parameter created here carries the tensor-parallel marks of
+``meshwise.layout.params`` (``tp_sharded``, ``tp_dim``, and ``tp_unpadded_size``
+on the padded embedding), relied on by gradient synchronisation, the gradient
+norm and checkpointing; a parameter without them (LayerNorm, ...) counts as
+replicated. Replicated parameters receive identical gradients on every
 tp rank (their inputs are replicated), so they need no tp all-reduce, and a
 global grad-norm counts them once. The vocabulary dim of an embedding is padded
 up to a multiple of tp (:func:`padded_vocab_size`); padding rows are zero, never
@@ -47,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshwise.checkpoint.pieces import Piece
-from meshwise.models.init import Init, init_values, normal
+from meshwise.layout.init import Init, init_values, normal
+from meshwise.layout.params import mark_tp
+from meshwise.layout.pieces import Piece
 from meshwise.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
                                                scatter_to_tp, tp_rank_of, tp_size_of)
 
@@ -57,18 +47,6 @@ from meshwise.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduc
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """``vocab_size`` rounded up to a multiple of ``tp_size``."""
     return -(-vocab_size // tp_size) * tp_size
-
-
-def mark_tp(param: nn.Parameter, sharded: bool, dim: int | None = None) -> nn.Parameter:
-    """Set the ``tp_sharded`` / ``tp_dim`` attributes described in the module docstring."""
-    param.tp_sharded = sharded
-    param.tp_dim = dim if sharded else None
-    return param
-
-
-def is_tp_sharded(param: torch.Tensor) -> bool:
-    """Whether tp ranks hold different slices of ``param`` (unmarked = replicated)."""
-    return bool(getattr(param, "tp_sharded", False))
 
 
 def _check_divisible(name: str, value: int, tp_size: int) -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshwise.comm import ops
-from meshwise.models.init import normal
+from meshwise.layout.init import normal
 from meshwise.tensor_parallel.layers import sharded_param, padded_vocab_size
 from meshwise.tensor_parallel.mappings import (CATEGORY, copy_to_tp, gather_from_tp,
                                                reduce_from_tp, tp_rank_of, tp_size_of)

@@ -1,0 +1,1 @@
+"""Training: the validated configuration, the trainer (the loop, top to bottom), what it uses."""

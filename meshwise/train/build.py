@@ -1,7 +1,7 @@
 """What a run trains with: the model laid out on this rank, and its sharding engine.
 
 ``build_model`` makes the family's plain model on the meta device and lays it
-out by the family's plan (``meshwise.parallelize``): no rank allocates a
+out by the family's plan (``meshwise.apply.parallelize``): no rank allocates a
 parameter there. ``build_engine`` then allocates what this rank keeps, filled
 from the initial values (or a Hugging Face directory's, ``--init-from``).
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from meshwise.apply.parallelize import ParallelModel, parallelize
 from meshwise.mesh import Mesh
 from meshwise.models.families import ModelFamily
-from meshwise.optim import AdamWConfig
-from meshwise.parallelize import ParallelModel, parallelize
+from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.zero3 import ZeroStage3
@@ -40,15 +40,18 @@ def precision_of(cfg: TrainConfig) -> Precision:
 
 
 def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig,
-                 values, device):
+                 values, device, grad_reducer=None):
     """The gradient synchroniser + optimizer for ``--zero``: stages 0-2 share flat
     gradient buckets (``ZeroOptimizer``); stage 3 shards the parameters too. Either
-    allocates only what this rank keeps and fills it from ``values``."""
+    allocates only what this rank keeps and fills it from ``values``, and hands its
+    dp reductions to ``grad_reducer`` when one is given."""
     precision = precision_of(cfg)
     if cfg.parallel.zero == 3:
         (chunk,) = model.chunks  # ZeRO-3 does not combine with a pipeline
         return ZeroStage3(chunk, mesh.dp, adamw, units=model.layers(), precision=precision,
-                          values=values, device=device, unit_cap_mb=cfg.comm.bucket_mb)
+                          values=values, device=device, unit_cap_mb=cfg.comm.bucket_mb,
+                          grad_reducer=grad_reducer)
     return ZeroOptimizer(model.named_parameters(), mesh.dp, stage=cfg.parallel.zero,
                          adamw=adamw, bucket_cap_mb=cfg.comm.bucket_mb, precision=precision,
-                         modules=model.chunks, values=values, device=device)
+                         modules=model.chunks, values=values, device=device,
+                         grad_reducer=grad_reducer)

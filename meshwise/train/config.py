@@ -10,15 +10,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshwise.activation_checkpointing import MODES as ACTIVATION_CHECKPOINTING
+from meshwise.apply.activation_checkpointing import MODES as ACTIVATION_CHECKPOINTING
+from meshwise.comm.algorithms import ALGORITHMS, Topology, hierarchical_problem
+from meshwise.comm.compression import COMPRESS_WARMUP_STEPS, TOPK_RAMP_STEPS, parse_compress
+from meshwise.comm.devices import DEVICES
 from meshwise.mesh import ParallelDims
+from meshwise.models.families import family
 from meshwise.pipeline.schedules import validate_schedule_config
 # The model section and its presets, part of this module's interface.
 from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ZERO_STAGES = (0, 1, 2, 3)
-DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 ON_NAN = ("stop", "skip")
@@ -80,8 +83,8 @@ class CommConfig:
     # dp gradient sync (meshwise.comm): compression, algorithm, node grouping
     compress: str = "none"  # none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK
     error_feedback: str = "on"
-    compress_warmup_steps: int = 10  # top-k and PowerSGD start after this many steps
-    topk_ramp_steps: int = 100  # top-k density falls from 25% to FRACTION over these
+    compress_warmup_steps: int = COMPRESS_WARMUP_STEPS  # top-k and PowerSGD start after these
+    topk_ramp_steps: int = TOPK_RAMP_STEPS  # top-k density falls from 25% to FRACTION over these
     allreduce: str = "native"  # native, ring, tree, hierarchical, adaptive
     ranks_per_node: int = 0  # 0: torchrun's LOCAL_WORLD_SIZE, else all ranks on one node
 
@@ -151,9 +154,6 @@ class TrainConfig:
 
     def _validate_comm(self) -> None:
         """--compress, --allreduce, --ranks-per-node (meshwise.comm)."""
-        from meshwise.comm.algorithms import ALGORITHMS, Topology, hierarchical_problem
-        from meshwise.comm.compression import parse_compress
-
         c, p, world = self.comm, self.parallel, self.parallel.dims.world_size
         parse_compress(c.compress)
         _choice("--allreduce", c.allreduce, ALGORITHMS)
@@ -199,15 +199,13 @@ class TrainConfig:
         if self.model.family != "llama":
             for name in LLAMA_ONLY:
                 if getattr(m, name) is not None:
-                    raise ValueError(f"--{name.replace('_', '-')} applies to the llama models, "
+                    raise ValueError(f"{flag_name(name)} applies to the llama models, "
                                      f"not --model {m.preset}; valid: --model "
                                      f"{' or '.join(p for p in MODEL_PRESETS if 'llama' in p)}")
         _positive(**{name: getattr(m, name) for name in LLAMA_ONLY[:-1]
                      if getattr(m, name) is not None})
         if m.d_model % m.n_head:
             raise ValueError(f"--d-model {m.d_model} is not divisible by --n-head {m.n_head}")
-        from meshwise.models.families import family
-
         # The family's own checks (grouped-query heads, rope scaling, dropout).
         family(self.model.family).make_config({**self.model.sizes(max(m.vocab_size, 1)),
                                                "dropout": m.dropout})
@@ -219,8 +217,6 @@ class TrainConfig:
     def _validate_layout(self) -> None:
         p, m, d = self.parallel, self.model.resolved(), self.data
         if p.tp > 1:
-            from meshwise.models.families import family
-
             fam = family(self.model.family)
             fam.check_tp(fam.make_config(self.model.sizes(max(m.vocab_size, 1))), p.tp)
         if p.pp == 1:
@@ -275,17 +271,22 @@ def composition_table() -> str:
 
 
 
+def flag_name(field: str) -> str:
+    """The ``meshwise train`` flag of a settings field (``n_kv_head`` -> ``--n-kv-head``)."""
+    return "--" + field.replace("_", "-")
+
+
 def _positive(**values) -> None:
     for name, value in values.items():
         if not (math.isfinite(value) and value > 0):  # NaN compares False: caught here
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, "
+            raise ValueError(f"{flag_name(name)} must be a finite number > 0, "
                              f"got {value}")
 
 
 def _non_negative(**values) -> None:
     for name, value in values.items():
         if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, "
+            raise ValueError(f"{flag_name(name)} must be a finite number >= 0, "
                              f"got {value}")
 
 

@@ -1,4 +1,4 @@
-"""``--compress`` / ``--allreduce`` for the trainer: the dp reducer and its per-step metrics."""
+"""``--compress`` / ``--allreduce`` for the trainer: compressor, dp reducer, their metrics."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import logging
 
 from meshwise.comm.algorithms import Topology
 from meshwise.comm.compression import build_compressor
+from meshwise.comm.compressor import Compressor
 from meshwise.comm.reducer import GradReducer
 from meshwise.mesh import Mesh
 from meshwise.train.config import TrainConfig
@@ -17,18 +18,25 @@ log = logging.getLogger("meshwise")
 REPORTED = ("native", "ring", "tree", "hierarchical", "p2p")
 
 
-def attach_grad_reducer(engine, mesh: Mesh, cfg: TrainConfig):
-    """Give the engine a ``GradReducer`` when compression or an algorithm asks for one."""
+def grad_compressor(mesh: Mesh, cfg: TrainConfig) -> Compressor | None:
+    """The dp gradient compressor of ``--compress`` (``None``: none, or no dp axis)."""
     c = cfg.comm
-    if (c.compress == "none" and c.allreduce == "native") or mesh.dims.dp == 1:
+    if c.compress == "none" or mesh.dims.dp == 1:
+        return None
+    return build_compressor(c.compress, error_feedback=c.error_feedback == "on",
+                            warmup_steps=c.compress_warmup_steps,
+                            topk_ramp_steps=c.topk_ramp_steps)
+
+
+def grad_reducer(mesh: Mesh, cfg: TrainConfig, compressor: Compressor | None
+                 ) -> GradReducer | None:
+    """The dp reducer when compression or an algorithm asks for one (``None``: the
+    engines use the group's native collectives)."""
+    c = cfg.comm
+    if (compressor is None and c.allreduce == "native") or mesh.dims.dp == 1:
         return None
     per_node = c.ranks_per_node or mesh.dims.world_size
-    compressor = build_compressor(c.compress, error_feedback=c.error_feedback == "on",
-                                  warmup_steps=c.compress_warmup_steps,
-                                  topk_ramp_steps=c.topk_ramp_steps)
     reducer = GradReducer(mesh.dp, compressor, c.allreduce, Topology.of(mesh.dp.ranks, per_node))
-    reducer.set_layouts(engine.reduction_layouts())
-    engine.grad_reducer = reducer
     if mesh.rank == 0:
         log.info("dp gradient sync: --compress %s (error feedback %s), --allreduce %s, "
                  "%d ranks per node", c.compress, c.error_feedback, c.allreduce, per_node)
@@ -55,8 +63,6 @@ class GradCommStats:
         now = self._now()
         delta = [a - b for a, b in zip(now, self._last)]
         self._last = now
-        if self.reducer is not None:
-            self.reducer.end_step()
         record = {"comm_exposed_s": reduce(delta[:1], op="max")[0]}
         if self.reducer is None:
             return record

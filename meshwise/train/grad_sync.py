@@ -27,10 +27,10 @@ import math
 
 import torch
 
-from meshwise.checkpoint.state import owned_values
 from meshwise.comm import ops
+from meshwise.layout.flat_runs import owned_values
+from meshwise.layout.params import is_tp_sharded
 from meshwise.mesh import Mesh
-from meshwise.tensor_parallel.layers import is_tp_sharded
 
 
 class GradSync3D:

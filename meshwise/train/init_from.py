@@ -19,7 +19,7 @@ from pathlib import Path
 
 from meshwise.hf.llama import SIZES, hf_name, hf_shapes, llama_sizes, read_config
 from meshwise.hf.safetensors_dir import SafetensorsDir
-from meshwise.train.config import MODEL_PRESETS, TrainConfig
+from meshwise.train.config import MODEL_PRESETS, TrainConfig, flag_name
 
 FAMILY = "llama"
 
@@ -27,8 +27,6 @@ FAMILY = "llama"
 def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
     """Take the model's settings from ``--init-from``'s config.json (ValueError on a
     contradicting flag or another architecture)."""
-    from meshwise.train.flags import BY_FIELD
-
     m = cfg.model
     if not m.init_from:
         return
@@ -45,7 +43,7 @@ def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
     for field, value in sizes.items():
         given = getattr(m, field)
         if field in origins and given not in (None, 0) and given != value:
-            flag = BY_FIELD[field][0]
+            flag = flag_name(field)
             raise ValueError(f"{flag} {given} contradicts --init-from {where}: its config.json "
                              f"has {SIZES.get(field, field)} {value}; leave {flag} out")
         setattr(m, field, value)
@@ -60,7 +58,7 @@ def check_init_from(cfg: TrainConfig) -> None:
     """Before any rank starts: every tensor is where config.json says, with its shape
     (headers only), and the tokenizer's ids fit the model's vocabulary."""
     from meshwise.models.families import family
-    from meshwise.tokenizer import load_tokenizer
+    from meshwise.data.tokenizer import load_tokenizer
 
     m = cfg.model
     if not m.init_from:

@@ -23,25 +23,25 @@ from functools import partial
 import torch
 from torch import nn
 
-from meshwise.activation_checkpointing import apply_activation_checkpointing
+from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops
-from meshwise.data import TokenDataset, rank_slice
-from meshwise.devices import synchronize
-from meshwise.generate import printable
+from meshwise.comm.devices import rank_device, synchronize
+from meshwise.data.dataset import TokenDataset, rank_slice
+from meshwise.data.tokenizer import decode_sample, printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
 from meshwise.models.families import family
-from meshwise.optim import AdamWConfig, lr_at
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
-from meshwise.tokenizer import decode_sample
+from meshwise.sharding.adamw import AdamWConfig
 from meshwise.train.build import build_engine, build_model
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
-from meshwise.train.grad_comm import GradCommStats, attach_grad_reducer
+from meshwise.train.grad_comm import GradCommStats, grad_compressor, grad_reducer
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.init_from import initial_values
+from meshwise.train.lr_schedule import lr_at
 from meshwise.train.memory import PeakMemory
 from meshwise.train.metrics import MetricsLog
 
@@ -55,14 +55,14 @@ class NonFiniteError(RuntimeError):
 class Trainer:
     """Trains the model of ``cfg`` on this rank's share of the work.
 
-    Call inside an initialised process group (``meshwise.launch`` does that).
+    Call inside an initialised process group (``meshwise.cli.launch`` does that).
     """
 
     def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None):
         self.cfg = cfg
         check_same_job(cfg, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s))
         self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s)
-        self.device = torch.device(_rank_device(cfg.runtime.device))
+        self.device = rank_device(cfg.runtime.device)
         d, p = cfg.data, cfg.parallel
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size)
         self.model_shape = cfg.model.sizes(self.data.vocab_size)
@@ -79,18 +79,19 @@ class Trainer:
         named_params = self.pm.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
         values = initial_values(self.pm, cfg, partial(self.family.init, self.model_cfg), d.seed)
-        self.engine = build_engine(self.pm, self.mesh, cfg, self.adamw, values, self.device)
+        self.compressor = grad_compressor(self.mesh, cfg)
+        reducer = grad_reducer(self.mesh, cfg, self.compressor)
+        self.engine = build_engine(self.pm, self.mesh, cfg, self.adamw, values, self.device,
+                                   reducer)
         chunks = self.pm.chunks
         self.model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-        reducer = attach_grad_reducer(self.engine, self.mesh, cfg)
-        compressor = reducer.compressor if reducer and cfg.comm.compress != "none" else None
         self.comm_stats = GradCommStats(self.mesh.world.counters, reducer)
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
         self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine,
                                             self.pm.pieces(named_params),
                                             writers=self.grad_sync.counted,
                                             model=self.model_shape,
-                                            compressor=compressor,
+                                            compressor=self.compressor,
                                             device=self.device)
         self.global_tokens = d.batch_size * d.seq_len
         self.pipeline = None
@@ -170,6 +171,8 @@ class Trainer:
         else:
             self.skipped_in_a_row = 0
             self.engine.step(lr, grad_scale)
+        if self.compressor is not None:  # its warm-up and top-k's ramp count steps taken
+            self.compressor.end_step()
         every = self.cfg.runtime.check_replicas_every
         if every and step % every == 0 and self.mesh.dims.tp > 1:
             self.grad_sync.check_replica_values()
@@ -310,12 +313,6 @@ class Trainer:
         ids = tokens[0].tolist()
         return decode_sample(self.cfg.data.tokenizer, ids[:prompt_len], ids[prompt_len:],
                              self.model_cfg.vocab_size)
-
-
-def _rank_device(device: str) -> str:
-    if device == "cuda":
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return "cpu"
 
 
 def _injected_failure():

@@ -16,7 +16,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from meshwise.launch import free_port
+from meshwise.cli.launch import free_port
 
 COLLECTIVE_TIMEOUT_S = 60
 

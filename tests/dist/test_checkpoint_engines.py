@@ -9,10 +9,11 @@ the engine holds as full tensors.
 import pytest
 import torch
 
-from meshwise.checkpoint.state import load, logical_piece, save
+from meshwise.checkpoint.state import load, save
 from meshwise.checkpoint.store import Checkpoint
 from meshwise.comm import ops
-from meshwise.optim import AdamWConfig
+from meshwise.layout.params import logical_piece
+from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.zero3 import ZeroStage3
 from tests.dist.test_data_parallel import BATCH, Net, batch, loss_of

@@ -157,7 +157,7 @@ def _compress(k: int, spec: str, algorithm: str, scatter: bool, steps: int = 3):
         size = NUMEL // k
         shard = (group.rank * size, (group.rank + 1) * size) if scatter else None
         reducer.start("b", flat, shard).wait()
-        reducer.end_step()
+        compressor.end_step()
         outs.append(flat[shard[0]:shard[1]] if scatter else flat)
         ins.append(g)
     held = torch.zeros(NUMEL)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from meshwise.comm import ops
-from meshwise.optim import AdamWConfig
+from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 
 WORLD = 2

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from meshwise.layout.params import mark_tp
 from meshwise.mesh import Mesh, ParallelDims
-from meshwise.tensor_parallel.layers import mark_tp
 from meshwise.train.grad_sync import GradSync3D
 
 
@@ -33,7 +33,7 @@ def test_tp_replica_check_names_diverging_parameters(dist_pools):
 
 
 def _check_replica_values(stage: int, diverge: bool):
-    from meshwise.optim import AdamWConfig
+    from meshwise.sharding.adamw import AdamWConfig
     from meshwise.sharding.buckets import ZeroOptimizer
     from meshwise.sharding.zero3 import ZeroStage3
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from meshwise.mesh import Mesh, ParallelDims
-from meshwise.optim import AdamWConfig
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
+from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.zero3 import ZeroStage3
 from tests.hf_llama import ATOL, LLAMA3_SCALING, hf_logits, laid_out, save_hf_llama, token_ids

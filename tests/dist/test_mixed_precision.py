@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from meshwise.comm import ops
-from meshwise.optim import AdamWConfig
+from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.zero3 import ZeroStage3

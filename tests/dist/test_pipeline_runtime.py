@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import meshwise.pipeline.runtime as runtime_module
 from meshwise.mesh import Mesh, ParallelDims
+import meshwise.pipeline.runtime as runtime_module
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
 from tests.dist.pool import RankError

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshwise.layout.params import is_tp_sharded
 from meshwise.mesh import Mesh, ParallelDims
 from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                             is_tp_sharded, padded_vocab_size)
+                                             padded_vocab_size)
+from meshwise.tensor_parallel.mappings import gather_from_tp, scatter_to_tp
 from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
                                             vocab_parallel_cross_entropy)
-from meshwise.tensor_parallel.mappings import gather_from_tp, scatter_to_tp
 
 DT = torch.float64
 TOL = dict(rtol=1e-12, atol=1e-13)

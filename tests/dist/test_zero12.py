@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from meshwise.comm import ops
-from meshwise.optim import AdamWConfig, decays
+from meshwise.sharding.adamw import AdamWConfig, decays
 from meshwise.sharding.buckets import ZeroOptimizer
 from tests.dist.test_data_parallel import BATCH, Net, batch, loss_of
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from meshwise.activation_checkpointing import apply_activation_checkpointing
+from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.mesh import Mesh, ParallelDims
-from meshwise.optim import AdamWConfig, decays
+from meshwise.sharding.adamw import AdamWConfig, decays
 from meshwise.sharding.zero3 import ZeroStage3
 
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -40,13 +40,13 @@ def read_metrics(path: Path) -> list[dict]:
 def run_main(*args, cwd, env_extra=None) -> subprocess.CompletedProcess:
     """``meshwise ARGS`` in this process: for what ends before any rank starts (exit 2).
 
-    The CLI's own code path (``meshwise.cli.main``) without an interpreter and
+    The CLI's own code path (``meshwise.cli.main.main``) without an interpreter and
     torch start-up per case; ``run_cli`` keeps the real process for the rest.
     """
     import contextlib
     import io
 
-    from meshwise.cli import main
+    from meshwise.cli.main import main
 
     env = {"MESHWISE_CACHE": str(Path(cwd) / "cache"), **(env_extra or {})}
     saved_env = {name: os.environ.get(name) for name in env}

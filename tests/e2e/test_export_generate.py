@@ -21,7 +21,8 @@ def saved(tmp_path_factory, corpus):
 def test_export_safetensors_is_the_unsharded_model(saved):
     from safetensors.torch import load_file
 
-    from meshwise.checkpoint.model import load_model, open_checkpoint
+    from meshwise.checkpoint.store import open_checkpoint
+    from meshwise.serve.model import load_model
 
     result = run_cli("export", saved / "ckpt", "--out", saved / "plain", cwd=saved)
     assert result.returncode == 0, result.stderr
@@ -37,7 +38,8 @@ def test_export_safetensors_is_the_unsharded_model(saved):
 
 def test_export_hf_loads_in_transformers_with_the_same_logits(saved):
     transformers = pytest.importorskip("transformers")
-    from meshwise.checkpoint.model import load_model, open_checkpoint
+    from meshwise.checkpoint.store import open_checkpoint
+    from meshwise.serve.model import load_model
 
     result = run_cli("export", saved / "ckpt", "--out", saved / "hf", "--format", "hf",
                      cwd=saved)

@@ -18,7 +18,7 @@ RUN = ["--seq-len", "32", "--batch-size", "4", "--steps", "3", "--warmup-steps",
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, corpus):
     """A sharded random Llama with a BPE tokenizer.json (300 ids, within its 301)."""
-    from meshwise.bpe import save_tokenizer, train_bpe
+    from meshwise.data.bpe import save_tokenizer, train_bpe
 
     root = tmp_path_factory.mktemp("hf-llama-cli")
     save_hf_llama(root / "hf", max_shard_size="60KB")
@@ -32,8 +32,9 @@ def hf_dir(tmp_path_factory, corpus):
 def test_init_from_train_save_export_round_trip(tmp_path, hf_dir, corpus):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from meshwise.checkpoint.model import load_model, open_checkpoint
-    from meshwise.tokenizer import load_tokenizer
+    from meshwise.checkpoint.store import open_checkpoint
+    from meshwise.serve.model import load_model
+    from meshwise.data.tokenizer import load_tokenizer
 
     result = run_cli("train", "--init-from", hf_dir, "--tp", 2, "--data", corpus, *RUN,
                      "--save", tmp_path / "ckpt", "--metrics", tmp_path / "m.jsonl",
@@ -94,7 +95,7 @@ def _bad_missing_tensor(d, _):
 
 
 def _bad_big_tokenizer(d, corpus):
-    from meshwise.bpe import save_tokenizer, train_bpe
+    from meshwise.data.bpe import save_tokenizer, train_bpe
 
     save_tokenizer(train_bpe([corpus.read_text()], 512), d / "tokenizer.json")
 

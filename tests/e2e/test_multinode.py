@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from benchmarks.two_nodes import TwoNodes, unavailable
-from meshwise.launch import free_port
+from meshwise.cli.launch import free_port
 from tests.e2e.conftest import SMALL, read_metrics, run_cli
 
 STEPS = 6

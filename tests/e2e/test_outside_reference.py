@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshwise.data import TokenDataset, resolve_data
+from meshwise.data.dataset import TokenDataset, resolve_data
 from meshwise.models.gpt import GPT, GPTConfig
 from tests.e2e.conftest import read_metrics, run_cli
 

@@ -133,7 +133,7 @@ def test_an_unreadable_tokenizer_exits_2(tmp_path, tok):
 
 def test_a_prepared_bin_brings_its_tokenizer_and_resume_checks_it(tmp_path, tok, corpus):
     from meshwise.train.config import TrainConfig
-    from meshwise.train.run import check_same_tokenizer, prepare_data
+    from meshwise.cli.preflight import check_same_tokenizer, prepare_data
 
     result = run_main("data", "prepare", corpus, "--out", tmp_path / "c.bin", "--tokenizer", tok,
                       cwd=tmp_path)

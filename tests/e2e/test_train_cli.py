@@ -153,7 +153,7 @@ def test_skip_gets_past_one_bad_step_and_writes_strict_json(tmp_path, corpus):
 
 def test_ranks_started_with_different_flags_stop_at_once(tmp_path, corpus):
     """Two torchrun-style ranks, one given another --lr: both stop, naming the key."""
-    from meshwise.launch import free_port
+    from meshwise.cli.launch import free_port
 
     env = dict(os.environ, MESHWISE_CACHE=str(tmp_path / "cache"), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",

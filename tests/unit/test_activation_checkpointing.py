@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshwise.activation_checkpointing import apply_activation_checkpointing
+from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.models.dropout import DropoutContext
 from meshwise.models.gpt import GPT, GPTConfig
 

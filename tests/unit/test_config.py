@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from meshwise.cli import build_parser, train_config
+from meshwise.cli.main import build_parser
+from meshwise.cli.train import train_config
 from meshwise.train.config import COMPOSITIONS, TrainConfig, composition_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -55,16 +56,16 @@ def test_pipeline_micro_batches_default_to_pp():
 
 
 def test_the_demo_default_is_for_the_cpu_only(monkeypatch):
-    monkeypatch.setattr("meshwise.launch.resolve_device", lambda device: "cuda")
+    monkeypatch.setattr("meshwise.comm.devices.resolve_device", lambda device: "cuda")
     assert parse().parallel.dp == 1
-    monkeypatch.setattr("meshwise.launch.resolve_device", lambda device: "cpu")
+    monkeypatch.setattr("meshwise.comm.devices.resolve_device", lambda device: "cpu")
     assert parse().parallel.dp == 2
 
 
 def test_gpus_are_counted_before_spawning(monkeypatch):
     import torch
 
-    from meshwise.train.run import prepare
+    from meshwise.cli.preflight import prepare
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -75,7 +76,7 @@ def test_gpus_are_counted_before_spawning(monkeypatch):
 def test_bf16_on_a_gpu_without_it_is_refused_before_spawning(monkeypatch):
     import torch
 
-    from meshwise.train.run import prepare
+    from meshwise.cli.preflight import prepare
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -94,7 +95,7 @@ def test_torchrun_world_gives_dp(monkeypatch):
 
 
 def test_a_one_rank_launch_leaves_no_torchrun_environment(monkeypatch):
-    from meshwise import launch
+    from meshwise.cli import launch
 
     for name in launch.TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -108,7 +109,7 @@ def _nothing():
 
 
 def test_options_without_effect_are_named():
-    from meshwise.train.flags import noop_warnings
+    from meshwise.cli.train_flags import noop_warnings
 
     cfg, origins = train_config(build_parser().parse_args(
         ["train", "--schedule", "gpipe", "--zero", "3", "--grad-reduce-dtype", "bf16",
@@ -122,7 +123,7 @@ def test_options_without_effect_are_named():
 
 
 def test_help_shows_the_dataclass_defaults_and_readme_documents_every_flag():
-    from meshwise.train.flags import TRAIN_FLAGS
+    from meshwise.cli.train_flags import TRAIN_FLAGS
 
     text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "(default: 200)" in text and "(default: 0.001)" in text  # steps, lr
@@ -141,14 +142,24 @@ def test_version_flag(capsys):
 
 
 def test_slow_bf16_on_this_cpu_is_said_once(monkeypatch, caplog, tmp_path):
-    from meshwise.train import run
+    from meshwise.cli import preflight
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("x" * 5000)
-    monkeypatch.setattr(run, "bf16_slowdown", lambda: 12.0)
+    monkeypatch.setattr(preflight, "bf16_slowdown", lambda: 12.0)
     cfg = parse("--dtype", "bf16", "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"))
     with caplog.at_level("WARNING", logger="meshwise"):
-        run.prepare(cfg)
+        preflight.prepare(cfg)
     assert [r.getMessage() for r in caplog.records if "bf16" in r.getMessage()] == [
         "warning: --dtype bf16: a bf16 matmul measured 12x slower than fp32 on this CPU (no "
         "native bf16 support); fp32 will train faster"]
+
+
+def test_flag_names_follow_the_fields_they_set():
+    """``flag_name`` (error messages, --init-from) names the flag of every field but
+    the two whose flag reads better than the field."""
+    from meshwise.cli.train_flags import TRAIN_FLAGS
+    from meshwise.train.config import flag_name
+
+    renamed = {flag: field for flag, _, field, _, _ in TRAIN_FLAGS if flag_name(field) != flag}
+    assert renamed == {"--model": "preset", "--data": "path"}

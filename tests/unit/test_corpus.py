@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshwise import corpus
-from meshwise.bpe import save_tokenizer, train_bpe
-from meshwise.data import TokenDataset, read_meta, resolve_data, sidecar_path
-from meshwise.token_files import _write_meta, check_tokenizer
-from meshwise.tokenizer import load_tokenizer
+from meshwise.data import corpus
+from meshwise.data.bpe import save_tokenizer, train_bpe
+from meshwise.data.dataset import TokenDataset, read_meta, resolve_data, sidecar_path
+from meshwise.data.token_files import _write_meta, check_tokenizer
+from meshwise.data.tokenizer import load_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 LLAMA3_VOCAB = 128_256

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshwise.data import (ACCEPTED, TokenDataset, rank_slice, read_meta, resolve_data,
+from meshwise.data.dataset import (ACCEPTED, TokenDataset, rank_slice, read_meta, resolve_data,
                            resolve_vocab_size, sidecar_path)
 
 
@@ -141,7 +141,7 @@ def test_vocabulary_is_explicit_past_the_byte_default():
 
 def test_bin_in_read_only_folder_keeps_meta_in_memory(tmp_path, monkeypatch):
     path = _write_bin(tmp_path / "toks.bin", [9, 1])
-    monkeypatch.setattr("meshwise.data.os.access", lambda *args: False)
+    monkeypatch.setattr("meshwise.data.dataset.os.access", lambda *args: False)
     assert read_meta(path)["max_token"] == 9
     assert read_meta(path)["num_tokens"] == 2
     assert not sidecar_path(path).exists()
@@ -240,7 +240,7 @@ def test_processes_started_together_tokenize_once(tmp_path):
     text = tmp_path / "a.txt"
     text.write_bytes(b"abc" * 2_000_000)
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
-            "from meshwise.data import resolve_data; "
+            "from meshwise.data.dataset import resolve_data; "
             f"print(resolve_data({str(text)!r}, {str(tmp_path / 'c')!r}))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
              for _ in range(3)]

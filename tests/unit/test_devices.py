@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshwise.devices import synchronize
+from meshwise.comm.devices import synchronize
 
 
 def test_synchronize_is_a_no_op_on_cpu_and_rejects_unknown_devices():

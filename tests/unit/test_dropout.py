@@ -51,7 +51,8 @@ def test_heads_draw_their_own_masks():
 
 
 def test_dropout_must_be_below_one():
-    from meshwise.cli import build_parser, train_config
+    from meshwise.cli.main import build_parser
+    from meshwise.cli.train import train_config
 
     with pytest.raises(ValueError, match="--dropout must be in"):
         train_config(build_parser().parse_args(["train", "--dropout", "1"]))

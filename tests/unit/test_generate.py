@@ -2,9 +2,10 @@
 
 import torch
 
-from meshwise.generate import generate, printable
+from meshwise.data.tokenizer import printable
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.models.kv_cache import LayerCache
+from meshwise.serve.generate import generate
 
 
 def _model():

@@ -3,8 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from meshwise.apply.parallelize import parallelize
 from meshwise.models.gpt import GPT, GPTConfig, gpt_plan
-from meshwise.parallelize import parallelize
 
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, block_size=16, vocab_size=50)
 

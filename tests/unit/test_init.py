@@ -2,8 +2,8 @@
 
 import torch
 
-from meshwise.checkpoint.pieces import Piece
-from meshwise.models.init import BLOCK, ONES, full_init, init_values, normal
+from meshwise.layout.init import BLOCK, ONES, full_init, init_values, normal
+from meshwise.layout.pieces import Piece
 
 
 def test_any_box_and_flat_range_is_a_slice_of_the_whole_tensor():

@@ -6,14 +6,14 @@ import types
 import pytest
 import torch
 
-from meshwise.checkpoint.pieces import Piece
+from meshwise.apply.parallelize import parallelize
 from meshwise.hf.llama import hf_config, hf_shapes, llama_sizes, read_config
 from meshwise.hf.safetensors_dir import SafetensorsDir
+from meshwise.layout.pieces import Piece
 from meshwise.models.families import family
 from meshwise.models.kv_cache import LayerCache
 from meshwise.models.llama import (Llama, LlamaConfig, check_llama_tp, llama_plan,
                                    rope_inverse_frequencies)
-from meshwise.parallelize import parallelize
 from tests.hf_llama import (ATOL, LLAMA3_SCALING, hf_logits, laid_out, materialize,
                             save_hf_llama, token_ids)
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from meshwise.checkpoint.pieces import Piece
+from meshwise.apply.parallelize import parallelize
+from meshwise.layout.init import init_values
+from meshwise.layout.pieces import Piece
+from meshwise.layout.plan import ParallelPlan
 from meshwise.models.gpt import GPT, GPTConfig, gpt_init, gpt_plan
-from meshwise.models.init import init_values
-from meshwise.parallelize import parallelize
-from meshwise.plan import ParallelPlan
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from meshwise.tensor_parallel.vocab import VocabParallelEmbedding, VocabParallelHead
 

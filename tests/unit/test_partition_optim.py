@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from meshwise.optim import AdamWConfig, adamw_update, lr_at
+from meshwise.sharding.adamw import AdamWConfig, adamw_update
 from meshwise.sharding.plans import ShardPlan
+from meshwise.train.lr_schedule import lr_at
 
 
 @pytest.mark.parametrize("numel", [0, 1, 2, 3, 7, 8, 100, 1023, 4097])

@@ -2,7 +2,7 @@
 
 import io
 
-from meshwise.progress import Progress
+from meshwise.data.progress import Progress
 
 
 class Terminal(io.StringIO):

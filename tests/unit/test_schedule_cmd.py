@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from meshwise.pipeline.schedule_cmd import add_schedule_arguments, run_schedule
+from meshwise.cli.schedule import add_schedule_arguments, run_schedule
 
 
 def run(argv, capsys):

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from meshwise.comm.ops import CommCounters
 from meshwise.models.gpt import GPT, GPTConfig
-from meshwise.optim import AdamWConfig, decays
+from meshwise.sharding.adamw import AdamWConfig, decays
 from meshwise.sharding.binding import values_of
 from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
 from meshwise.sharding.units import cut_into_units

@@ -1,4 +1,4 @@
-"""``meshwise export``: a checkpoint as one unsharded model that needs no meshwise.
+"""A checkpoint as one unsharded model that needs no meshwise (``meshwise export``).
 
 ``--format safetensors`` writes ``model.safetensors`` (single-process parameter
 names) and ``config.json`` (the model's sizes). ``--format hf`` writes a
@@ -27,35 +27,32 @@ from pathlib import Path
 
 import torch
 
-from meshwise.checkpoint.model import model_config, model_family, model_tensors, open_checkpoint
+from meshwise.checkpoint.state import model_tensors
+from meshwise.checkpoint.store import open_checkpoint
 from meshwise.hf.llama import hf_config, hf_name
+from meshwise.serve.model import model_config, model_family
 
 FORMATS = ("safetensors", "hf")
 log = logging.getLogger("meshwise")
 
 
-def add_export_arguments(parser) -> None:
-    parser.add_argument("checkpoint", help="a checkpoint directory, or a --save directory "
-                                           "(its newest checkpoint)")
-    parser.add_argument("--out", required=True, help="directory to create")
-    parser.add_argument("--format", choices=FORMATS, default="safetensors",
-                        help="safetensors: meshwise names + config.json; hf: a Hugging Face "
-                             "directory (GPT-2 or Llama, with the tokenizer) (default "
-                             "safetensors)")
-
-
-def run_export(args) -> Path:
-    ckpt = open_checkpoint(args.checkpoint)
-    out = Path(args.out)
+def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
+                      fmt: str = "safetensors") -> Path:
+    """Write ``checkpoint``'s model to the new directory ``out`` in format ``fmt``
+    (``FORMATS``); ``ValueError`` names what cannot be done."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r} is not valid; valid: {', '.join(FORMATS)}")
+    ckpt = open_checkpoint(checkpoint)
+    out = Path(out)
     if out.exists():
         raise ValueError(f"--out {out}: already exists; choose a new directory")
     cfg = model_config(ckpt)
     tensors = model_tensors(ckpt)
     family = model_family(ckpt)
-    if args.format == "hf" and family == "llama":
+    if fmt == "hf" and family == "llama":
         tensors = {hf_name(name): t for name, t in tensors.items()}
         config = hf_config(cfg)
-    elif args.format == "hf":
+    elif fmt == "hf":
         tensors, config = _to_gpt2(tensors, cfg), _gpt2_config(cfg)
     else:
         tied = family == "gpt" or cfg.tie_embeddings
@@ -69,7 +66,7 @@ def run_export(args) -> Path:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if args.format == "hf":
+    if fmt == "hf":
         _copy_tokenizer(ckpt, tmp)
     os.rename(tmp, out)
     return out
@@ -80,7 +77,7 @@ def _copy_tokenizer(ckpt, out: Path) -> None:
     unchanged (by digest), with the tokenizer_config.json and
     special_tokens_map.json beside it, else a tokenizer_config.json naming the
     fast tokenizer class."""
-    from meshwise.tokenizer import load_unchanged
+    from meshwise.data.tokenizer import load_unchanged
 
     data = ckpt.meta.get("config", {}).get("data", {})
     path, digest = data.get("tokenizer"), data.get("tokenizer_digest")

@@ -6,7 +6,7 @@ holds ``{"num_tokens", "vocab_size", "max_token", "source", "dtype",
 "tokenizer", "format", "written_by"}``. ``vocab_size`` is the tokenizer's when
 it is known (256 for byte-level corpora) and ``null`` for a ``.bin`` meshwise
 did not build; ``max_token`` is the largest id in the file when it was scanned;
-``tokenizer`` is what wrote the file (``meshwise.tokenizer``: kind, path,
+``tokenizer`` is what wrote the file (``meshwise.data.tokenizer``: kind, path,
 digest, vocab_size, separator), absent for a scanned file. A ``.bin`` without
 our sidecar, or a sidecar without ``dtype`` (written before there was a
 choice), is uint16. The sidecar's name is ours alone and ``written_by`` marks
@@ -26,7 +26,7 @@ from typing import Iterable
 
 import numpy as np
 
-from meshwise.tokenizer import BYTE_LEVEL, BYTE_VOCAB_SIZE, Tokenizer, load_unchanged
+from meshwise.data.tokenizer import BYTE_LEVEL, BYTE_VOCAB_SIZE, Tokenizer, load_unchanged
 
 logger = logging.getLogger("meshwise")
 

@@ -52,7 +52,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
 
 def save_tokenizer(tokenizer, out: Path) -> None:
     """Write ``tokenizer.json`` to ``out`` atomically (a temp file, then a rename)."""
-    from meshwise.token_files import _atomic_write
+    from meshwise.data.token_files import _atomic_write
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(out, [tokenizer.to_str(pretty=True).encode()])

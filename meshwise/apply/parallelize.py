@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from meshwise.checkpoint.pieces import Piece
-from meshwise.checkpoint.state import logical_piece
-from meshwise.models.init import Init, init_values
-from meshwise.plan import ParallelPlan
+from meshwise.layout.init import Init, init_values
+from meshwise.layout.params import logical_piece
+from meshwise.layout.pieces import Piece
+from meshwise.layout.plan import ParallelPlan
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
 from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,

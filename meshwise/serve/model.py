@@ -6,25 +6,12 @@ logical tensors read whole from whatever layout saved them.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from meshwise.checkpoint.state import KIND_PREFIX
-from meshwise.checkpoint.store import Checkpoint, CheckpointError, resolve
+from meshwise.apply.parallelize import set_param
+from meshwise.checkpoint.state import model_tensors
+from meshwise.checkpoint.store import Checkpoint, CheckpointError
 from meshwise.models.families import family
-from meshwise.parallelize import set_param
-
-PARAM_PREFIX = KIND_PREFIX["param"]
-
-
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """A checkpoint directory, or a ``--save`` directory's newest one, verified."""
-    if not Path(path).exists():
-        raise CheckpointError(f"{path}: no such file or directory")
-    ckpt = Checkpoint(resolve(path))
-    ckpt.verify()
-    return ckpt
 
 
 def model_family(ckpt: Checkpoint) -> str:
@@ -35,12 +22,6 @@ def model_family(ckpt: Checkpoint) -> str:
 def model_config(ckpt: Checkpoint):
     """The checkpoint's model config, of its family."""
     return family(model_family(ckpt)).make_config(ckpt.meta["model"])
-
-
-def model_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Every model parameter, whole, under its single-process name."""
-    return {name[len(PARAM_PREFIX):]: ckpt.read(name) for name in sorted(ckpt.tensors)
-            if name.startswith(PARAM_PREFIX)}
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""AdamW on flat tensors and the learning-rate schedule (pure functions).
+"""AdamW on flat tensors (pure functions).
 
 Every optimizer path in meshwise (plain data parallel, ZeRO 1/2/3) calls
 ``adamw_update`` on whatever slice of parameters it owns, so the update is the
@@ -43,21 +43,6 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 def decays(name: str, param: torch.Tensor) -> bool:
     """Weight decay applies to matrices, not to biases, norms or other vectors."""
     return param.dim() >= 2
-
-
-def lr_at(step: int, max_lr: float, warmup_steps: int, total_steps: int,
-          min_lr_ratio: float = 0.1) -> float:
-    """Linear warmup to ``max_lr``, then cosine decay to ``min_lr_ratio * max_lr``.
-
-    ``step`` is 1-based (the step about to be taken).
-    """
-    min_lr = max_lr * min_lr_ratio
-    if warmup_steps > 0 and step <= warmup_steps:
-        return max_lr * step / warmup_steps
-    if total_steps <= warmup_steps:
-        return max_lr
-    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (max_lr - min_lr)
 
 
 def squared_sum(t: torch.Tensor, chunk: int = 8192) -> torch.Tensor:

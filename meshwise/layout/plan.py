@@ -1,7 +1,7 @@
 """Parallel plans: how a plain single-device model is laid out (pure data).
 
 A model is written for one device (``meshwise.models``); its family's plan says
-what parallelism does to it, and ``meshwise.parallelize`` applies the plan
+what parallelism does to it, and ``meshwise.apply.parallelize`` applies the plan
 without touching the model's code (as torchtitan's ``parallelize_module`` plans
 and picotron's ``apply_tensor_parallel`` do):
 

@@ -1,9 +1,9 @@
 """``meshwise data prepare`` and ``meshwise data train-tokenizer``.
 
-``prepare`` encodes text into a token file (``meshwise.corpus``) that
+``prepare`` encodes text into a token file (``meshwise.data.corpus``) that
 ``meshwise train --data FILE.bin`` reads; ``train-tokenizer`` learns a
-byte-level BPE (``meshwise.bpe``) whose ``tokenizer.json`` both ``prepare`` and
-``train`` take as ``--tokenizer``. Bad input exits 2 with one line.
+byte-level BPE (``meshwise.data.bpe``) whose ``tokenizer.json`` both ``prepare``
+and ``train`` take as ``--tokenizer``. Bad input exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from meshwise.corpus import available_cpus, plan_pieces, read_piece
-from meshwise.token_files import _ours, sidecar_path
-from meshwise.tokenizer import ByteTokenizer
+from meshwise.data.corpus import available_cpus, plan_pieces, read_piece
+from meshwise.data.token_files import _ours, sidecar_path
+from meshwise.data.tokenizer import ByteTokenizer
 
 TEXT_INPUT = "a text file or a folder of text files"
 
@@ -72,7 +72,7 @@ def run_data(args) -> int:
 
 
 def _input_files(text: str) -> tuple[Path, list[Path]]:
-    from meshwise.data import text_files
+    from meshwise.data.dataset import text_files
 
     path = Path(text).expanduser()
     if not path.exists():
@@ -95,8 +95,8 @@ def _check_out(out: Path) -> None:
 
 
 def _prepare(args) -> str:
-    from meshwise.data import build_with_progress
-    from meshwise.tokenizer import load_tokenizer
+    from meshwise.data.dataset import build_with_progress
+    from meshwise.data.tokenizer import load_tokenizer
 
     path, files = _input_files(args.input)
     out = Path(args.out).expanduser()
@@ -123,7 +123,7 @@ def _texts(files: list[Path], stats: dict) -> Iterator[str]:
 
 
 def _train_tokenizer(args) -> str:
-    from meshwise.bpe import check_vocab_size, save_tokenizer, train_bpe
+    from meshwise.data.bpe import check_vocab_size, save_tokenizer, train_bpe
 
     check_vocab_size(args.vocab_size)
     path, files = _input_files(args.input)

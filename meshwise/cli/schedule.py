@@ -1,6 +1,6 @@
 """``meshwise schedule``: print (or plot) a pipeline schedule and its simulated bubble.
 
-Pure apart from matplotlib, which is imported only for ``--plot``.  ``meshwise/cli.py`` wires
+Pure apart from matplotlib, which is imported only for ``--plot``.  ``meshwise.cli.main`` wires
 :func:`add_schedule_arguments` and :func:`run_schedule` into its subcommand.
 """
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 A token file is a flat little-endian array of uint16 (or, past 65,536 ids,
 uint32) token ids (``.bin``) with meshwise's JSON sidecar
-(``meshwise.token_files``). ``resolve_data`` turns what the user gave (nothing,
+(``meshwise.data.token_files``). ``resolve_data`` turns what the user gave (nothing,
 a text file, a folder, a ``.bin``) into such a file: text is encoded with the
-run's tokenizer (byte-level by default, ``meshwise.tokenizer``) by
-``meshwise.corpus`` and cached once, atomically (temp file in the same folder,
+run's tokenizer (byte-level by default, ``meshwise.data.tokenizer``) by
+``meshwise.data.corpus`` and cached once, atomically (temp file in the same folder,
 then ``os.replace``), so concurrent builders or a crash never leave a
 half-written file. Call it once before spawning ranks; every rank then opens
 the result with ``TokenDataset``, which only memory-maps it.
@@ -29,13 +29,13 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from meshwise.corpus import build_token_file, list_files
-from meshwise.progress import Progress
+from meshwise.data.corpus import build_token_file, list_files
+from meshwise.data.progress import Progress
 # Re-exported: the token-file format is part of this module's interface.
-from meshwise.token_files import (ACCEPTED, BYTE_VOCAB_SIZE, TOKEN_DTYPE,  # noqa: F401
+from meshwise.data.token_files import (ACCEPTED, BYTE_VOCAB_SIZE, TOKEN_DTYPE,  # noqa: F401
                                   check_tokenizer, read_meta, recorded_tokenizer,
                                   resolve_vocab_size, sidecar_path, token_dtype)
-from meshwise.tokenizer import BYTE_LEVEL, ByteTokenizer, Tokenizer
+from meshwise.data.tokenizer import BYTE_LEVEL, ByteTokenizer, Tokenizer
 
 logger = logging.getLogger("meshwise")
 
@@ -67,7 +67,7 @@ def _build_corpus(dest: Path, files: list[Path], source: str, tokenizer: Tokeniz
 
 def build_with_progress(dest: Path, files: list[Path], tokenizer: Tokenizer, source: str,
                         num_workers: int) -> dict:
-    """``meshwise.corpus.build_token_file`` with its progress shown on stderr."""
+    """``meshwise.data.corpus.build_token_file`` with its progress shown on stderr."""
     bar = Progress(f"tokenizing {source}")
     try:
         return build_token_file(dest, files, tokenizer, source, num_workers,

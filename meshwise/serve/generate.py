@@ -1,4 +1,4 @@
-"""``meshwise generate``: sample from a checkpoint on one process, with a KV cache.
+"""Sampling from a checkpoint on one process, with a KV cache (``meshwise generate``).
 
 The prompt goes through the model once (filling each layer's keys and values);
 each new token then costs one position's forward instead of the whole prefix.
@@ -8,50 +8,27 @@ Text is encoded and decoded with the tokenizer the checkpoint was trained with
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
-from meshwise.checkpoint.model import load_model, open_checkpoint
+from meshwise.checkpoint.store import open_checkpoint
+from meshwise.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from meshwise.models.kv_cache import LayerCache
-from meshwise.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from meshwise.serve.model import load_model
 
 
-def add_generate_arguments(parser) -> None:
-    parser.add_argument("--checkpoint", required=True,
-                        help="a checkpoint directory, or a --save directory (its newest)")
-    parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=200,
-                        help="tokens to generate (default 200; fewer if the context fills)")
-    parser.add_argument("--temperature", type=float, default=0.8,
-                        help="softmax temperature; 0 picks the most likely token (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=0,
-                        help="sample among the K most likely tokens; 0: all (default 0)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--tokenizer", metavar="PATH",
-                        help="the tokenizer.json the checkpoint was trained with, when it is no "
-                             "longer where training found it (default: the one its "
-                             "configuration names; byte-level if none)")
-
-
-def check_generate_arguments(args) -> None:
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
-    if not args.prompt:
-        raise ValueError("--prompt must not be empty")
-
-
-def run_generate(args) -> str:
-    """The text generated after ``--prompt``."""
-    check_generate_arguments(args)
-    ckpt = open_checkpoint(args.checkpoint)
+def continue_prompt(checkpoint: str | os.PathLike, prompt_text: str, max_new_tokens: int,
+                    temperature: float = 0.8, top_k: int = 0, seed: int = 0,
+                    tokenizer_path: str | None = None) -> str:
+    """The text ``checkpoint``'s model generates after ``prompt_text``, encoded and
+    decoded with the tokenizer it was trained with (``tokenizer_path``: a copy of
+    it, when it has moved)."""
+    ckpt = open_checkpoint(checkpoint)
     model = load_model(ckpt)
     tokenizer = checkpoint_tokenizer(ckpt.meta.get("config", {}).get("data", {}),
-                                     args.tokenizer)
+                                     tokenizer_path)
     vocab_size = model.cfg.vocab_size
     if tokenizer.kind == ByteTokenizer.kind and vocab_size != tokenizer.vocab_size:
         raise ValueError(f"the checkpoint's vocabulary has {vocab_size} tokens and it names no "
@@ -60,12 +37,11 @@ def run_generate(args) -> str:
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"--tokenizer {tokenizer.describe()} has more tokens than the "
                          f"checkpoint's vocabulary of {vocab_size}")
-    prompt = tokenizer.encode(args.prompt)
+    prompt = tokenizer.encode(prompt_text)
     if not prompt or len(prompt) >= model.cfg.block_size:
         raise ValueError(f"--prompt is {len(prompt)} tokens; the model's context holds 1 to "
                          f"{model.cfg.block_size - 1}")
-    tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                      args.seed)
+    tokens = generate(model, prompt, max_new_tokens, temperature, top_k, seed)
     return tokenizer.decode_continuation(prompt, tokens)
 
 
@@ -96,11 +72,6 @@ def checkpoint_tokenizer(data: dict, flag: str | None) -> Tokenizer:
                          f"it (digest {tokenizer.digest}, then {digest}); pass --tokenizer PATH "
                          "to the one it was trained with")
     return tokenizer
-
-
-def printable(text: str) -> str:
-    """``text`` safe for a terminal: control characters (but newlines and tabs) escaped."""
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
 @torch.no_grad()

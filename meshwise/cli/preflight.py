@@ -1,62 +1,26 @@
-"""Run a training job: checks that need the data, then the ranks.
+"""Checks made in the launching process before any rank starts.
 
-``prepare`` runs once, in the launching process, before any rank starts: it
-builds (or finds) the token file, so ranks never race to build it, and checks
-what only the data or the environment can tell. ``train`` starts the ranks.
+``prepare`` runs once, before the ranks: it builds (or finds) the token file,
+so ranks never race to build it, and checks what only the data, the devices,
+the checkpoints or the launch environment can tell. Whatever fails here ends
+the job with one line and exit status 2.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
 from pathlib import Path
 
-from meshwise import launch
 from meshwise.checkpoint import resume
-from meshwise.corpus import available_cpus
-from meshwise.data import TokenDataset, recorded_tokenizer, resolve_data
-from meshwise.tokenizer import check_vocab_fits, load_tokenizer
+from meshwise.cli import launch
+from meshwise.comm import devices
+from meshwise.data.corpus import available_cpus
+from meshwise.data.dataset import TokenDataset, recorded_tokenizer, resolve_data
+from meshwise.data.tokenizer import check_vocab_fits, load_tokenizer
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
 
 log = logging.getLogger("meshwise")
-
-
-def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
-    """``--dp`` when not given: the world / (tp x pp) under torchrun, 2 for the CPU demo."""
-    p = cfg.parallel
-    if launch.under_torchrun() and not cfg.comm.ranks_per_node and "LOCAL_WORLD_SIZE" in os.environ:
-        cfg.comm.ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])  # node grouping
-        origins["ranks_per_node"] = "torchrun"
-    if "dp" in origins:
-        return
-    if launch.under_torchrun():
-        world, per_replica = launch.torchrun_world_size(), p.tp * p.pp
-        if world % per_replica == 0 and world // per_replica != p.dp:
-            p.dp = world // per_replica
-            origins["dp"] = "torchrun"
-            log.info("--dp %d: torchrun started %d processes for tp %d x pp %d", p.dp, world,
-                     p.tp, p.pp)
-        return
-    demo = (p.tp == 1 and p.pp == 1 and cfg.data.batch_size % (2 * cfg.data.grad_accum) == 0)
-    if demo and launch.resolve_device(cfg.runtime.device) == "cpu":
-        p.dp = 2
-        origins["dp"] = "demo"
-
-
-def record_config(cfg: TrainConfig, origins: dict[str, str]) -> None:
-    """Show the effective configuration once; keep it beside the metrics file."""
-    from meshwise.train.flags import effective_config
-
-    log.info("configuration (marked: not a default):\n  %s",
-             "\n  ".join(effective_config(cfg, origins)))
-    if cfg.runtime.metrics:
-        path = Path(cfg.runtime.metrics)
-        side = path.with_name(path.name + ".config.json")
-        side.write_text(json.dumps({"config": dataclasses.asdict(cfg), "origins": origins},
-                                   indent=1) + "\n")
 
 
 def prepare(cfg: TrainConfig) -> Path:
@@ -67,7 +31,7 @@ def prepare(cfg: TrainConfig) -> Path:
             raise ValueError(f"torchrun started {world} processes but --dp x --tp x --pp = "
                              f"{cfg.parallel.dims.world_size}; launch with "
                              f"--nproc-per-node x --nnodes = {cfg.parallel.dims.world_size}")
-    device = launch.resolve_device(cfg.runtime.device)
+    device = devices.resolve_device(cfg.runtime.device)
     if device == "cuda":
         import torch
 
@@ -146,7 +110,7 @@ def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
     """Time of a bf16 matmul over an fp32 one here (median of ``repeats``).
 
     On one thread: the launcher forks the ranks afterwards, and a thread pool
-    must not exist at a fork (``meshwise.launch.start_method``).
+    must not exist at a fork (``meshwise.cli.launch.start_method``).
     """
     import statistics
     import time
@@ -178,39 +142,3 @@ def check_writable_file(path: str, flag: str) -> None:
             pass
     except OSError as exc:
         raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
-
-
-def train(cfg: TrainConfig, data_path: Path) -> None:
-    """Start every rank (or join torchrun's) and train; raises ``launch.RankFailed``.
-
-    With ``--max-restarts N``, a failed job is torn down and started again from
-    the newest checkpoint in ``--save``, at most N times.
-    """
-    device = launch.resolve_device(cfg.runtime.device)
-    c = cfg.checkpoint
-    start = resume.find_resume(c.resume, c.save)
-    for attempt in range(c.max_restarts + 1):
-        try:
-            launch.launch(_rank_main, (cfg, str(data_path), device, start and str(start)),
-                          cfg.parallel.dims.world_size, device, cfg.comm.timeout_s)
-            return
-        except launch.RankFailed as exc:
-            if attempt == c.max_restarts:
-                raise
-            start = resume.newest_or(c.save, start)
-            log.warning("%s\nrestart %d of %d from %s", exc, attempt + 1, c.max_restarts,
-                        start or "the beginning (no checkpoint yet)")
-
-
-def _rank_main(cfg: TrainConfig, data_path: str, device: str, start: str | None) -> None:
-    import dataclasses
-    import os
-
-    from meshwise.train.trainer import Trainer
-
-    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device=device))
-    rank = int(os.environ.get("RANK", 0))
-    # One logger, prefixed with the rank; only rank 0 speaks below warnings.
-    level = logging.INFO if rank == 0 and not cfg.runtime.quiet else logging.WARNING
-    logging.basicConfig(level=level, format=f"[rank {rank}] %(message)s", force=True)
-    Trainer(cfg, data_path, resume=start).train()

@@ -28,9 +28,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from meshwise.token_files import (ACCEPTED, SIDECAR_SUFFIX, TOKEN_DTYPES, _atomic_write,
+from meshwise.data.token_files import (ACCEPTED, SIDECAR_SUFFIX, TOKEN_DTYPES, _atomic_write,
                                   _write_meta, dtype_for_vocab)
-from meshwise.tokenizer import Tokenizer, load_tokenizer
+from meshwise.data.tokenizer import Tokenizer, load_tokenizer
 
 PIECE_BYTES = 1 << 18  # a long document is cut about every 256 KiB
 TASK_BYTES = 1 << 20  # what one worker encodes per round trip

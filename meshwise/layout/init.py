@@ -6,7 +6,7 @@ slice, a ZeRO-3 shard of it) without ever building the whole tensor, the values
 are defined block by block: the row-major flattening of the logical tensor is cut
 into blocks of ``BLOCK`` elements, and block ``j`` of parameter ``name`` is drawn
 from a generator seeded by ``(seed, name, j)``. Any piece (a box of the logical
-tensor, and a flat range inside that box; see ``meshwise.checkpoint.pieces``) is
+tensor, and a flat range inside that box; see ``meshwise.layout.pieces``) is
 then produced from the blocks it touches, a few at a time, so memory stays at
 the piece plus a block whatever the tensor's size.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.checkpoint.pieces import Piece
+from .pieces import Piece
 
 BLOCK = 1 << 16  # elements per independently seeded block
 _CHUNK = 1 << 20  # piece elements resolved to logical indices at a time

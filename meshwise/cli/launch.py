@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from meshwise.comm import ops
+from meshwise.comm.devices import rank_device
 
 log = logging.getLogger("meshwise")
 
@@ -59,12 +60,6 @@ def torchrun_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,7 +74,7 @@ def run_rank(fn: Callable, args: tuple, device: str, timeout_s: float,
              num_local_ranks: int) -> object:
     """Initialise this process's rank from the environment, run ``fn(*args)``, clean up."""
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(rank_device(device))
     else:
         torch.set_num_threads(_threads_per_rank(num_local_ranks))
     ops.init_process_group("nccl" if device == "cuda" else "gloo", timeout_s)

@@ -231,6 +231,11 @@ def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
                          f"valid: --vocab-size {tokenizer.vocab_size} or more, or leave it out")
 
 
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (but newlines and tabs) escaped."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
 def decode_sample(path: str | None, prompt: list[int], new: list[int],
                   vocab_size: int) -> tuple[str, str]:
     """A prompt and its continuation as text (as ids when no tokenizer covers them)."""

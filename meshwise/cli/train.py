@@ -1,0 +1,128 @@
+"""``meshwise train``: the configuration from flags, checks, then the ranks.
+
+``run_train`` reads the flags (and ``--config``), validates the configuration,
+runs the checks that need the data (``meshwise.cli.preflight``), then starts
+every rank (or joins torchrun's) with ``train``, which restarts a failed job
+from its newest checkpoint when ``--max-restarts`` allows. Configuration
+errors exit with status 2 and one line before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from meshwise.checkpoint import resume
+from meshwise.cli import launch
+from meshwise.cli.preflight import prepare
+from meshwise.cli.train_flags import config_from_args, effective_config, noop_warnings
+from meshwise.comm import devices
+from meshwise.train.config import TrainConfig
+from meshwise.train.init_from import apply_init_from
+
+log = logging.getLogger("meshwise")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``meshwise train``: the exit status."""
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(message)s")
+    try:
+        cfg, origins = train_config(args)
+        for warning in noop_warnings(cfg, origins):
+            log.warning("warning: %s", warning)
+        data_path = prepare(cfg)
+        record_config(cfg, origins)
+    except ValueError as exc:
+        print(f"meshwise train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        train(cfg, data_path)
+    except launch.RankFailed as exc:
+        print(f"meshwise train: {exc}", file=sys.stderr)
+        return 1
+    except launch.Stopped as exc:
+        return 128 + exc.signum
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]:
+    """The validated configuration of ``meshwise train`` and where each value came from."""
+    cfg, origins = config_from_args(args)
+    cfg.runtime.quiet = args.quiet
+    apply_init_from(cfg, origins)
+    apply_launch_defaults(cfg, origins)
+    return cfg.validate(), origins
+
+
+def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
+    """``--dp`` when not given: the world / (tp x pp) under torchrun, 2 for the CPU demo."""
+    p = cfg.parallel
+    if launch.under_torchrun() and not cfg.comm.ranks_per_node and "LOCAL_WORLD_SIZE" in os.environ:
+        cfg.comm.ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])  # node grouping
+        origins["ranks_per_node"] = "torchrun"
+    if "dp" in origins:
+        return
+    if launch.under_torchrun():
+        world, per_replica = launch.torchrun_world_size(), p.tp * p.pp
+        if world % per_replica == 0 and world // per_replica != p.dp:
+            p.dp = world // per_replica
+            origins["dp"] = "torchrun"
+            log.info("--dp %d: torchrun started %d processes for tp %d x pp %d", p.dp, world,
+                     p.tp, p.pp)
+        return
+    demo = (p.tp == 1 and p.pp == 1 and cfg.data.batch_size % (2 * cfg.data.grad_accum) == 0)
+    if demo and devices.resolve_device(cfg.runtime.device) == "cpu":
+        p.dp = 2
+        origins["dp"] = "demo"
+
+
+def record_config(cfg: TrainConfig, origins: dict[str, str]) -> None:
+    """Show the effective configuration once; keep it beside the metrics file."""
+    log.info("configuration (marked: not a default):\n  %s",
+             "\n  ".join(effective_config(cfg, origins)))
+    if cfg.runtime.metrics:
+        path = Path(cfg.runtime.metrics)
+        side = path.with_name(path.name + ".config.json")
+        side.write_text(json.dumps({"config": dataclasses.asdict(cfg), "origins": origins},
+                                   indent=1) + "\n")
+
+
+def train(cfg: TrainConfig, data_path: Path) -> None:
+    """Start every rank (or join torchrun's) and train; raises ``launch.RankFailed``.
+
+    With ``--max-restarts N``, a failed job is torn down and started again from
+    the newest checkpoint in ``--save``, at most N times.
+    """
+    device = devices.resolve_device(cfg.runtime.device)
+    c = cfg.checkpoint
+    start = resume.find_resume(c.resume, c.save)
+    for attempt in range(c.max_restarts + 1):
+        try:
+            launch.launch(_rank_main, (cfg, str(data_path), device, start and str(start)),
+                          cfg.parallel.dims.world_size, device, cfg.comm.timeout_s)
+            return
+        except launch.RankFailed as exc:
+            if attempt == c.max_restarts:
+                raise
+            start = resume.newest_or(c.save, start)
+            log.warning("%s\nrestart %d of %d from %s", exc, attempt + 1, c.max_restarts,
+                        start or "the beginning (no checkpoint yet)")
+
+
+def _rank_main(cfg: TrainConfig, data_path: str, device: str, start: str | None) -> None:
+    from meshwise.train.trainer import Trainer  # in the rank: the launcher needs no model
+
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device=device))
+    rank = int(os.environ.get("RANK", 0))
+    # One logger, prefixed with the rank; only rank 0 speaks below warnings.
+    level = logging.INFO if rank == 0 and not cfg.runtime.quiet else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank {rank}] %(message)s", force=True)
+    Trainer(cfg, data_path, resume=start).train()

@@ -1,0 +1,58 @@
+"""Where a parameter sits across tensor-parallel ranks, and its piece of the logical tensor.
+
+Every parameter that a tensor-parallel layer creates carries marks that
+gradient synchronisation, the gradient norm and checkpoints read:
+
+* ``param.tp_sharded: bool``: ``True`` if the parameter is a slice of a full
+  tensor split across tp ranks (each rank holds a different slice), ``False``
+  if it is replicated (identical on every tp rank). It describes the kind of
+  parameter, so it is the same for every layout, ``True`` even at tp=1;
+* ``param.tp_dim: int | None``: the dim along which the full tensor is split,
+  in rank order (``None`` when replicated);
+* ``param.tp_unpadded_size: int``, only on padded parameters (the embedding):
+  the real size of the full tensor along ``tp_dim``; rows beyond it are padding
+  (a checkpoint stores only the real rows; a rank of another tp size loading it
+  keeps its own zero padding).
+
+A parameter without the marks (LayerNorm, ...) counts as replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .pieces import Piece
+
+
+def mark_tp(param: nn.Parameter, sharded: bool, dim: int | None = None) -> nn.Parameter:
+    """Set the ``tp_sharded`` / ``tp_dim`` marks described in the module docstring."""
+    param.tp_sharded = sharded
+    param.tp_dim = dim if sharded else None
+    return param
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    """Whether tp ranks hold different slices of ``param`` (unmarked = replicated)."""
+    return bool(getattr(param, "tp_sharded", False))
+
+
+def logical_piece(name: str, param: torch.Tensor, tp_rank: int, tp_size: int) -> Piece:
+    """Where this rank's ``param`` sits in the single-process tensor ``name``.
+
+    A tp-sharded parameter is a box along ``tp_dim``; vocabulary padding (rows
+    past ``tp_unpadded_size``) belongs to no logical element and is dropped.
+    """
+    shape = list(param.shape)
+    if not is_tp_sharded(param):
+        return Piece.whole(name, shape)
+    dim = param.tp_dim
+    local = shape[dim]
+    real = getattr(param, "tp_unpadded_size", local * tp_size)
+    if real != local * tp_size and dim != 0:
+        raise ValueError(f"{name}: padding is only supported along dim 0")
+    start = min(tp_rank * local, real)
+    size = max(0, min(local, real - tp_rank * local))
+    full_shape, offsets, sizes = list(shape), [0] * len(shape), list(shape)
+    full_shape[dim], offsets[dim], sizes[dim] = real, start, size
+    return Piece.box(name, full_shape, offsets, sizes)

@@ -1,0 +1,1 @@
+"""A checkpoint's model outside training: one unsharded module, export, generation."""
