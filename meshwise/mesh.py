@@ -98,12 +98,13 @@ class Mesh:
         self.dp_rank, self.pp_rank, self.tp_rank = coords["dp"], coords["pp"], coords["tp"]
 
     @classmethod
-    def build(cls, dims: ParallelDims, timeout_s: float | None = None) -> "Mesh":
+    def build(cls, dims: ParallelDims, timeout_s: float | None = None, device=None) -> "Mesh":
         """Create the groups; ``timeout_s`` bounds every wait on them (``None``:
-        torch.distributed's default, 30 minutes for gloo)."""
+        torch.distributed's default, 30 minutes for gloo); ``device``: where the
+        tensors handed to them live (default: the backend's, CPU for gloo)."""
         from meshwise.comm import ops
 
-        world = ops.world_group(timeout_s=timeout_s)
+        world = ops.world_group(timeout_s=timeout_s, device=device)
         if world.size != dims.world_size:
             raise ValueError(
                 f"world size {world.size} does not match dp*tp*pp = "
@@ -113,13 +114,14 @@ class Mesh:
         for axis in AXES:
             # Every rank must create every group, in the same order.
             for ranks in dims.axis_groups(axis):
-                group = ops.new_group(ranks, axis, world.counters, timeout_s)
+                group = ops.new_group(ranks, axis, world.counters, timeout_s, device)
                 if world.rank in ranks:
                     groups[axis] = group
         embed = None
         if dims.pp > 1:
             for ranks in dims.axis_groups("pp"):
-                group = ops.new_group([ranks[0], ranks[-1]], "embed", world.counters, timeout_s)
+                group = ops.new_group([ranks[0], ranks[-1]], "embed", world.counters, timeout_s,
+                                      device)
                 embed = group or embed
         return cls(dims, world.rank, world, groups["dp"], groups["pp"], groups["tp"], embed)
 

@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from meshwise.cli.postmortem import JobFolder
 from meshwise.comm import ops
 from meshwise.comm.devices import rank_device
 
@@ -130,10 +131,13 @@ def start_method(device: str) -> str:
     return "spawn" if device == "cuda" else "fork"
 
 
-def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: float) -> None:
+def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: float,
+           ledger_out: str | os.PathLike | None = None) -> None:
     """Run ``fn(*args)`` on every rank; raise ``RankFailed`` if any rank fails.
 
     ``fn`` must be importable (a module-level function): CUDA ranks are spawned.
+    ``ledger_out``: where the ranks' collective ledgers go when a local rank fails
+    in a way its ledger explains (``meshwise.cli.postmortem``).
     """
     if under_torchrun():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -156,22 +160,40 @@ def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
                 else:
                     os.environ[name] = value
         return
+    with JobFolder(ledger_out) as job:
+        _spawn(fn, args, world_size, device, timeout_s, job)
+
+
+def _spawn(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: float,
+           job: JobFolder) -> None:
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(
-        _spawned_child, args=(world_size, free_port(), fn, args, device, timeout_s, os.getpid()),
-        nprocs=world_size, join=False, start_method=start_method(device))
+    saved = {name: os.environ.get(name) for name in job.env()}
+    os.environ.update(job.env())  # the ranks inherit it
+    try:
+        context = mp.start_processes(
+            _spawned_child, args=(world_size, free_port(), fn, args, device, timeout_s,
+                                  os.getpid()),
+            nprocs=world_size, join=False, start_method=start_method(device))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         # join() terminates the remaining ranks as soon as one fails.
         while not context.join(timeout=0.5, grace_period=FAILURE_GRACE_S):
             pass
     except mp.ProcessRaisedException as exc:
-        raise RankFailed(failure_message(exc.error_index, str(exc))) from None
+        raise RankFailed(job.explain(exc.error_index,
+                                     failure_message(exc.error_index, str(exc)))) from None
     except mp.ProcessExitedException as exc:
-        raise RankFailed(f"rank {exc.error_index} exited with code {exc.exit_code} "
-                         f"(signal {exc.signal_name})" if exc.signal_name else
-                         f"rank {exc.error_index} exited with code {exc.exit_code}") from None
+        how = f" (signal {exc.signal_name})" if exc.signal_name else ""
+        raise RankFailed(job.explain(exc.error_index, f"rank {exc.error_index} exited with "
+                                                      f"code {exc.exit_code}{how}",
+                                     silent=True)) from None
     except (KeyboardInterrupt, Stopped) as exc:
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         stop_ranks(context.processes)
@@ -184,7 +206,8 @@ def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
 
 # Errors that end a job for a reason the user can act on: reported in one line,
 # without the traceback (which only matters for unexpected errors).
-EXPECTED_ERRORS = ("CollectiveTimeout", "NonFiniteError", "ConfigMismatch", "MetricsWriteError")
+EXPECTED_ERRORS = ("CollectiveTimeout", "CollectiveDesync", "NcclRuleError", "NonFiniteError",
+                   "ConfigMismatch", "MetricsWriteError")
 
 
 def failure_message(rank: int, trace: str) -> str:

@@ -107,7 +107,8 @@ def train(cfg: TrainConfig, data_path: Path) -> None:
     for attempt in range(c.max_restarts + 1):
         try:
             launch.launch(_rank_main, (cfg, str(data_path), device, start and str(start)),
-                          cfg.parallel.dims.world_size, device, cfg.comm.timeout_s)
+                          cfg.parallel.dims.world_size, device, cfg.comm.timeout_s,
+                          ledger_out=cfg.ledger_dir())
             return
         except launch.RankFailed as exc:
             if attempt == c.max_restarts:

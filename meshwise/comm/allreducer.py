@@ -89,7 +89,7 @@ def _ping_pong(group, a: int, b: int, nbytes: int, repeats: int) -> float:
     round trips, the least disturbed by other processes; measured on ``a``, else 0)."""
     if group.rank not in (a, b):
         return 0.0
-    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=group.device)
     other = b if group.rank == a else a
 
     def round_trip():
@@ -100,14 +100,14 @@ def _ping_pong(group, a: int, b: int, nbytes: int, repeats: int) -> float:
             _exchange(group, None, 0, buf, other, "probe")
             _exchange(group, buf, other, None, 0, "probe")
 
-    times = timed_runs(round_trip, repeats)
+    times = timed_runs(round_trip, repeats, group.device)
     return min(times) / 2 if group.rank == a else 0.0
 
 
 def _time_native(group, nbytes: int, repeats: int) -> float:
-    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=group.device)
     return min(timed_runs(lambda: ops.all_reduce(buf, group, category="probe"), repeats,
-                          group=group))
+                          group.device, group))
 
 
 def probe(group, topology: Topology, small: int = 8, large: int = 2**20,
@@ -128,7 +128,7 @@ def probe(group, topology: Topology, small: int = 8, large: int = 2**20,
     for a, b in pairs.values():
         values += [_ping_pong(group, a, b, small, repeats), _ping_pong(group, a, b, large, repeats)]
     values += [_time_native(group, small, repeats), _time_native(group, large, repeats)]
-    agreed = torch.tensor(values, dtype=torch.float64)
+    agreed = torch.tensor(values, dtype=torch.float64, device=group.device)
     ops.all_reduce(agreed, group, op="max", category="probe")
     v = agreed.tolist()
     model = CostModel()

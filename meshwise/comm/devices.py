@@ -5,7 +5,12 @@ Nothing here touches an accelerator's API unless the device is one.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 
 import torch
 
@@ -17,6 +22,28 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+_GPU_FACTS = """
+import json, torch
+gpus = [{"name": torch.cuda.get_device_name(i), "capability": torch.cuda.get_device_capability(i)}
+        for i in range(torch.cuda.device_count())]
+nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+print(json.dumps({"gpus": gpus, "nccl": nccl}))
+"""
+
+
+def gpu_facts() -> dict:
+    """The visible GPUs (name, compute capability) and the NCCL version, asked of a
+    short-lived child process: the launching process creates no CUDA context, so
+    every rank gets its whole GPU (a context holds memory on the device it is on)."""
+    out = subprocess.run([sys.executable, "-c", _GPU_FACTS], capture_output=True, text=True,
+                         timeout=120)
+    if out.returncode != 0:
+        raise ValueError(f"cannot query the GPUs: {out.stderr.strip().splitlines()[-1:]}")
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    facts["nccl"] = tuple(facts["nccl"]) if facts["nccl"] else None
+    return facts
 
 
 def rank_device(kind: str) -> torch.device:
@@ -58,3 +85,54 @@ def synchronize(device: torch.device | str) -> None:
         raise ValueError(f"cannot wait for device {device}: torch.{device.type}.synchronize "
                          "does not exist")
     backend.synchronize()
+
+
+def host_to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host numbers (or a CPU tensor) on ``device`` without waiting for the device: on
+    an accelerator through pinned memory, so the copy is queued like a kernel (a copy
+    from pageable memory would wait for everything queued before it)."""
+    tensor = values if torch.is_tensor(values) else torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class Stopwatch:
+    """Seconds spent in marked intervals of a device's work.
+
+    On the CPU a host clock. On a GPU each interval is a pair of CUDA events
+    recorded on the current stream, so it measures when the work ran, not when
+    the host queued it; ``seconds()`` adds up the intervals whose events have
+    completed (all of them after a read that waited for the device)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._seconds = 0.0
+        self._events: list = []
+
+    @contextmanager
+    def measure(self):
+        if not self.cuda:
+            start = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - start
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        yield
+        end.record()
+        self._events.append((begin, end))
+
+    def seconds(self) -> float:
+        pending = []
+        for begin, end in self._events:
+            if end.query():
+                self._seconds += begin.elapsed_time(end) / 1000.0
+            else:
+                pending.append((begin, end))
+        self._events = pending
+        return self._seconds
+
+    def reset(self) -> None:
+        self._seconds, self._events = 0.0, []

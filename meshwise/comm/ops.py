@@ -1,7 +1,10 @@
 """The one module that calls ``torch.distributed``.
 
 Every collective and point-to-point transfer in meshwise goes through here, so
-byte counting, timing of exposed waits and debugging live in one place.
+byte counting, timing of exposed waits, NCCL's rules (``meshwise.comm.strict``)
+and the collective ledger (``meshwise.comm.ledger``) live in one place: each
+operation is first entered in this rank's ``CommContext`` (``_begin``), then
+issued, and its ``Handle`` marks it complete once waited for.
 
 A ``Group`` wraps a process group with this rank's position in it and a shared
 ``CommCounters``. Counters record the bytes *this rank* puts on the wire per
@@ -14,14 +17,16 @@ all-reduce sends ``2 (n-1)/n`` of the buffer, reduce-scatter and all-gather
 from __future__ import annotations
 
 import copy
-import time
-from collections import defaultdict
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from meshwise.comm.context import CommContext, default_device
 from meshwise.comm.devices import rank_device
+from meshwise.comm.handle import (CollectiveTimeout, CommCounters, Handle,  # noqa: F401
+                                  is_timeout, timeout_error)
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -30,33 +35,12 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-class CommCounters:
-    """Bytes sent, calls made and seconds spent waiting, per category."""
-
-    def __init__(self):
-        self.bytes_sent = defaultdict(float)
-        self.calls = defaultdict(int)
-        self.wait_s = defaultdict(float)
-
-    def record(self, category: str, nbytes: float) -> None:
-        self.bytes_sent[category] += nbytes
-        self.calls[category] += 1
-
-    def reset(self) -> None:
-        self.bytes_sent.clear()
-        self.calls.clear()
-        self.wait_s.clear()
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective or transfer waited past its group's timeout; names the group and operation."""
-
-
 class Group:
-    """A process group, this rank's index in it, and the counters it feeds."""
+    """A process group, this rank's index in it, the counters it feeds, and the
+    device its tensors live on (declared by whoever builds it, e.g. the mesh)."""
 
     def __init__(self, pg, ranks: list[int], name: str, counters: CommCounters,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, device=None):
         self.pg = pg
         self.ranks = list(ranks)
         self.name = name
@@ -64,6 +48,10 @@ class Group:
         self.timeout_s = timeout_s  # None: torch.distributed's default
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank())
+        self.channel = f"{name}[{','.join(map(str, self.ranks))}]"  # its name in the ledger
+        if device is None:
+            device = default_device(str(dist.get_backend(pg)) if self.size > 1 else "local")
+        self.device = torch.device(device)
 
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
@@ -76,55 +64,21 @@ class Group:
         return f"Group({self.name}, rank {self.rank} of {self.ranks})"
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
-
-
-def _timeout_error(exc: BaseException, what: str) -> CollectiveTimeout:
-    """One line naming the operation and group, for the launcher to print."""
-    detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-    return CollectiveTimeout(f"{what} timed out: a rank of it did not arrive ({detail})")
-
-
 def _describe(group: "Group", op: str, peer: int | None = None) -> str:
     who = f"peer rank {group.global_rank(peer)}" if peer is not None else f"ranks {group.ranks}"
     limit = f" after {group.timeout_s:g}s" if group.timeout_s else ""
     return f"{op} on group {group.name} ({who}){limit}"
 
 
-class Handle:
-    """An in-flight async operation. ``wait()`` exactly once."""
+# NCCL's own watchdog aborts the process when a collective outlives the group's
+# timeout; ours (``meshwise.comm.watchdog``) reports it first, naming who is behind,
+# so NCCL's is set this much later.
+NCCL_TIMEOUT_MARGIN_S = 60.0
 
-    def __init__(self, works, counters: CommCounters | None, category: str,
-                 on_done=None, keep=None, what: str = "a collective"):
-        self._works = works if isinstance(works, list) else [works]
-        self._keep = keep  # tensors that must outlive the transfer
-        self._counters = counters
-        self._category = category
-        self._on_done = on_done
-        self._what = what  # operation and group, named when it times out
-        self.done = False
 
-    def wait(self) -> None:
-        assert not self.done, "Handle.wait() called twice"
-        start = time.perf_counter()
-        for work in self._works:
-            if work is not None:
-                try:
-                    work.wait()
-                except RuntimeError as exc:
-                    if _is_timeout(exc):
-                        raise _timeout_error(exc, self._what) from None
-                    raise
-        if self._counters is not None:
-            self._counters.wait_s[self._category] += time.perf_counter() - start
-        self.done = True
-        # Drop the works too: a finished work may still reference its tensors, and a
-        # sent activation's memory is only returned once nothing references it.
-        self._works, self._keep = [], None
-        if self._on_done is not None:
-            self._on_done()
+def _pg_timeout(timeout_s: float, backend_name: str) -> timedelta:
+    margin = NCCL_TIMEOUT_MARGIN_S if backend_name == "nccl" else 0.0
+    return timedelta(seconds=timeout_s + margin)
 
 
 def init_process_group(backend: str, timeout_s: float) -> None:
@@ -132,35 +86,91 @@ def init_process_group(backend: str, timeout_s: float) -> None:
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = rank_device("cuda")
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(backend=backend, timeout=_pg_timeout(timeout_s, backend), **kwargs)
 
 
 def destroy_process_group() -> None:
+    context = _CONTEXT.pop("current", None)
+    if context is not None:
+        context.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def world_group(counters: CommCounters | None = None, timeout_s: float | None = None) -> Group:
+# One per initialised default process group: the rank's ledger and NCCL-rule state
+# belong to the process, as its loggers do.
+_CONTEXT: dict[str, CommContext] = {}
+
+
+def context() -> CommContext:
+    """This rank's ``CommContext`` (created on first use after initialisation)."""
+    world = dist.group.WORLD
+    current = _CONTEXT.get("current")
+    if current is None or current.world_id != id(world):
+        current = CommContext(dist.get_rank(), dist.get_world_size(), _open_store)
+        current.world_id = id(world)
+        _CONTEXT["current"] = current
+    return current
+
+
+def _open_store():
+    """A client of the store the launch rendezvoused on (None where the environment
+    does not say where it is)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (host and port):
+        return None
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=60))
+
+
+def start_ledger(timeout_s: float | None, out_dir=None) -> None:
+    """Compare ledgers across ranks from now on: the per-step ``check_ledger`` and the
+    watchdog. ``out_dir``: where each rank writes its ledger when something is wrong."""
+    world = dist.group.WORLD
+    ends_timeouts = dist.get_backend(world) == "nccl"  # gloo's own waits time out
+    context().start(timeout_s, ends_timeouts, out_dir)
+
+
+def check_ledger(timeout_s: float = 60.0) -> None:
+    """Every rank: compare what each rank issued on each group since the start; raise
+    ``CollectiveDesync`` naming the rank and both call sites where they differ."""
+    found = context().check(timeout_s)
+    if found:
+        raise CollectiveDesync(found)
+
+
+class CollectiveDesync(RuntimeError):
+    """Ranks issued different operations on a group; names the rank and both call sites."""
+
+
+def world_group(counters: CommCounters | None = None, timeout_s: float | None = None,
+                device=None) -> Group:
     """The whole world; ``timeout_s`` is the one it was initialised with, for messages."""
     return Group(dist.group.WORLD, list(range(dist.get_world_size())), "world",
-                 counters or CommCounters(), timeout_s)
+                 counters or CommCounters(), timeout_s, device)
 
 
 def new_group(ranks: list[int], name: str, counters: CommCounters,
-              timeout_s: float | None = None) -> Group | None:
+              timeout_s: float | None = None, device=None) -> Group | None:
     """Create a subgroup. Every rank must call this for every group, in order;
     ranks outside ``ranks`` get ``None``. ``timeout_s``: how long its operations
     may wait (subgroups do not inherit the world's; ``None``: torch's default)."""
-    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    timeout = _pg_timeout(timeout_s, dist.get_backend()) if timeout_s else None
     pg = dist.new_group(ranks=list(ranks), timeout=timeout)
     if dist.get_rank() not in ranks:
         return None
-    return Group(pg, ranks, name, counters, timeout_s)
+    return Group(pg, ranks, name, counters, timeout_s, device)
 
 
-def _finish(work, group: Group, category: str, async_op: bool, on_done=None, keep=None,
-            op: str = "collective", peer: int | None = None):
-    handle = Handle(work, group.counters, category, on_done, keep, _describe(group, op, peer))
+def _begin(group: Group, op: str, tensors, reduce_op: str | None = None):
+    """Check the operation against NCCL's rules and enter it in the ledger."""
+    return context().begin(group, op, tensors, reduce_op)
+
+
+def _finish(work, group: Group, category: str, async_op: bool, entry, on_done=None,
+            keep=None, op: str = "collective", peer: int | None = None):
+    handle = Handle(work, group.counters, category, on_done, keep, _describe(group, op, peer),
+                    [entry], context(), group.device)
     if async_op:
         return handle
     handle.wait()
@@ -185,9 +195,10 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum",
     """In-place all-reduce; returns a ``Handle`` when ``async_op``."""
     if group.size == 1:
         return Handle([], None, category) if async_op else None
+    entry = _begin(group, f"all_reduce {op}", [tensor], reduce_op=op)
     group.counters.record(category, 2 * _ring_fraction(group) * _nbytes(tensor))
     work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=True)
-    return _finish(work, group, category, async_op, op="all_reduce")
+    return _finish(work, group, category, async_op, entry, op="all_reduce")
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -197,9 +208,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     if group.size == 1:
         output.copy_(input)
         return Handle([], None, category) if async_op else None
+    entry = _begin(group, "reduce_scatter", [input, output], reduce_op="sum")
     group.counters.record(category, _ring_fraction(group) * _nbytes(input))
     work = _reduce_scatter_flat(output, input, group=group.pg, async_op=True)
-    return _finish(work, group, category, async_op, keep=input, op="reduce_scatter")
+    return _finish(work, group, category, async_op, entry, keep=input, op="reduce_scatter")
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -209,55 +221,77 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
     if group.size == 1:
         output.copy_(input.view_as(output))
         return Handle([], None, category) if async_op else None
+    entry = _begin(group, "all_gather", [input, output])
     group.counters.record(category, _ring_fraction(group) * _nbytes(output))
     work = _all_gather_flat(output, input, group=group.pg, async_op=True)
-    return _finish(work, group, category, async_op, keep=input, op="all_gather")
+    return _finish(work, group, category, async_op, entry, keep=input, op="all_gather")
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, category: str = "other") -> None:
     """Broadcast from group rank ``src`` in place."""
     if group.size == 1:
         return
+    entry = _begin(group, f"broadcast from {src}", [tensor])
     if group.rank == src:
         group.counters.record(category, _nbytes(tensor))
     work = dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=True)
-    _finish(work, group, category, False, op="broadcast")
+    _finish(work, group, category, False, entry, op="broadcast")
 
 
 def all_gather_object(obj, group: Group, category: str = "other") -> list:
     """Every rank's picklable ``obj``, in group-rank order (small metadata only)."""
     if group.size == 1:
         return [obj]
+    entry = _begin(group, "all_gather_object", [])
     out = [None] * group.size
     try:
         dist.all_gather_object(out, obj, group=group.pg)
     except RuntimeError as exc:
-        if _is_timeout(exc):
-            raise _timeout_error(exc, _describe(group, "all_gather_object")) from None
+        if is_timeout(exc):
+            raise timeout_error(exc, _describe(group, "all_gather_object"), context()) from None
         raise
+    if entry is not None:
+        context().ledger.complete(entry)
     group.counters.calls[category] += 1
     return out
 
 
 def barrier(group: Group) -> None:
     if group.size > 1:
-        _finish(dist.barrier(group=group.pg, async_op=True), group, "other", False, op="barrier")
+        entry = _begin(group, "barrier", [])
+        _finish(dist.barrier(group=group.pg, async_op=True), group, "other", False, entry,
+                op="barrier")
+
+
+def _pair_channel(group: Group, src: int, dst: int) -> str:
+    """The ledger channel of transfers from group rank ``src`` to ``dst``."""
+    return f"{group.channel} {group.global_rank(src)}->{group.global_rank(dst)}"
+
+
+def _begin_transfer(group: Group, op: str, tensor: torch.Tensor, peer: int, tag: int):
+    src, dst = (group.rank, peer) if op == "send" else (peer, group.rank)
+    return context().begin(group, op, [tensor], peer=peer, channel=_pair_channel(group, src, dst),
+                           tag=tag)
 
 
 def send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0,
          category: str = "p2p", async_op: bool = False):
-    """Send to group rank ``dst`` with a tag."""
-    group.counters.record(category, _nbytes(tensor))
+    """Send to group rank ``dst`` with a tag (outside a batch: see ``batch_p2p``)."""
     tensor = tensor.contiguous()
+    entry = _begin_transfer(group, "send", tensor, dst, tag)
+    group.counters.record(category, _nbytes(tensor))
     work = dist.isend(tensor, dst=group.global_rank(dst), group=group.pg, tag=tag)
-    return _finish(work, group, category, async_op, keep=tensor, op="send", peer=dst)
+    context().unbatched(group, dst, [work], "send")
+    return _finish(work, group, category, async_op, entry, keep=tensor, op="send", peer=dst)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0,
          category: str = "p2p", async_op: bool = False):
-    """Receive from group rank ``src`` into ``tensor`` with a tag."""
+    """Receive from group rank ``src`` into ``tensor`` with a tag (outside a batch)."""
+    entry = _begin_transfer(group, "recv", tensor, src, tag)
     work = dist.irecv(tensor, src=group.global_rank(src), group=group.pg, tag=tag)
-    return _finish(work, group, category, async_op, op="recv", peer=src)
+    context().unbatched(group, src, [work], "recv")
+    return _finish(work, group, category, async_op, entry, op="recv", peer=src)
 
 
 def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
@@ -266,30 +300,37 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
     """Post several sends and receives together: ``(tensor, group_rank, tag)`` each.
 
     Posting them at once (rather than one blocking call after another) is what
-    lets two neighbours exchange in both directions without deadlock. Returns
-    after the receives complete; with ``wait_sends=False`` the sends may still be
-    in flight: one ``Handle`` per send, in order (each keeps its tensor alive
-    until waited for), or none where the backend completed the whole batch as one.
+    lets two neighbours exchange in both directions without deadlock, and what
+    NCCL needs for any exchange (``batch_isend_irecv``). Returns after the
+    receives complete; with ``wait_sends=False`` the sends may still be in
+    flight: one ``Handle`` per send, in order (each keeps its tensor alive until
+    waited for), or none where the backend completed the whole batch as one.
     """
-    ops, keep = [], []
+    ops, keep, send_entries, recv_entries = [], [], [], []
     for tensor, dst, tag in sends:
-        group.counters.record(category, _nbytes(tensor))
         keep.append(tensor.contiguous())
+        send_entries.append(_begin_transfer(group, "send", keep[-1], dst, tag))
+        group.counters.record(category, _nbytes(tensor))
         ops.append(dist.P2POp(dist.isend, keep[-1], group.global_rank(dst),
                               group=group.pg, tag=tag))
     for tensor, src, tag in recvs:
+        recv_entries.append(_begin_transfer(group, "recv", tensor, src, tag))
         ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(src),
                               group=group.pg, tag=tag))
     works = list(dist.batch_isend_irecv(ops)) if ops else []
     ops = None  # the P2POps hold the tensors too
     peers = sorted({group.global_rank(peer) for _, peer, _ in sends + recvs})
     what = f"point-to-point batch on group {group.name} (peers {peers})"
+    ctx = context()
     if len(works) != len(sends) + len(recvs):  # one coalesced work for the whole batch (NCCL)
-        Handle(works, group.counters, category, what=what).wait()
+        Handle(works, group.counters, category, what=what, entries=send_entries + recv_entries,
+               context=ctx, device=group.device).wait()
         return []
-    Handle(works[len(sends):], group.counters, category, what=what).wait()
-    send_handles = [Handle(work, group.counters, category, keep=tensor, what=what)
-                    for work, tensor in zip(works[:len(sends)], keep)]
+    Handle(works[len(sends):], group.counters, category, what=what, entries=recv_entries,
+           context=ctx, device=group.device).wait()
+    send_handles = [Handle(work, group.counters, category, keep=tensor, what=what,
+                           entries=[entry], context=ctx, device=group.device)
+                    for work, tensor, entry in zip(works[:len(sends)], keep, send_entries)]
     del works, keep
     if wait_sends:
         for handle in send_handles:

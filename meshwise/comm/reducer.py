@@ -9,10 +9,14 @@ where its last gradient arrives and wait for it before the optimizer step. With
     ...
     handle.wait()   # flat (or flat[start:end]) now holds the decompressed sum
 
-The work runs on one background thread, in launch order (every rank launches
-buckets in the same order), so it overlaps the rest of backward as the native
-async collectives do; ``wait`` is where communication is exposed, and its time
-is counted as the native handles' is (``counters.wait_s["grad"]``). The bytes
+Where the backend allows it (gloo, ``policy.reduce_in_background``) the work
+runs on one background thread, in launch order (every rank launches buckets in
+the same order), so it overlaps the rest of backward as the native async
+collectives do. NCCL allows one issuing thread per communicator: there the
+chain is issued at once from the training thread, on a CUDA stream of its own
+(its transfers and kernels do not hold the host), and ``wait`` makes the
+caller's stream wait for it. ``wait`` is where communication is exposed, and
+its time is counted as the native handles' is (``counters.wait_s["grad"]``). The bytes
 this reducer put on the wire are added to the shared counters' ``"grad"`` at
 each wait; ``compress_ratio`` compares them with what the uncompressed native
 reduction would have sent with the same algorithm
@@ -22,12 +26,11 @@ reduction would have sent with the same algorithm
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from meshwise.comm import ops
+from meshwise.comm import ops, policy
 from meshwise.comm.algorithms import Topology
 from meshwise.comm.allreducer import AllReducer
 from meshwise.comm.compressor import Compressor, NoCompression
@@ -38,17 +41,20 @@ log = logging.getLogger("meshwise")
 class _Pending:
     """One bucket's reduction in flight; ``wait()`` exactly once."""
 
-    def __init__(self, reducer: "GradReducer", future):
-        self._reducer, self._future = reducer, future
+    def __init__(self, reducer: "GradReducer", future, stream=None):
+        self._reducer, self._future, self._stream = reducer, future, stream
         self.done = False
 
     def wait(self) -> None:
         assert not self.done, "wait() called twice"
-        start = time.perf_counter()
-        if self._future is not None:
-            self._future.result()  # re-raises what the reduction raised
+        device = self._stream.device if self._stream is not None else None
+        with self._reducer.shared.waiting("grad", device):
+            if self._future is not None:
+                self._future.result()  # re-raises what the reduction raised
+            if self._stream is not None:  # the caller's kernels wait for the reduction's
+                torch.cuda.current_stream(device).wait_stream(self._stream)
         self.done = True
-        self._reducer._landed(time.perf_counter() - start)
+        self._reducer._landed()
 
 
 class GradReducer:
@@ -61,7 +67,10 @@ class GradReducer:
         self._group = ops.with_counters(group, self._own)
         self.comm = AllReducer(self._group, algorithm, topology, cost=cost, category="grad")
         self.compressor = compressor or NoCompression()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshwise-grad") if overlap else None
+        threaded = overlap and policy.reduce_in_background(group)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshwise-grad") if threaded else None
+        self._overlap = overlap
+        self._streams: dict = {}  # CUDA device -> the reductions' own stream
         self._merged = 0.0
         self.raw_bytes = 0.0  # what uncompressed native collectives would have sent
         self.sent_bytes = 0.0
@@ -76,11 +85,18 @@ class GradReducer:
         """Launch the sum of ``flat`` over the group (into ``flat``, or its ``shard``)."""
         self.raw_bytes += self.comm.uncompressed_bytes(flat.numel() * flat.element_size(),
                                                        scatter=shard is not None)
-        job = (self._reduce, key, flat, shard)
-        if self._pool is None:
+        if self._pool is not None:
+            return _Pending(self, self._pool.submit(self._reduce, key, flat, shard))
+        if not (self._overlap and flat.device.type == "cuda"):
             self._reduce(key, flat, shard)
             return _Pending(self, None)
-        return _Pending(self, self._pool.submit(*job))
+        stream = self._streams.get(flat.device)
+        if stream is None:
+            stream = self._streams[flat.device] = torch.cuda.Stream(flat.device)
+        stream.wait_stream(torch.cuda.current_stream(flat.device))  # the gradient is ready
+        with torch.cuda.stream(stream):
+            self._reduce(key, flat, shard)
+        return _Pending(self, None, stream)
 
     def _reduce(self, key, flat: torch.Tensor, shard) -> None:
         with torch.no_grad():
@@ -90,12 +106,11 @@ class GradReducer:
             assert shard == (self.comm.rank * size, (self.comm.rank + 1) * size), (
                 f"shard {shard} is not this rank's equal chunk of the bucket")
 
-    def _landed(self, waited_s: float) -> None:
+    def _landed(self) -> None:
         sent = self._own.bytes_sent["grad"]
         self.shared.bytes_sent["grad"] += sent - self._merged
         self.sent_bytes += sent - self._merged
         self._merged = sent
-        self.shared.wait_s["grad"] += waited_s
 
     def algorithm_stats(self) -> tuple[dict, dict]:
         """Calls and bytes per algorithm actually used, since the start."""

@@ -8,7 +8,9 @@ and what would be valid; the CLI turns that into exit status 2.
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from meshwise.apply.activation_checkpointing import MODES as ACTIVATION_CHECKPOINTING
 from meshwise.comm.algorithms import ALGORITHMS, Topology, hierarchical_problem
@@ -119,6 +121,16 @@ class TrainConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def ledger_dir(self) -> Path:
+        """Where ranks write their collective ledgers when something goes wrong: beside
+        the metrics, else in the save directory, else in the system's temporary folder."""
+        if self.runtime.metrics:
+            metrics = Path(self.runtime.metrics)
+            return metrics.with_name(metrics.name + ".ledger")
+        if self.checkpoint.save:
+            return Path(self.checkpoint.save) / "ledger"
+        return Path(tempfile.gettempdir()) / "meshwise-ledger"
 
     def validate(self) -> "TrainConfig":
         """Raise ``ValueError`` naming the first bad value; return self."""

@@ -34,17 +34,23 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    from meshwise.comm import ops
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    ops.start_ledger(COLLECTIVE_TIMEOUT_S)
     while True:
         task = tasks.get()
         if task is None:
             break
-        fn, args, kwargs = task
+        fn, args, kwargs, agree = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
+            if agree:  # every rank issued the same operations
+                ops.check_ledger(COLLECTIVE_TIMEOUT_S)
+            results.put((rank, True, value))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    ops.destroy_process_group()
 
 
 class WorkerPool:
@@ -60,9 +66,9 @@ class WorkerPool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float = 90, **kwargs) -> list:
+    def run(self, fn, *args, timeout: float = 90, agree: bool = True, **kwargs) -> list:
         for q in self.tasks:
-            q.put((fn, args, kwargs))
+            q.put((fn, args, kwargs, agree))
         out = [None] * self.world_size
         pending = set(range(self.world_size))
         deadline = time.monotonic() + timeout
@@ -100,15 +106,22 @@ class Pools:
     def __init__(self):
         self._pools: dict[int, WorkerPool] = {}
 
-    def run(self, world_size: int, fn, *args, timeout: float = 90, **kwargs) -> list:
+    def run(self, world_size: int, fn, *args, timeout: float = 90, agree: bool = True,
+            **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank; then, unless a test breaks agreement on
+        purpose (``agree=False``: the pool is replaced afterwards), the ranks' ledgers
+        must show the same operations (``ops.check_ledger``)."""
         pool = self._pools.get(world_size)
         if pool is None:
             pool = self._pools[world_size] = WorkerPool(world_size)
         try:
-            return pool.run(fn, *args, timeout=timeout, **kwargs)
+            result = pool.run(fn, *args, timeout=timeout, agree=agree, **kwargs)
         except BaseException:
             self._pools.pop(world_size).close(graceful=False)
             raise
+        if not agree:
+            self._pools.pop(world_size).close()
+        return result
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -294,5 +294,5 @@ def _units_differ():
 
 @pytest.mark.timeout(60)
 def test_units_used_on_some_ranks_only_fail_fast_and_named(dist_pools):
-    for message in dist_pools.run(2, _units_differ):
+    for message in dist_pools.run(2, _units_differ, agree=False):
         assert "ZeRO-3 units blocks.1 ran on some dp ranks but not on others" in message

@@ -111,7 +111,11 @@ def two_shaped_hosts():
         yield nodes
 
 
-def test_hierarchical_beats_a_flat_ring_across_a_slow_link(tmp_path, two_shaped_hosts):
+def test_hierarchical_beats_a_flat_ring_across_a_slow_link(tmp_path, two_shaped_hosts,
+                                                           monkeypatch):
+    # Gloo's own formulation is what is timed (separate transfers each way; NCCL's rules
+    # batch them, which gloo runs one direction after the other).
+    monkeypatch.delenv("MESHWISE_COMM_CHECK", raising=False)
     done = two_shaped_hosts.run(["bench", "comm", "--algorithms", "ring,hierarchical",
                                  "--sizes", "4M", "--repeats", "3", "--json"], 2, cwd=tmp_path)
     assert all(d.returncode == 0 for d in done), [d.stderr for d in done]

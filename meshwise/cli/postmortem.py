@@ -1,0 +1,61 @@
+"""What the launcher learns after a local rank failed: its last words and every ledger.
+
+The ranks of a local launch share a temporary folder: each keeps its collective
+ledger there as a file, current at every operation (``MESHWISE_LEDGER_DIR``),
+and a rank ended by its watchdog leaves its one-line reason there
+(``MESHWISE_FAILURE_DIR``). A rank killed by a signal (gloo aborts the process
+on a collective whose sizes do not match) says nothing itself; its ledger and
+its peers' still name the rank that diverged and both call sites.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from meshwise.comm import diagnose
+from meshwise.comm.context import LEDGER_DIR_ENV
+from meshwise.comm.ledger import read_ledgers, write_dumps
+from meshwise.comm.watchdog import FAILURE_DIR_ENV
+
+
+class JobFolder:
+    """The shared folder of one local launch (a context manager)."""
+
+    def __init__(self, ledger_out: str | os.PathLike | None = None):
+        self.ledger_out = ledger_out
+        self._tmp = tempfile.TemporaryDirectory(prefix="meshwise-job-")
+        self.ledgers = Path(self._tmp.name, "ledgers")
+        self.notes = Path(self._tmp.name, "notes")
+        self.ledgers.mkdir()
+        self.notes.mkdir()
+
+    def env(self) -> dict[str, str]:
+        """What every rank's environment must hold."""
+        return {LEDGER_DIR_ENV: str(self.ledgers), FAILURE_DIR_ENV: str(self.notes)}
+
+    def explain(self, rank: int, message: str, silent: bool = False) -> str:
+        """The launcher's line for a failed ``rank``: its own note when it left one,
+        and what the ledgers show: a divergence always; which rank was behind only
+        for a rank that died ``silent`` (a signal, no traceback of its own)."""
+        note = self.notes / f"rank-{rank}.txt"
+        if note.is_file():
+            return f"rank {rank}: {note.read_text().strip()}"
+        dumps = read_ledgers(self.ledgers)
+        finding = diagnose.explain(dumps)
+        if finding is None or (finding.kind != "diverged" and not silent):
+            return message
+        where = ""
+        if self.ledger_out is not None:
+            try:
+                where = f" (ledgers: {write_dumps(dumps, self.ledger_out)})"
+            except OSError:
+                pass
+        return f"{message}; collective ledger: {finding}{where}"
+
+    def __enter__(self) -> "JobFolder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tmp.cleanup()

@@ -1,0 +1,133 @@
+"""What one process knows about its communication: its ledger, the NCCL rules per
+group, and the exchange and watchdog that compare ledgers across ranks.
+
+``meshwise.comm.ops`` keeps one ``CommContext`` per initialised default process
+group (one per rank: like the logging module's loggers, it belongs to the
+process) and asks it about every operation before issuing it (``begin``).
+
+Settings, from the environment so that they reach every rank of a launch:
+``MESHWISE_COMM_CHECK=nccl`` (``meshwise.comm.strict``), ``MESHWISE_LEDGER=0``
+(no ledger: no checks across ranks), ``MESHWISE_STALL_S`` (how long an
+operation may be in flight before the watchdog compares ledgers, default 10),
+``MESHWISE_LEDGER_DIR`` (a folder for each rank's ledger as a file kept
+current, set by the local launcher so it can read them after a rank died).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from meshwise.comm import diagnose, strict
+from meshwise.comm.ledger import Entry, Ledger, call_site, signature
+from meshwise.comm.watchdog import LedgerExchange, Watchdog
+
+log = logging.getLogger("meshwise")
+LEDGER_ENV = "MESHWISE_LEDGER"
+STALL_ENV = "MESHWISE_STALL_S"
+LEDGER_DIR_ENV = "MESHWISE_LEDGER_DIR"
+
+
+def ledger_enabled() -> bool:
+    return os.environ.get(LEDGER_ENV, "1") != "0"
+
+
+class CommContext:
+    """One rank's ledger, NCCL-rule state and cross-rank exchange."""
+
+    def __init__(self, rank: int, world_size: int, store_factory=None):
+        self.rank, self.world_size = rank, world_size
+        self.strict = strict.enabled()
+        folder = os.environ.get(LEDGER_DIR_ENV)
+        path = os.path.join(folder, f"rank-{rank:05d}.ledger") if folder else None
+        self.ledger = Ledger(rank, path=path) if ledger_enabled() else None
+        self.rules: dict[int, strict.GroupRules] = {}  # id(process group) -> its rules
+        self._store_factory = store_factory
+        self.exchange: LedgerExchange | None = None
+        self.watchdog: Watchdog | None = None
+
+    # -- every operation ---------------------------------------------------------------
+    def begin(self, group, op: str, tensors, reduce_op: str | None = None,
+              peer: int | None = None, channel: str | None = None, tag: int = 0
+              ) -> Entry | None:
+        """Check ``op`` against NCCL's rules (strict mode) and enter it in the ledger.
+
+        ``peer``: the group rank of a point-to-point transfer, whose ``channel`` is
+        the pair's; both ends enter it under the same signature (with its ``tag``)."""
+        site = call_site()
+        if self.strict:
+            rules = self.rules_for(group)
+            rules.check_thread(site)
+            strict.check_tensors(group.name, group.device, tensors, site, reduce_op)
+            if peer is not None:
+                rules.before_transfer(group.global_rank(peer), op, site)
+        if self.ledger is None:
+            return None
+        if peer is not None:
+            sig = signature(f"transfer tag{tag}", tensors)
+        else:  # every rank pickles a different object: no sizes
+            sig = signature(op, () if op == "all_gather_object" else tensors)
+        return self.ledger.issue(channel or group.channel, op, sig, site)
+
+    def unbatched(self, group, peer: int, works: list, op: str) -> None:
+        """A send or receive issued outside a batch: strict mode holds the pair to it."""
+        if self.strict:
+            self.rules_for(group).note_unbatched(group.global_rank(peer), works, op, call_site())
+
+    def rules_for(self, group) -> strict.GroupRules:
+        key = id(group.pg)
+        if key not in self.rules:
+            self.rules[key] = strict.GroupRules(group.channel)
+        return self.rules[key]
+
+    # -- across ranks -----------------------------------------------------------------
+    def start(self, timeout_s: float | None, reports_timeouts: bool,
+              out_dir: str | os.PathLike | None = None) -> None:
+        """Open the exchange and start the watchdog (once; a no-op without a ledger,
+        a store, or a second rank)."""
+        if self.exchange is not None:
+            self.exchange.out_dir = out_dir or self.exchange.out_dir
+            return
+        if self.ledger is None or self.world_size == 1 or self._store_factory is None:
+            return
+        try:
+            store = self._store_factory()
+        except (RuntimeError, OSError) as exc:  # the ledger still records; ranks do not compare
+            log.warning("warning: collective ledger: cannot reach the launch's store (%s); "
+                        "ranks will not compare their ledgers", exc)
+            return
+        if store is None:
+            return
+        self.exchange = LedgerExchange(store, self.rank, self.world_size, self.ledger, out_dir)
+        thread_exchange = LedgerExchange(store.clone(), self.rank, self.world_size, self.ledger,
+                                         out_dir)
+        stall_s = float(os.environ.get(STALL_ENV, "10"))
+        self.watchdog = Watchdog(thread_exchange, stall_s, timeout_s, reports_timeouts)
+        self.watchdog.start()
+
+    def check(self, timeout_s: float) -> str | None:
+        """Compare this step's ledger with every rank's (all ranks call it together)."""
+        if self.exchange is None:
+            return None
+        return self.exchange.check(timeout_s)
+
+    def explain_stall(self) -> str | None:
+        """After a timeout: what the other ranks' ledgers say, if they answer."""
+        if self.exchange is None or self.watchdog is None:
+            return None
+        gen = self.watchdog.new_alert()
+        finding = diagnose.explain(self.exchange.collect(gen))
+        return self.exchange.report(str(finding)) if finding else None
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+
+def default_device(backend_name: str) -> torch.device:
+    """Where a group's tensors live when nothing says otherwise."""
+    if backend_name == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
