@@ -2,9 +2,12 @@
 
 A dropout mask drawn from a process's RNG depends on which rank draws it and in
 what order, so the same run laid out differently would drop different elements.
-Here every mask is drawn from a generator seeded by what the element *is*: the
-run's seed, the step, the sample's index in the global batch, the site in the
-model (``blocks.3.attn``), and for attention weights the head. So:
+Here every element's draw is a hash of what the element *is*: the run's seed,
+the step, the sample's index in the global batch, the site in the model
+(``blocks.3.attn``), for attention weights the head, and the element's place
+in its sample (and head). The hash (SplitMix64's finaliser, Steele et al.
+2014) runs as a few integer kernels over the whole activation on its device:
+no generator per sample or head, nothing read on the host. So:
 
 - tp ranks holding replicated activations (the residual stream, embeddings)
   draw the same mask, and those holding different heads draw different ones,
@@ -21,10 +24,29 @@ the backward, never redrawn.
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
 from torch import nn
+
+# SplitMix64's constants, as the signed 64-bit integers torch computes with.
+_GAMMA = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's ``>>`` keeps the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser of ``z + gamma``, elementwise (a new tensor)."""
+    z = z + _GAMMA
+    z = (z ^ _shift_right(z, 30)).mul_(_MIX1)
+    z = (z ^ _shift_right(z, 27)).mul_(_MIX2)
+    return z.bitwise_xor_(_shift_right(z, 31))
 
 
 class DropoutContext:
@@ -51,21 +73,19 @@ class DropoutContext:
              per_head: bool = False) -> torch.Tensor:
         """Keep-mask scaled by 1/(1-p), shape ``shape`` = (B, ...); with ``per_head``
         dim 1 holds this rank's attention heads (for attention weights)."""
-        heads = None
+        base = zlib.crc32(f"{self.seed}:{self.step}:{site}".encode())
+        samples = torch.arange(self.first_sample, self.first_sample + shape[0], device=device)
+        key = _splitmix(_splitmix(samples) ^ base)  # (B,)
+        lead = 1
         if per_head:  # local head i is global head tp_rank * local_heads + i
-            heads = range(self.tp_rank * shape[1], (self.tp_rank + 1) * shape[1])
-        rows = []
-        for b in range(shape[0]):
-            sample = self.first_sample + b
-            parts = [None] if heads is None else heads
-            draws = []
-            for head in parts:
-                key = zlib.crc32(f"{self.seed}:{self.step}:{sample}:{site}:{head}".encode())
-                gen = torch.Generator(device=device).manual_seed(key)
-                size = shape[1:] if heads is None else shape[2:]
-                draws.append(torch.rand(size, generator=gen, device=device))
-            rows.append(draws[0] if heads is None else torch.stack(draws))
-        keep = torch.stack(rows) >= p
+            heads = torch.arange(self.tp_rank * shape[1], (self.tp_rank + 1) * shape[1],
+                                 device=device)
+            key = _splitmix(key[:, None] ^ _splitmix(heads)[None, :])  # (B, H)
+            lead = 2
+        elements = torch.arange(math.prod(shape[lead:]), device=device)  # place in its slice
+        bits = _splitmix(key.reshape(*key.shape, 1) ^ _splitmix(elements))
+        uniform = _shift_right(bits, 40).to(torch.float32) * 2.0**-24  # 24 random bits
+        keep = (uniform >= p).view(shape)
         return keep.to(torch.float32) / (1.0 - p)
 
 

@@ -8,11 +8,14 @@ hidden states of any rank, sequence lengths that change between calls.
 The protocol, decided identically on both ends with no extra round trip in the
 steady state:
 
-* Forward edges: the first message of an edge in a run (``Channels.start``) is
-  preceded by a header (``TensorMeta``, a fixed-size int64 message). Every later
-  message on that edge in the run reuses it: the sender checks that its tensor
-  still has that shape and dtype and raises a ``RuntimeError`` naming the stage
-  and micro-batch otherwise (both ends would otherwise disagree on the size).
+* Forward edges: the first message of an edge (since ``Channels.start`` last
+  forgot the shapes) is preceded by a header (``TensorMeta``, a fixed-size int64
+  message). Every later message on that edge reuses it: the sender checks that
+  its tensor still has that shape and dtype and raises a ``RuntimeError`` naming
+  the stage otherwise (both ends would otherwise disagree on the size).
+  Training steps keep the shapes from one step to the next, so the steady state
+  sends no header and reads none on the host; evaluation and generation, whose
+  sequence length changes from call to call, forget them at every call.
 * Backward edges never carry a header: the gradient of an activation has that
   activation's shape and dtype (autograd guarantees it), and both ends of the
   gradient's edge already know the activation's header.
@@ -66,10 +69,12 @@ class Channels:
         self._meta_tag_base = 0
         self.headers_sent = self.headers_received = 0  # in this run
 
-    def start(self, meta_tag_base: int) -> None:
-        """A new run: every forward edge carries a header again. Header tags are
-        ``meta_tag_base + receiving stage``, above every tensor tag of the run."""
-        self._meta.clear()
+    def start(self, meta_tag_base: int, keep_shapes: bool = False) -> None:
+        """A new run. Unless ``keep_shapes``, every forward edge carries a header again
+        (every rank must decide alike). Header tags are ``meta_tag_base + receiving
+        stage``, above every tensor tag of the run."""
+        if not keep_shapes:
+            self._meta.clear()
         self._meta_tag_base = meta_tag_base
         self.headers_sent = self.headers_received = 0
 
@@ -129,8 +134,10 @@ class Channels:
         if known != meta:
             raise RuntimeError(
                 f"pipeline stage {send.src} produced an output of {meta} for stage {send.dst}, "
-                f"but {known} earlier in this step: every micro-batch of one step must give "
-                "each stage the same shape and dtype (cut the batch into equal micro-batches)")
+                f"but {known} earlier: every micro-batch of every step must give each stage "
+                "the same shape and dtype (cut the batch into equal micro-batches; where "
+                "shapes change between steps, call PipelineRuntime.reset_shapes() on every "
+                "rank first)")
         return [message]
 
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 
 import torch
 
 from meshwise.comm import ops
+from meshwise.comm.devices import Stopwatch
 from meshwise.pipeline.p2p import Channels, Incoming, Outgoing, release_storage
 from meshwise.pipeline.schedules import Action, Schedule, group_steps
 
@@ -59,6 +59,12 @@ class PipelineRuntime:
     def stage(self, chunk: int) -> int:
         return chunk * self.num_stages + self.rank
 
+    @property
+    def compute_s(self) -> float:
+        """Seconds of the last run's forwards and backwards on the device (read it once
+        the device has finished: the rest of the step is bubble and communication)."""
+        return self.compute.seconds()
+
     def run(self, micro_batches, loss_scale: float, sync: bool = True) -> torch.Tensor:
         """One pass of the schedule over ``micro_batches`` [(inputs, targets)].
 
@@ -69,24 +75,24 @@ class PipelineRuntime:
         """
         assert len(micro_batches) == self.schedule.num_micro_batches
         self._device = self._device_of(micro_batches)
-        self.channels.start(meta_tag_base=2 * self.num_logical * len(micro_batches))
+        self.channels.start(meta_tag_base=2 * self.num_logical * len(micro_batches),
+                            keep_shapes=True)
         self._inputs, self._outputs, self._grads_in = {}, {}, {}
         self._recv_f, self._recv_b, self._handoff, self._handoff_grad = {}, {}, {}, {}
         self._micro_batches, self._loss_scale = micro_batches, loss_scale
         self._sync, self._in_flight = sync, []
         self._loss = torch.zeros((), dtype=torch.float64, device=self._device)
-        self.compute_s = 0.0  # time in F and B this run: the rest is bubble and comms
+        self.compute = Stopwatch(self._device)  # F and B this run: the rest is bubble and comms
         with contextlib.nullcontext() if sync else self.engine.no_sync():
             for step in self.steps:
                 if isinstance(step, tuple):
                     self._communicate(step)
                     continue
-                start = time.perf_counter()
-                if step.kind == "F":
-                    self._forward(step)
-                else:
-                    self._backward(step)
-                self.compute_s += time.perf_counter() - start
+                with self.compute.measure():
+                    if step.kind == "F":
+                        self._forward(step)
+                    else:
+                        self._backward(step)
             self._finish_sends()
         assert not self._outputs and not self._inputs, "activations left after the step"
         return self._loss
@@ -150,6 +156,11 @@ class PipelineRuntime:
                 self._handoff_grad[(a.chunk - 1, a.micro_batch)] = grad_in
             else:
                 self._grads_in[key] = grad_in
+
+    def reset_shapes(self) -> None:
+        """The next ``run`` sends every stage's output shape again (call it on every
+        rank when the micro-batches' shapes change between steps)."""
+        self.channels.start(meta_tag_base=0)
 
     @torch.no_grad()
     def forward_only(self, inputs, targets=None) -> torch.Tensor | None:

@@ -6,9 +6,11 @@ and offers the trainer one protocol, whatever the stage:
 - ``zero_grad()``; backward(s), all but the last under ``no_sync()``;
   ``finish_grad_sync()`` (reductions were started during backward);
 - ``grad_sq_norm(include)``: the squared global gradient norm over dp;
-- ``step(lr, grad_scale)``: AdamW on what this rank owns, then the updated
-  values are published to the compute parameters (an all-gather that may
-  still be in flight: ``wait_params()`` before reading them outside a forward);
+- ``step(lr, grad_scale, skip)``: AdamW on what this rank owns, then the
+  updated values are published to the compute parameters (an all-gather that
+  may still be in flight: ``wait_params()`` before reading them outside a
+  forward); ``grad_scale`` and ``skip`` may be tensors on the device, so a step
+  needs no host read;
 - ``checkpoint_runs()``, ``load_done()``, ``state_bytes()``, ``step_count``.
 """
 
@@ -17,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from meshwise.comm import ops
+from meshwise.comm.devices import host_to_device
 from meshwise.layout.flat_runs import FlatRun
-from meshwise.sharding.adamw import AdamWConfig
+from meshwise.sharding.adamw import AdamWConfig, SkipGate
 
 
 class EngineBase:
@@ -50,11 +53,16 @@ class EngineBase:
         """Each parameter's name, and whether it got a gradient here since ``zero_grad()``."""
         raise NotImplementedError
 
-    def _used_names(self) -> set[str]:
-        """Parameters any dp rank gave a gradient since ``zero_grad()`` (a collective)."""
+    def _used_names(self) -> set[str] | None:
+        """Parameters any dp rank gave a gradient since ``zero_grad()``; ``None`` when
+        this rank gave every one a gradient (then so did the group). A collective:
+        every rank reduces the flags, but only a rank that lacks a gradient reads
+        them on the host."""
         names, flags = self._gradient_flags()
-        used = torch.tensor(flags, dtype=torch.float32, device=self.flats[0].device)
+        used = host_to_device(flags, torch.float32, self.flats[0].device)
         ops.all_reduce(used, self.group, op="max", category="check")
+        if all(flags):
+            return None
         return {name for name, flag in zip(names, used.tolist()) if flag}
 
     def _before_update(self) -> None:
@@ -85,20 +93,28 @@ class EngineBase:
         return total
 
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float, grad_scale=1.0, skip: torch.Tensor | None = None) -> None:
         """AdamW on what this rank owns, gradients times ``grad_scale`` (clipping).
 
         A parameter that got no gradient since ``zero_grad()`` on any dp rank is
         left alone, moments and weight decay included, as ``torch.optim.AdamW``
-        skips a parameter whose ``.grad`` is None.
+        skips a parameter whose ``.grad`` is None. ``skip``: a 0-dim bool tensor
+        on the device; where true, the step changes nothing (a non-finite step,
+        found without a host read; the caller then calls ``unstep()``).
         """
         self._before_update()
         self.wait_params()
         self.step_count += 1
         used = self._used_names()
+        gate = SkipGate(skip) if skip is not None else None
         for flat in self.flats:
-            flat.adamw_step(self.step_count, lr, self.adamw, grad_scale, used)
+            flat.adamw_step(self.step_count, lr, self.adamw, grad_scale, used, gate)
         self._publish()
+
+    def unstep(self) -> None:
+        """The last ``step`` was skipped on the device: its count does not advance
+        AdamW's bias correction (as a step ``torch.optim.AdamW`` never took)."""
+        self.step_count -= 1
 
     def checkpoint_runs(self) -> list[FlatRun]:
         """Each flat buffer as a checkpoint sees it (this rank's dp shard of the fp32

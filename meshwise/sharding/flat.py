@@ -33,10 +33,8 @@ import torch
 
 from meshwise.comm import ops, policy
 from meshwise.layout.flat_runs import FlatRun
-from meshwise.sharding.adamw import AdamWConfig, adamw_update, squared_sum
+from meshwise.sharding.adamw import AdamWConfig, SkipGate, adamw_update, chunk_numel, squared_sum
 from meshwise.sharding.plans import ShardPlan
-
-_UPDATE_CHUNK = 2**18  # elements per adamw_update call: its ~8 passes stay in cache
 
 
 @dataclass(frozen=True)
@@ -169,33 +167,40 @@ class FlatParams:
 
     def grad_sq_sum(self, include=None) -> torch.Tensor:
         """Sum of squared reduced-gradient elements this rank holds (stages 0-1: the
-        whole buffer, complete; 2-3: the shard, to be summed over dp)."""
+        whole buffer, complete; 2-3: the shard, to be summed over dp).
+
+        One pass over the whole buffer, less the parameters ``include`` leaves out
+        (few: replicas counted on another rank), each subtracted in float64."""
         lo, hi = (0, self.numel) if self.stage < 2 else self.update_range
         grad = self.grad[:self.numel] if self.stage < 2 else self.grad_shard[:hi - lo]
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if include is None:
-            return total + squared_sum(_upcast(grad))
-        for slot, a, b in self._overlaps(lo, hi):
-            if include(slot.name):
-                total += squared_sum(_upcast(grad[a - lo:b - lo]))
+        total = squared_sum(_upcast(grad))
+        if include is not None:
+            for slot, a, b in self._overlaps(lo, hi):
+                if not include(slot.name):
+                    total = total - squared_sum(_upcast(grad[a - lo:b - lo]))
         return total
 
     # ------------------------------------------------------------ update
     @torch.no_grad()
-    def adamw_step(self, step: int, lr: float, cfg: AdamWConfig, grad_scale: float = 1.0,
-                   used: set[str] | None = None) -> None:
-        """AdamW on ``update_range``, skipping parameters not in ``used`` (no gradient)."""
+    def adamw_step(self, step: int, lr: float, cfg: AdamWConfig, grad_scale=1.0,
+                   used: set[str] | None = None, gate: SkipGate | None = None) -> None:
+        """AdamW on ``update_range``, gradients times ``grad_scale`` (a number or a
+        0-dim tensor on the device), skipping parameters not in ``used`` (no
+        gradient; ``None``: all got one) and, with ``gate``, the whole step where
+        it says so."""
         lo = self.update_range[0]
         grad = self.owned_grad()
+        chunk = chunk_numel(self.device)
+        scaled = torch.is_tensor(grad_scale) or grad_scale != 1.0
         for start, end, decays in self._runs(used):
-            for s in range(start, end, _UPDATE_CHUNK):
-                e = min(s + _UPDATE_CHUNK, end)
+            for s in range(start, end, chunk):
+                e = min(s + chunk, end)
                 g = grad[s - lo:e - lo]
                 g = g.to(self.master.dtype)  # bf16 gradients reduced in bf16
-                g = g if grad_scale == 1.0 else g * grad_scale
+                g = g * grad_scale if scaled else g
                 adamw_update(self.master[s - lo:e - lo], g, self.exp_avg[s - lo:e - lo],
                              self.exp_avg_sq[s - lo:e - lo], step, lr, cfg,
-                             weight_decay=cfg.weight_decay if decays else 0.0)
+                             weight_decay=cfg.weight_decay if decays else 0.0, gate=gate)
 
     def _runs(self, used: set[str] | None) -> list[tuple[int, int, bool]]:
         """``[start, end)`` runs of ``update_range`` to update, one weight decay each."""

@@ -96,6 +96,7 @@ class ZeroStage3(EngineBase):
         self._saved_hooks = None
         self._peak_window = 0
         self._last_step_peak: int | None = None
+        self._units_checked = False
         self._connect_reducer()
 
     def __call__(self, *args, **kwargs):
@@ -136,8 +137,9 @@ class ZeroStage3(EngineBase):
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
         tensors = _grad_tensors(output)
-        if torch.is_grad_enabled() and self.blocks:
+        if torch.is_grad_enabled() and self.blocks and not self._units_checked:
             self._check_same_units()
+            self._units_checked = True
         if tensors:
             if self.root is not None:
                 self.root.needs_backward = True
@@ -150,8 +152,10 @@ class ZeroStage3(EngineBase):
 
         A unit used on some ranks only would make the reductions (and the gathers
         of the backward prefetch) of different units meet each other: wrong
-        gradients or a hang. One small all-reduce per forward finds it before the
-        backward starts, and names the units.
+        gradients or a hang. One small all-reduce, on the first forward only (its
+        answer is read on the host, a stall on a GPU), finds a model whose units
+        differ by rank before its first backward and names them; a later change
+        shows in the collective ledger, which names the rank and call site.
         """
         used = torch.tensor([float(u in self._forward_order) for u in self.blocks],
                             device=self.flats[0].device)

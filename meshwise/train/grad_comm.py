@@ -51,27 +51,35 @@ class GradCommStats:
         self._last = self._now()
 
     def _now(self) -> list[float]:
-        values = [self.counters.wait_s["grad"]]
+        values = [self.counters.exposed_s("grad")]
         if self.reducer is not None:
             calls, nbytes = self.reducer.algorithm_stats()
             values += [self.reducer.raw_bytes, self.reducer.sent_bytes]
             values += [calls.get(a, 0) for a in REPORTED] + [nbytes.get(a, 0.0) for a in REPORTED]
         return values
 
-    def step_record(self, reduce) -> dict:
-        """This step's values, reduced over all ranks with ``reduce(values, op)``."""
+    def add_to(self, values) -> None:
+        """This step's numbers, into ``values`` (a ``RankValues``) to be combined."""
         now = self._now()
         delta = [a - b for a, b in zip(now, self._last)]
         self._last = now
-        record = {"comm_exposed_s": reduce(delta[:1], op="max")[0]}
+        values.add("comm_exposed_s", delta[0], "max")
+        if self.reducer is not None:
+            names = ["raw_bytes", "sent_bytes"] + [f"calls.{a}" for a in REPORTED] + \
+                    [f"bytes.{a}" for a in REPORTED]
+            for name, value in zip(names, delta[1:]):
+                values.add(name, value, "sum")
+
+    def record(self, combined: dict[str, float]) -> dict:
+        """The metrics keys, from the combined numbers."""
+        record = {"comm_exposed_s": combined["comm_exposed_s"]}
         if self.reducer is None:
             return record
-        totals = reduce(delta[1:], op="sum")
-        raw, sent, counts = totals[0], totals[1], totals[2:]
-        k = len(REPORTED)
-        record["compress_ratio"] = raw / sent if sent else 1.0
-        record["allreduce_calls"] = {a: int(n) for a, n in zip(REPORTED, counts[:k]) if n}
-        record["allreduce_bytes"] = {a: int(n) for a, n in zip(REPORTED, counts[k:]) if n}
+        sent = combined["sent_bytes"]
+        record["compress_ratio"] = combined["raw_bytes"] / sent if sent else 1.0
+        for kind in ("calls", "bytes"):
+            counts = {a: int(combined[f"{kind}.{a}"]) for a in REPORTED}
+            record[f"allreduce_{kind}"] = {a: n for a, n in counts.items() if n}
         return record
 
     def close(self) -> None:

@@ -60,13 +60,27 @@ class GradSync3D:
             self.check_tp_replicas()
             self._checked_tp = True
 
-    def grad_norm(self) -> float:
-        """The L2 norm of the full model's gradient, the same on every rank."""
+    def grad_sq_norm(self) -> torch.Tensor:
+        """The squared L2 norm of the full model's gradient: a float64 0-dim tensor on
+        the device, the same on every rank (never read on the host here)."""
         sq = self.engine.grad_sq_norm(include=self.counted.__contains__)
         sq = sq.to(torch.float64).reshape(1)
         ops.all_reduce(sq, self.mesh.tp, category="norm")
         ops.all_reduce(sq, self.mesh.pp, category="norm")
-        return math.sqrt(sq.item())
+        return sq[0]
+
+    def grad_norm(self) -> float:
+        """The L2 norm of the full model's gradient, read on the host."""
+        return math.sqrt(self.grad_sq_norm().item())
+
+    def skip_step(self, sq_norm: torch.Tensor, loss_part: torch.Tensor) -> torch.Tensor:
+        """Whether this step must be skipped: a 0-dim bool tensor, the same on every
+        rank, true where the gradient norm or any rank's loss is not finite. One
+        small world all-reduce, no host read (``loss * 0`` is NaN exactly where the
+        loss is not finite, and NaN survives the sum)."""
+        flag = (loss_part.to(torch.float64) * 0).reshape(1)
+        ops.all_reduce(flag, self.mesh.world, category="check")
+        return ~(torch.isfinite(sq_norm) & torch.isfinite(flag[0]))
 
     def check_replica_values(self, rtol: float = 1e-6) -> None:
         """Raise if a tp-replicated parameter's values differ across tp ranks.

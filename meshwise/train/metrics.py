@@ -1,7 +1,7 @@
-"""Per-step metrics: JSON lines, a live progress line, and the final summary.
+"""Per-step metrics: gathered from every rank, JSON lines, a progress line, the summary.
 
-Only the logging rank (global rank 0) writes; every value it writes was reduced
-over the ranks first (``Trainer.train_step`` reduces them).
+Only the logging rank (global rank 0) writes; every value it writes was
+combined over the ranks first, in one collective (``RankValues``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,46 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from meshwise.comm import ops
+from meshwise.comm.devices import host_to_device
+
 log = logging.getLogger("meshwise")
+COMBINE = {"sum": sum, "max": max, "first": lambda column: column[0]}
+
+
+class RankValues:
+    """One step's numbers from every rank, gathered in one collective and read once.
+
+    Each value is a host number or a 0-dim tensor on the device (read nowhere
+    else), with how it combines across ranks: ``sum``, ``max`` or ``first`` (the
+    same on every rank). Every rank must add the same names in the same order
+    (a value may be a number on one rank and a tensor on another). ``gather``
+    lays them out in that order as one float64 tensor, all-gathers it over a
+    group and reads the result on the host: one host read for all of them,
+    which waits for the whole step on an accelerator.
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._names: list[tuple[str, str]] = []
+        self._values: list = []
+
+    def add(self, name: str, value, op: str) -> None:
+        self._names.append((name, op))
+        self._values.append(value)
+
+    def gather(self, group: ops.Group) -> dict[str, float]:
+        numbers = [float(v) for v in self._values if not torch.is_tensor(v)]
+        host = iter(host_to_device(numbers, torch.float64, self.device).split(1))
+        mine = torch.cat([v.to(torch.float64).reshape(1) if torch.is_tensor(v) else next(host)
+                          for v in self._values])  # (K,), in the order added
+        every = torch.empty(group.size * mine.numel(), dtype=torch.float64, device=self.device)
+        ops.all_gather(every, mine, group, category="metrics")
+        rows = every.view(group.size, -1).tolist()  # (ranks, K): the step's one host read
+        return {name: COMBINE[op]([row[k] for row in rows])
+                for k, (name, op) in enumerate(self._names)}
 
 
 def _format_duration(seconds: float) -> str:

@@ -25,7 +25,7 @@ from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops
-from meshwise.comm.devices import rank_device, synchronize
+from meshwise.comm.devices import host_to_device, rank_device
 from meshwise.data.dataset import TokenDataset, rank_slice
 from meshwise.data.tokenizer import decode_sample, printable
 from meshwise.mesh import Mesh
@@ -37,13 +37,14 @@ from meshwise.sharding.adamw import AdamWConfig
 from meshwise.train.build import build_engine, build_model
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
+from meshwise.train.faults import injected_fault
 from meshwise.train.fingerprint import check_same_job
 from meshwise.train.grad_comm import GradCommStats, grad_compressor, grad_reducer
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.init_from import initial_values
 from meshwise.train.lr_schedule import lr_at
 from meshwise.train.memory import PeakMemory
-from meshwise.train.metrics import MetricsLog
+from meshwise.train.metrics import MetricsLog, RankValues
 
 log = logging.getLogger("meshwise")
 
@@ -60,9 +61,12 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None):
         self.cfg = cfg
-        check_same_job(cfg, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s))
-        self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s)
         self.device = rank_device(cfg.runtime.device)
+        check_same_job(cfg, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
+                                                       device=self.device))
+        self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s,
+                               device=self.device)
+        ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
         d, p = cfg.data, cfg.parallel
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size)
         self.model_shape = cfg.model.sizes(self.data.vocab_size)
@@ -106,7 +110,7 @@ class Trainer:
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
                                   o.steps, cfg.runtime.log_every, resume_step=self.start_step,
                                   quiet=cfg.runtime.quiet)
-        self._fail_at = _injected_failure()
+        self.fault = injected_fault()
         self.skipped_in_a_row = 0
         self.memory = PeakMemory(self.device)  # after start-up: it keeps that peak too
 
@@ -149,58 +153,78 @@ class Trainer:
         counters = self.mesh.world.counters
         grad_bytes_before = counters.bytes_sent["grad"]
         lr = lr_at(step, self.cfg.optim.lr, self.cfg.optim.warmup_steps, self.cfg.optim.steps)
-        inject = self._fail_at and self._fail_at[:2] == (self.mesh.rank, step)
-        if inject and self._fail_at[2] == "raise":
-            raise RuntimeError(f"injected failure on rank {self.mesh.rank} at step {step}")
+        fault = self.fault if self.fault and self.fault.at(self.mesh.rank, step) else None
+        if fault:
+            fault.before_step(self.mesh, self.device)
 
         self.engine.zero_grad()
         loss_part = self._forward_backward(self._micro_batches(step, "train"), step)
-        if inject:  # "nan": this rank's loss of the step is not a number
+        if fault and fault.kind == "nan":  # this rank's loss of the step is not a number
             loss_part = loss_part + float("nan")
         self.grad_sync.finish()
 
-        grad_norm = self.grad_sync.grad_norm()
+        # Norm, clipping and the non-finite check stay on the device: the step needs
+        # no host read before the optimizer (a skipped step changes nothing there).
+        sq_norm = self.grad_sync.grad_sq_norm()
+        skip = self.grad_sync.skip_step(sq_norm, loss_part)
         clip = self.cfg.optim.clip
-        grad_scale = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-        # The loss stays on the device until here: one host sync per step, with the rest.
-        sums = self._reduce([loss_part if self.reports_loss else 0.0,
-                             counters.bytes_sent["grad"] - grad_bytes_before], op="sum")
-        loss = sums[0]
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self._handle_non_finite(step, loss, grad_norm)
-        else:
-            self.skipped_in_a_row = 0
-            self.engine.step(lr, grad_scale)
+        grad_scale = (clip / (sq_norm.sqrt() + 1e-6)).clamp(max=1.0) if clip > 0 else 1.0
+        self.engine.step(lr, grad_scale, skip)
         if self.compressor is not None:  # its warm-up and top-k's ramp count steps taken
             self.compressor.end_step()
         every = self.cfg.runtime.check_replicas_every
         if every and step % every == 0 and self.mesh.dims.tp > 1:
             self.grad_sync.check_replica_values()
-        synchronize(self.device)  # the optimizer's kernels may still be queued
+
+        values = self._step_values(loss_part, sq_norm, skip,
+                                   counters.bytes_sent["grad"] - grad_bytes_before)
+        combined = values.gather(self.mesh.world)  # the step's one host read: waits for it
         step_time_s = time.perf_counter() - start
-        gathered = getattr(self.engine, "peak_gathered_bytes", 0)  # ZeRO-3 only
-        state_bytes, rss, peak, gathered = self._reduce(
-            [self.engine.state_bytes(), self.memory.run_peak_rss_bytes(),
-             self.memory.step_peak_bytes(), gathered], op="max")
+        loss, grad_norm = combined["loss"], math.sqrt(combined["sq_norm"])
+        if combined["skip"]:
+            self.engine.unstep()
+            self._handle_non_finite(step, loss, grad_norm)
+        else:
+            self.skipped_in_a_row = 0
         record = {
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
             "tokens": self.global_tokens, "step_time_s": step_time_s,
             "tokens_per_s": self.global_tokens / step_time_s,
-            "grad_sync_bytes": int(sums[1]), "model_state_bytes": int(state_bytes),
-            "peak_rss_bytes": int(rss), "peak_mem_bytes": int(peak),
+            "grad_sync_bytes": int(combined["grad_sync_bytes"]),
+            "model_state_bytes": int(combined["model_state_bytes"]),
+            "peak_rss_bytes": int(combined["peak_rss_bytes"]),
+            "peak_mem_bytes": int(combined["peak_mem_bytes"]),
         }
-        record.update(self.comm_stats.step_record(self._reduce))
+        record.update(self.comm_stats.record(combined))
         if self.cfg.parallel.zero == 3:
             # Transient: full parameters gathered at once (unit in use + prefetched).
-            record["zero3_peak_gathered_bytes"] = int(gathered)
+            record["zero3_peak_gathered_bytes"] = int(combined["gathered"])
+        # Every rank issued the same operations on every group this step, or the
+        # ledger names the rank that did not (a desync is wrong before it hangs).
+        ops.check_ledger(self.cfg.comm.timeout_s)
         return record
+
+    def _step_values(self, loss_part, sq_norm, skip, grad_bytes: float) -> RankValues:
+        """What the metrics need from every rank, combined in one collective."""
+        values = RankValues(self.device)
+        values.add("loss", loss_part if self.reports_loss else 0.0, "sum")
+        values.add("sq_norm", sq_norm, "first")
+        values.add("skip", skip, "max")
+        values.add("grad_sync_bytes", grad_bytes, "sum")
+        values.add("model_state_bytes", self.engine.state_bytes(), "max")
+        values.add("peak_rss_bytes", self.memory.run_peak_rss_bytes(), "max")
+        values.add("peak_mem_bytes", self.memory.step_peak_bytes(), "max")
+        values.add("gathered", getattr(self.engine, "peak_gathered_bytes", 0), "max")  # ZeRO-3
+        self.comm_stats.add_to(values)
+        return values
 
     # ------------------------------------------------------------- helpers
     def _micro_batches(self, step: int, split: str, num: int | None = None):
         """This dp rank's contiguous slice of global batch ``step``, cut into micro-batches."""
         d, p = self.cfg.data, self.cfg.parallel
         batch = self.data.global_batch(step, d.batch_size, d.seed, split)  # (B, T+1)
-        local = rank_slice(batch, self.mesh.dp_rank, self.mesh.dims.dp).to(self.device)
+        local = host_to_device(rank_slice(batch, self.mesh.dp_rank, self.mesh.dims.dp),
+                               batch.dtype, self.device)
         num = num or d.grad_accum * p.num_micro_batches
         return [(mb[:, :-1], mb[:, 1:]) for mb in local.chunk(num)]
 
@@ -313,13 +337,3 @@ class Trainer:
         ids = tokens[0].tolist()
         return decode_sample(self.cfg.data.tokenizer, ids[:prompt_len], ids[prompt_len:],
                              self.model_cfg.vocab_size)
-
-
-def _injected_failure():
-    """``MESHWISE_FAIL_AT=RANK:STEP[:nan]`` makes that rank raise at that step, or with
-    ``:nan`` report a non-finite loss (for testing how failures end a job)."""
-    spec = os.environ.get("MESHWISE_FAIL_AT")
-    if not spec:
-        return None
-    rank, step, *kind = spec.split(":")
-    return int(rank), int(step), kind[0] if kind else "raise"

@@ -133,12 +133,13 @@ def _check_parity(kind, num_virtual, num_micro_batches, edges, own_loss):
                               loss_fn=None if own_loss else loss_fn)
     micro_batches = _batch(num_micro_batches)
     scale = 1.0 / (num_micro_batches * ROWS * T)
-    for _ in range(2):  # a second run learns its headers again and accumulates gradients
+    for run in range(2):  # a second run keeps the shapes learned and accumulates gradients
         loss = runtime.run(micro_batches, scale)
-        # One header per forward edge and run, whatever the number of micro-batches.
+        # One header per forward edge, whatever the number of micro-batches, in the
+        # first run only: later steps send none (and read none on the host).
         stages_here = [v * S + mesh.pp_rank for v in range(num_virtual)]
-        assert runtime.channels.headers_sent == sum(s + 1 < L for s in stages_here)
-        assert runtime.channels.headers_received == sum(s > 0 for s in stages_here)
+        assert runtime.channels.headers_sent == (run == 0) * sum(s + 1 < L for s in stages_here)
+        assert runtime.channels.headers_received == (run == 0) * sum(s > 0 for s in stages_here)
     expected = _reference(ref_stages, micro_batches, scale)
     _reference(ref_stages, micro_batches, scale)
     assert loss.dim() == 0

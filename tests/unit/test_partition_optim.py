@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from meshwise.sharding.adamw import AdamWConfig, adamw_update
+from meshwise.sharding.adamw import AdamWConfig, SkipGate, adamw_update
 from meshwise.sharding.plans import ShardPlan
 from meshwise.train.lr_schedule import lr_at
 
@@ -43,6 +43,29 @@ def test_adamw_matches_torch():
         opt.step()
         adamw_update(ours, grad, m, v, step, cfg.lr, cfg)
     torch.testing.assert_close(ours, ref.detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_gated_step_is_the_plain_one_or_nothing(dtype):
+    """Decided on the device: taken, bit for bit the ungated update; skipped, even with
+    NaN and infinite gradients, nothing changes (not the moments, not the weights)."""
+    torch.manual_seed(0)
+    cfg = AdamWConfig(lr=1e-2, weight_decay=0.1)
+    start = [torch.randn(64, dtype=dtype) for _ in range(3)]  # param, exp_avg, exp_avg_sq
+    start[2] = start[2].abs()
+    grad = torch.randn(64, dtype=dtype)
+    plain = [t.clone() for t in start]
+    adamw_update(*plain[:1], grad, *plain[1:], 3, cfg.lr, cfg)
+    taken = [t.clone() for t in start]
+    adamw_update(*taken[:1], grad, *taken[1:], 3, cfg.lr, cfg, gate=SkipGate(torch.tensor(False)))
+    for a, b in zip(taken, plain):
+        assert torch.equal(a, b)
+    bad = grad.clone()
+    bad[::3], bad[1::3] = float("nan"), float("inf")
+    skipped = [t.clone() for t in start]
+    adamw_update(*skipped[:1], bad, *skipped[1:], 3, cfg.lr, cfg, gate=SkipGate(torch.tensor(True)))
+    for a, b in zip(skipped, start):
+        assert torch.equal(a, b)
 
 
 def test_lr_schedule_warms_up_then_decays():
