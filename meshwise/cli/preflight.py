@@ -42,10 +42,7 @@ def prepare(cfg: TrainConfig) -> Path:
             raise ValueError(f"dp x tp x pp = {local} local ranks need {local} GPUs, but "
                              f"{torch.cuda.device_count()} are visible; use fewer ranks, or "
                              "torchrun across nodes")
-        if cfg.runtime.dtype == "bf16" and not _native_bf16(torch):
-            name = torch.cuda.get_device_name()
-            raise ValueError(f"--dtype bf16: {name} has no bfloat16 support (CUDA needs "
-                             "compute capability 8.0 or newer); valid here: --dtype fp32")
+        check_gpu_dtypes(cfg)
     if cfg.runtime.metrics:
         check_writable_file(cfg.runtime.metrics, "--metrics")
     if device == "cpu" and cfg.runtime.dtype == "bf16":
@@ -98,12 +95,25 @@ def check_same_tokenizer(saved: dict, cfg: TrainConfig) -> None:
                          f"(digest {cfg.data.tokenizer_digest}); valid: --tokenizer {name}")
 
 
-def _native_bf16(torch) -> bool:
-    """Whether the GPU computes in bf16 itself (not emulated through fp32)."""
-    try:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:  # PyTorch before 2.3 only reports native support
-        return torch.cuda.is_bf16_supported()
+def check_gpu_dtypes(cfg: TrainConfig) -> None:
+    """bf16 compute needs compute capability 8.0; bf16 on the wire, NCCL 2.10. Asked of
+    a child process (``devices.gpu_facts``): this one creates no CUDA context."""
+    bf16_wire = cfg.comm.compress == "bf16" or cfg.runtime.dtype == "bf16"
+    if not bf16_wire:
+        return
+    facts = devices.gpu_facts()
+    if cfg.runtime.dtype == "bf16":
+        for gpu in facts["gpus"]:
+            if tuple(gpu["capability"]) < (8, 0):
+                raise ValueError(f"--dtype bf16: {gpu['name']} has no bfloat16 support (CUDA "
+                                 "needs compute capability 8.0 or newer); valid here: --dtype "
+                                 "fp32")
+    nccl = facts["nccl"]
+    if nccl is not None and nccl < (2, 10):
+        what = "--dtype bf16" if cfg.runtime.dtype == "bf16" else "--compress bf16"
+        raise ValueError(f"{what}: this PyTorch's NCCL {'.'.join(map(str, nccl))} carries no "
+                         "bfloat16 (2.10 or newer does); valid here: --dtype fp32 and "
+                         "--compress none, fp16, int8, topk:F, powersgd:R")
 
 
 def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:

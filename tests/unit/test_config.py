@@ -80,10 +80,26 @@ def test_bf16_on_a_gpu_without_it_is_refused_before_spawning(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kwargs: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla V100")
+    v100 = {"name": "Tesla V100", "capability": [7, 0]}
+    monkeypatch.setattr("meshwise.comm.devices.gpu_facts",
+                        lambda: {"gpus": [v100, v100], "nccl": (2, 21, 5)})
     with pytest.raises(ValueError, match="--dtype bf16: Tesla V100 has no bfloat16 support"):
         prepare(parse("--device", "cuda", "--dp", "2", "--dtype", "bf16"))
+
+
+def test_bf16_on_an_nccl_without_it_is_refused_before_spawning(monkeypatch):
+    import torch
+
+    from meshwise.cli.preflight import prepare
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    a100 = {"name": "NVIDIA A100", "capability": [8, 0]}
+    monkeypatch.setattr("meshwise.comm.devices.gpu_facts",
+                        lambda: {"gpus": [a100], "nccl": (2, 7, 8)})
+    with pytest.raises(ValueError, match="--compress bf16: this PyTorch's NCCL 2.7.8 carries no "
+                                         "bfloat16"):
+        prepare(parse("--device", "cuda", "--dp", "1", "--compress", "bf16"))
 
 
 def test_torchrun_world_gives_dp(monkeypatch):
