@@ -64,7 +64,8 @@ class Trainer:
         self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s)
         self.device = rank_device(cfg.runtime.device)
         d, p = cfg.data, cfg.parallel
-        self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size)
+        self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size,
+                                 token_dtype=d.token_dtype)
         self.model_shape = cfg.model.sizes(self.data.vocab_size)
         self.family = family(self.model_shape["family"])
         self.model_cfg = self.family.make_config({**self.model_shape, "dropout": cfg.model.dropout})
