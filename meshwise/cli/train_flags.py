@@ -96,7 +96,8 @@ TRAIN_FLAGS = [
      "gradient bucket size in MB; with --zero 3, consecutive layers are gathered together "
      "up to this size"),
     ("--timeout-s", "comm", "timeout_s", float,
-     "seconds a collective may wait before the job fails"),
+     "seconds a collective, or the start of the other ranks, may wait before the job fails "
+     "(1 to 31536000); under torchrun give its rendezvous the same: --rdzv-conf timeout=S"),
     ("--compress", "comm", "compress", str,
      "dp gradient compression: none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK"),
     ("--error-feedback", "comm", "error_feedback", str,
@@ -127,11 +128,13 @@ TRAIN_FLAGS = [
     ("--log-every", "runtime", "log_every", int,
      "progress line every N steps when output is not a terminal"),
     ("--save", "checkpoint", "save", str,
-     "write sharded checkpoints under this directory (step-NNNNNNNN/ each)"),
+     "write sharded checkpoints under this directory (step-NNNNNNNN/ each); one job at a "
+     "time: the directory is locked while the job runs"),
     ("--save-every", "checkpoint", "save_every", int,
      "checkpoint every N steps, and at the end"),
     ("--keep-last", "checkpoint", "keep_last", int,
-     "keep only the newest K checkpoints in --save"),
+     "keep only the newest K checkpoints of this run's lineage in --save (never the one it "
+     "resumed from; other branches' are left alone)"),
     ("--resume", "checkpoint", "resume", str,
      "continue from a checkpoint, or a --save directory's newest one; 'auto': the newest "
      "in --save if there is one, else start fresh. Any layout can resume any other"),
