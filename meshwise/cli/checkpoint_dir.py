@@ -30,7 +30,7 @@ from meshwise.train.config import TrainConfig
 log = logging.getLogger("meshwise")
 
 
-def coordinates() -> bool:
+def acts_for_the_job() -> bool:
     """Whether this process acts on the save directory for the job (not only checks it)."""
     return not launch.under_torchrun() or os.environ.get("RANK") == "0"
 
@@ -40,7 +40,7 @@ def held_save_dir(cfg: TrainConfig):
     """Hold ``--save`` for this job: locked, leftovers of dead jobs removed; on the way
     out, this job's own unfinished saves removed and the lock released."""
     c = cfg.checkpoint
-    if not c.save or not coordinates():
+    if not c.save or not acts_for_the_job():
         yield
         return
     resume.check_save_dir(c.save)
@@ -70,7 +70,7 @@ def check_start(cfg: TrainConfig, start: Path | None, ckpt: Checkpoint | None,
     newer = resume.in_the_way(c.save, start_step)
     if newer and not c.branch:
         raise ValueError(resume.branch_problem(c.save, start, start_step, newer))
-    if newer and coordinates():
+    if newer and acts_for_the_job():
         folder = resume.set_aside(c.save, newer, c.run_id)
         log.warning("warning: --branch: moved %s into %s; this run goes on from step %d",
                     ", ".join(p.name for p in newer), folder, start_step)
