@@ -99,7 +99,9 @@ def file_problem(path: Path) -> str | None:
     except FileNotFoundError:
         return "a symbolic link to nothing" if os.path.islink(path) else "missing"
     except OSError as exc:
-        return "a symbolic link loop" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})"
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        return f"unreadable ({exc.strerror})"
     if stat.S_ISREG(mode):
         return None if os.access(path, os.R_OK) else "unreadable (permission denied)"
     kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),

@@ -132,7 +132,7 @@ def test_data_prepare_stops_at_once_and_leaves_nothing(tmp_path, long_line, sign
     code, err, took = _stop_while_encoding(command, tmp_path, "out/.one.bin.*.tmp", signum,
                                            whole_group)
     assert code == 128 + signum, err
-    assert took < 3, f"took {took:.1f} s to stop"
+    assert took < 5, f"took {took:.1f} s to stop"  # well under 1 s on an idle machine
     assert "Traceback" not in err and "stopped, nothing written" in err, err
     assert list(out.iterdir()) == []
 
@@ -143,7 +143,7 @@ def test_sigterm_during_a_corpus_build_leaves_no_temporary(tmp_path, long_line):
     code, err, took = _stop_while_encoding(command, tmp_path, "cache/.one-*.bin.*.tmp",
                                            signal.SIGTERM, False)
     assert code == 128 + signal.SIGTERM, err
-    assert took < 3 and "Traceback" not in err, err
+    assert took < 5 and "Traceback" not in err, err
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []
 
 
