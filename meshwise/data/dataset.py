@@ -215,7 +215,7 @@ class TokenDataset:
         # Every load checks the largest id against the vocabulary (a cached scan):
         # an id past it would train on garbage under some layouts and crash others.
         meta = {**meta, "max_token": largest_id(self.path, meta)}
-        self.vocab_size: int = resolve_vocab_size(meta, vocab_size)
+        self.vocab_size: int = resolve_vocab_size(meta, vocab_size, self.path)
         self.dtype = dtype_of(meta)
         self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         window = seq_len + 1

@@ -216,7 +216,8 @@ def _remember(path: Path, meta: dict) -> dict:
     return meta
 
 
-def resolve_vocab_size(meta: dict, requested: int = 0) -> int:
+def resolve_vocab_size(meta: dict, requested: int = 0,
+                       path: str | os.PathLike | None = None) -> int:
     """The vocabulary a model of this data needs, checked against the tokens.
 
     ``requested`` (``--vocab-size``, 0 for none) wins when given; it must hold
@@ -228,9 +229,10 @@ def resolve_vocab_size(meta: dict, requested: int = 0) -> int:
     stated, max_token = meta.get("vocab_size"), meta.get("max_token")
     source = meta.get("source", "the data")
     if stated and max_token is not None and max_token >= stated:
-        raise ValueError(f"the token file of {source} holds token id {max_token}, outside the "
-                         f"vocabulary of {stated} it was tokenized with: it changed since "
-                         "meshwise wrote it; prepare it again")
+        name = path or f"the token file of {source}"
+        raise ValueError(f"{name} holds token id {max_token}, outside the vocabulary of {stated} "
+                         "it was tokenized with: it changed since meshwise wrote it; prepare it "
+                         "again")
     if requested:
         if max_token is not None and max_token >= requested:
             raise ValueError(f"{source} holds token id {max_token}, outside --vocab-size "
