@@ -25,7 +25,7 @@ class RankFailed(RuntimeError):
     """A rank raised or died; the message holds its rank and traceback."""
 
 
-POLL_S = 0.2  # how often the launcher samples the ranks' memory while they run
+POLL_S = 0.1  # how often the launcher samples the ranks' memory while they run
 FAILURE_GRACE_S = 1.0  # after a rank fails, the others (stuck in collectives) get this long
 STOP_GRACE_S = 5.0  # how long ranks asked to stop get to exit before SIGKILL
 
@@ -89,6 +89,7 @@ def supervise(processes, error_files: list[str], watch: RankWatch) -> None:
     """
     pending = {p.sentinel: rank for rank, p in enumerate(processes)}
     ended: list[int] = []
+    watch.sample()  # at once: a forked rank can train and die within one poll
     while pending:
         _wait_some(pending, processes, ended, POLL_S)
         watch.sample()

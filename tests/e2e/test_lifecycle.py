@@ -124,6 +124,7 @@ def test_a_single_rank_killed_like_by_the_oom_killer_is_named_with_its_peak(tmp_
     assert proc.returncode == 1, err
     assert took < 15  # under 1 s on an idle machine
     assert "rank 0 was killed by signal SIGKILL (out of memory?)" in err, err
+    assert "peak resident memory so far" in err, err
     reported = float(err.split("peak resident memory so far ")[1].split(" GiB")[0])
     assert abs(reported - peak_gib) < 0.05, (reported, peak_gib)
 
