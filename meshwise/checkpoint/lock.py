@@ -13,12 +13,15 @@ of them still runs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
 from pathlib import Path
 
 from meshwise.data import file_lock
+
+log = logging.getLogger("meshwise")
 
 LOCK_NAME = ".meshwise-lock"
 
@@ -58,8 +61,10 @@ class SaveDirLock:
             raise SaveDirBusy(f"--save {self.path.parent} is in use by another meshwise job "
                               f"({_describe(_holder(self.path))}); wait for it to end, or "
                               "choose another --save") from None
-        except OSError:
-            return  # no locks on this file system (ENOLCK, EOPNOTSUPP): go on without
+        except OSError as exc:  # no locks on this file system (ENOLCK, EOPNOTSUPP)
+            log.warning("warning: --save %s cannot be locked (%s); nothing stops a second job "
+                        "from using it meanwhile", self.path.parent, exc.strerror or exc)
+            return
         self.stale = _holder(self.path) or None
         record = {"pid": os.getpid(), "host": socket.gethostname(), "run": self.run,
                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
