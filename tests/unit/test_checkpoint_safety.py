@@ -5,7 +5,6 @@ import json
 import multiprocessing
 import os
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -137,26 +136,26 @@ def test_a_save_that_cannot_fit_prunes_first_or_names_the_space(tmp_path, monkey
     assert temp_dir(tmp_path, 3, "r").is_dir()
 
 
-def _take(save_dir: str, start_at: float, results) -> None:
-    time.sleep(max(0.0, start_at - time.time()))  # every contender tries at the same moment
+def _take(save_dir: str, start, tried, results) -> None:
+    start.wait(timeout=10)  # every contender tries at the same moment
     try:
         with SaveDirLock(save_dir, str(os.getpid())):
+            tried.wait(timeout=10)  # held until every other contender has tried
             results.put("held")
-            time.sleep(0.05)  # held while the others try
     except SaveDirBusy as exc:
+        tried.wait(timeout=10)
         results.put(str(exc))
 
 
 def test_of_jobs_started_together_exactly_one_holds_the_directory(tmp_path):
     context = multiprocessing.get_context("fork")
     for trial in range(20):
-        results = context.Queue()
-        start_at = time.time() + 0.1
-        procs = [context.Process(target=_take, args=(str(tmp_path / f"s{trial}"), start_at,
+        start, tried, results = context.Barrier(3), context.Barrier(3), context.Queue()
+        procs = [context.Process(target=_take, args=(str(tmp_path / f"s{trial}"), start, tried,
                                                      results)) for _ in range(3)]
         for p in procs:
             p.start()
-        outcomes = [results.get(timeout=10) for _ in procs]
+        outcomes = [results.get(timeout=20) for _ in procs]
         for p in procs:
             p.join(timeout=10)
         assert outcomes.count("held") == 1, outcomes
