@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from functools import partial
 
@@ -68,7 +67,8 @@ class Trainer:
                                device=self.device)
         ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
         d, p = cfg.data, cfg.parallel
-        self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size)
+        self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size,
+                                 token_dtype=d.token_dtype)
         self.model_shape = cfg.model.sizes(self.data.vocab_size)
         self.family = family(self.model_shape["family"])
         self.model_cfg = self.family.make_config({**self.model_shape, "dropout": cfg.model.dropout})
