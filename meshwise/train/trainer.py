@@ -165,8 +165,7 @@ class Trainer:
 
         # Norm, clipping and the non-finite check stay on the device: the step needs
         # no host read before the optimizer (a skipped step changes nothing there).
-        sq_norm = self.grad_sync.grad_sq_norm()
-        skip = self.grad_sync.skip_step(sq_norm, loss_part)
+        sq_norm, skip = self.grad_sync.norm_and_skip(loss_part)
         clip = self.cfg.optim.clip
         grad_scale = (clip / (sq_norm.sqrt() + 1e-6)).clamp(max=1.0) if clip > 0 else 1.0
         self.engine.step(lr, grad_scale, skip)
