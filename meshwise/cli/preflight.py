@@ -20,6 +20,7 @@ from meshwise.data.dataset import TokenDataset, recorded_tokenizer, resolve_data
 from meshwise.data.tokenizer import check_vocab_fits, load_tokenizer
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
+from meshwise.train.loggers import missing_extra, parse_log_to
 
 log = logging.getLogger("meshwise")
 
@@ -42,6 +43,9 @@ def prepare(cfg: TrainConfig) -> Path:
         check_gpu_dtypes(cfg)
     if cfg.runtime.metrics:
         check_writable_file(cfg.runtime.metrics, "--metrics")
+    missing = missing_extra(parse_log_to(cfg.runtime.log_to))
+    if missing:
+        raise ValueError(missing)
     if device == "cpu" and cfg.runtime.dtype == "bf16":
         slowdown = bf16_slowdown()
         if slowdown > 2:

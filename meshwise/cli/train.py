@@ -28,6 +28,7 @@ from meshwise.cli.train_flags import config_from_args, effective_config, noop_wa
 from meshwise.comm import devices
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import apply_init_from
+from meshwise.train.loggers import name_the_run
 
 log = logging.getLogger("meshwise")
 
@@ -71,6 +72,7 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]
     cfg.checkpoint.run_id = new_run_id()
     apply_init_from(cfg, origins)
     apply_launch_defaults(cfg, origins)
+    name_the_run(cfg.runtime, cfg.checkpoint.save)
     return cfg.validate(), origins
 
 

@@ -122,6 +122,20 @@ TRAIN_FLAGS = [
      f"{' or '.join(ACTIVATION_CHECKPOINTING)}: full keeps only each transformer block's "
      "input in forward and recomputes the rest in backward (less memory, more compute)"),
     ("--metrics", "runtime", "metrics", str, "write one JSON line per step to this file"),
+    ("--log-to", "runtime", "log_to", str,
+     "experiment loggers, comma-separated: tensorboard, wandb, mlflow (each an optional "
+     "extra: pip install 'meshwise[tensorboard]'); every metric per step, the configuration "
+     "as hyper-parameters; W&B offline without an API key, MLflow in a local file store"),
+    ("--log-dir", "runtime", "log_dir", str,
+     "where the loggers keep the run (a resumed run with the same folder goes on in the "
+     "same runs)"),
+    ("--run-name", "runtime", "run_name", str, "the run's name in the loggers"),
+    ("--project", "runtime", "project", str,
+     "the W&B project and MLflow experiment"),
+    ("--profile-steps", "runtime", "profile_steps", str,
+     "A-B: record steps A to B (1-based) with torch.profiler on every rank, one Chrome "
+     "trace per rank with meshwise's named ranges"),
+    ("--profile-dir", "runtime", "profile_dir", str, "where the profiler's traces go"),
     ("--check-replicas-every", "runtime", "check_replicas_every", int,
      "every N steps, check that tp-replicated parameters (norms, biases, positions) are "
      "equal on every tp rank, under any ZeRO stage; 0: never"),
@@ -162,6 +176,9 @@ DEFAULT_TEXT = {
     "path": "the Python standard library's sources, byte-level",
     "cache_dir": "$MESHWISE_CACHE or ~/.cache/meshwise",
     "metrics": "none", "save": "none", "resume": "none: start fresh",
+    "log_dir": "DIR/logs with --save DIR, else runs/RUN_NAME",
+    "run_name": "--save's folder name, else run-DATE-TIME",
+    "profile_steps": "none", "profile_dir": "LOG_DIR/profile",
     "save_every": "only at the end", "keep_last": "keep all",
     "token_dtype": "the sidecar's; without one, uint16 unless the file could be uint32",
     "ranks_per_node": "torchrun's LOCAL_WORLD_SIZE; locally, every rank on one node",

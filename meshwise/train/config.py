@@ -19,6 +19,8 @@ from meshwise.comm.devices import DEVICES
 from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
 from meshwise.pipeline.schedules import validate_schedule_config
+from meshwise.train.loggers import parse_log_to
+from meshwise.train.profiling import parse_steps
 # The model section and its presets, part of this module's interface.
 from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
 
@@ -107,6 +109,13 @@ class RuntimeConfig:
     quiet: bool = False
     check_replicas_every: int = 100  # compare tp replicas' values every N steps; 0: never
     activation_checkpointing: str = "none"  # "full": recompute each block in backward
+    # watching a run (meshwise.train.observe): loggers, their folder and run, the profiler
+    log_to: str = "none"  # comma-separated: tensorboard, wandb, mlflow
+    log_dir: str | None = None  # set before launch: DIR/logs of --save DIR, else runs/RUN_NAME
+    run_name: str | None = None  # set before launch: --save's folder name, else the time
+    project: str = "meshwise"
+    profile_steps: str | None = None  # "A-B"
+    profile_dir: str | None = None  # set before launch: LOG_DIR/profile
 
 
 @dataclass
@@ -179,6 +188,8 @@ class TrainConfig:
         _choice("--on-nan", o.on_nan, ON_NAN)
         _choice("--activation-checkpointing", self.runtime.activation_checkpointing,
                 ACTIVATION_CHECKPOINTING)
+        parse_log_to(self.runtime.log_to)
+        parse_steps(self.runtime.profile_steps)
         self._validate_model()
         self._validate_layout()
         self._validate_checkpoint()

@@ -23,7 +23,10 @@ from meshwise.comm import ops
 # Fields that may differ between nodes: where things are, how much is printed.
 PER_NODE = {"data.path", "data.cache_dir", "data.tokenizer", "runtime.metrics", "runtime.quiet",
             "runtime.log_every", "checkpoint.save", "checkpoint.resume", "model.init_from",
-            "checkpoint.run_id"}
+            "checkpoint.run_id",
+            # only the logging rank logs; each rank profiles for itself
+            "runtime.log_to", "runtime.log_dir", "runtime.run_name", "runtime.project",
+            "runtime.profile_steps", "runtime.profile_dir"}
 _SAMPLE_BYTES = 1 << 20
 
 
