@@ -7,31 +7,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from meshwise.pipeline.schedules import (
     SCHEDULE_KINDS, build_schedule, group_steps, validate_schedule_config,
 )
-from meshwise.pipeline.simulator import ideal_bubble_fraction, plot_timeline, render_text, simulate
+from meshwise.pipeline.simulator import plot_timeline, reference_bubble, render_text, simulate
 
 PROG = "meshwise schedule"
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``meshwise schedule`` flags to ``parser``."""
-    parser.description = ("Show each pipeline rank's order of forwards (F) and backwards (B), "
-                          "a simulated timeline (forward 1, backward 2 time units per rank, "
-                          "communication free) and the bubble fraction (idle time / total time).")
+    parser.description = ("Show each pipeline rank's order of forwards (F), backwards (B) and "
+                          "weight passes (W, schedules with a split backward), a simulated "
+                          "timeline (costs per rank, communication free; a whole backward "
+                          "costs B + W) and the bubble fraction (idle time / total time) beside "
+                          "the formula or the paper's figure for the schedule.")
     parser.add_argument("--pp", type=int, required=True, metavar="S",
                         help="number of pipeline stages (pipeline-parallel ranks), >= 1")
     parser.add_argument("--micro-batches", type=int, required=True, metavar="M",
                         help="micro-batches per optimizer step, >= 1 "
-                             "(interleaved-1f1b: a multiple of --pp)")
+                             "(interleaved-1f1b: a multiple of --pp; dualpipev: >= 2 x --pp)")
     parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                        help="model chunks per rank: 1 for gpipe and 1f1b, >= 2 for "
-                             "interleaved-1f1b (default: 1)")
+                        help="model chunks per rank: 1 for gpipe, 1f1b and zb-h1, >= 2 for "
+                             "interleaved-1f1b, 2 for zbv and dualpipev (default: 1)")
     parser.add_argument("--schedule", default="1f1b", metavar="KIND",
-                        help=f"one of {', '.join(SCHEDULE_KINDS)} (default: 1f1b)")
+                        help=f"one of {', '.join(SCHEDULE_KINDS)} (default: 1f1b); zb-h1, zbv "
+                             "and dualpipev split the backward into B (input gradient) and W "
+                             "(weight gradients)")
+    parser.add_argument("--costs", default="1,1,1", metavar="F,B,W",
+                        help="per-rank cost of a forward, of a backward's input gradient and "
+                             "of its weight gradients, per micro-batch (default: 1,1,1)")
     parser.add_argument("--comms", action="store_true",
                         help="also list the sends/receives in each rank's order; [..] marks "
                              "those posted together as one batch (SF3>1: send the activation of "
@@ -45,6 +53,19 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                              "(needs matplotlib)")
 
 
+def parse_costs(text: str) -> tuple[float, float, float]:
+    """``"1,1,1"`` -> (F, B, W); ValueError naming the value unless three numbers > 0."""
+    parts = text.split(",")
+    try:
+        costs = tuple(float(p) for p in parts)
+    except ValueError:
+        costs = ()
+    if len(costs) != 3 or not all(0 < c < float("inf") for c in costs):
+        raise ValueError(f"--costs {text!r} is not valid; valid: three numbers > 0 as F,B,W, "
+                         "e.g. 1,1,1 or 1,1.2,0.8")
+    return costs
+
+
 def _error(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
@@ -55,12 +76,13 @@ def run_schedule(args: argparse.Namespace) -> int:
     S, M, V, kind = args.pp, args.micro_batches, args.virtual_stages, args.schedule
     try:
         validate_schedule_config(kind, S, M, V)
+        costs = parse_costs(args.costs)
     except ValueError as exc:
         return _error(str(exc))
     schedule = build_schedule(kind, S, M, V)
-    timeline = simulate(schedule)
-    strict = simulate(schedule, blocking_sends=True)
-    ideal = ideal_bubble_fraction(S, M, V)
+    timeline = simulate(schedule, *costs)
+    strict = simulate(schedule, *costs, blocking_sends=True)
+    ideal, source = reference_bubble(kind, S, M, V, costs)
     if args.plot:
         try:
             plot_timeline(timeline, args.plot)
@@ -74,7 +96,10 @@ def run_schedule(args: argparse.Namespace) -> int:
         print(json.dumps({
             "schedule": kind, "pp": S, "micro_batches": M, "virtual_stages": V,
             "forward_cost": timeline.forward_cost, "backward_cost": timeline.backward_cost,
-            "bubble_fraction": timeline.bubble_fraction, "bubble_fraction_formula": ideal,
+            "weight_cost": timeline.weight_cost,
+            "bubble_fraction": timeline.bubble_fraction,
+            "bubble_fraction_formula": None if math.isnan(ideal) else ideal,
+            "bubble_fraction_source": source,
             "bubble_fraction_blocking_sends": strict.bubble_fraction,
             "step_time": timeline.step_time, "peak_in_flight": timeline.peak_in_flight,
             "ranks": compute,
@@ -91,8 +116,13 @@ def run_schedule(args: argparse.Namespace) -> int:
     print()
     print(render_text(timeline))
     print()
-    print(f"bubble fraction: {timeline.bubble_fraction:.4f}   "
-          f"formula (S-1)/(V*M+S-1) = {S - 1}/{V * M + S - 1} = {ideal:.4f}")
+    if kind in ("gpipe", "1f1b", "interleaved-1f1b"):
+        reference = f"formula (S-1)/(V*M+S-1) = {S - 1}/{V * M + S - 1} = {ideal:.4f}"
+    elif math.isnan(ideal):
+        reference = f"reference {source}"
+    else:
+        reference = f"reference {ideal:.4f}: {source}"
+    print(f"bubble fraction: {timeline.bubble_fraction:.4f}   {reference}")
     if abs(strict.bubble_fraction - timeline.bubble_fraction) > 1e-9:
         print(f"  (if every send blocks until received: {strict.bubble_fraction:.4f})")
     print(f"peak activations in flight per rank: {timeline.peak_in_flight}")

@@ -76,10 +76,11 @@ def _index_steps(schedule: Schedule) -> tuple[list[list[tuple]], dict[tuple[int,
     return steps, step_of
 
 
-def replay(schedule: Schedule, cost: Callable[[Action], float], p2p_latency: float = 0.0,
+def replay(schedule: Schedule, cost: Callable[[int, Action], float], p2p_latency: float = 0.0,
            blocking_sends: bool = True) -> tuple[list[list[Interval]], list[float]]:
     """Execute the lists batch by batch; return compute intervals and finish time per rank.
 
+    ``cost(rank, action)`` is a compute action's duration.
     A message completes ``p2p_latency`` after both its ends are posted.  With ``blocking_sends``
     a rank waits for its whole batch (the strictest runtime: the validator's deadlock check);
     without, it waits only for the batch's receives and its sends finish in the background.
@@ -102,7 +103,7 @@ def replay(schedule: Schedule, cost: Callable[[Action], float], p2p_latency: flo
             step = pointer[rank]
             action = steps[rank][step][0]
             if action is not None:
-                rows[rank].append((clock[rank], clock[rank] + cost(action), action))
+                rows[rank].append((clock[rank], clock[rank] + cost(rank, action), action))
                 clock[rank] = rows[rank][-1][1]
             else:
                 if (rank, step) not in posted:

@@ -6,12 +6,18 @@ sends/receives is one batch, posted at once; a message completes ``p2p_latency``
 after both its ends are posted, and a rank waits for the batch's receives only
 (its sends finish in the background) unless ``blocking_sends``.
 
+Costs are a rank's per micro-batch: a forward ``F``, the input part of a
+backward ``B`` and its weight part ``W`` (a whole backward, one with no W of its
+own, costs B + W), each split evenly over the rank's V chunks.  The defaults
+1, 1, 1 make a whole backward cost twice a forward.
+
 With balanced stages and free communication the simulated bubble equals the analytic
 ``(S - 1) / (V * M + S - 1)`` (Huang et al. 2019 for GPipe; Narayanan et al. 2021, sections 2.2.1
 and 2.2.2 for 1F1B and interleaved 1F1B): for GPipe and 1F1B for every M >= 1 (M < S included),
 for interleaved 1F1B for every M that is a multiple of S.  With blocking sends GPipe and 1F1B
 still meet it; interleaved 1F1B can lose time where a producer and its consumer are never idle
-at the same instant (measured: S = 2, 5, 8 with M > S).
+at the same instant (measured: S = 2, 5, 8 with M > S).  :func:`reference_bubble` gives what
+the literature says for each kind.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ class Timeline:
     ``rows[r]`` lists ``(start, end, action)`` for the compute actions of rank r; ``step_time`` is
     when the last rank finishes; ``bubble_fraction`` = idle time of all ranks / (S * step_time);
     ``peak_in_flight[r]`` = most (micro-batch, chunk) activations rank r holds at once (+1 at F,
-    -1 at B).
+    -1 at the backward action that ends the micro-batch: its W, else its B).
     """
 
     schedule: Schedule
@@ -40,6 +46,12 @@ class Timeline:
     peak_in_flight: list[int]
     forward_cost: float
     backward_cost: float
+    weight_cost: float = 1.0
+
+    @property
+    def costs(self) -> str:
+        """``F 1, B 1, W 1``: the per-rank costs timed."""
+        return f"F {self.forward_cost:g}, B {self.backward_cost:g}, W {self.weight_cost:g}"
 
 
 def ideal_bubble_fraction(num_stages: int, num_micro_batches: int,
@@ -48,10 +60,42 @@ def ideal_bubble_fraction(num_stages: int, num_micro_batches: int,
     return (num_stages - 1) / (num_virtual_stages * num_micro_batches + num_stages - 1)
 
 
-def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0,
-             p2p_latency: float = 0.0, blocking_sends: bool = False) -> Timeline:
-    """Validate and time a schedule.  A chunk's forward costs ``forward_cost / V`` and its
-    backward ``backward_cost / V``: a rank's share of the model is split over its V chunks.
+def reference_bubble(kind: str, num_stages: int, num_micro_batches: int,
+                     num_virtual_stages: int = 1, costs=(1.0, 1.0, 1.0)) -> tuple[float, str]:
+    """The bubble fraction the literature gives for ``kind``, and where it comes from.
+
+    ``costs``: a rank's F, B and W per micro-batch. GPipe, 1F1B and interleaved 1F1B:
+    (S-1)/(V*M + S-1) whatever the costs. The split-backward schedules' figures assume
+    F = B = W (NaN otherwise: their fixed orders then lose more, which the simulator
+    times): ZB-H1 idles (S-1)(F + B - W) per rank, a third of 1F1B (Qi et al. 2024,
+    section 2.1); ZB-V only the start-up every schedule pays, the first forward's trip
+    to the last rank, (S-1)F/2 (ibid., section 6); DeepSeek gives (PP/2 - 1)(F&B + B - 3W)
+    for DualPipe on PP ranks, F&B an overlapped forward and backward pair, and its
+    V-shaped half on S ranks is DualPipe on PP = 2S with per-chunk costs (half a rank's),
+    its pair here run back to back (F&B = F + B + W).
+    """
+    S, M, V = num_stages, num_micro_batches, num_virtual_stages
+    f, b, w = costs
+    if kind in ("gpipe", "1f1b", "interleaved-1f1b"):
+        return (S - 1) / (V * M + S - 1), "(S-1)/(V*M+S-1)"
+    if not f == b == w:
+        return math.nan, "none: the paper's figure assumes F = B = W"
+    idle, source = {
+        "zb-h1": ((S - 1) * (f + b - w), "(S-1)(F+B-W) idle per rank, Qi et al. 2024"),
+        "zbv": ((S - 1) * f / 2, "(S-1)F/2 start-up only, Qi et al. 2024 section 6"),
+        "dualpipev": ((S - 1) * ((f + b + w) + b - 3 * w) / 2,
+                      "(PP/2-1)(F&B+B-3W) at PP = 2S, DeepSeek-V3's DualPipe"),
+    }[kind]
+    return idle / (idle + M * (f + b + w)), source
+
+
+def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 1.0,
+             weight_cost: float = 1.0, p2p_latency: float = 0.0,
+             blocking_sends: bool = False) -> Timeline:
+    """Validate and time a schedule.  A chunk's forward costs ``forward_cost / V``, the input
+    part of its backward ``backward_cost / V`` and its weight part ``weight_cost / V``; a whole
+    backward (no W of its own) costs both parts: a rank's share of the model is split over its
+    V chunks.
 
     By default a rank waits only for the receives of a batch (a runtime that waits for its sends
     at the end of the step); ``blocking_sends=True`` times a runtime that waits for whole batches.
@@ -59,8 +103,13 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
     validate(schedule)
     V = schedule.num_virtual_stages
 
-    def cost(action: Action) -> float:
-        return (forward_cost if action.kind == "F" else backward_cost) / V
+    def cost(rank: int, action: Action) -> float:
+        if action.kind == "F":
+            return forward_cost / V
+        if action.kind == "W":
+            return weight_cost / V
+        split = schedule.splits_backward(rank, action.micro_batch, action.chunk)
+        return (backward_cost + (0.0 if split else weight_cost)) / V
 
     rows, finish = replay(schedule, cost, p2p_latency, blocking_sends)
     step_time = max(finish)
@@ -68,25 +117,29 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
     total = schedule.num_stages * step_time
     bubble = (total - busy) / total if total > 0 else 0.0
     peaks = []
-    for row in rows:
+    for rank, row in enumerate(rows):
         live = peak = 0
-        for _, _, action in row:
-            live += 1 if action.kind == "F" else -1
+        for _, _, a in row:
+            ends = a.kind == "W" or (a.kind == "B" and not schedule.splits_backward(
+                rank, a.micro_batch, a.chunk))
+            live += 1 if a.kind == "F" else (-1 if ends else 0)
             peak = max(peak, live)
         peaks.append(peak)
-    return Timeline(schedule, rows, step_time, bubble, peaks, forward_cost, backward_cost)
+    return Timeline(schedule, rows, step_time, bubble, peaks, forward_cost, backward_cost,
+                    weight_cost)
 
 
 def render_text(timeline: Timeline, width: int | None = None) -> str:
     """A text Gantt chart: one row per rank; a forward shows its micro-batch (``3``, or ``3.1``
-    with the chunk), a backward the same in brackets (``[3]``); ``.`` is idle time.
+    with the chunk), a backward the same in brackets (``[3]``), a weight pass in braces
+    (``{3}``); ``.`` is idle time.
 
     ``width`` is the number of characters for the time axis; by default it is wide enough that
     every label fits (labels are cut when a narrower width is asked for).
     """
     def label(a: Action) -> str:
         text = str(a)[1:]
-        return text if a.kind == "F" else f"[{text}]"
+        return {"F": text, "B": f"[{text}]", "W": f"{{{text}}}"}[a.kind]
 
     if width is None:
         scale = max(((len(label(a)) + 1) / (end - start) for row in timeline.rows
@@ -95,9 +148,10 @@ def render_text(timeline: Timeline, width: int | None = None) -> str:
     width = max(width, 1)
     scale = width / timeline.step_time if timeline.step_time > 0 else 0.0
     s = timeline.schedule
+    weights = ", {n} = weight pass" if s.has_weight_actions else ""
     lines = [f"{s.kind}: S={s.num_stages} M={s.num_micro_batches} V={s.num_virtual_stages}, "
-             f"forward {timeline.forward_cost:g} / backward {timeline.backward_cost:g} per rank, "
-             f"bubble {timeline.bubble_fraction:.4f}   (n = forward, [n] = backward, . = idle)"]
+             f"{timeline.costs} per rank, bubble {timeline.bubble_fraction:.4f}   "
+             f"(n = forward, [n] = backward{weights}, . = idle)"]
     for rank, row in enumerate(timeline.rows):
         cells = ["."] * width
         for start, end, action in row:
@@ -109,8 +163,9 @@ def render_text(timeline: Timeline, width: int | None = None) -> str:
 
 
 def plot_timeline(timeline: Timeline, path: str) -> None:
-    """Save a Gantt chart (PNG, Agg): one row per rank, forwards blue and backwards orange (a
-    darker shade per chunk), micro-batch numbers in the boxes, bubbles left blank."""
+    """Save a Gantt chart (PNG, Agg): one row per rank, forwards blue, backwards orange and
+    weight passes green (a darker shade per chunk), micro-batch numbers in the boxes, bubbles
+    left blank."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: optional dependency
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -122,17 +177,19 @@ def plot_timeline(timeline: Timeline, path: str) -> None:
                            for row in timeline.rows for start, end, a in row if end > start),
                           default=72.0)
     fig_width = min(max(8.0, step * points_per_unit / 72 / 0.85), 40.0)
-    fig = Figure(figsize=(fig_width, 1.4 + 0.55 * s.num_stages))
+    fig = Figure(figsize=(fig_width, 1.8 + 0.55 * s.num_stages))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     points_per_unit = fig_width * 72 * 0.85 / step
     blues = ("#9ecae1", "#4292c6", "#2171b5", "#08519c")
     oranges = ("#fdd0a2", "#fd8d3c", "#e6550d", "#a63603")
+    greens = ("#c7e9c0", "#74c476", "#31a354", "#006d2c")
+    colours = {"F": blues, "B": oranges, "W": greens}
     for rank, row in enumerate(timeline.rows):
         for start, end, a in row:
             shade = a.chunk % 4 if V > 1 else 1
             ax.barh(rank, end - start, left=start, height=0.8, edgecolor="black", linewidth=0.5,
-                    color=(blues if a.kind == "F" else oranges)[shade])
+                    color=colours[a.kind][shade])
             text = str(a)[1:]
             size = min(9.0, ((end - start) * points_per_unit - 2) / (0.6 * len(text)))
             ax.text((start + end) / 2, rank, text, ha="center", va="center", fontsize=size,
@@ -140,17 +197,21 @@ def plot_timeline(timeline: Timeline, path: str) -> None:
     ax.set_yticks(range(s.num_stages), [f"rank {r}" for r in range(s.num_stages)])
     ax.set_ylim(s.num_stages - 0.5, -0.5)
     ax.set_xlim(0, step)
-    costs = f"forward {timeline.forward_cost:g}, backward {timeline.backward_cost:g} per rank"
     chunks = f", split over {V} chunks; labels: micro-batch.chunk" if V > 1 else ""
-    ax.set_xlabel(f"time ({costs}{chunks})")
-    ideal = ideal_bubble_fraction(s.num_stages, s.num_micro_batches, V)
+    ax.set_xlabel(f"time ({timeline.costs} per rank{chunks})")
+    ideal, _ = reference_bubble(s.kind, s.num_stages, s.num_micro_batches, V,
+                                (timeline.forward_cost, timeline.backward_cost,
+                                 timeline.weight_cost))
     ax.set_title(f"{s.kind}: S={s.num_stages}, M={s.num_micro_batches}, V={V}, "
-                 f"bubble {timeline.bubble_fraction:.3f} (formula {ideal:.3f})")
+                 f"bubble {timeline.bubble_fraction:.3f}"
+                 + ("" if math.isnan(ideal) else f" (reference {ideal:.3f})"))
     suffix = (lambda c: f" chunk {c}") if V > 1 else (lambda c: "")
     shades = range(min(V, 4)) if V > 1 else [1]
-    handles = [Patch(color=blues[c], label="forward" + suffix(c)) for c in shades]
-    handles += [Patch(color=oranges[c], label="backward" + suffix(c)) for c in shades]
-    ax.legend(handles=handles, loc="upper right", bbox_to_anchor=(1.0, -0.14), ncol=len(handles),
-              fontsize=8)
+    kinds = (("F", "forward"), ("B", "backward")) + ((("W", "weight"),)
+                                                      if s.has_weight_actions else ())
+    handles = [Patch(color=colours[k][c], label=name + suffix(c))
+               for k, name in kinds for c in shades]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.3),
+              ncol=min(len(handles), 4), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

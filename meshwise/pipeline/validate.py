@@ -19,11 +19,12 @@ def validate(schedule: Schedule) -> None:
 
     Checks, in order: every action's fields (micro-batch, chunk, peer = the rank of the
     neighbouring logical stage, no message where none is needed); on each rank, every
-    (micro-batch, chunk) runs F once and B once, B after its F, an F after its input arrived (a
-    RECV_F, or the previous chunk's F when both stages are on this rank), a B after the gradient
-    of its output arrived, each send after the compute that produced it, every cross-rank output
-    sent; then sends and receives pair up in posting order; then running the lists with blocking
-    batches (see the module docstring) reaches the end on every rank (no deadlock).
+    (micro-batch, chunk) runs F once and B once and W at most once, B after its F, W after its B,
+    an F after its input arrived (a RECV_F, or the previous stage's F when both stages are on
+    this rank), a B after the gradient of its output arrived, each send after the compute that
+    produced it, every cross-rank output sent; then sends and receives pair up in posting order;
+    then running the lists with blocking batches (see the module docstring) reaches the end on
+    every rank (no deadlock).
     """
     S, M, V = schedule.num_stages, schedule.num_micro_batches, schedule.num_virtual_stages
     if min(S, M, V) < 1 or len(schedule.ranks) != S:
@@ -36,7 +37,7 @@ def validate(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {rank}: {action}: {problem}")
     for rank in range(S):
         _check_rank_order(schedule, rank)
-    replay(schedule, lambda action: 1.0)
+    replay(schedule, lambda rank, action: 1.0)
 
 
 def neighbour_rank(schedule: Schedule, rank: int, action: Action) -> Optional[int]:
@@ -44,9 +45,9 @@ def neighbour_rank(schedule: Schedule, rank: int, action: Action) -> Optional[in
     from; None when there is no such message (first/last logical stage, or the same rank)."""
     stage = schedule.stage_of(rank, action.chunk)
     other = stage + 1 if action.kind in ("SEND_F", "RECV_B") else stage - 1
-    if not 0 <= other < schedule.num_stages * schedule.num_virtual_stages:
+    if not 0 <= other < schedule.num_logical:
         return None
-    other_rank = other % schedule.num_stages
+    other_rank = schedule.owner(other)[0]
     return None if other_rank == rank else other_rank
 
 
@@ -69,20 +70,22 @@ def _field_problem(schedule: Schedule, rank: int, action: Action) -> Optional[st
 
 def _prerequisites(schedule: Schedule, rank: int, a: Action) -> list[tuple]:
     """What must come earlier on ``rank`` than ``a``: ((kind, micro_batch, chunk), peer, why)."""
-    mb, chunk, S = a.micro_batch, a.chunk, schedule.num_stages
+    mb, chunk = a.micro_batch, a.chunk
     if a.kind in ("SEND_F", "SEND_B"):
         return [((a.kind[-1], mb, chunk), None, "a send needs the compute that produces it")]
-    if a.kind not in COMPUTE_KINDS:
+    if a.kind == "W":
+        return [(("B", mb, chunk), None, "the weight gradient needs its backward")]
+    if a.kind not in ("F", "B"):
         return []
-    stage, forward = chunk * S + rank, a.kind == "F"
+    stage, forward = schedule.stage_of(rank, chunk), a.kind == "F"
     needs = [] if forward else [(("F", mb, chunk), None, "backward needs its forward")]
-    if (stage > 0) if forward else (stage < S * schedule.num_virtual_stages - 1):
-        step = -1 if forward else 1
-        if S > 1:
+    if (stage > 0) if forward else (stage < schedule.num_logical - 1):
+        other_rank, other_chunk = schedule.owner(stage + (-1 if forward else 1))
+        if other_rank != rank:
             why = "its input has not arrived" if forward else "its output gradient has not arrived"
-            needs.append((("RECV_" + a.kind, mb, chunk), (stage + step) % S, why))
-        else:  # S == 1: the neighbouring stage is the previous/next chunk on this rank
-            needs.append(((a.kind, mb, chunk + step), None, "hand-off from the neighbouring chunk"))
+            needs.append((("RECV_" + a.kind, mb, chunk), other_rank, why))
+        else:  # the neighbouring stage is another chunk on this rank: a local hand-off
+            needs.append(((a.kind, mb, other_chunk), None, "hand-off from the neighbouring chunk"))
     return needs
 
 
@@ -98,7 +101,7 @@ def _check_rank_order(schedule: Schedule, rank: int) -> None:
                 raise ScheduleError(f"rank {rank}: {action} on chunk {action.chunk} runs before "
                                     f"{Action(*need, peer, show)} ({why})")
         seen.add(key)
-    for kind in COMPUTE_KINDS:
+    for kind in ("F", "B"):
         for chunk in range(schedule.num_virtual_stages):
             for mb in range(schedule.num_micro_batches):
                 compute = Action(kind, mb, chunk, None, show)

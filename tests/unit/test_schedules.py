@@ -295,4 +295,4 @@ def test_orders_agree_with_torch_pipelining():
 
 
 def test_schedule_kinds_constant():
-    assert SCHEDULE_KINDS == ("gpipe", "1f1b", "interleaved-1f1b")
+    assert SCHEDULE_KINDS == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")

@@ -1,0 +1,146 @@
+"""Compute orders of the schedules with a split backward: ZB-H1, ZB-V, DualPipeV (pure).
+
+Each function returns one rank's order as ``(kind, micro_batch, chunk)`` tuples;
+``meshwise.pipeline.schedules`` places the messages. ``B`` followed later by a
+``W`` of the same micro-batch and chunk is a split backward; a ``B`` with no
+``W`` is a whole backward. The orders are those of
+``torch.distributed.pipelining`` where it has the same schedule (checked in
+``tests/unit/test_zero_bubble.py``).
+
+* ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2.1): 1F1B
+  with the weight passes split off; rank ``r`` postpones its first ``r`` of them
+  into the cool-down, where 1F1B idles. Same warm-up, so the first rank, which
+  holds the most activations, holds no more than under 1F1B; the bubble falls
+  to about a third of 1F1B's when F, B and W cost the same.
+* ZB-V (ibid., section 6): two chunks per rank in a V (stages ``r`` and
+  ``2S - 1 - r``); the warm-up fills rank ``r`` with ``2(S - r) - 1`` forwards of
+  its first chunk, the steady state alternates the chunks with B and W together,
+  and the postponed W passes fill the cool-down: no bubble when F = B = W, at
+  1F1B's activation memory, with twice 1F1B's pipeline messages.
+* DualPipeV (DeepSeek-V3 report, Liu et al. 2024, section 3.2.1; the V-shaped
+  half of DualPipe): the same V of stages; its steady state pairs the forward
+  of one micro-batch with the whole backward of another, on the other chunk
+  (DualPipe overlaps such a pair's communication with its computation on a GPU;
+  here the pair runs back to back and its messages share batches).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from meshwise.pipeline.actions import Order
+
+
+def zb_h1_order(S: int, M: int, V: int, rank: int) -> Order:
+    """ZB-H1: 1F1B's warm-up; the k-th steady step runs F, B, and the W of micro-batch
+    k - rank once k >= rank; the remaining W passes close the step."""
+    num_warmup = min(S - rank - 1, M)
+    order: Order = [("F", m, 0) for m in range(num_warmup)]           # warm-up: forwards
+    next_weight = 0
+    for k in range(M):                                                  # one backward per step
+        if num_warmup + k < M:
+            order.append(("F", num_warmup + k, 0))
+        order.append(("B", k, 0))
+        if k >= rank:  # the first `rank` weight passes wait for the cool-down
+            order.append(("W", next_weight, 0))
+            next_weight += 1
+    order += [("W", m, 0) for m in range(next_weight, M)]              # cool-down: W fills it
+    return order
+
+
+class _Counters:
+    """Next micro-batch of each (kind, chunk) on one rank, and the order being built."""
+
+    def __init__(self):
+        self.order: Order = []
+        self.next = {(k, c): 0 for k in ("F", "B") for c in (0, 1)}
+        self.waiting_weights: deque = deque()  # split backwards whose W has not run
+
+    def forward(self, chunk: int) -> None:
+        self._append("F", chunk)
+
+    def backward(self, chunk: int, split: bool = False, weight_now: bool = False) -> None:
+        mb = self._append("B", chunk)
+        if weight_now:
+            self.order.append(("W", mb, chunk))
+        elif split:
+            self.waiting_weights.append((mb, chunk))
+
+    def weight(self) -> None:
+        """The oldest postponed weight pass, if any."""
+        if self.waiting_weights:
+            mb, chunk = self.waiting_weights.popleft()
+            self.order.append(("W", mb, chunk))
+
+    def _append(self, kind: str, chunk: int) -> int:
+        mb = self.next[(kind, chunk)]
+        self.next[(kind, chunk)] = mb + 1
+        self.order.append((kind, mb, chunk))
+        return mb
+
+
+def zbv_order(S: int, M: int, V: int, rank: int) -> Order:
+    """ZB-V: built for max(M, 2S - 1) micro-batches (the fewest that fill the V), then the
+    micro-batches past M are dropped."""
+    n = max(M, 2 * S - 1)
+    c = _Counters()
+    for _ in range(2 * (S - rank) - 1):                  # warm-up down the first chunk
+        c.forward(0)
+    for _ in range(rank):                                # both chunks start
+        c.forward(1)
+        c.forward(0)
+    for _ in range(S - rank):                            # the second chunk's first backwards
+        c.forward(1)
+        c.backward(1, weight_now=True)
+    while c.next[("F", 1)] < c.next[("F", 0)] or c.next[("F", 0)] < n:   # steady state
+        if c.next[("F", 0)] < n:
+            c.forward(0)
+        c.backward(0, weight_now=True)
+        c.forward(1)
+        c.backward(1, weight_now=True)
+    for _ in range(rank):                                # cool-down: W postponed
+        c.backward(0, split=True)
+        c.backward(1, split=True)
+    postponed_second = [w for w in c.waiting_weights if w[1] == 1]
+    first = deque(w for w in c.waiting_weights if w[1] == 0)
+    c.waiting_weights = first
+    for _ in range(S - rank):
+        c.backward(0, split=True)
+        c.weight()
+    c.order += [("W", mb, chunk) for mb, chunk in postponed_second]
+    c.order += [("W", mb, chunk) for mb, chunk in c.waiting_weights]
+    return [action for action in c.order if action[1] < M]
+
+
+def dualpipev_order(S: int, M: int, V: int, rank: int) -> Order:
+    """DualPipeV, in eight phases; needs M >= 2S (every rank reaches its steady state)."""
+    c = _Counters()
+    for _ in range(2 * (S - rank - 1)):                  # 1: forwards of the first chunk
+        c.forward(0)
+    for _ in range(rank + 1):                            # 2: both chunks
+        c.forward(0)
+        c.forward(1)
+    for _ in range(S - rank - 1):                        # 3: split backwards of the second
+        c.backward(1, split=True)
+        c.weight()
+        c.forward(1)
+    for i in range(M - 2 * S + rank + 1):                # 4: F of one chunk with B of the other
+        c.forward(0)  # (the last rank's first pair runs unpaired; the order is the same)
+        c.backward(1)
+        c.forward(1)
+        c.backward(0)
+    for _ in range(S - rank - 1):                        # 5: the second chunk drains
+        c.backward(1)
+        c.forward(1)
+        c.backward(0)
+    split = False
+    for i in range(rank + 1):                            # 6: both chunks' last backwards,
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)   # split from halfway
+        c.backward(1, split=split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        c.backward(0, split=split)
+    for _ in range(S - rank - 1):                        # 7: postponed W between backwards
+        c.weight()
+        c.backward(0, split=split)
+    for _ in range(rank + 1):                            # 8: the remaining W passes
+        c.weight()
+    return c.order
