@@ -33,7 +33,6 @@ looked up, masked out of the loss, and so keep zero gradients.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshwise.layout.init import Init, init_values, normal
@@ -41,6 +40,7 @@ from meshwise.layout.params import mark_tp
 from meshwise.layout.pieces import Piece
 from meshwise.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
                                                scatter_to_tp, tp_rank_of, tp_size_of)
+from meshwise.tensor_parallel.weight_grads import WeightGradStore, linear
 
 
 # ---------------------------------------------------------------- helpers
@@ -104,7 +104,10 @@ class ColumnParallelLinear(nn.Module):
     gradient over ranks. The output is this rank's ``out_features / tp`` slice,
     or the full output when ``gather_output``. Built on the meta device (under
     ``torch.device("meta")``) it holds shapes only, for a later materialisation.
+    ``weight_grads``: a split backward's store (``meshwise.tensor_parallel.weight_grads``).
     """
+
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, init_seed: int = 0,
@@ -130,7 +133,8 @@ class ColumnParallelLinear(nn.Module):
                    _source=(linear.weight, linear.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (..., out / tp)
+        y = linear(copy_to_tp(x, self.tp_group), self.weight, self.bias,
+                   self.weight_grads)  # (..., out / tp)
         return gather_from_tp(y, self.tp_group, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -144,8 +148,10 @@ class RowParallelLinear(nn.Module):
     Each rank multiplies its slice of ``x`` by its slice of ``A``; the partial
     products are summed by :func:`reduce_from_tp` (Megatron's ``g``). The bias is
     replicated and added once, after the reduction (adding it per rank would
-    count it ``tp`` times).
+    count it ``tp`` times). ``weight_grads``: as for :class:`ColumnParallelLinear`.
     """
+
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02, init_seed: int = 0,
@@ -172,10 +178,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size_of(self.tp_group) == 1:
-            return F.linear(x, self.weight, self.bias)  # exactly nn.Linear
+            return linear(x, self.weight, self.bias, self.weight_grads)  # exactly nn.Linear
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group, dim=-1)          # (..., in / tp)
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)  # (..., out)
+        y = reduce_from_tp(linear(x, self.weight, None, self.weight_grads),
+                           self.tp_group)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

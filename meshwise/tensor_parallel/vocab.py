@@ -17,6 +17,7 @@ from meshwise.layout.init import normal
 from meshwise.tensor_parallel.layers import sharded_param, padded_vocab_size
 from meshwise.tensor_parallel.mappings import (CATEGORY, copy_to_tp, gather_from_tp,
                                                reduce_from_tp, tp_rank_of, tp_size_of)
+from meshwise.tensor_parallel.weight_grads import WeightGradStore, linear
 
 
 # ---------------------------------------------------------------- vocabulary
@@ -72,8 +73,11 @@ class VocabParallelHead(nn.Module):
     Returns this rank's logits ``(..., padded_vocab / tp)`` for
     :func:`vocab_parallel_cross_entropy` with ``vocab_size=num_embeddings``; the
     logits over the whole vocabulary are never gathered for the loss
-    (:meth:`full_logits` gathers them for generation).
+    (:meth:`full_logits` gathers them for generation). ``weight_grads``: a split
+    backward's store (``meshwise.tensor_parallel.weight_grads``).
     """
+
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, in_features: int, vocab_size: int, tp_group,
                  dtype: torch.dtype | None = None, device=None, _source=None):
@@ -93,7 +97,7 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # copy_to_tp sums the hidden state's gradient over the vocabulary shards.
-        return F.linear(copy_to_tp(hidden, self.tp_group), self.weight)
+        return linear(copy_to_tp(hidden, self.tp_group), self.weight, None, self.weight_grads)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All ranks' logits, ``(..., vocab_size)`` (padding columns dropped)."""

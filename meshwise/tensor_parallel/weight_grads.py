@@ -1,0 +1,154 @@
+"""A split backward: the weight gradients of linear layers computed later, in a W pass.
+
+Zero-bubble pipeline schedules (Qi et al. 2024) split each stage's backward in
+two: B, the gradient of the stage's input, which the previous stage waits for,
+and W, the gradients of the weights, which can wait and fill a bubble. Nearly
+all of W's work is the weight gradients of linear layers, ``dW = dY^T X``, so
+this is where the split is made, one layer at a time, as DeepSeek's DualPipe
+does with its ``WeightGradStore`` rather than by cutting the autograd graph
+after the fact as ``torch.distributed.pipelining``'s ``stage_backward_input`` /
+``stage_backward_weight`` do. Why:
+
+* activation checkpointing recomputes a block once, inside B; W then needs only
+  what each layer kept (its input ``X`` and output gradient ``dY``), not a
+  second recompute (the graph-cutting split recomputes again in W, or fails:
+  pytorch#136766);
+* a tensor-parallel layer's ``dW`` is local (``dY`` and ``X`` are this rank's
+  shards): W never communicates;
+* every model family built from ``nn.Linear`` or meshwise's parallel layers
+  splits with no change to its code; other parameters (norms, biases,
+  embeddings: cheap) get their gradients in B as usual.
+
+While :meth:`WeightGradStore.capturing` is entered (the runtime enters it around
+the forward and the backward of a micro-batch whose W comes later) a layer
+given the store keeps its weight out of the autograd graph: its backward
+computes ``dX`` (and the bias gradient) at once and stores ``(weight, X, dY)``.
+:meth:`WeightGradStore.run` computes the ``dW`` and hands them to autograd in
+one call, from the weights themselves, so whatever collects gradients (``.grad``
+and its hooks, ZeRO-3's unit views) sees them as from a normal backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import defaultdict
+from collections.abc import Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightGradStore:
+    """Weight-gradient work of linear layers, held from a backward (B) until its W runs."""
+
+    def __init__(self):
+        self.key: Hashable | None = None  # the micro-batch being captured, if any
+        self._jobs: dict[Hashable, list] = defaultdict(list)
+
+    @contextlib.contextmanager
+    def capturing(self, key: Hashable):
+        """Layers given this store defer their weight gradients under ``key`` (enter it
+        around the forward and around the backward, so a recompute defers alike)."""
+        previous, self.key = self.key, key
+        try:
+            yield
+        finally:
+            self.key = previous
+
+    def put(self, key: Hashable, weight: torch.Tensor, inputs: torch.Tensor,
+            grad_output: torch.Tensor) -> None:
+        self._jobs[key].append((weight, inputs, grad_output))
+
+    def pending(self, key: Hashable) -> bool:
+        return key in self._jobs
+
+    @torch.no_grad()
+    def _weight_grads(self, key: Hashable) -> tuple[list, list]:
+        weights, grads, where = [], [], {}
+        for weight, inputs, grad_output in self._jobs.pop(key, []):
+            # dW = dY^T X over every row of the micro-batch: (out, rows) @ (rows, in)
+            grad = grad_output.reshape(-1, grad_output.shape[-1]).t() @ \
+                inputs.reshape(-1, inputs.shape[-1])
+            if id(weight) in where:  # a weight used twice in one micro-batch
+                grads[where[id(weight)]] += grad
+            else:
+                where[id(weight)] = len(weights)
+                weights.append(weight)
+                grads.append(grad)
+        return weights, grads
+
+    def run(self, key: Hashable) -> None:
+        """The W pass of ``key``: its weight gradients, delivered as autograd would."""
+        weights, grads = self._weight_grads(key)
+        if weights:
+            torch.autograd.backward(weights, grads)
+
+
+class _LinearWeightLater(torch.autograd.Function):
+    """``F.linear`` whose backward gives dX and the bias gradient now and stores the
+    weight's share for a W pass (the weight itself is not an input of this node)."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight_data, bias, store, key, weight_box):
+        ctx.save_for_backward(inputs, weight_data)
+        ctx.store, ctx.key, ctx.weight = store, key, weight_box[0]
+        return F.linear(inputs, weight_data, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs, weight_data = ctx.saved_tensors
+        grad_inputs = grad_output @ weight_data if ctx.needs_input_grad[0] else None
+        grad_bias = None
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        ctx.store.put(ctx.key, ctx.weight, inputs, grad_output)
+        return grad_inputs, None, grad_bias, None, None, None
+
+
+def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_grads: WeightGradStore | None = None) -> torch.Tensor:
+    """``F.linear``, deferring the weight gradient to ``weight_grads`` while it captures."""
+    if weight_grads is None or weight_grads.key is None or not (
+            torch.is_grad_enabled() and weight.requires_grad):
+        return F.linear(inputs, weight, bias)
+    return _LinearWeightLater.apply(inputs, weight.detach(), bias, weight_grads,
+                                    weight_grads.key, (weight,))
+
+
+class _DefersWeightGrad:
+    """Put in front of ``nn.Linear``'s class: its forward goes through :func:`linear`."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return linear(inputs, self.weight, self.bias, self.weight_grads)
+
+
+@functools.cache
+def _deferring_class(cls: type) -> type:
+    return type(f"WeightLater{cls.__name__}", (_DefersWeightGrad, cls), {})
+
+
+def defer_weight_grads(modules, store: WeightGradStore) -> int:
+    """Give every linear layer inside ``modules`` the ``store``; returns how many.
+
+    ``nn.Linear`` itself gets a subclass whose forward defers (the same object, as
+    activation checkpointing swaps classes, so names, hooks and plans are unchanged);
+    meshwise's parallel layers already compute through :func:`linear`. A subclass
+    of ``nn.Linear`` with its own forward is left as it is (its weights then get
+    their gradients in B).
+    """
+    count = 0
+    for root in modules:
+        for module in root.modules():
+            if type(module) is nn.Linear:
+                module.__class__ = _deferring_class(nn.Linear)
+            if isinstance(module, _DefersWeightGrad) or hasattr(type(module), "weight_grads"):
+                module.weight_grads = store
+                count += 1
+    return count
+
+
+def defers_weight_grad(module: nn.Module, attr: str) -> bool:
+    """Whether ``module.attr`` gets its gradient in a W pass when a split backward runs."""
+    return attr == "weight" and getattr(module, "weight_grads", None) is not None
