@@ -136,3 +136,49 @@ class Stopwatch:
 
     def reset(self) -> None:
         self._seconds, self._events = 0.0, []
+
+
+class IntervalClock:
+    """Start and end of marked intervals of a device's work, in seconds from ``start()``.
+
+    On the CPU a host clock. On a GPU each mark is a CUDA event recorded on the
+    current stream (one at ``start()`` too), so it says when the work ran, not
+    when the host queued it; ``intervals()`` turns them into seconds once the
+    device has passed them (after the step's one host read), and recording
+    never waits for the device."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._origin = None
+        self._marks: list = []
+
+    def start(self) -> None:
+        """Forget earlier intervals; times count from now."""
+        self._marks = []
+        if self.cuda:
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+        else:
+            self._origin = time.perf_counter()
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter() - self._origin
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextmanager
+    def measure(self, label: str):
+        begin = self._now()
+        yield
+        self._marks.append((label, begin, self._now()))
+
+    def intervals(self) -> list[tuple[str, float, float]]:
+        """``(label, start_s, end_s)`` of every interval since ``start()``, in order."""
+        if not self.cuda:
+            return list(self._marks)
+        if self._marks:  # read after the step: the device is past them already
+            self._marks[-1][2].synchronize()
+        return [(label, self._origin.elapsed_time(b) / 1e3, self._origin.elapsed_time(e) / 1e3)
+                for label, b, e in self._marks]

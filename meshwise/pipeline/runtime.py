@@ -2,17 +2,23 @@
 
 The schedule (``meshwise.pipeline.schedules``) is a list of actions per rank;
 this runtime walks its own list top to bottom. A run of consecutive messages is
-one batch posted with ``batch_isend_irecv`` and waited for before the next
-compute action: the schedule's validator proves that order deadlock-free.
-Messages carry their shape and dtype (``meshwise.pipeline.p2p``), so the stages
-may be any modules: nothing about the activations is fixed up front.
+one batch posted with ``batch_isend_irecv`` (``meshwise.pipeline.mailbox``) and
+its receives waited for before the next compute action: the schedule's
+validator proves that order deadlock-free. Messages carry their shape and dtype
+(``meshwise.pipeline.p2p``), so the stages may be any modules.
 
 Per micro-batch and chunk it keeps the input (a leaf that will receive the
 input gradient), the output (or, on the last logical stage, the loss) until
 that chunk's backward, then frees them. An output sent to the next rank keeps
 only its autograd graph once the send has completed (``release_storage``).
-Between two chunks on the same rank (``S == 1``) the hand-off is local: no
-message, same bookkeeping.
+Two consecutive stages on this rank (``S == 1``, the turn of a V) hand over
+locally: no message, same bookkeeping.
+
+A schedule with W actions splits its backwards: every linear layer of the
+chunks defers its weight gradient to a ``WeightGradStore``
+(``meshwise.tensor_parallel.weight_grads``); B computes the input gradient and
+the other parameters' gradients, W the deferred ones. A B without a W of its
+own runs its weight pass right after it.
 """
 
 from __future__ import annotations
@@ -23,22 +29,27 @@ import itertools
 import torch
 
 from meshwise.comm import ops, ranges
-from meshwise.comm.devices import Stopwatch
-from meshwise.pipeline.p2p import Channels, Incoming, Outgoing, release_storage
+from meshwise.comm.devices import IntervalClock
+from meshwise.pipeline.mailbox import Mailbox
+from meshwise.pipeline.p2p import Channels, Incoming, Outgoing
 from meshwise.pipeline.schedules import Action, Schedule, group_steps
+from meshwise.tensor_parallel.weight_grads import WeightGradStore, defer_weight_grads
 
 
 class PipelineRuntime:
-    """Runs a rank's actions over its ``chunks`` (chunk ``v`` = logical stage ``v*S + rank``).
+    """Runs a rank's actions over its ``chunks`` (chunk ``v`` = logical stage
+    ``schedule.stage_of(rank, v)``).
 
-    ``engine`` supplies ``no_sync()``: every backward of a chunk except its last
-    one accumulates locally, so a chunk's gradients are reduced over dp once,
-    overlapped with that last backward.
+    ``engine`` supplies ``no_sync()``: a chunk's gradients accumulate locally
+    except in the last action that delivers each of them (its last B, and its
+    last weight pass), so a chunk's gradients are reduced over dp once,
+    overlapped with the rest of the step.
 
     ``loss_fn(output, targets)``, when given, turns the last logical stage's
     output into the SUM of token losses (a 0-dim tensor); without it the last
     chunk is called as ``chunk(x, targets)`` and returns that sum itself.
-    Tensors are computed where the chunks' parameters live.
+    Tensors are computed where the chunks' parameters live. ``action_times()``
+    gives the last run's actions with their start and end on the device's clock.
     """
 
     def __init__(self, chunks, schedule: Schedule, pp_group: ops.Group | None, engine,
@@ -47,23 +58,43 @@ class PipelineRuntime:
         self.engine, self.loss_fn = engine, loss_fn
         self.rank = pp_group.rank if pp_group is not None else 0
         self.num_stages = schedule.num_stages
-        self.num_logical = schedule.num_stages * schedule.num_virtual_stages
+        self.num_logical = schedule.num_logical
         self.steps = group_steps(schedule.ranks[self.rank])
         self.channels = Channels(pp_group)
-        # Each chunk's final backward: the one that starts its dp reduction.
-        self.last_backward = {a.chunk: a for a in schedule.ranks[self.rank] if a.kind == "B"}
+        self.mail = Mailbox(self.channels, schedule, self.rank)
+        self.weight_grads = None
+        if schedule.has_weight_actions:
+            self.weight_grads = WeightGradStore()
+            defer_weight_grads(chunks, self.weight_grads)
+        self._last_b, self._last_weights = {}, {}  # chunk -> the action that syncs them
+        for a in schedule.compute_actions(self.rank):
+            if a.kind == "B":
+                self._last_b[a.chunk] = a
+            if a.kind == "W" or (a.kind == "B" and not self._split(a)):
+                self._last_weights[a.chunk] = a
         # Called with a micro-batch's index before each of its forwards (the trainer
         # tells the model which samples it computes, for dropout).
         self.before_forward = None
+        self.clock = IntervalClock("cpu")
 
     def stage(self, chunk: int) -> int:
-        return chunk * self.num_stages + self.rank
+        return self.schedule.stage_of(self.rank, chunk)
+
+    def _split(self, a: Action) -> bool:
+        return self.schedule.splits_backward(self.rank, a.micro_batch, a.chunk)
 
     @property
     def compute_s(self) -> float:
-        """Seconds of the last run's forwards and backwards on the device (read it once
-        the device has finished: the rest of the step is bubble and communication)."""
-        return self.compute.seconds()
+        """Seconds of the last run's compute actions on the device (read it once the
+        device has finished: the rest of the step is bubble and communication)."""
+        return sum(end - start for label, start, end in self.clock.intervals()
+                   if label != "p2p")
+
+    def action_times(self) -> list[tuple[str, float, float]]:
+        """The last run's actions (``F3``, ``B3.1``, ``W2``, ``p2p`` for a batch of
+        messages) with start and end in seconds from the run's start, on the device's
+        clock (CUDA events on a GPU): read once the device has finished the step."""
+        return self.clock.intervals()
 
     def run(self, micro_batches, loss_scale: float, sync: bool = True) -> torch.Tensor:
         """One pass of the schedule over ``micro_batches`` [(inputs, targets)].
@@ -71,55 +102,65 @@ class PipelineRuntime:
         Returns the summed scaled loss as a 0-dim float64 tensor on the device,
         without waiting for it (zero on ranks without the last logical stage).
         ``sync=False`` keeps every backward local (an accumulation round);
-        otherwise each chunk's last backward starts its dp reduction.
+        otherwise each chunk's last gradients start its dp reduction.
         """
         assert len(micro_batches) == self.schedule.num_micro_batches
         self._device = self._device_of(micro_batches)
         self.channels.start(meta_tag_base=2 * self.num_logical * len(micro_batches),
                             keep_shapes=True)
-        self._inputs, self._outputs, self._grads_in = {}, {}, {}
-        self._recv_f, self._recv_b, self._handoff, self._handoff_grad = {}, {}, {}, {}
-        self._micro_batches, self._loss_scale = micro_batches, loss_scale
-        self._sync, self._in_flight = sync, []
+        self.mail.start(self._device)
+        self._inputs, self._outputs, self._handoff, self._handoff_grad = {}, {}, {}, {}
+        self._micro_batches, self._loss_scale, self._sync = micro_batches, loss_scale, sync
         self._loss = torch.zeros((), dtype=torch.float64, device=self._device)
-        self.compute = Stopwatch(self._device)  # F and B this run: the rest is bubble and comms
+        if self.clock.cuda != (self._device.type == "cuda"):
+            self.clock = IntervalClock(self._device)
+        self.clock.start()
         with contextlib.nullcontext() if sync else self.engine.no_sync():
             for step in self.steps:
                 if isinstance(step, tuple):
-                    with ranges.named("pipeline/p2p"):
-                        self._communicate(step)
+                    with ranges.named("pipeline/p2p"), self.clock.measure("p2p"):
+                        self.mail.post(step, self._outputs)
                     continue
-                with ranges.named(f"pipeline/{step}"), self.compute.measure():
-                    if step.kind == "F":
-                        self._forward(step)
-                    else:
-                        self._backward(step)
-            self._finish_sends()
+                with ranges.named(f"pipeline/{step}"), self.clock.measure(str(step)):
+                    {"F": self._forward, "B": self._backward, "W": self._weights}[step.kind](step)
+            self.mail.finish_sends()
         assert not self._outputs and not self._inputs, "activations left after the step"
         return self._loss
 
     # ------------------------------------------------------------ compute
+    def _capturing(self, a: Action):
+        """Linear layers defer their weight gradients (a schedule with W actions)."""
+        if self.weight_grads is None:
+            return contextlib.nullcontext()
+        return self.weight_grads.capturing((a.chunk, a.micro_batch))
+
+    def _syncing(self, a: Action, last: dict):
+        """Gradients accumulate locally unless ``a`` is the chunk's last of their kind."""
+        if self._sync and last[a.chunk] != a:
+            return self.engine.no_sync()
+        return contextlib.nullcontext()
+
     def _forward(self, a: Action) -> None:
-        key = (a.chunk, a.micro_batch)
-        stage = self.stage(a.chunk)
+        key, stage = (a.chunk, a.micro_batch), self.stage(a.chunk)
         inputs, targets = self._micro_batches[a.micro_batch]
         if self.before_forward is not None:
             self.before_forward(a.micro_batch)
         if stage == 0:
             x = inputs
-        elif key in self._recv_f:
-            x = self._recv_f.pop(key).requires_grad_()
-        else:  # local hand-off from the previous chunk on this rank
-            x = self._handoff.pop((a.chunk - 1, a.micro_batch)).detach().requires_grad_()
+        elif key in self.mail.activations:
+            x = self.mail.activations.pop(key).requires_grad_()
+        else:  # local hand-off from the previous stage on this rank
+            x = self._handoff.pop((stage, a.micro_batch)).detach().requires_grad_()
         last = stage == self.num_logical - 1
-        out = self._stage_forward(a.chunk, x, targets, with_loss=last)
+        with self._capturing(a):
+            out = self._stage_forward(a.chunk, x, targets, with_loss=last)
         if last:
             out = out * self._loss_scale
             self._loss += out.detach()  # stays on the device: no host sync per micro-batch
         self._inputs[key] = x
         self._outputs[key] = out
-        if self.num_stages == 1 and not last:
-            self._handoff[key] = out  # the next chunk on this rank takes it directly
+        if not last and self.schedule.owner(stage + 1)[0] == self.rank:
+            self._handoff[(stage + 1, a.micro_batch)] = out  # the next stage is here too
 
     def _stage_forward(self, chunk: int, x, targets, with_loss: bool):
         """A chunk's forward; ``with_loss`` (last stage): the sum of token losses."""
@@ -137,26 +178,32 @@ class PipelineRuntime:
         return loss
 
     def _backward(self, a: Action) -> None:
-        key = (a.chunk, a.micro_batch)
-        out = self._outputs.pop(key)
-        x = self._inputs.pop(key)
-        local_only = self._sync and a != self.last_backward[a.chunk]
-        sync = self.engine.no_sync() if local_only else contextlib.nullcontext()
-        with sync:
-            if self.stage(a.chunk) == self.num_logical - 1:
+        key, stage = (a.chunk, a.micro_batch), self.stage(a.chunk)
+        out, x = self._outputs.pop(key), self._inputs.pop(key)
+        with self._syncing(a, self._last_b), self._capturing(a):
+            if stage == self.num_logical - 1:
                 out.backward()
             else:
-                grad = self._recv_b.pop(key) if key in self._recv_b else self._handoff_grad.pop(key)
+                grad = self.mail.gradients.pop(key, None)
+                if grad is None:
+                    grad = self._handoff_grad.pop((stage, a.micro_batch))
                 # ``out`` may hold no data any more (released after its send): only
                 # its graph is used, and its shape still matches ``grad``.
                 torch.autograd.backward(out, grad)
-        if self.stage(a.chunk) > 0:
+        if self.weight_grads is not None and not self._split(a):
+            self._weights(a)  # a whole backward: its weight pass now
+        if stage > 0:
             # An input the chunk did not use gets no gradient; its sender still waits for one.
             grad_in = x.grad if x.grad is not None else torch.zeros_like(x)
-            if a.chunk > 0 and self.num_stages == 1:
-                self._handoff_grad[(a.chunk - 1, a.micro_batch)] = grad_in
+            if self.schedule.owner(stage - 1)[0] == self.rank:
+                self._handoff_grad[(stage - 1, a.micro_batch)] = grad_in
             else:
-                self._grads_in[key] = grad_in
+                self.mail.to_send[key] = grad_in
+
+    def _weights(self, a: Action) -> None:
+        """The weight pass of ``a``'s micro-batch and chunk (a W, or a whole B's)."""
+        with self._syncing(a, self._last_weights):
+            self.weight_grads.run((a.chunk, a.micro_batch))
 
     def reset_shapes(self) -> None:
         """The next ``run`` sends every stage's output shape again (call it on every
@@ -171,26 +218,24 @@ class PipelineRuntime:
         call to call (a growing sequence): each call sends its headers anew."""
         device = self._device_of([(inputs, targets)])
         self.channels.start(meta_tag_base=self.num_logical)  # tensor tags: receiving stage
-        x = None
+        x, owner = None, self.schedule.owner
         for stage in range(self.num_logical):
-            owner, chunk = stage % self.num_stages, stage // self.num_stages
-            if owner != self.rank:
+            rank, chunk = owner(stage)
+            if rank != self.rank:
                 continue
-            prev_owner = (stage - 1) % self.num_stages
             if stage == 0:
                 x = inputs
-            elif prev_owner != self.rank:
+            elif owner(stage - 1)[0] != self.rank:
                 [x], _ = self.channels.exchange(
-                    [], [Incoming(prev_owner, stage, stage - 1, stage)], device)
+                    [], [Incoming(owner(stage - 1)[0], stage, stage - 1, stage)], device)
             last = stage == self.num_logical - 1
             x = self._stage_forward(chunk, x, targets, with_loss=last and targets is not None)
-            next_owner = (stage + 1) % self.num_stages
-            if not last and next_owner != self.rank:
+            if not last and owner(stage + 1)[0] != self.rank:
                 _, [pending] = self.channels.exchange(
-                    [Outgoing(x, next_owner, stage + 1, stage, stage + 1)], [], device)
+                    [Outgoing(x, owner(stage + 1)[0], stage + 1, stage, stage + 1)], [], device)
                 for handle in pending:
                     handle.wait()
-        return x if self.rank == (self.num_logical - 1) % self.num_stages else None
+        return x if owner(self.num_logical - 1)[0] == self.rank else None
 
     def _device_of(self, micro_batches) -> torch.device:
         """Where this rank computes: its chunks' parameters, else the batch's tensors."""
@@ -203,63 +248,3 @@ class PipelineRuntime:
             if isinstance(t, torch.Tensor):
                 return t.device
         return torch.device("cpu")
-
-    # ------------------------------------------------------- communication
-    def _tag(self, backward: bool, receiver_stage: int, micro_batch: int) -> int:
-        """The same number on both ends of a message, unique within the step."""
-        num_mb = self.schedule.num_micro_batches
-        return ((int(backward) * self.num_logical) + receiver_stage) * num_mb + micro_batch
-
-    def _communicate(self, batch: tuple[Action, ...]) -> None:
-        sends, recvs, sent_keys = [], [], []
-        for a in batch:
-            key, stage, mb = (a.chunk, a.micro_batch), self.stage(a.chunk), a.micro_batch
-            if a.kind == "SEND_F":
-                sends.append(Outgoing(self._outputs[key].detach(), a.peer,
-                                      self._tag(False, stage + 1, mb), stage, stage + 1))
-                sent_keys.append(key)
-            elif a.kind == "SEND_B":
-                sends.append(Outgoing(self._grads_in.pop(key), a.peer,
-                                      self._tag(True, stage - 1, mb), stage, stage - 1, True))
-                sent_keys.append(None)
-            else:
-                backward = a.kind == "RECV_B"
-                src = stage + 1 if backward else stage - 1
-                recvs.append(Incoming(a.peer, self._tag(backward, stage, mb), src, stage, backward))
-        # Only the receives are waited for: a sender computes on while its message
-        # travels, which is what reaches the schedule's simulated bubble.
-        received, handles = self.channels.exchange(sends, recvs, self._device)
-        receivers = [a for a in batch if a.kind in ("RECV_F", "RECV_B")]
-        for a, tensor in zip(receivers, received, strict=True):
-            inbox = self._recv_b if a.kind == "RECV_B" else self._recv_f
-            inbox[(a.chunk, a.micro_batch)] = tensor
-        # Sends are waited for, and their activations freed, at the latest in the next
-        # batch (torch's pipelining waits at the same point): a runtime that waits for
-        # them at once is proven deadlock-free, so waiting later is too. A send listed
-        # before a receive from the same peer is waited for now: messages are placed in
-        # meeting-time order, so that peer has posted its end already and waiting costs
-        # at most the transfer (1F1B's steady state frees each output as soon as it is sent).
-        sent = iter(zip(handles, sent_keys, strict=True))
-        now, later = [], []
-        for i, a in enumerate(batch):
-            if a.kind in ("SEND_F", "SEND_B"):
-                answered = any(b.kind in ("RECV_F", "RECV_B") and b.peer == a.peer
-                               for b in batch[i + 1:])
-                (now if answered else later).append(next(sent))
-        self._in_flight += now
-        self._finish_sends()
-        self._in_flight = later
-
-    def _finish_sends(self) -> None:
-        for pending, _ in self._in_flight:
-            for handle in pending:
-                handle.wait()
-        self._release([key for _, key in self._in_flight])
-        self._in_flight = []
-
-    def _release(self, sent_keys) -> None:
-        """Free the data of activations whose send completed; their backward needs only
-        the graph (the gradient comes back from the next stage)."""
-        for key in sent_keys:
-            if key is not None and key in self._outputs:
-                release_storage(self._outputs[key])

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.mesh import Mesh, ParallelDims
-import meshwise.pipeline.runtime as runtime_module
+import meshwise.pipeline.mailbox as mailbox_module
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
 from tests.dist.pool import RankError
@@ -55,11 +56,14 @@ EDGES = {
 }
 
 
-def _stages(num_logical: int, edges: str, blocks_per_stage: int = 1) -> list[nn.Sequential]:
+def _stages(num_logical: int, edges: str, blocks_per_stage: int = 1,
+            checkpointing: bool = False) -> list[nn.Sequential]:
     """The whole stack cut into ``num_logical`` stages, identical on every rank."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(D, D, dtype=DT), nn.Tanh())
               for _ in range(num_logical * blocks_per_stage)]
+    if checkpointing:
+        apply_activation_checkpointing(blocks, "full")
     stages = []
     for s in range(num_logical):
         layers = [nn.Linear(D_IN, D, dtype=DT)] if s == 0 else []
@@ -109,7 +113,9 @@ def _reference(stages, micro_batches, scale):
     return total.detach()
 
 
-def _my_chunks(stages, pp_rank: int, num_stages: int, num_virtual: int):
+def _my_chunks(stages, pp_rank: int, num_stages: int, num_virtual: int, schedule=None):
+    if schedule is not None:
+        return [stages[schedule.stage_of(pp_rank, v)] for v in range(num_virtual)]
     return [stages[v * num_stages + pp_rank] for v in range(num_virtual)]
 
 
@@ -118,17 +124,18 @@ def _close(actual, expected, what):
 
 
 # ---------------------------------------------------------------- rank functions
-def _check_parity(kind, num_virtual, num_micro_batches, edges, own_loss):
+def _check_parity(kind, num_virtual, num_micro_batches, edges, own_loss, checkpointing=False):
     mesh = Mesh.build(ParallelDims(pp=torch.distributed.get_world_size()))
     S, L = mesh.dims.pp, mesh.dims.pp * num_virtual
-    stages, ref_stages = _stages(L, edges), _stages(L, edges)
-    chunks = _my_chunks(stages, mesh.pp_rank, S, num_virtual)
-    if own_loss and mesh.is_last_stage:
+    stages, ref_stages = _stages(L, edges, checkpointing=checkpointing), _stages(L, edges)
+    schedule = build_schedule(kind, S, num_micro_batches, num_virtual)
+    chunks = _my_chunks(stages, mesh.pp_rank, S, num_virtual, schedule)
+    holds_last = schedule.owner(L - 1)[0] == mesh.pp_rank
+    if own_loss and holds_last:
         chunks[-1] = WithLoss(chunks[-1])
     seen = []  # dtypes and ranks of the activations this rank's later chunks receive
     for chunk in chunks:
         chunk.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, args[0].dim())))
-    schedule = build_schedule(kind, S, num_micro_batches, num_virtual)
     runtime = PipelineRuntime(chunks, schedule, mesh.pp, NoSyncEngine(),
                               loss_fn=None if own_loss else loss_fn)
     micro_batches = _batch(num_micro_batches)
@@ -137,32 +144,38 @@ def _check_parity(kind, num_virtual, num_micro_batches, edges, own_loss):
         loss = runtime.run(micro_batches, scale)
         # One header per forward edge, whatever the number of micro-batches, in the
         # first run only: later steps send none (and read none on the host).
-        stages_here = [v * S + mesh.pp_rank for v in range(num_virtual)]
-        assert runtime.channels.headers_sent == (run == 0) * sum(s + 1 < L for s in stages_here)
-        assert runtime.channels.headers_received == (run == 0) * sum(s > 0 for s in stages_here)
+        stages_here = [schedule.stage_of(mesh.pp_rank, v) for v in range(num_virtual)]
+        away = [s for s in range(L) if schedule.owner(s)[0] != mesh.pp_rank]
+        crossing = [s for s in stages_here if s + 1 in away]
+        receiving = [s for s in stages_here if s - 1 in away]
+        assert runtime.channels.headers_sent == (run == 0) * len(crossing)
+        assert runtime.channels.headers_received == (run == 0) * len(receiving)
+        assert [label for label, _, _ in runtime.action_times() if label != "p2p"] == \
+            [str(a) for a in schedule.compute_actions(mesh.pp_rank)]
     expected = _reference(ref_stages, micro_batches, scale)
     _reference(ref_stages, micro_batches, scale)
     assert loss.dim() == 0
-    if mesh.is_last_stage:
+    if holds_last:
         _close(loss, expected, f"{kind} loss")
     else:
         assert loss.item() == 0.0
     for v in range(num_virtual):
-        stage = v * S + mesh.pp_rank
+        stage = schedule.stage_of(mesh.pp_rank, v)
         for (name, p), ref in zip(stages[stage].named_parameters(),
                                   ref_stages[stage].parameters(), strict=True):
             _close(p.grad, ref.grad, f"{kind} stage {stage} {name} grad")
     return sorted(set(seen), key=str)
 
 
-def _check_forward_only(edges):
+def _check_forward_only(edges, kind="interleaved-1f1b"):
     """Evaluation and generation: a new sequence length at every call."""
     mesh = Mesh.build(ParallelDims(pp=torch.distributed.get_world_size()))
     S = mesh.dims.pp
     stages = _stages(2 * S, edges)
-    schedule = build_schedule("interleaved-1f1b", S, S, 2)
-    runtime = PipelineRuntime(_my_chunks(stages, mesh.pp_rank, S, 2), schedule, mesh.pp,
-                              NoSyncEngine(), loss_fn=loss_fn)
+    schedule = build_schedule(kind, S, 2 * S, 2)
+    runtime = PipelineRuntime(_my_chunks(stages, mesh.pp_rank, S, 2, schedule), schedule,
+                              mesh.pp, NoSyncEngine(), loss_fn=loss_fn)
+    holds_last = schedule.owner(2 * S - 1)[0] == mesh.pp_rank
     for seq_len in (3, 5, 1, 6):
         [(inputs, targets)] = _batch(1, seq_len, seed=seq_len)
         with torch.no_grad():
@@ -171,7 +184,7 @@ def _check_forward_only(edges):
                 x = stage(x)
         logits = runtime.forward_only(inputs)
         loss = runtime.forward_only(inputs, targets)
-        if mesh.is_last_stage:
+        if holds_last:
             _close(logits, x, f"logits, length {seq_len}")
             _close(loss, loss_fn(x, targets), f"loss, length {seq_len}")
         else:
@@ -224,14 +237,14 @@ def _memory_at_first_backward(rows, d, num_micro_batches, release):
     micro_batches = [(mb, None) for mb in x.chunk(num_micro_batches)]
     runtime = PipelineRuntime([chunk], build_schedule("gpipe", 2, num_micro_batches), mesh.pp,
                               NoSyncEngine(), loss_fn=lambda out, _: out.sum())
-    saved = runtime_module.release_storage
+    saved = mailbox_module.release_storage
     if not release:  # the same run holding its outputs, to measure what releasing saves
-        runtime_module.release_storage = lambda tensor: None
+        mailbox_module.release_storage = lambda tensor: None
     try:
         before = _rss_bytes()
         runtime.run(micro_batches, 1.0)
     finally:
-        runtime_module.release_storage = saved
+        mailbox_module.release_storage = saved
     if mesh.pp_rank != 0:
         return None
     rss, storage = probe["at"]
@@ -255,6 +268,27 @@ def test_runtime_matches_one_process_on_4_ranks(dist_pools, kind, num_virtual,
     dist_pools.run(4, _check_parity, kind, num_virtual, num_micro_batches, "3d-fp64", False)
 
 
+@pytest.mark.parametrize("kind, num_virtual, num_micro_batches, checkpointing", [
+    ("zb-h1", 1, 4, False), ("zbv", 2, 4, False), ("dualpipev", 2, 4, False),
+    ("zbv", 2, 3, True), ("zb-h1", 1, 2, True)])
+def test_split_backward_schedules_match_one_process_on_2_ranks(
+        dist_pools, kind, num_virtual, num_micro_batches, checkpointing):
+    dist_pools.run(2, _check_parity, kind, num_virtual, num_micro_batches, "3d-fp64", False,
+                   checkpointing)
+
+
+@pytest.mark.parametrize("kind, num_virtual, num_micro_batches, checkpointing", [
+    ("zb-h1", 1, 8, True), ("zbv", 2, 8, False), ("dualpipev", 2, 8, True)])
+def test_split_backward_schedules_match_one_process_on_4_ranks(
+        dist_pools, kind, num_virtual, num_micro_batches, checkpointing):
+    dist_pools.run(4, _check_parity, kind, num_virtual, num_micro_batches, "3d-fp64", False,
+                   checkpointing)
+
+
+def test_v_shaped_stages_exchange_bf16_and_own_loss(dist_pools):
+    dist_pools.run(2, _check_parity, "zbv", 2, 4, "bf16", True)
+
+
 def test_last_chunk_computing_its_own_loss(dist_pools):
     dist_pools.run(2, _check_parity, "1f1b", 1, 4, "3d-fp64", True)
 
@@ -272,6 +306,10 @@ def test_hidden_states_that_are_not_3d(dist_pools):
 @pytest.mark.parametrize("edges", ["3d-fp64", "not-3d", "bf16"])
 def test_forward_only_with_changing_sequence_length(dist_pools, edges):
     dist_pools.run(2, _check_forward_only, edges)
+
+
+def test_forward_only_through_a_v(dist_pools):
+    dist_pools.run(2, _check_forward_only, "not-3d", "zbv")
 
 
 def test_sent_activations_are_freed(dist_pools):

@@ -1,0 +1,89 @@
+"""One run's pipeline messages: the batches of a schedule posted, what arrived, sends in flight.
+
+The runtime hands each batch of communication actions (``Schedule`` steps that
+are tuples) to :meth:`Mailbox.post`, which posts it with one ``batch_isend_irecv``
+(``meshwise.pipeline.p2p.Channels``) and files the received tensors by
+``(chunk, micro_batch)``. Only the receives are waited for: a sender computes
+on while its message travels, which is what reaches the schedule's simulated
+bubble. Sends are waited for, and their activations freed, at the latest in the
+next batch (torch's pipelining waits at the same point): a runtime that waits
+for them at once is proven deadlock-free, so waiting later is too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshwise.pipeline.actions import Action, Schedule
+from meshwise.pipeline.p2p import Channels, Incoming, Outgoing, release_storage
+
+
+class Mailbox:
+    """Activations and gradients received this run, gradients waiting to be sent."""
+
+    def __init__(self, channels: Channels, schedule: Schedule, rank: int):
+        self.channels, self.schedule, self.rank = channels, schedule, rank
+        self.start(torch.device("cpu"))
+
+    def start(self, device: torch.device) -> None:
+        self.device = device
+        self.activations: dict = {}  # (chunk, mb) -> a received input of that chunk's F
+        self.gradients: dict = {}  # (chunk, mb) -> a received gradient of that chunk's output
+        self.to_send: dict = {}  # (chunk, mb) -> the input gradient its B made, for SEND_B
+        self._in_flight: list = []
+
+    def _tag(self, backward: bool, receiver_stage: int, micro_batch: int) -> int:
+        """The same number on both ends of a message, unique within the step."""
+        num_mb = self.schedule.num_micro_batches
+        return ((int(backward) * self.schedule.num_logical) + receiver_stage) * num_mb + \
+            micro_batch
+
+    def post(self, batch: tuple[Action, ...], outputs: dict) -> None:
+        """Post one batch; ``outputs``: the runtime's chunk outputs by (chunk, mb), sent by
+        SEND_F and freed once sent (their backward needs only the graph)."""
+        sends, recvs, sent_keys = [], [], []
+        for a in batch:
+            key, mb = (a.chunk, a.micro_batch), a.micro_batch
+            stage = self.schedule.stage_of(self.rank, a.chunk)
+            if a.kind == "SEND_F":
+                sends.append(Outgoing(outputs[key].detach(), a.peer,
+                                      self._tag(False, stage + 1, mb), stage, stage + 1))
+                sent_keys.append((outputs, key))
+            elif a.kind == "SEND_B":
+                sends.append(Outgoing(self.to_send.pop(key), a.peer,
+                                      self._tag(True, stage - 1, mb), stage, stage - 1, True))
+                sent_keys.append(None)
+            else:
+                backward = a.kind == "RECV_B"
+                src = stage + 1 if backward else stage - 1
+                recvs.append(Incoming(a.peer, self._tag(backward, stage, mb), src, stage, backward))
+        received, handles = self.channels.exchange(sends, recvs, self.device)
+        receivers = [a for a in batch if a.kind in ("RECV_F", "RECV_B")]
+        for a, tensor in zip(receivers, received, strict=True):
+            inbox = self.gradients if a.kind == "RECV_B" else self.activations
+            inbox[(a.chunk, a.micro_batch)] = tensor
+        # A send listed before a receive from the same peer is waited for now: messages
+        # are placed in meeting-time order, so that peer has posted its end already and
+        # waiting costs at most the transfer (1F1B's steady state frees each output as
+        # soon as it is sent). The others wait until the next batch.
+        sent = iter(zip(handles, sent_keys, strict=True))
+        now, later = [], []
+        for i, a in enumerate(batch):
+            if a.kind in ("SEND_F", "SEND_B"):
+                answered = any(b.kind in ("RECV_F", "RECV_B") and b.peer == a.peer
+                               for b in batch[i + 1:])
+                (now if answered else later).append(next(sent))
+        self._in_flight += now
+        self.finish_sends()
+        self._in_flight = later
+
+    def finish_sends(self) -> None:
+        """Wait for the sends in flight; free the activations they carried."""
+        for pending, sent in self._in_flight:
+            for handle in pending:
+                handle.wait()
+            if sent is not None:
+                outputs, key = sent
+                if key in outputs:
+                    release_storage(outputs[key])
+        self._in_flight = []
