@@ -24,7 +24,7 @@ the forward and the backward of a micro-batch whose W comes later) a layer
 given the store keeps its weight out of the autograd graph: its backward
 computes ``dX`` (and the bias gradient) at once and stores ``(weight, X, dY)``.
 :meth:`WeightGradStore.run` computes the ``dW`` and hands them to autograd in
-one call, from the weights themselves, so whatever collects gradients (``.grad``
+one call, at the weights' gradient edges, so whatever collects gradients (``.grad``
 and its hooks, ZeRO-3's unit views) sees them as from a normal backward.
 """
 
@@ -38,6 +38,7 @@ from collections.abc import Hashable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 class WeightGradStore:
@@ -57,7 +58,7 @@ class WeightGradStore:
         finally:
             self.key = previous
 
-    def put(self, key: Hashable, weight: torch.Tensor, inputs: torch.Tensor,
+    def put(self, key: Hashable, weight: GradientEdge, inputs: torch.Tensor,
             grad_output: torch.Tensor) -> None:
         self._jobs[key].append((weight, inputs, grad_output))
 
@@ -71,16 +72,21 @@ class WeightGradStore:
             # dW = dY^T X over every row of the micro-batch: (out, rows) @ (rows, in)
             grad = grad_output.reshape(-1, grad_output.shape[-1]).t() @ \
                 inputs.reshape(-1, inputs.shape[-1])
-            if id(weight) in where:  # a weight used twice in one micro-batch
-                grads[where[id(weight)]] += grad
+            edge = (id(weight.node), weight.output_nr)
+            if edge in where:  # a weight used twice in one micro-batch
+                grads[where[edge]] += grad
             else:
-                where[id(weight)] = len(weights)
+                where[edge] = len(weights)
                 weights.append(weight)
                 grads.append(grad)
         return weights, grads
 
     def run(self, key: Hashable) -> None:
-        """The W pass of ``key``: its weight gradients, delivered as autograd would."""
+        """The W pass of ``key``: its weight gradients, delivered as autograd would.
+
+        They enter the graph at the weights' gradient edges, taken in the forward:
+        a weight that is a view of a buffer rewritten since (a ZeRO-3 unit freed
+        after B and gathered again) cannot be a root of a backward itself."""
         weights, grads = self._weight_grads(key)
         if weights:
             torch.autograd.backward(weights, grads)
@@ -91,9 +97,9 @@ class _LinearWeightLater(torch.autograd.Function):
     weight's share for a W pass (the weight itself is not an input of this node)."""
 
     @staticmethod
-    def forward(ctx, inputs, weight_data, bias, store, key, weight_box):
+    def forward(ctx, inputs, weight_data, bias, store, key, weight_edge):
         ctx.save_for_backward(inputs, weight_data)
-        ctx.store, ctx.key, ctx.weight = store, key, weight_box[0]
+        ctx.store, ctx.key, ctx.weight_edge = store, key, weight_edge
         return F.linear(inputs, weight_data, bias)
 
     @staticmethod
@@ -103,7 +109,7 @@ class _LinearWeightLater(torch.autograd.Function):
         grad_bias = None
         if ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
-        ctx.store.put(ctx.key, ctx.weight, inputs, grad_output)
+        ctx.store.put(ctx.key, ctx.weight_edge, inputs, grad_output)
         return grad_inputs, None, grad_bias, None, None, None
 
 
@@ -114,7 +120,7 @@ def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             torch.is_grad_enabled() and weight.requires_grad):
         return F.linear(inputs, weight, bias)
     return _LinearWeightLater.apply(inputs, weight.detach(), bias, weight_grads,
-                                    weight_grads.key, (weight,))
+                                    weight_grads.key, get_gradient_edge(weight))
 
 
 class _DefersWeightGrad:

@@ -136,3 +136,35 @@ def test_parallel_layers_and_llama_defer_too():
     llama = Llama(LlamaConfig(n_layer=1, n_head=2, n_kv_head=1, d_model=8, ffn_hidden_size=16,
                               block_size=8, vocab_size=16))
     assert defer_weight_grads([llama], WeightGradStore()) == 8  # q k v o gate up down, head
+
+
+class _ViewsOfBuffer(torch.autograd.Function):
+    """A weight handed out as a view of a shared buffer (as a ZeRO-3 unit does)."""
+
+    @staticmethod
+    def forward(ctx, anchor, buffer):
+        return buffer.view(2, 3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.reshape(-1), None
+
+
+def test_w_reaches_a_weight_whose_buffer_was_rewritten_since_b():
+    """A ZeRO-3 unit freed after B and gathered again rewrites its buffer in place: W
+    still delivers the gradient (through the edge taken in the forward)."""
+    anchor = torch.zeros(6, dtype=DT, requires_grad=True)
+    buffer = torch.arange(6, dtype=DT)
+    layer = nn.Linear(3, 2, bias=False, dtype=DT)
+    store = WeightGradStore()
+    defer_weight_grads([layer], store)
+    del layer.weight  # the unit owns it, as cut_into_units arranges
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    with store.capturing(0):
+        layer.weight = _ViewsOfBuffer.apply(anchor, buffer)
+        out = layer(x)
+        out.sum().backward()  # B: nothing reaches the weight yet
+    assert anchor.grad is None
+    buffer.mul_(0)  # the buffer goes back to the pool and is gathered again
+    store.run(0)
+    torch.testing.assert_close(anchor.grad, (torch.ones(4, 2, dtype=DT).t() @ x.detach()).reshape(-1))
