@@ -28,6 +28,7 @@ from meshwise.layout.init import Init, init_values
 from meshwise.layout.params import logical_piece
 from meshwise.layout.pieces import Piece
 from meshwise.layout.plan import ParallelPlan
+from meshwise.pipeline.actions import stage_index
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
 from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
@@ -48,6 +49,9 @@ class ParallelModel:
     ``chunks``: one module per virtual pipeline stage held here, in order
     (``stages`` their logical stage indices, of ``num_stages``). Parameter names
     are the single-process model's (a chunk keeps its layers' global keys).
+    Ties across stages: ``cross_stage_ties`` are members held here whose partners
+    live on another rank; ``local_ties`` groups of members held here in different
+    chunks (the first and the last stage of a V both sit on rank 0).
     """
 
     chunks: list[nn.Module]
@@ -57,6 +61,26 @@ class ParallelModel:
     tp_group: object
     vocab_size: int
     cross_stage_ties: list[str] = field(default_factory=list)
+    local_ties: list[tuple[str, ...]] = field(default_factory=list)
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+    def end_modules(self, chunk: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The plan's first-stage and last-stage modules this chunk holds, with parameters
+        (each its own ZeRO-3 unit: a tied embedding must not share its shards)."""
+        def held(names):
+            found = []
+            for name in names:
+                try:
+                    module = chunk.get_submodule(name)
+                except AttributeError:
+                    continue
+                if module is not None and next(module.parameters(), None) is not None:
+                    found.append(module)
+            return found
+        return held(self.plan.first_stage), held(self.plan.last_stage)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every parameter of every chunk, each once, under its single-process name."""
@@ -127,28 +151,30 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: int = 0,
-                pp_size: int = 1, virtual_stages: int = 1, vocab_size: int | None = None
-                ) -> ParallelModel:
+                pp_size: int = 1, virtual_stages: int = 1, vocab_size: int | None = None,
+                stage_map: str = "loop") -> ParallelModel:
     """This rank's ``ParallelModel`` of ``model`` (which is consumed: chunks reuse it).
 
     ``tp_group``: the tensor-parallel group (``None`` or size 1: none);
-    ``pp_rank``/``pp_size``/``virtual_stages``: the pipeline position (chunk
-    ``v`` is logical stage ``v * pp_size + pp_rank``, Narayanan et al. 2021).
+    ``pp_rank``/``pp_size``/``virtual_stages``: the pipeline position; ``stage_map``
+    (``meshwise.pipeline.actions``): ``loop``, chunk ``v`` is logical stage
+    ``v * pp_size + pp_rank`` (Narayanan et al. 2021), or ``v``, the V of ZB-V and
+    DualPipeV (chunk 1 is stage ``2 * pp_size - 1 - pp_rank``).
     """
     num_stages = pp_size * virtual_stages
     layers = _layers(model, plan)
     if len(layers) % num_stages:
         raise ValueError(f"{len(layers)} layers do not split into pp x virtual stages = "
                          f"{pp_size} x {virtual_stages} = {num_stages} equal chunks")
-    stages = [v * pp_size + pp_rank for v in range(virtual_stages)]
+    stages = [stage_index(pp_rank, v, pp_size, stage_map) for v in range(virtual_stages)]
     chunks = [_cut(model, plan, s, num_stages) for s in stages]
     if tp_size_of(tp_group) > 1:
         for chunk in chunks:
             _apply_tp(chunk, plan, tp_group)
-    ties = _cross_stage_ties(chunks, plan, num_stages)
+    remote, local = _cross_stage_ties(chunks, plan, num_stages)
     if vocab_size is None:
         vocab_size = getattr(getattr(model, "cfg", None), "vocab_size", None)
-    return ParallelModel(chunks, stages, num_stages, plan, tp_group, vocab_size, ties)
+    return ParallelModel(chunks, stages, num_stages, plan, tp_group, vocab_size, remote, local)
 
 
 def _layers(model: nn.Module, plan: ParallelPlan) -> nn.ModuleDict:
@@ -195,16 +221,22 @@ def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group) -> None:
             set_param(chunk, name, first)
 
 
-def _cross_stage_ties(chunks, plan: ParallelPlan, num_stages: int) -> list[str]:
-    """Names of tie members held here whose partners live on another stage."""
+def _cross_stage_ties(chunks, plan: ParallelPlan, num_stages: int
+                      ) -> tuple[list[str], list[tuple[str, ...]]]:
+    """Tie members held here whose partners live on another rank, and groups of members
+    held here in different chunks (separate copies, to be kept equal locally)."""
     if num_stages == 1:
-        return []
-    names = {name for chunk in chunks for name, _ in chunk.named_parameters()}
-    found = []
+        return [], []
+    chunk_of = {name: i for i, chunk in enumerate(chunks)
+                for name, _ in chunk.named_parameters(remove_duplicate=False)}
+    remote, local = [], []
     for tie in plan.ties:
-        if any(name in names for name in tie) and not all(name in names for name in tie):
-            found += [name for name in tie if name in names]
-    return found
+        held = [name for name in tie if name in chunk_of]
+        if held and len(held) < len(tie):
+            remote += held
+        elif len({chunk_of[name] for name in held}) > 1:
+            local.append(tuple(held))
+    return remote, local
 
 
 def _set_module(root: nn.Module, path: str, module) -> None:

@@ -28,13 +28,22 @@ TRAIN_FLAGS = [
     ("--tp", "parallel", "tp", int, "tensor-parallel ranks"),
     ("--pp", "parallel", "pp", int, "pipeline stages"),
     ("--schedule", "parallel", "schedule", str,
-     f"pipeline schedule: {', '.join(SCHEDULES)}"),
+     f"pipeline schedule: {', '.join(SCHEDULES)}; zb-h1, zbv and dualpipev split each "
+     "backward into the input gradient (B) and the weight gradients (W, deferred into "
+     "bubbles)"),
     ("--virtual-stages", "parallel", "virtual_stages", int,
-     "model chunks per pipeline rank, for interleaved-1f1b"),
+     "model chunks per pipeline rank: 2 or more for interleaved-1f1b, 2 for zbv and "
+     "dualpipev (a V: rank r holds stages r and 2*pp-1-r)"),
     ("--micro-batches", "parallel", "micro_batches", int,
-     "pipeline micro-batches per step"),
+     "pipeline micro-batches per step (interleaved-1f1b: a multiple of --pp; dualpipev: at "
+     "least 2 x --pp)"),
     ("--zero", "parallel", "zero", int,
      "ZeRO stage: 0 none, 1 optimizer state, 2 +gradients, 3 +parameters"),
+    ("--reshard-after-forward", "parallel", "reshard_after_forward", bool,
+     "with --zero 3 and --pp > 1: gather each unit for every micro-batch's forward and "
+     "backward and reduce-scatter every micro-batch's gradient (about two units in memory) "
+     "instead of once per step (the stage's parameters and gradients in full during the "
+     "step, the fewest bytes); without a pipeline ZeRO-3 always does so"),
     ("--grad-accum", "data", "grad_accum", int,
      "gradient accumulation micro-steps per optimizer step"),
     ("--model", "model", "preset", str, f"model preset: {', '.join(MODEL_PRESETS)}"),

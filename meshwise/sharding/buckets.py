@@ -12,7 +12,11 @@ micro-batch loss is already divided by the global token count.
   then the parameters are all-gathered.
 - stage 2 (P_os+g): a bucket's full gradient exists only from its first gradient
   until its reduce-scatter lands (buffers come from a pool); the rank keeps its
-  shard, accumulating micro-steps into it (as DeepSpeed's stage 2 does).
+  shard, accumulating micro-steps into it (as DeepSpeed's stage 2 does). With
+  ``reduce_once`` (under a pipeline, whose chunks run many micro-batches per
+  step) the full gradients accumulate over every backward of the step instead
+  and each bucket is reduce-scattered once, after its last one (torchtitan's
+  pipeline x FSDP).
 
 After the update (stages 1-2) the all-gathers are launched and *not* waited
 for: a forward pre-hook on each module waits for the buckets it reads, so the
@@ -55,12 +59,17 @@ class ZeroOptimizer(EngineBase):
     the parameter all-gather with the next forward. ``values``: initial values
     (default: the parameters' own). ``precision``: compute and reduction dtypes.
     ``grad_reducer``: takes over the buckets' dp reductions (``EngineBase``).
+    ``reduce_once``: stage 2 keeps full gradients over the step's backwards and
+    reduce-scatters each bucket once (see the module docstring). ``own_buckets``:
+    names of parameters that get a bucket to themselves, so that their dp shards
+    line up with a tied partner's on another stage (``tie_grad``).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group, stage: int,
                  adamw: AdamWConfig, bucket_cap_mb: float = 25.0, *,
                  precision: Precision | None = None, modules: list[nn.Module] | None = None,
-                 values=None, device=None, grad_reducer=None):
+                 values=None, device=None, grad_reducer=None, reduce_once: bool = False,
+                 own_buckets=()):
         if stage not in ZERO_STAGES:
             raise ValueError(f"stage must be one of {ZERO_STAGES}, got {stage!r}")
         named, seen = [], set()
@@ -79,7 +88,10 @@ class ZeroOptimizer(EngineBase):
         # One dtype and device for all (the engine's); weight decay is per parameter.
         # The cap is in bytes of gradient, as DDP's bucket_cap_mb.
         grad_bytes = precision.reduce_dtype.itemsize
-        specs = [ParamSpec(n, p.numel(), grad_bytes) for n, p in named]
+        own = set(own_buckets)
+        specs = [ParamSpec(n, p.numel(), grad_bytes, ("own", n) if n in own else None)
+                 for n, p in named]
+        self.reduce_once = reduce_once and stage == 2
         self.plan = BucketPlan(specs, bucket_cap_mb, pad_to=dp_group.size)
         self._slots = [self.plan.slots[n] for n in self._names]
         self._members = [[] for _ in self.plan.buckets]  # bucket -> param indices
@@ -235,10 +247,11 @@ class ZeroOptimizer(EngineBase):
         It may be entered while buckets of other parameters are being reduced
         (pipeline chunks whose last backward has passed); a gradient for a bucket
         already in flight is an error. Stage 2 keeps no full gradient between
-        backwards: each one is reduce-scattered into the shard when this exits.
+        backwards: each one is reduce-scattered into the shard when this exits
+        (unless ``reduce_once``: then its full gradients wait for the last).
         """
         assert self._sync_enabled, "no_sync() is not re-entrant"
-        if self.stage == 2:
+        if self.stage == 2 and not self.reduce_once:
             yield
             self.finish_grad_sync()
             return
@@ -264,6 +277,15 @@ class ZeroOptimizer(EngineBase):
         assert self.stage < 2, "stage 2 keeps gradient shards only"
         i = self._names.index(name)
         return self._grad_views[i]
+
+    def tie_grad(self, name: str) -> torch.Tensor:
+        """What a tie sums across its members: the full reduced gradient (stages 0-1),
+        or the shard of the parameter's own bucket (stage 2, ``own_buckets``)."""
+        if self.stage < 2:
+            return self.grad_of(name)
+        flat = self.flats[self._slots[self._names.index(name)].bucket]
+        assert [s.name for s in flat.slots] == [name], f"{name} needs a bucket of its own"
+        return flat.grad_shard
 
     # ------------------------------------------------------------ parameters after a step
     def _publish(self) -> None:

@@ -41,7 +41,7 @@ class _UnitViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.gradient_ready(grads)
+        ctx.unit.gradient_ready(grads, ctx)
         return None, None
 
 
@@ -124,7 +124,7 @@ class Unit:
 
     # -- gradients -----------------------------------------------------------------
     @torch.no_grad()
-    def gradient_ready(self, grads) -> None:
+    def gradient_ready(self, grads, ctx=None) -> None:
         """Every view's gradient is complete: one flat buffer in the reduction dtype.
 
         The unit's backward is over, so its gathered parameters are not needed any
@@ -151,12 +151,14 @@ class Unit:
 
 
 def cut_into_units(model: nn.Module, units: list[nn.Module] | None,
-                   cap_bytes: float | None = None):
+                   cap_bytes: float | None = None, alone=()):
     """Cut ``model``'s trainable parameters into units.
 
     ``units``: the layers (default ``model.blocks``); consecutive layers are merged
     into one unit while it stays within ``cap_bytes`` (``None``: a unit per
-    layer). Returns ``[(name, modules, params), ...]`` for units holding
+    layer), except the modules in ``alone``, which always make a unit of their own
+    (a tied embedding whose shards must line up with its partner's on another
+    stage). Returns ``[(name, modules, params), ...]`` for units holding
     parameters and the root's ``params``; ``params`` are ``(name, param,
     [(module, attr), ...])`` in ``named_parameters`` order. The parameters are
     unregistered from their modules: the units own them.
@@ -169,7 +171,8 @@ def cut_into_units(model: nn.Module, units: list[nn.Module] | None,
             continue  # a parameter-free layer needs no gathering
         size = sum(p.numel() * p.element_size() for _, p, _ in params)
         last = merged[-1] if merged else None
-        if last and cap_bytes and last[3] + size <= cap_bytes:
+        mergeable = last and module not in alone and last[1][-1] not in alone
+        if mergeable and cap_bytes and last[3] + size <= cap_bytes:
             last[0], last[1], last[2], last[3] = (f"{last[0]}+{name}", last[1] + [module],
                                                   last[2] + params, last[3] + size)
         else:
@@ -229,3 +232,14 @@ def _assign_params(model: nn.Module, unit_modules: list[nn.Module]) -> list[list
         for module, attr in owners:
             del module._parameters[attr]
     return groups
+
+
+def grad_tensors(output) -> list[torch.Tensor]:
+    """Tensors in a (nested) forward output that autograd will send gradients to."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in grad_tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in grad_tensors(item)]
+    return []

@@ -42,7 +42,7 @@ from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.binding import BufferPool, device_of, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
-from meshwise.sharding.units import ROOT, Unit, cut_into_units
+from meshwise.sharding.units import ROOT, Unit, cut_into_units, grad_tensors
 
 
 class ZeroStage3(EngineBase):
@@ -136,7 +136,7 @@ class ZeroStage3(EngineBase):
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        tensors = _grad_tensors(output)
+        tensors = grad_tensors(output)
         if torch.is_grad_enabled() and self.blocks and not self._units_checked:
             self._check_same_units()
             self._units_checked = True
@@ -194,7 +194,7 @@ class ZeroStage3(EngineBase):
     def _post_forward(self, unit: Unit, module, args, output) -> None:
         if unit.in_backward:
             return  # a recompute: the backward still needs the gathered unit
-        tensors = _grad_tensors(output)
+        tensors = grad_tensors(output)
         if tensors:
             unit.needs_backward = True
             register_multi_grad_hook(tensors, partial(self._pre_backward, unit), mode="any")
@@ -297,13 +297,3 @@ class ZeroStage3(EngineBase):
                         for s in flat.slots})
         return {name: out[name] for name in self.param_names}
 
-
-def _grad_tensors(output) -> list[torch.Tensor]:
-    """Tensors in a (nested) forward output that autograd will send gradients to."""
-    if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _grad_tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _grad_tensors(item)]
-    return []

@@ -13,10 +13,12 @@ import torch
 from meshwise.apply.parallelize import ParallelModel, parallelize
 from meshwise.mesh import Mesh
 from meshwise.models.families import ModelFamily
+from meshwise.pipeline.schedules import STAGE_MAP_OF
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.zero3 import ZeroStage3
+from meshwise.sharding.zero3_pipeline import PipelineZeroStage3
 from meshwise.train.config import TrainConfig
 
 
@@ -28,7 +30,8 @@ def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh, dr
         model = family.build(model_cfg, dropout)
     return parallelize(model, family.plan(model_cfg), tp_group=mesh.tp if p.tp > 1 else None,
                        pp_rank=mesh.pp_rank, pp_size=p.pp, virtual_stages=p.virtual_stages,
-                       vocab_size=vocab_size)
+                       vocab_size=vocab_size,
+                       stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop")
 
 
 def precision_of(cfg: TrainConfig) -> Precision:
@@ -45,13 +48,33 @@ def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: Adam
     gradient buckets (``ZeroOptimizer``); stage 3 shards the parameters too. Either
     allocates only what this rank keeps and fills it from ``values``, and hands its
     dp reductions to ``grad_reducer`` when one is given."""
-    precision = precision_of(cfg)
-    if cfg.parallel.zero == 3:
-        (chunk,) = model.chunks  # ZeRO-3 does not combine with a pipeline
+    precision, p = precision_of(cfg), cfg.parallel
+    if p.zero == 3 and p.pp > 1:
+        return _pipeline_zero3(model, mesh, cfg, adamw, values, device, grad_reducer)
+    if p.zero == 3:
+        (chunk,) = model.chunks
         return ZeroStage3(chunk, mesh.dp, adamw, units=model.layers(), precision=precision,
                           values=values, device=device, unit_cap_mb=cfg.comm.bucket_mb,
                           grad_reducer=grad_reducer)
-    return ZeroOptimizer(model.named_parameters(), mesh.dp, stage=cfg.parallel.zero,
+    tied = list(model.cross_stage_ties) + [n for group in model.local_ties for n in group]
+    return ZeroOptimizer(model.named_parameters(), mesh.dp, stage=p.zero,
                          adamw=adamw, bucket_cap_mb=cfg.comm.bucket_mb, precision=precision,
                          modules=model.chunks, values=values, device=device,
-                         grad_reducer=grad_reducer)
+                         grad_reducer=grad_reducer, reduce_once=p.pp > 1, own_buckets=tied)
+
+
+def _pipeline_zero3(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig,
+                    values, device, grad_reducer) -> PipelineZeroStage3:
+    """ZeRO-3 over this rank's pipeline chunks: per chunk, its first-stage modules, its
+    layers and its last-stage modules are units; the end modules (a tied embedding
+    among them) never share a unit."""
+    units, alone = [], []
+    for chunk in model.chunks:
+        first, last = model.end_modules(chunk)
+        units.append(first + list(getattr(chunk, model.plan.layers).values()) + last)
+        alone += first + last
+    return PipelineZeroStage3(model.chunks, mesh.dp, adamw, units,
+                              reshard_after_forward=cfg.parallel.reshard_after_forward,
+                              alone=alone, precision=precision_of(cfg), values=values,
+                              device=device, unit_cap_mb=cfg.comm.bucket_mb,
+                              grad_reducer=grad_reducer)

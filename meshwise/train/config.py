@@ -18,13 +18,13 @@ from meshwise.comm.compression import COMPRESS_WARMUP_STEPS, TOPK_RAMP_STEPS, pa
 from meshwise.comm.devices import DEVICES
 from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
-from meshwise.pipeline.schedules import validate_schedule_config
+from meshwise.pipeline.schedules import SCHEDULE_KINDS, validate_schedule_config
 from meshwise.train.loggers import parse_log_to
 from meshwise.train.profiling import parse_steps
 # The model section and its presets, part of this module's interface.
 from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = SCHEDULE_KINDS
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
@@ -45,6 +45,7 @@ class ParallelConfig:
     virtual_stages: int = 1
     micro_batches: int = 0  # 0: pp when pp > 1, else 1
     zero: int = 0
+    reshard_after_forward: bool = False  # ZeRO-3 under a pipeline: gather per micro-batch
 
     @property
     def dims(self) -> ParallelDims:
@@ -275,11 +276,9 @@ class TrainConfig:
             if m.n_layer % chunks:
                 raise ValueError(f"--n-layer {m.n_layer} does not split into pp x virtual-stages "
                                  f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks")
-        allowed = supported_zero_stages(p.pp)
-        if p.zero not in allowed:
-            valid = " or ".join(map(str, allowed))
-            raise ValueError(f"--zero {p.zero} with --pp {p.pp} is not supported "
-                             f"({UNSUPPORTED_REASON}); valid: --zero {valid}")
+        if p.reshard_after_forward and p.zero != 3:
+            raise ValueError(f"--reshard-after-forward needs --zero 3 (got --zero {p.zero}): it "
+                             "picks when ZeRO-3 units are gathered; valid: --zero 3")
         per_step = p.dp * d.grad_accum * p.num_micro_batches
         if d.batch_size % per_step:
             raise ValueError(
@@ -288,22 +287,22 @@ class TrainConfig:
 
 
 # Which ZeRO stages combine with which axes. The README's table is generated from
-# this (tests/unit/test_config.py keeps them equal) and validation uses it.
-UNSUPPORTED_REASON = ("ZeRO-2/3 keep only gradient or parameter shards, but pipeline stages "
-                      "need full gradients for the tied-embedding sync and run each chunk "
-                      "many times per step; DeepSpeed refuses the same combinations")
+# this, and tests/unit/test_config.py checks both that they are equal and that each
+# listed combination validates (and runs: tests/e2e/test_layouts.py). Under a
+# pipeline, ZeRO-2 keeps each stage's full gradients over the step's micro-batches and
+# reduce-scatters once; ZeRO-3 gathers a stage's units once per step (or per
+# micro-batch with --reshard-after-forward); tied embeddings get buffers of their own
+# so that their shards line up across the first and the last stage.
 COMPOSITIONS = [
     # (axes, example flags, ZeRO stages)
     ("dp", "--dp 2", ZERO_STAGES),
     ("dp x tp", "--dp 2 --tp 2", ZERO_STAGES),
-    ("tp x pp", "--tp 2 --pp 2", (0, 1)),
-    ("dp x pp", "--dp 2 --pp 2", (0, 1)),
-    ("dp x tp x pp", "--dp 2 --tp 2 --pp 2", (0, 1)),
+    ("tp x pp", "--tp 2 --pp 2", ZERO_STAGES),
+    ("dp x pp", "--dp 2 --pp 2", ZERO_STAGES),
+    ("dp x tp x pp", "--dp 2 --tp 2 --pp 2", ZERO_STAGES),
+    ("dp x pp, zero bubble", "--dp 2 --pp 2 --schedule zbv --virtual-stages 2 --micro-batches 4",
+     ZERO_STAGES),
 ]
-
-
-def supported_zero_stages(pp: int) -> tuple[int, ...]:
-    return (0, 1) if pp > 1 else ZERO_STAGES
 
 
 def composition_table() -> str:
@@ -312,7 +311,6 @@ def composition_table() -> str:
     for axes, example, stages in COMPOSITIONS:
         rows.append(f"| {axes} | `{example}` | {', '.join(map(str, stages))} |")
     return "\n".join(rows)
-
 
 
 def flag_name(field: str) -> str:

@@ -15,7 +15,10 @@ replicated and how its gradient is kept consistent:
 * pp: a tie whose members live on different stages (the token embedding and
   the head on the first and last stage) keeps a copy at each end; their
   gradients are SUMMED over ``mesh.embed`` after the dp sync (Megatron-LM's
-  embedding group), so both copies take the same step.
+  embedding group), so both copies take the same step. Where both ends sit on
+  one rank (the V of ZB-V and DualPipeV) they are summed there. Under ZeRO-2/3
+  each member has a flat buffer of its own, so the dp shards of the members
+  line up and their sum is exact too.
 
 The global norm counts each unique parameter once: tp-replicated parameters on tp
 rank 0 only, a tie on the stage holding its first member only, and shards summed.
@@ -46,6 +49,7 @@ class GradSync3D:
         self.mesh, self.engine = mesh, engine
         self.params = dict(named_params)
         self.tied = model.cross_stage_ties if model and mesh.embed is not None else []
+        self.local_ties = model.local_ties if model is not None else []
         writer = model.is_writer if model is not None else (lambda name: True)
         self.counted = {name for name, p in self.params.items()
                         if writer(name) and (mesh.tp_rank == 0 or is_tp_sharded(p))}
@@ -55,7 +59,12 @@ class GradSync3D:
         """Wait for the dp reductions, then sum the tied embedding over its stages."""
         self.engine.finish_grad_sync()
         for name in self.tied:
-            ops.all_reduce(self.engine.grad_of(name), self.mesh.embed, category="grad")
+            ops.all_reduce(self.engine.tie_grad(name), self.mesh.embed, category="grad")
+        for members in self.local_ties:
+            grads = [self.engine.tie_grad(name) for name in members]
+            total = torch.stack(grads).sum(0)
+            for grad in grads:
+                grad.copy_(total)
         if not self._checked_tp and self.mesh.dims.tp > 1:
             self.check_tp_replicas()
             self._checked_tp = True

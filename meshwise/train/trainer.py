@@ -105,8 +105,8 @@ class Trainer:
             schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
             self.pipeline = PipelineRuntime(chunks, schedule, self.mesh.pp, self.engine,
                                             loss_fn=self.pm.loss)
-        # Ranks whose loss counts: the last stage, once per tp group.
-        self.reports_loss = self.mesh.is_last_stage and self.mesh.tp_rank == 0
+        # Ranks whose loss counts: the last stage (rank 0 in a V), once per tp group.
+        self.reports_loss = self.pm.holds_last_stage and self.mesh.tp_rank == 0
         self.is_logging_rank = self.mesh.rank == 0
         self.start_step = self.checkpointer.load(resume) if resume else 0
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
@@ -361,7 +361,8 @@ class Trainer:
                 probs = torch.softmax(logits[0, -1].float().cpu() / temperature, -1)  # (V,)
                 nxt.copy_(torch.multinomial(probs, 1, generator=gen))
             if self.pipeline is not None:  # the last stage tells the others
-                ops.broadcast(nxt, self.mesh.dims.pp - 1, self.mesh.pp, category="sample")
+                last = self.pipeline.schedule.owner(self.pipeline.num_logical - 1)[0]
+                ops.broadcast(nxt, last, self.mesh.pp, category="sample")
             tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
         self.model.train()
         ids = tokens[0].tolist()

@@ -24,6 +24,20 @@ LAYOUTS = {
     "dp2-tp2-pp2-zero1": ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1"],
     "dp2-tp2-zero2": ["--dp", "2", "--tp", "2", "--zero", "2"],
     "dp2-tp2-zero3": ["--dp", "2", "--tp", "2", "--zero", "3"],
+    # split backwards (runtime parity at pp 2 and 4, with checkpointing, in
+    # tests/dist/test_pipeline_runtime.py) and pipeline x ZeRO-2/3 (engine parity in
+    # tests/dist/test_pipeline_zero.py); the tied embedding spans both ends of each
+    "pp4-zb-h1-ckpt": ["--pp", "4", "--schedule", "zb-h1", "--micro-batches", "4",
+                       "--activation-checkpointing", "full"],
+    "tp2-pp2-zbv": ["--tp", "2", "--pp", "2", "--schedule", "zbv", "--virtual-stages", "2",
+                    "--micro-batches", "4"],
+    "dp2-pp2-dualpipev-zero2": ["--dp", "2", "--pp", "2", "--schedule", "dualpipev",
+                                "--virtual-stages", "2", "--micro-batches", "4", "--zero", "2"],
+    "dp2-pp2-zero3": ["--dp", "2", "--pp", "2", "--zero", "3"],
+    "dp2-pp2-zbv-zero3-reshard-ckpt": ["--dp", "2", "--pp", "2", "--schedule", "zbv",
+                                       "--virtual-stages", "2", "--micro-batches", "4",
+                                       "--zero", "3", "--reshard-after-forward",
+                                       "--activation-checkpointing", "full"],
 }
 
 
@@ -34,6 +48,7 @@ LLAMA_LAYOUTS = {
     "pp2-interleaved": LAYOUTS["pp2-interleaved"],
     "dp2-tp2-zero3": LAYOUTS["dp2-tp2-zero3"],
     "dp2-tp2-pp2-zero1": LAYOUTS["dp2-tp2-pp2-zero1"],
+    "dp2-pp2-zbv-zero3-reshard-ckpt": LAYOUTS["dp2-pp2-zbv-zero3-reshard-ckpt"],
 }
 
 
@@ -81,7 +96,11 @@ def test_llama_layout_matches_single_process(tmp_path, corpus, llama_reference, 
     (["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
       "--micro-batches", "3"], "multiple of pp"),
     (["--tp", "3"], "--n-head 4 is not divisible by --tp 3"),
-    (["--pp", "2", "--zero", "3"], "--zero 3 with --pp 2 is not supported"),
+    (["--pp", "2", "--zero", "2", "--reshard-after-forward"],
+     "--reshard-after-forward needs --zero 3 (got --zero 2)"),
+    (["--pp", "2", "--schedule", "dualpipev", "--virtual-stages", "2", "--micro-batches", "2"],
+     "dualpipev needs micro-batches >= 2 x pp"),
+    (["--pp", "2", "--schedule", "zbv", "--micro-batches", "4"], "virtual stages must be 2"),
     (["--micro-batches", "2"], "--micro-batches 2 needs --pp > 1"),
 ])
 def test_layouts_that_cannot_work_exit_2(tmp_path, corpus, flags, message):

@@ -20,13 +20,17 @@ def test_readme_shows_the_table_the_check_uses():
 
 @pytest.mark.parametrize("axes, example, stages", COMPOSITIONS)
 def test_every_listed_composition_validates(axes, example, stages):
-    for zero in (0, 1, 2, 3):
-        argv = [*example.split(), "--zero", str(zero), "--batch-size", "16"]
-        if zero in stages:
-            parse(*argv)
-        else:
-            with pytest.raises(ValueError, match=f"--zero {zero} with --pp"):
-                parse(*argv)
+    for zero in stages:
+        parse(*example.split(), "--zero", str(zero), "--batch-size", "16")
+    if 3 in stages:
+        parse(*example.split(), "--zero", "3", "--reshard-after-forward", "--batch-size", "16")
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_reshard_after_forward_is_for_zero_3_only(zero):
+    with pytest.raises(ValueError, match=f"--reshard-after-forward needs --zero 3 \\(got --zero "
+                                         f"{zero}\\).*valid: --zero 3"):
+        parse("--dp", "2", "--pp", "2", "--zero", str(zero), "--reshard-after-forward")
 
 
 def test_no_flags_is_the_two_rank_demo():
