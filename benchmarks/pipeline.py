@@ -13,7 +13,12 @@ every other round) so drift in machine speed hits all alike:
 - ``torch_1f1b``: ``Schedule1F1B`` over a ``PipelineStage`` of the same chunk;
 - ``meshwise_interleaved``: ``build_schedule("interleaved-1f1b", S, M, V=2)``,
   2 chunks per rank (chunk v of rank r is logical stage v*S + r);
-- ``torch_interleaved``: ``ScheduleInterleaved1F1B`` over the same 2 stages per rank.
+- ``torch_interleaved``: ``ScheduleInterleaved1F1B`` over the same 2 stages per rank;
+- ``meshwise_zb-h1`` / ``torch_zb-h1``, ``meshwise_zbv`` / ``torch_zbv``,
+  ``meshwise_dualpipev`` / ``torch_dualpipev``: the split-backward schedules
+  (zbv and dualpipev: rank r holds stages r and 2S-1-r) against
+  ``ScheduleInterleavedZeroBubble`` (one stage per rank), ``ScheduleZBVZeroBubble``
+  and ``ScheduleDualPipeV``.
 
 A step is the whole optimizer step: zero grad, the schedule (forward + backward
 of every micro-batch), AdamW (meshwise: ``ZeroOptimizer`` stage 0 over the
@@ -25,8 +30,9 @@ torch: ``scale_grads=False`` and a ``loss_fn`` on the last chunk's logits). The
 tied embedding's two copies (first and last stage) are not synchronised on
 either side: that is the trainer's job, not the schedule's.
 
-A rank's step time is its wall time from a barrier to the end of the step; the F
-and B actions inside it are timed too (wall and thread CPU time), and an idle
+A rank's step time is its wall time from a barrier to the end of the step; the F,
+B and W actions inside it are timed too (meshwise: the runtime's record of each
+action; torch: timers around its stage methods), and an idle
 ping-pong of one activation gives the p2p latency. ``pipeline_report.py`` turns
 these into the tables (slowest-rank medians, the measured bubble beside the
 simulator's and the formula's, noise gauges), and the 1-minute load average
@@ -55,13 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (add_gpt_args, add_round_args, adamw_config,  # noqa: E402
                                gpt_config, median, meshwise_gpt, new_timings, print_json,
                                record, reference_gpt, run_rounds, spawn, torch_param_groups)
-from benchmarks.pipeline_report import VARIANTS, report, virtual_stages  # noqa: E402
+from benchmarks.pipeline_report import (SCHEDULE_OF, VARIANTS, report,  # noqa: E402
+                                        virtual_stages)
 from meshwise.apply.parallelize import parallelize  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.mesh import Mesh, ParallelDims  # noqa: E402
 from meshwise.models.gpt import gpt_plan  # noqa: E402
 from meshwise.pipeline.runtime import PipelineRuntime  # noqa: E402
-from meshwise.pipeline.schedules import build_schedule  # noqa: E402
+from meshwise.pipeline.schedules import STAGE_MAP_OF, build_schedule  # noqa: E402
 from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
 
 
@@ -95,89 +102,97 @@ class Timer:
 
 # ---------------------------------------------------------------- runners
 class MeshwiseRunner:
-    """``engine.zero_grad()``, ``PipelineRuntime.run``, ``finish_grad_sync``, ``step``."""
+    """``engine.zero_grad()``, ``PipelineRuntime.run``, ``finish_grad_sync``, ``step``.
 
-    def __init__(self, args, mesh: Mesh, num_virtual: int):
-        S, M = mesh.dims.pp, args.micro_batches
+    F, B and W times come from the runtime's own record of each action
+    (``action_times()``, the device's clock); a B that runs its weight pass at once
+    (schedules without W actions) includes it."""
+
+    def __init__(self, args, mesh: Mesh, key: str):
+        S, M, V = mesh.dims.pp, args.micro_batches, virtual_stages(key)
+        kind = SCHEDULE_OF[key]
         pm, values = meshwise_gpt(gpt_config(args, args.vocab_size), args.seed,
-                                  pp_rank=mesh.pp_rank, pp_size=S, virtual_stages=num_virtual)
+                                  pp_rank=mesh.pp_rank, pp_size=S, virtual_stages=V,
+                                  stage_map=STAGE_MAP_OF.get(kind, "loop"))
         self.engine = ZeroOptimizer(pm.named_parameters(), mesh.dp, stage=0,
                                     adamw=adamw_config(args), modules=pm.chunks, values=values)
         self.chunks = pm.chunks
         self.num_params = sum(p.numel() for _, p in pm.named_parameters())
-        kind = "1f1b" if num_virtual == 1 else "interleaved-1f1b"
-        schedule = build_schedule(kind, S, M, num_virtual)
-        self.runtime = PipelineRuntime(self.chunks, schedule, mesh.pp, self.engine,
-                                       loss_fn=pm.loss)
-        # Benchmark-only timers on the instance: split compute_s into F and B.
-        self.fwd = self.runtime._forward = Timer(self.runtime._forward)
-        self.bwd = self.runtime._backward = Timer(self.runtime._backward)
+        self.runtime = PipelineRuntime(self.chunks, build_schedule(kind, S, M, V), mesh.pp,
+                                       self.engine, loss_fn=pm.loss)
         self.lr, self.scale, self.M = args.lr, 1.0 / (args.batch_size * args.seq_len), M
 
     def step(self, inputs, targets) -> tuple[float, dict]:
         micro = list(zip(inputs.chunk(self.M), targets.chunk(self.M)))
-        self.fwd.reset()
-        self.bwd.reset()
         start = time.perf_counter()
         self.engine.zero_grad()
-        pipe_start = time.perf_counter()
+        pipe_start, cpu_start = time.perf_counter(), time.thread_time()
         loss = self.runtime.run(micro, self.scale).item()
-        pipe_end = time.perf_counter()
+        pipe_end, cpu = time.perf_counter(), time.thread_time() - cpu_start
         self.engine.finish_grad_sync()
         self.engine.step(self.lr)
         end = time.perf_counter()
+        per_kind = {"F": 0.0, "B": 0.0, "W": 0.0}
+        for label, a, b in self.runtime.action_times():
+            if label != "p2p":
+                per_kind[label[0]] += b - a
+        # CPU gauge: this thread's CPU time over the whole schedule (waits for messages
+        # sleep) against the wall time inside compute actions.
         return loss, {"step": end - start, "pipeline": pipe_end - pipe_start,
                       "optim": end - pipe_end, "compute": self.runtime.compute_s,
-                      "fwd": self.fwd.seconds, "bwd": self.bwd.seconds,
-                      "compute_cpu": self.fwd.cpu_seconds + self.bwd.cpu_seconds}
+                      "fwd": per_kind["F"], "bwd": per_kind["B"], "wgt": per_kind["W"],
+                      "compute_cpu": cpu}
 
 
 class TorchRunner:
-    """``opt.zero_grad()``, ``schedule.step(...)``, ``opt.step()``: torch.distributed.pipelining."""
+    """``opt.zero_grad()``, ``schedule.step(...)``, ``opt.step()``: torch.distributed.pipelining.
 
-    def __init__(self, args, mesh: Mesh, num_virtual: int):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                                  ScheduleInterleaved1F1B)
+    Its zero-bubble classes: ``ScheduleInterleavedZeroBubble`` with one stage per rank
+    (zb-h1), ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` over the V's two stages
+    (the orders agree with meshwise's: tests/unit/test_zero_bubble.py)."""
 
-        S, M = mesh.dims.pp, args.micro_batches
+    def __init__(self, args, mesh: Mesh, key: str):
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        S, M, V = mesh.dims.pp, args.micro_batches, virtual_stages(key)
+        kind = SCHEDULE_OF[key]
         cfg = gpt_config(args, args.vocab_size)
         pm = parallelize(reference_gpt(cfg, args.seed), gpt_plan(cfg), pp_rank=mesh.pp_rank,
-                         pp_size=S, virtual_stages=num_virtual)
+                         pp_size=S, virtual_stages=V, stage_map=STAGE_MAP_OF.get(kind, "loop"))
         self.chunks = pm.chunks
         self.num_params = sum(p.numel() for _, p in pm.named_parameters())
-        total_stages = S * num_virtual
-        self.stages = [PipelineStage(chunk, v * S + mesh.pp_rank, total_stages,
-                                     torch.device("cpu"))
-                       for v, chunk in enumerate(self.chunks)]
+        self.stages = [PipelineStage(chunk, stage, S * V, torch.device("cpu"))
+                       for chunk, stage in zip(self.chunks, pm.stages)]
         self.is_first = any(s.is_first for s in self.stages)
         self.is_last = any(s.is_last for s in self.stages)
-        global_tokens = args.batch_size * args.seq_len
-        vocab = args.vocab_size
+        global_tokens, vocab = args.batch_size * args.seq_len, args.vocab_size
 
         def loss_fn(logits, targets):  # (b, T, vocab), (b, T): sum CE / global tokens
             return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1),
                                    reduction="sum") / global_tokens
 
-        # Cheap timers: the stage's forward (+ the loss) and backward of one micro-batch.
+        # Cheap timers: a stage's forward (+ the loss), input backward and weight pass.
         self.loss_timer = Timer(loss_fn)
-        self.fwd_timers, self.bwd_timers = [], []
+        self.timers = {"fwd": [self.loss_timer], "bwd": [], "wgt": []}
         for stage in self.stages:
-            stage.forward_one_chunk = Timer(stage.forward_one_chunk)
-            stage.backward_one_chunk = Timer(stage.backward_one_chunk)
-            self.fwd_timers.append(stage.forward_one_chunk)
-            self.bwd_timers.append(stage.backward_one_chunk)
-        if num_virtual == 1:
-            self.schedule = Schedule1F1B(self.stages[0], M, loss_fn=self.loss_timer,
-                                         scale_grads=False)
-        else:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, M, loss_fn=self.loss_timer,
-                                                    scale_grads=False)
+            for attr, key_ in (("forward_one_chunk", "fwd"), ("backward_one_chunk", "bwd"),
+                               ("backward_weight_one_chunk", "wgt")):
+                timer = Timer(getattr(stage, attr))
+                setattr(stage, attr, timer)
+                self.timers[key_].append(timer)
+        cls = {"1f1b": schedules.Schedule1F1B,
+               "interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
+               "zb-h1": schedules.ScheduleInterleavedZeroBubble,
+               "zbv": schedules.ScheduleZBVZeroBubble,
+               "dualpipev": schedules.ScheduleDualPipeV}[kind]
+        held = self.stages[0] if kind == "1f1b" else self.stages
+        self.schedule = cls(held, M, loss_fn=self.loss_timer, scale_grads=False)
         adamw = adamw_config(args)
         groups = torch_param_groups(pm.named_parameters(), adamw)
         self.opt = torch.optim.AdamW(groups, lr=args.lr, betas=adamw.betas, eps=adamw.eps)
 
     def step(self, inputs, targets) -> tuple[float, dict]:
-        timers = [self.loss_timer] + self.fwd_timers + self.bwd_timers
+        timers = [t for group in self.timers.values() for t in group]
         for t in timers:
             t.reset()
         losses = [] if self.is_last else None
@@ -190,17 +205,16 @@ class TorchRunner:
         pipe_end = time.perf_counter()
         self.opt.step()
         end = time.perf_counter()
-        fwd = self.loss_timer.seconds + sum(t.seconds for t in self.fwd_timers)
-        bwd = sum(t.seconds for t in self.bwd_timers)
+        sums = {k: sum(t.seconds for t in group) for k, group in self.timers.items()}
         loss = float(sum(loss.item() for loss in losses)) if losses else 0.0
         return loss, {"step": end - start, "pipeline": pipe_end - pipe_start,
-                      "optim": end - pipe_end, "compute": fwd + bwd, "fwd": fwd, "bwd": bwd,
+                      "optim": end - pipe_end, "compute": sum(sums.values()), **sums,
                       "compute_cpu": sum(t.cpu_seconds for t in timers)}
 
 
 def build_runner(name: str, args, mesh: Mesh):
     cls = MeshwiseRunner if name.startswith("meshwise") else TorchRunner
-    return cls(args, mesh, virtual_stages(name))
+    return cls(args, mesh, name.split("_", 1)[1])
 
 
 # ---------------------------------------------------------------- ranks
@@ -268,7 +282,7 @@ def rank_main(rank: int, args) -> dict:
         if agree_failed(failed, world):
             runners.pop(name, None)
             errors.setdefault(name, "failed on the other rank")
-    keys = ("step", "pipeline", "optim", "compute", "fwd", "bwd", "compute_cpu")
+    keys = ("step", "pipeline", "optim", "compute", "fwd", "bwd", "wgt", "compute_cpu")
     timings = new_timings(names, keys)
     losses = {n: [] for n in names}
     index = {n: 0 for n in names}  # each variant sees global batches 0, 1, 2, ... in order
@@ -292,8 +306,8 @@ def main(argv=None) -> None:
     p.add_argument("--vocab-size", type=int, default=256, help="vocabulary (default 256)")
     p.add_argument("--micro-batches", type=int, default=8,
                    help="M micro-batches per step (default 8; a multiple of 2 for interleaved)")
-    p.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved"],
-                   choices=["1f1b", "interleaved"], help="which pairs to run (default both)")
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULE_OF), choices=list(SCHEDULE_OF),
+                   help="which pairs to run (default all)")
     p.add_argument("--seed", type=int, default=0, help="model init seed (default 0)")
     add_round_args(p, warmup=2, rounds=20, steps=1)
     p.add_argument("--timeout-s", type=float, default=120.0,

@@ -7,13 +7,14 @@ rank r spent in F and B actions (meshwise: ``PipelineRuntime.compute_s``; torch:
 timers around the stage's ``forward_one_chunk`` / ``backward_one_chunk`` and the
 loss function), ``pipeline_s`` the slower rank's time in the schedule alone
 (optimizer excluded), median over steps. Beside it: the simulator's bubble for
-the same S, M, V (``simulate(build_schedule(...))``, forward 1 / backward 2), the
-simulator again with the measured forward and backward costs and a p2p latency
-from an idle ping-pong of one activation, and the formula (S-1)/(V*M + S-1).
+the same schedule, S, M, V (``simulate(build_schedule(...))``, F, B, W costs 1,
+1, 1), the simulator again with the measured F, B and W costs and a p2p latency
+from an idle ping-pong of one activation, and the formula (S-1)/(V*M + S-1) or, for
+the split-backward schedules, the paper's figure (``reference_bubble``).
 
 Noise: other processes on a 2-core machine take cores from the ranks. The report
 gives the CPU share of the compute timers (thread CPU time / wall time in F and
-B: 1.00 when the core was the rank's alone), the bubble over the steps in which
+B; meshwise: over the whole schedule: 1.00 when the core was the rank's alone), the bubble over the steps in which
 both ranks had at least 90% of their core, and a ratio of paired steps (the same
 round) beside the ratio of medians.
 """
@@ -24,25 +25,31 @@ from statistics import mean
 
 from benchmarks.common import median, quartiles, rel_diff, slowest
 from meshwise.pipeline.schedules import build_schedule
-from meshwise.pipeline.simulator import ideal_bubble_fraction, simulate
+from meshwise.pipeline.simulator import reference_bubble, simulate
 
+# The benchmark's schedule keys and meshwise's schedule kinds.
+SCHEDULE_OF = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zb-h1": "zb-h1",
+               "zbv": "zbv", "dualpipev": "dualpipev"}
 # Timed in this order (reversed every other round); each meshwise schedule then its peer.
-VARIANTS = ("meshwise_1f1b", "torch_1f1b", "meshwise_interleaved", "torch_interleaved")
-PEER_OF = {"meshwise_1f1b": "torch_1f1b", "meshwise_interleaved": "torch_interleaved"}
-KEY_OF = {"meshwise_1f1b": "1f1b", "meshwise_interleaved": "interleaved"}
+VARIANTS = tuple(f"{side}_{key}" for key in SCHEDULE_OF for side in ("meshwise", "torch"))
+PEER_OF = {f"meshwise_{key}": f"torch_{key}" for key in SCHEDULE_OF}
+KEY_OF = {f"meshwise_{key}": key for key in SCHEDULE_OF}
 QUIET_CPU_SHARE = 0.9  # a step is quiet if both ranks had this share of their core in F and B
 
 
 def virtual_stages(name: str) -> int:
-    return 2 if name.endswith("interleaved") else 1
+    """Chunks per rank of a variant (``meshwise_zbv``) or schedule key (``zbv``)."""
+    return 1 if name.split("_")[-1] in ("1f1b", "zb-h1") else 2
 
 
-def simulated(S: int, M: int, V: int, fwd: float = 1.0, bwd: float = 2.0,
+def simulated(key: str, S: int, M: int, fwd: float = 1.0, bwd: float = 1.0, wgt: float = 1.0,
               latency: float = 0.0) -> tuple[float, list]:
-    """The simulator's bubble (mean over ranks) and each rank's idle fraction."""
-    kind = "1f1b" if V == 1 else "interleaved-1f1b"
+    """The simulator's bubble (mean over ranks) and each rank's idle fraction.
+    ``bwd``, ``wgt``: a rank's input and weight backward per micro-batch (a schedule
+    without W actions runs both as one backward)."""
+    kind, V = SCHEDULE_OF[key], virtual_stages(key)
     tl = simulate(build_schedule(kind, S, M, V), forward_cost=fwd, backward_cost=bwd,
-                  p2p_latency=latency)
+                  weight_cost=wgt, p2p_latency=latency)
     per_rank = [1 - sum(e - s for s, e, _ in row) / tl.step_time for row in tl.rows]
     return tl.bubble_fraction, per_rank
 
@@ -73,6 +80,7 @@ def summarize(name: str, per_rank: list[dict]) -> dict | None:
         "cpu_share": [sum(x["compute_cpu"]) / sum(x["compute"]) for x in t],
         "fwd": [median(x["fwd"]) for x in t],
         "bwd": [median(x["bwd"]) for x in t],
+        "wgt": [median(x["wgt"]) for x in t],
         "steps": len(steps), "step_list": steps,
     }
 
@@ -85,7 +93,8 @@ def print_steps(args, names: list[str], stats: dict, errors: dict, num_params: i
     """The model line, the variants that failed, and the table of step times."""
     tokens = args.batch_size * args.seq_len
     print(f"model: GPT n_layer {args.n_layer}, n_head {args.n_head}, d_model {args.d_model}, "
-          f"vocab {args.vocab_size}, {num_params / 1e6:.2f}M params over 2 pipeline ranks; "
+          f"vocab {args.vocab_size}, {num_params / 1e6:.2f}M params over 2 pipeline ranks "
+          f"(every stage the same number of blocks; the embedding and head ride on top); "
           f"global batch {args.batch_size} x {args.seq_len} = {tokens} tokens in M = "
           f"{args.micro_batches} micro-batches; gloo, 1 thread per rank; {args.rounds} rounds x "
           f"{args.steps} steps after {args.warmup} warm-up steps each")
@@ -96,7 +105,7 @@ def print_steps(args, names: list[str], stats: dict, errors: dict, num_params: i
             if tb and args.verbose:
                 print(tb)
     print(f"\n{'variant':22}{'step ms':>9}{'q1..q3':>15}{'pipeline':>10}{'optim':>8}"
-          f"{'F ms r0/r1':>14}{'B ms r0/r1':>14}{'steps':>7}")
+          f"{'F ms r0/r1':>14}{'B ms r0/r1':>14}{'W ms r0/r1':>14}{'steps':>7}")
     for name in names:
         s = stats[name]
         if s is None:
@@ -105,7 +114,8 @@ def print_steps(args, names: list[str], stats: dict, errors: dict, num_params: i
         print(f"{name:22}{ms(s['step']):>9}{ms(s['step_q1']) + '..' + ms(s['step_q3']):>15}"
               f"{ms(s['pipeline']):>10}{ms(s['optim']):>8}"
               f"{ms(s['fwd'][0]) + '/' + ms(s['fwd'][1]):>14}"
-              f"{ms(s['bwd'][0]) + '/' + ms(s['bwd'][1]):>14}{s['steps']:>7}")
+              f"{ms(s['bwd'][0]) + '/' + ms(s['bwd'][1]):>14}"
+              f"{ms(s['wgt'][0]) + '/' + ms(s['wgt'][1]):>14}{s['steps']:>7}")
 
 
 def step_ratios(stats: dict) -> dict:
@@ -136,26 +146,25 @@ def step_ratios(stats: dict) -> dict:
 def bubbles(M: int, names: list[str], stats: dict, latency: float, S: int = 2) -> dict:
     """Measured bubble per rank beside the simulator's and the formula's."""
     print(f"\nbubble = 1 - compute_s / pipeline_s per rank, median over steps (q1..q3); "
-          f"S = {S}, M = {M}.\nsimulated: forward 1, backward 2 (for balanced stages the F:B "
-          f"ratio does not change it); sim+lat: the simulator with this variant's measured F "
-          f"and B costs and a p2p latency of {1e3 * latency:.2f} ms (one activation message, "
-          f"ranks idle)")
+          f"S = {S}, M = {M}.\nsimulated: F, B, W costs 1, 1, 1 (a whole backward 2); "
+          f"sim+lat: the simulator with this variant's measured F, B and W costs and a p2p "
+          f"latency of {1e3 * latency:.2f} ms (one activation message, ranks idle); "
+          f"reference: the formula or the paper's figure")
     print(f"{'variant':22}{'rank 0':>22}{'rank 1':>22}{'simulated':>11}{'sim r0/r1':>13}"
-          f"{'sim+lat':>9}{'formula':>9}")
+          f"{'sim+lat':>9}{'reference':>10}")
     summary = {}
     for name in names:
-        V, s = virtual_stages(name), stats[name]
+        key, s = name.split("_", 1)[1], stats[name]
         if s is None:
             continue
-        sim, sim_ranks = simulated(S, M, V)
+        sim, sim_ranks = simulated(key, S, M)
         # Per micro-batch costs of a rank's whole share (the simulator splits them over V).
-        f_cost, b_cost = mean(s["fwd"]) / M, mean(s["bwd"]) / M
-        sim_lat, _ = simulated(S, M, V, f_cost, b_cost, latency)
-        formula = ideal_bubble_fraction(S, M, V)
+        f_cost, b_cost, w_cost = (mean(s[k]) / M for k in ("fwd", "bwd", "wgt"))
+        sim_lat, _ = simulated(key, S, M, f_cost, b_cost, w_cost, latency)
+        formula = reference_bubble(SCHEDULE_OF[key], S, M, virtual_stages(key))[0]
         cells = [f"{b:.3f} ({q[0]:.3f}..{q[2]:.3f})" for b, q in zip(s["bubble"], s["bubble_q"])]
         print(f"{name:22}{cells[0]:>22}{cells[1]:>22}{sim:11.3f}"
-              f"{sim_ranks[0]:7.3f}/{sim_ranks[1]:.3f}{sim_lat:9.3f}{formula:9.3f}")
-        key = name.split("_", 1)[1]
+              f"{sim_ranks[0]:7.3f}/{sim_ranks[1]:.3f}{sim_lat:9.3f}{formula:10.3f}")
         if name.startswith("meshwise"):
             summary[f"bubble_measured_{key}"] = s["bubble"]
             summary[f"bubble_simulated_{key}"] = sim
@@ -163,7 +172,7 @@ def bubbles(M: int, names: list[str], stats: dict, latency: float, S: int = 2) -
             summary[f"bubble_simulated_with_latency_{key}"] = sim_lat
             summary[f"bubble_measured_quiet_{key}"] = s["bubble_quiet"]
             summary[f"quiet_steps_{key}"] = s["quiet_steps"]
-            summary[f"backward_over_forward_{key}"] = b_cost / f_cost
+            summary[f"backward_over_forward_{key}"] = (b_cost + w_cost) / f_cost
         else:
             summary[f"torch_bubble_measured_{key}"] = s["bubble"]
             summary[f"torch_bubble_measured_quiet_{key}"] = s["bubble_quiet"]
@@ -221,7 +230,7 @@ def report(args, per_rank: list[dict]) -> dict:
     summary.update(bubbles(args.micro_batches, names, stats, latency))
     summary["p2p_latency_s"] = latency
     print_noise(stats)
-    for key in ("1f1b", "interleaved"):
+    for key in SCHEDULE_OF:
         for field in ("bubble_measured", "bubble_simulated", "bubble_formula"):
             summary.setdefault(f"{field}_{key}", None)
     summary.update(loss_diffs(losses))
