@@ -27,6 +27,12 @@ TRAIN_FLAGS = [
     ("--dp", "parallel", "dp", int, "data-parallel ranks"),
     ("--tp", "parallel", "tp", int, "tensor-parallel ranks"),
     ("--pp", "parallel", "pp", int, "pipeline stages"),
+    ("--cp", "parallel", "cp", int,
+     "context-parallel ranks: every sequence split into 2 x cp load-balanced chunks, attention "
+     "by a ring of key/value blocks (--seq-len a multiple of 2 x cp)"),
+    ("--sp", "parallel", "sp", bool,
+     "sequence parallelism (with --tp > 1): the sequence split across the tp ranks between "
+     "their layers (norms, dropout, residuals), 1/tp of those activations per rank"),
     ("--schedule", "parallel", "schedule", str,
      f"pipeline schedule: {', '.join(SCHEDULES)}"),
     ("--virtual-stages", "parallel", "virtual_stages", int,
@@ -140,7 +146,9 @@ TRAIN_FLAGS = [
 
 # Defaults that are not a plain value of the dataclass field.
 DEFAULT_TEXT = {
-    "dp": "2 for the CPU demo (no layout flags), else 1; under torchrun: the world / (tp x pp)",
+    "dp": "2 for the CPU demo (no layout flags), else 1; under torchrun: the world / "
+          "(cp x tp x pp)",
+    "sp": "off",
     "micro_batches": "pp",
     "n_layer": "the preset's", "n_head": "the preset's", "d_model": "the preset's",
     "block_size": "the preset's", "n_kv_head": "the preset's",
@@ -169,8 +177,13 @@ def default_text(section: str, field: str) -> str:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, section, field, kind, help_text in TRAIN_FLAGS:
-        parser.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
-                            help=f"{help_text} (default: {default_text(section, field)})")
+        help_text = f"{help_text} (default: {default_text(section, field)})"
+        if kind is bool:  # a switch: given means on
+            parser.add_argument(flag, dest=field, action="store_true",
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
+                                help=help_text)
     parser.add_argument("--config", dest="config_file", default=argparse.SUPPRESS,
                         help="TOML file with the same keys; flags given here override it")
 
@@ -238,9 +251,10 @@ def _typed(path: str, name: str, value, kind: type):
     """``value`` as ``kind``, refusing conversions that would change it (2.7 -> 2, true -> 1)."""
     ok = {int: isinstance(value, int) and not isinstance(value, bool),
           float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          str: isinstance(value, str)}[kind]
+          str: isinstance(value, str), bool: isinstance(value, bool)}[kind]
     if not ok:
-        wanted = {int: "an integer", float: "a number", str: "a string"}[kind]
+        wanted = {int: "an integer", float: "a number", str: "a string",
+                  bool: "true or false"}[kind]
         raise ConfigError(f"--config {path}: {name} = {value!r} is not {wanted}")
     return kind(value)
 
@@ -265,7 +279,7 @@ def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
         found.append("--grad-reduce-dtype has no effect without --dtype bf16: fp32 "
                      "gradients are reduced in fp32")
     comm_flags = [f for f in ("compress", "allreduce") if f in origins]
-    if p.dp == 1 and comm_flags:
+    if p.dp * p.cp == 1 and comm_flags:
         found.append(f"--{comm_flags[0]} has no effect with --dp 1: no gradient is reduced "
                      "over dp")
     lossy = cfg.comm.compress.partition(":")[0] in ("topk", "powersgd")
