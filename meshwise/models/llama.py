@@ -197,7 +197,34 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # (B, T, C)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, keeping only ``gate`` and ``up`` for the backward."""
+    if not torch.is_grad_enabled():
+        return F.silu(gate) * up
+    return _SwiGLU.apply(gate, up)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """autograd would keep ``silu(gate)`` besides both inputs; recomputing it in backward
+    (an elementwise op, as Megatron-LM's fused SwiGLU does) keeps one (tokens, ffn)
+    activation less per layer."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        sigmoid = torch.sigmoid(gate)
+        silu = gate * sigmoid
+        # d silu(g) / dg = sigmoid(g) (1 + g (1 - sigmoid(g)))
+        grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
+        return grad_gate, grad * silu
 
 
 class DecoderLayer(nn.Module):
