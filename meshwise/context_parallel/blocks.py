@@ -55,8 +55,7 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=Non
     acc = accumulation_dtype(q.dtype)
     if _fused(q, keep):
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-            out.contiguous(), lse.to(acc).contiguous(), 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse.to(acc), 0.0, causal, scale=scale)  # any strides
         return dq.to(acc), dk.to(acc), dv.to(acc)
     return _plain_backward(dout, q, k, v, out, lse, causal, scale, keep)
 

@@ -72,16 +72,18 @@ def ring_forward(q, k, v, ring, scale: float, keep_for=None):
     ``keep_for(src, rows, cols)``: the dropout keep-mask function of a block
     (``blocks`` takes ``keep(start, end)`` over its key columns), or None."""
     acc = blocks.accumulation_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack([k, v])  # (2, B, G, L, d): one message per step
+    out = lse = None
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
         rows, cols, causal = _block(step, src, ring.rank, q.shape[2])
         keep = keep_for(src, rows, cols) if keep_for else None
         o, o_lse = blocks.block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                         causal, scale, keep)
-        blocks.merge(out[:, :, rows], lse[:, :, rows], o.to(acc), o_lse, o_lse)
+        if step == 0:  # its own block: every query sees its first key there
+            out, lse = o.to(acc), o_lse
+        else:
+            blocks.merge(out[:, :, rows], lse[:, :, rows], o.to(acc), o_lse, o_lse)
         if step < ring.size - 1:
             (kv,) = ring.exchange([kv])
     return out.to(q.dtype), lse
@@ -89,10 +91,8 @@ def ring_forward(q, k, v, ring, scale: float, keep_for=None):
 
 def ring_backward(dout, q, k, v, out, lse, ring, scale: float, keep_for=None):
     """``(dq, dk, dv)``: dq of this rank's queries, dk/dv of its keys and values."""
-    acc = blocks.accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])                               # (2, B, G, L, d)
-    dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # for the keys held now
+    kv = torch.stack([k, v])  # (2, B, G, L, d)
+    dq = dkv = None           # dkv: the gradient of the keys held now, travelling with them
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
         rows, cols, causal = _block(step, src, ring.rank, q.shape[2])
@@ -100,9 +100,12 @@ def ring_backward(dout, q, k, v, out, lse, ring, scale: float, keep_for=None):
         dq_b, dk_b, dv_b = blocks.block_backward(
             dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
             out[:, :, rows], lse[:, :, rows], causal, scale, keep)
-        dq[:, :, rows] += dq_b
-        dkv[0][:, :, cols] += dk_b
-        dkv[1][:, :, cols] += dv_b
+        if step == 0:  # its own block covers every query, key and value
+            dq, dkv = dq_b, torch.stack([dk_b, dv_b])  # (2, B, G, L, d)
+        else:
+            dq[:, :, rows] += dq_b
+            dkv[0][:, :, cols] += dk_b
+            dkv[1][:, :, cols] += dv_b
         if step < ring.size - 1:
             kv, dkv = ring.exchange([kv, dkv])
         elif ring.size > 1:  # the gradient of our own keys comes home
@@ -121,8 +124,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.scale,
-                                   ctx.keep_for)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.scale, ctx.keep_for)
         return dq, dk, dv, None, None, None
 
 
@@ -150,8 +152,7 @@ class RingAttention(nn.Module):
         check_heads(q.shape[1], k.shape[1])
         keep_for = self._keep_for(q) if self.training and self.p else None
         scale = 1.0 / math.sqrt(q.shape[-1])
-        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                    GroupRing(self.cp_group), scale, keep_for)
+        return _RingAttention.apply(q, k, v, GroupRing(self.cp_group), scale, keep_for)
 
     def _keep_for(self, q: torch.Tensor):
         """The keep-mask of a block: its weights' global (query, key) positions. The
