@@ -53,8 +53,8 @@ class SequenceGather:
         if memo is not None and memo[0]() is x:
             return memo[1]
         whole = _GatherOnce.apply(x, self)
-        if torch.is_grad_enabled():  # kept until its backward: its readers come one by one
-            self._gathered = (weakref.ref(x), whole)
+        # Kept until its backward (or the next gather): its readers come one by one.
+        self._gathered = (weakref.ref(x), whole)
         return whole
 
     def regather(self, x: torch.Tensor) -> torch.Tensor:
