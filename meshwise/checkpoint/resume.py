@@ -2,6 +2,12 @@
 
 Everything here runs in the launching process, so a bad ``--save`` directory or
 a damaged checkpoint ends the job with one line (exit 2) before training.
+
+Resuming step S into a ``--save`` directory that holds newer ``step-`` entries
+(another branch of the run, or a damaged checkpoint) would sooner or later
+collide with them. That is refused before training, unless the run branches
+explicitly (``--branch``): the newer entries are then moved, untouched, into
+``DIR/set-aside-<run id>/``, where ``--resume`` can still name them.
 """
 
 from __future__ import annotations
@@ -10,7 +16,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from meshwise.checkpoint.store import Checkpoint, CheckpointError, complete_checkpoints, resolve
+from meshwise.checkpoint.store import (MANIFEST, Checkpoint, CheckpointError,
+                                       complete_checkpoints, resolve, step_entries, step_of)
+
+SET_ASIDE_PREFIX = "set-aside-"
 
 
 def check_save_dir(save_dir: str) -> None:
@@ -61,3 +70,29 @@ def open_verified(path: Path, model: dict) -> Checkpoint:
             raise CheckpointError(f"{path}: holds a model with {key} {stored.get(key)}, this run "
                                   f"has {key} {value}")
     return ckpt
+
+
+def in_the_way(save_dir: str, start_step: int) -> list[Path]:
+    """``step-`` entries of ``save_dir`` a run starting after ``start_step`` could collide
+    with: newer ones, complete or not."""
+    return [p for p in step_entries(save_dir) if step_of(p) > start_step]
+
+
+def branch_problem(save_dir: str, start: Path | None, start_step: int,
+                   entries: list[Path]) -> str:
+    """The one line refusing to train into ``entries`` (see ``in_the_way``)."""
+    names = ", ".join(p.name + ("" if (p / MANIFEST).is_file() else " (no manifest.json: "
+                                "damaged or incomplete)") for p in entries)
+    where = f"--resume {start} is at step {start_step}" if start else "a fresh run starts at 0"
+    return (f"{where}, but --save {save_dir} also holds the newer {names}, which this run "
+            f"would collide with; pass --branch to move them into {save_dir}/"
+            f"{SET_ASIDE_PREFIX}<run id>/ and train on from there, or choose another --save")
+
+
+def set_aside(save_dir: str, entries: list[Path], run: str) -> Path:
+    """Move ``entries`` (untouched) into ``save_dir/set-aside-<run>/``; return that folder."""
+    folder = Path(save_dir) / f"{SET_ASIDE_PREFIX}{run}"
+    folder.mkdir(exist_ok=True)
+    for entry in entries:
+        os.rename(entry, folder / entry.name)
+    return folder

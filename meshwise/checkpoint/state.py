@@ -23,11 +23,13 @@ steps).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import torch
 
-from meshwise.checkpoint.store import (Checkpoint, finalize, prune, temp_dir,
+from meshwise.checkpoint.save_dir import SaveDir
+from meshwise.checkpoint.store import (Checkpoint, CheckpointWriteError, finalize,
                                        write_rank_file)
 from meshwise.comm import ops
 from meshwise.layout.flat_runs import FlatRun
@@ -41,23 +43,49 @@ def _stored(piece: Piece, kind: str) -> Piece:
     return dataclasses.replace(piece, name=KIND_PREFIX[kind] + piece.name)
 
 
-def save(save_dir: str | Path, step: int, runs: list[FlatRun], pieces: dict[str, Piece],
-         writers: set[str], world: ops.Group, meta: dict,
+def save(target: str | Path | SaveDir, step: int, runs: list[FlatRun],
+         pieces: dict[str, Piece], writers: set[str], world: ops.Group, meta: dict,
          rank_tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
     """Write a checkpoint of ``step`` (a collective over ``world``); rank 0 returns its path.
 
-    ``pieces``: every engine parameter name -> its ``logical_piece``;
-    ``writers``: the names this rank writes; ``rank_tensors``: group -> name -> tensor
-    of this rank's own state, stored as ``<group>.rank<r>.<name>``.
+    ``target``: the ``--save`` directory, or a job's view of it; ``pieces``: every
+    engine parameter name -> its ``logical_piece``; ``writers``: the names this rank
+    writes; ``rank_tensors``: group -> name -> tensor of this rank's own state,
+    stored as ``<group>.rank<r>.<name>``. Raises ``CheckpointWriteError`` on every
+    rank, with the same one line, when the checkpoint cannot be written.
     """
-    tmp = temp_dir(save_dir, step)
+    save_dir = target if isinstance(target, SaveDir) else SaveDir(Path(target))
+    entries = _entries(runs, pieces, writers, world.rank, rank_tensors)
+    needed = sum(t.numel() * t.element_size() for _, t in entries)
+    # Rank 0 decides for everyone: room made (pruning early if it must), the directory
+    # created, or the reason not; the others wait for the answer.
+    sizes = ops.all_gather_object(needed, world, category="checkpoint")
+    verdict = None
+    if world.rank == 0:  # under torchrun only rank 0's run id names the directory
+        problem = save_dir.prepare(step, sum(sizes))
+        verdict = (problem, str(save_dir.temp_dir(step)))
+    problem, tmp = ops.all_gather_object(verdict, world, category="checkpoint")[0]
+    if problem:
+        raise CheckpointWriteError(problem)
+    tmp = Path(tmp)
+    try:
+        fragment = write_rank_file(tmp, world.rank, entries)
+    except CheckpointWriteError as exc:
+        fragment = str(exc)
+    fragments = ops.all_gather_object(fragment, world, category="checkpoint")
+    problems = [f for f in fragments if isinstance(f, str)]
+    if problems:
+        if world.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(problems[0])
+    path = None
     if world.rank == 0:
-        if tmp.exists():  # left by a save that died; it was never a checkpoint
-            import shutil
+        path = finalize(tmp, fragments, meta, save_dir.final_dir(step))
+    ops.barrier(world)  # nobody goes on (or exits) before the checkpoint is visible
+    return path
 
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    ops.barrier(world)
+
+def _entries(runs, pieces, writers, rank, rank_tensors) -> list[tuple[Piece, torch.Tensor]]:
     entries = []
     for run in runs:
         layout = [(pieces[name], offset) for name, offset, _ in run.names if name in writers]
@@ -65,17 +93,11 @@ def save(save_dir: str | Path, step: int, runs: list[FlatRun], pieces: dict[str,
             for sub, lo, hi in pieces_in_range(layout, *run.save_range):
                 entries.append((_stored(sub, kind), tensor[lo - base:hi - base]))
     rng = torch.get_rng_state()
-    entries.append((Piece.whole(f"rng.rank{world.rank}", rng.shape), rng))
+    entries.append((Piece.whole(f"rng.rank{rank}", rng.shape), rng))
     for group, tensors in (rank_tensors or {}).items():
         for name, tensor in tensors.items():
-            entries.append((Piece.whole(f"{group}.rank{world.rank}.{name}", tensor.shape), tensor))
-    fragment = write_rank_file(tmp, world.rank, entries)
-    fragments = ops.all_gather_object(fragment, world, category="checkpoint")
-    path = None
-    if world.rank == 0:
-        path = finalize(tmp, fragments, meta)
-    ops.barrier(world)  # nobody goes on (or exits) before the checkpoint is visible
-    return path
+            entries.append((Piece.whole(f"{group}.rank{rank}.{name}", tensor.shape), tensor))
+    return entries
 
 
 @torch.no_grad()
@@ -102,8 +124,3 @@ def model_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     """Every model parameter, whole, under its single-process name."""
     return {name[len(PARAM_PREFIX):]: ckpt.read(name) for name in sorted(ckpt.tensors)
             if name.startswith(PARAM_PREFIX)}
-
-
-def keep_newest(save_dir: str | Path, keep_last: int | None) -> list[Path]:
-    """Apply ``--keep-last`` (``None`` keeps everything)."""
-    return prune(save_dir, keep_last) if keep_last else []

@@ -14,43 +14,55 @@ Layout of one checkpoint (``step-00000120/``)::
     rank-00000.safetensors  the pieces rank 0 wrote (keys p0, p1, ...)
     rank-00001.safetensors  ...
 
-Writing is atomic: ranks write into ``.tmp-step-00000120/``; once every rank has
-finished, one rank writes the manifest there and renames the directory, so a
-checkpoint is either complete and listed or absent. This module does no
-communication: the caller gathers the per-rank fragments (``write_rank_file``'s
-return values) and calls ``finalize`` on one rank.
+    manifest.sha256         the manifest's own digest, written last
+
+Writing is atomic: ranks write into a temporary directory of their job
+(``.tmp-step-00000120-<run id>/``); once every rank has finished, one rank
+writes the manifest there and renames the directory, so a checkpoint is either
+complete and listed or absent. Removing one is atomic too: it is renamed to a
+hidden ``.trash-`` name first. This module does no communication: the caller
+gathers the per-rank fragments (``write_rank_file``'s return values) and calls
+``finalize`` on one rank.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import json
 import math
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
+from meshwise.checkpoint import manifest as manifest_file
+from meshwise.checkpoint.manifest import (FORMAT, MANIFEST, VERSION,  # noqa: F401
+                                          CheckpointError)
 from meshwise.layout.pieces import Piece, copy_overlap
 
-FORMAT = "meshwise-checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+TEMP_PREFIX = ".tmp-"  # a save under way, or one that died
+TRASH_PREFIX = ".trash-"  # a checkpoint being removed
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and the problem."""
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a vanished folder); one line."""
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def temp_dir(save_dir: str | os.PathLike, step: int) -> Path:
-    return Path(save_dir) / f".tmp-{step_dir_name(step)}"
+def step_of(path: Path) -> int | None:
+    """The step of a ``step-NNNNNNNN`` directory name, else None."""
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def temp_dir(save_dir: str | os.PathLike, step: int, job: str = "") -> Path:
+    """Where ``job`` writes step ``step`` before it is complete (unique to the job)."""
+    return Path(save_dir) / f"{TEMP_PREFIX}{step_dir_name(step)}{'-' + job if job else ''}"
 
 
 def write_rank_file(tmp_dir: str | os.PathLike, rank: int,
@@ -69,13 +81,29 @@ def write_rank_file(tmp_dir: str | os.PathLike, rank: int,
         pieces.append({"name": piece.name, "shape": list(piece.shape), "key": key,
                        "dtype": str(tensor.dtype).removeprefix("torch."), **piece.to_dict()})
     path = Path(tmp_dir) / file_name
-    save_file(tensors, str(path))
-    _fsync(path)
+    try:
+        save_file(tensors, str(path))
+        _fsync(path)
+    except Exception as exc:  # safetensors raises its own error type for OS errors
+        path.unlink(missing_ok=True)
+        raise CheckpointWriteError(f"cannot write {path}: {_reason(exc)}") from None
     return {"file": file_name, "pieces": pieces}
 
 
-def finalize(tmp_dir: str | os.PathLike, fragments: list[dict], meta: dict) -> Path:
-    """Write the manifest for the complete set of fragments and make the checkpoint visible."""
+def _reason(exc: BaseException) -> str:
+    """An OS error's reason in a few words, whoever raised it."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc)
+    if "No space left" in text or getattr(exc, "errno", None) == errno.ENOSPC:
+        return "No space left on device"
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def finalize(tmp_dir: str | os.PathLike, fragments: list[dict], meta: dict,
+             final: str | os.PathLike | None = None) -> Path:
+    """Write the manifest for the complete set of fragments and make the checkpoint visible
+    as ``final`` (default: ``tmp_dir``'s name without the temporary prefix)."""
     tmp_dir = Path(tmp_dir)
     files, tensors = {}, {}
     for fragment in fragments:
@@ -96,11 +124,11 @@ def finalize(tmp_dir: str | os.PathLike, fragments: list[dict], meta: dict) -> P
                              f"{math.prod(entry['shape'])} (a shard missing or written twice)")
     manifest = {"format": FORMAT, "version": VERSION, "meta": meta, "files": files,
                 "tensors": tensors}
-    _write_atomic(tmp_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    final = tmp_dir.parent / tmp_dir.name.removeprefix(".tmp-")
-    if final.exists():
+    manifest_file.write(tmp_dir, manifest)
+    final = Path(final) if final else tmp_dir.parent / tmp_dir.name.removeprefix(TEMP_PREFIX)
+    if final.exists() or final.is_symlink():
         raise ValueError(f"{final} already exists; a checkpoint is never overwritten")
-    os.rename(tmp_dir, final)
+    os.rename(tmp_dir, final)  # fails too if another job created ``final`` meanwhile
     _fsync(tmp_dir.parent)
     return final
 
@@ -110,18 +138,9 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        manifest_path = self.path / MANIFEST
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: no such checkpoint directory")
-        if not manifest_path.is_file():
-            raise CheckpointError(f"{manifest_path}: missing; {self.path} is not a complete "
-                                  "checkpoint")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{manifest_path}: unreadable ({exc})") from None
-        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-            raise CheckpointError(f"{manifest_path}: not a {FORMAT} version {VERSION} manifest")
+        manifest = manifest_file.read(self.path)
         self.meta: dict = manifest["meta"]
         self.files: dict = manifest["files"]
         self.tensors: dict = manifest["tensors"]
@@ -194,9 +213,17 @@ def complete_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
     root = Path(save_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
+    found = [(step_of(p), p) for p in root.iterdir()
+             if step_of(p) is not None and (p / MANIFEST).is_file()]
     return [p for _, p in sorted(found)]
+
+
+def step_entries(save_dir: str | os.PathLike) -> list[Path]:
+    """Every ``step-NNNNNNNN`` entry of ``save_dir``, complete or not, oldest first."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if step_of(p) is not None), key=step_of)
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -219,16 +246,6 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     return ckpt
 
 
-def prune(save_dir: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints; return what was deleted."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    doomed = complete_checkpoints(save_dir)[:-keep_last]
-    for path in doomed:
-        shutil.rmtree(path)
-    return doomed
-
-
 def _may_overlap(a: Piece, b: Piece) -> bool:
     for off_a, size_a, off_b, size_b in zip(a.box_offsets, a.box_sizes, b.box_offsets,
                                             b.box_sizes):
@@ -245,15 +262,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync(path: Path) -> None:

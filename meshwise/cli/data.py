@@ -9,13 +9,15 @@ and ``train`` take as ``--tokenizer``. Bad input exits 2 with one line.
 from __future__ import annotations
 
 import itertools
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
 from meshwise.data.corpus import available_cpus, plan_pieces, read_piece
-from meshwise.data.token_files import _ours, sidecar_path
+from meshwise.cli import launch
+from meshwise.data.token_files import _ours, exclusive_build, sidecar_path
 from meshwise.data.tokenizer import ByteTokenizer
 
 TEXT_INPUT = "a text file or a folder of text files"
@@ -59,7 +61,10 @@ def _text_command(commands, name: str, help_text: str, description: str):
 
 
 def run_data(args) -> int:
-    """Run ``meshwise data ...``; a ValueError becomes exit status 2 and one line."""
+    """Run ``meshwise data ...``; a ValueError becomes exit status 2 and one line.
+
+    Ctrl-C or SIGTERM stop it at once, leaving no temporary file behind."""
+    previous = signal.signal(signal.SIGTERM, launch.raise_stopped)
     try:
         if args.data_command == "prepare":
             print(_prepare(args))
@@ -68,6 +73,13 @@ def run_data(args) -> int:
     except ValueError as exc:
         print(f"meshwise data {args.data_command}: error: {exc}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, launch.Stopped) as exc:
+        signum = exc.signum if isinstance(exc, launch.Stopped) else signal.SIGINT
+        print(f"meshwise data {args.data_command}: {signal.Signals(signum).name}: stopped, "
+              "nothing written", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -76,7 +88,8 @@ def _input_files(text: str) -> tuple[Path, list[Path]]:
 
     path = Path(text).expanduser()
     if not path.exists():
-        raise ValueError(f"INPUT {text} does not exist; expected {TEXT_INPUT}")
+        what = "is a symbolic link to nothing" if path.is_symlink() else "does not exist"
+        raise ValueError(f"INPUT {text} {what}; expected {TEXT_INPUT}")
     if path.is_file() and path.suffix == ".bin":
         raise ValueError(f"INPUT {text} is a .bin (already tokens?); expected {TEXT_INPUT}")
     return path, text_files(path.resolve())
@@ -103,7 +116,8 @@ def _prepare(args) -> str:
     _check_out(out)
     tokenizer = load_tokenizer(args.tokenizer)
     try:
-        stats = build_with_progress(out, files, tokenizer, str(path.resolve()), args.workers)
+        with exclusive_build(out):
+            stats = build_with_progress(out, files, tokenizer, str(path.resolve()), args.workers)
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     skipped = f" ({stats['skipped']} binary skipped)" if stats["skipped"] else ""

@@ -1,16 +1,21 @@
 """Start the ranks of a job: spawn them locally, or join a ``torchrun`` launch.
 
-Locally, ``world_size`` processes are started on loopback with a free port. The
-first rank that fails ends the job: its rank and traceback are printed, the
-other ranks are terminated, and the exit status is non-zero. Under ``torchrun``
-(its environment variables present) this process is one rank and torchrun does
-the supervising.
+Locally, ``world_size`` processes are started on loopback with a free port,
+one child process per rank even when there is only one, so that the launcher
+can report how any rank ended (``meshwise.cli.ranks``). The first rank that
+fails ends the job: its rank and traceback (or the signal that killed it) are
+printed, the other ranks are terminated, and the exit status is non-zero.
+Under ``torchrun`` (its environment variables present) this process is one
+rank and torchrun does the supervising.
 
-Spawned ranks never outlive the launcher: each asks the kernel for SIGKILL when
-its parent dies (Linux ``PR_SET_PDEATHSIG``), so even ``kill -9`` of the
-launcher ends them. SIGTERM and Ctrl-C stop the ranks the same way: SIGTERM,
-then after ``STOP_GRACE_S`` SIGKILL for what is still there (a stopped or hung
-rank), and only then the launcher reports them stopped.
+Ranks never outlive their launcher: each asks the kernel for SIGKILL when its
+parent dies (Linux ``PR_SET_PDEATHSIG``), so even ``kill -9`` of the launcher
+ends them. Under torchrun the parent is torchrun's agent, and a rank does the
+same as soon as it starts (``die_with_parent``). SIGTERM and Ctrl-C stop the
+ranks the same way: SIGTERM, then after ``STOP_GRACE_S`` SIGKILL for what is
+still there (a stopped or hung rank), and only then the launcher reports them
+stopped. A rank interrupted on its own (SIGINT to that process only) ends the
+job naming that rank.
 """
 
 from __future__ import annotations
@@ -28,21 +33,19 @@ from typing import Callable
 import torch
 
 from meshwise.cli.postmortem import JobFolder
+from meshwise.cli.ranks import (EXPECTED_ERRORS, STOP_GRACE_S, RankFailed,  # noqa: F401
+                                RankWatch, failure_message, stop_ranks, supervise)
 from meshwise.comm import ops
 from meshwise.comm.devices import rank_device
 
 log = logging.getLogger("meshwise")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-STOP_GRACE_S = 5.0  # how long ranks asked to stop get to exit before SIGKILL
-FAILURE_GRACE_S = 1.0  # after a rank fails, the others (stuck in collectives) get this long
 _PR_SET_PDEATHSIG = 1
 
 
-class RankFailed(RuntimeError):
-    """A rank raised or died; the message holds its rank and traceback."""
+class RankInterrupted(Exception):
+    """This rank alone received SIGINT (a Ctrl-C reaches the launcher too, which stops all)."""
 
 
 class Stopped(Exception):
@@ -101,21 +104,33 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def die_with_torchrun() -> None:
+    """Under torchrun, end this rank when its agent dies, even by ``kill -9``.
+
+    torchrun's agent is the rank's parent: it supervises the ranks of its node,
+    and without it nothing would stop this process. Peers on other nodes then
+    fail at their next collective (their connection to this rank closes), within
+    ``--timeout-s`` at the latest.
+    """
+    if under_torchrun():
+        die_with_parent(os.getppid())
+
+
 def _spawned_child(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple,
                    device: str, timeout_s: float, parent_pid: int) -> None:
     die_with_parent(parent_pid)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler is not the rank's
     # The tokenizers library disables its threads in a forked child, with a warning
     # on first use; say so up front instead.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _spawned_rank(local_rank, world_size, port, fn, args, device, timeout_s)
-
-
-def _spawned_rank(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple,
-                  device: str, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
-    run_rank(fn, args, device, timeout_s, world_size)
+    try:
+        run_rank(fn, args, device, timeout_s, world_size)
+    except KeyboardInterrupt:
+        # Raised, not swallowed: torch.multiprocessing would report a clean exit.
+        raise RankInterrupted(f"interrupted (SIGINT to rank {local_rank}'s process)") from None
 
 
 def start_method(device: str) -> str:
@@ -143,22 +158,11 @@ def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         try:
             run_rank(fn, args, device, timeout_s, local)
+        except KeyboardInterrupt:
+            raise RankFailed(f"rank {os.environ['RANK']}: interrupted (SIGINT)") from None
         except Exception:
             raise RankFailed(failure_message(int(os.environ["RANK"]),
                                              traceback.format_exc())) from None
-        return
-    if world_size == 1:  # in this process: no spawn cost
-        saved = {name: os.environ.get(name) for name in (*TORCHRUN_VARS, "LOCAL_WORLD_SIZE")}
-        try:
-            _spawned_rank(0, 1, free_port(), fn, args, device, timeout_s)
-        except Exception:
-            raise RankFailed(failure_message(0, traceback.format_exc())) from None
-        finally:  # this process is not a torchrun rank afterwards
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         return
     with JobFolder(ledger_out) as job:
         _spawn(fn, args, world_size, device, timeout_s, job)
@@ -168,6 +172,8 @@ def _spawn(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
            job: JobFolder) -> None:
     import torch.multiprocessing as mp
 
+    # Even one rank runs as a child: a rank killed by the kernel (out of memory)
+    # must leave a launcher behind to say so. Forking it costs about 10 ms.
     saved = {name: os.environ.get(name) for name in job.env()}
     os.environ.update(job.env())  # the ranks inherit it
     try:
@@ -181,19 +187,10 @@ def _spawn(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
     try:
-        # join() terminates the remaining ranks as soon as one fails.
-        while not context.join(timeout=0.5, grace_period=FAILURE_GRACE_S):
-            pass
-    except mp.ProcessRaisedException as exc:
-        raise RankFailed(job.explain(exc.error_index,
-                                     failure_message(exc.error_index, str(exc)))) from None
-    except mp.ProcessExitedException as exc:
-        how = f" (signal {exc.signal_name})" if exc.signal_name else ""
-        raise RankFailed(job.explain(exc.error_index, f"rank {exc.error_index} exited with "
-                                                      f"code {exc.exit_code}{how}",
-                                     silent=True)) from None
+        supervise(context.processes, context.error_files, RankWatch(context.pids()),
+                  explain=job.explain)
     except (KeyboardInterrupt, Stopped) as exc:
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         stop_ranks(context.processes)
@@ -204,43 +201,6 @@ def _spawn(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
         signal.signal(signal.SIGTERM, previous)
 
 
-# Errors that end a job for a reason the user can act on: reported in one line,
-# without the traceback (which only matters for unexpected errors).
-EXPECTED_ERRORS = ("CollectiveTimeout", "CollectiveDesync", "NcclRuleError", "NonFiniteError",
-                   "ConfigMismatch", "MetricsWriteError")
-
-
-def failure_message(rank: int, trace: str) -> str:
-    """``rank N: <message>`` for an expected stop, else the rank's whole traceback."""
-    last = trace.strip().splitlines()[-1] if trace.strip() else ""
-    kind, _, message = last.partition(": ")
-    if kind.rsplit(".", 1)[-1] in EXPECTED_ERRORS:
-        return f"rank {rank}: {message}"
-    return f"rank {rank} failed:\n{trace}"
-
-
-def _raise_stopped(signum, frame) -> None:
+def raise_stopped(signum, frame) -> None:
+    """A signal handler: SIGTERM unwinds the launcher like Ctrl-C (``Stopped``)."""
     raise Stopped(signum)
-
-
-def stop_ranks(processes) -> None:
-    """SIGTERM every live rank, SIGKILL what is left after ``STOP_GRACE_S``, reap all.
-
-    Further Ctrl-C or SIGTERM are ignored meanwhile, so a second one cannot
-    leave ranks behind.
-    """
-    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        for process in processes:
-            process.join(timeout=STOP_GRACE_S)
-        for process in processes:
-            if process.is_alive():  # stopped (SIGSTOP) or ignoring SIGTERM
-                process.kill()
-        for process in processes:
-            process.join()
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)

@@ -1,4 +1,5 @@
-"""The ``meshwise`` command: ``train``, ``schedule``, ``export``, ``generate``, ``data``, ``bench``.
+"""The ``meshwise`` command: ``train``, ``schedule``, ``export``, ``generate``, ``data``, ``bench``,
+``plot``.
 
 The entry point only parses and hands over to each subcommand's module in
 ``meshwise.cli``; bad input exits with status 2 and one line before any rank
@@ -14,6 +15,7 @@ from meshwise.cli.bench import add_bench_comm_arguments, run_bench_comm
 from meshwise.cli.data import add_data_arguments, run_data
 from meshwise.cli.export import add_export_arguments, run_export
 from meshwise.cli.generate import add_generate_arguments, run_generate
+from meshwise.cli.plot import add_plot_arguments, run_plot
 from meshwise.cli.schedule import add_schedule_arguments, run_schedule
 from meshwise.cli.train import run_train
 from meshwise.cli.train_flags import add_train_arguments
@@ -51,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time each all-reduce algorithm against the native collective, on local "
                     "ranks or under torchrun.")
     add_bench_comm_arguments(bench_comm)
+    plot = sub.add_parser("plot", help="curves of metrics files (loss, throughput, memory, ...)",
+                          description="Plot one or more --metrics files, overlaid: loss, "
+                                      "gradient norm, tokens/s, peak memory, exposed "
+                                      "communication and MFU.")
+    add_plot_arguments(plot)
     return parser
 
 
@@ -83,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_offline(args)
     if args.command == "data":
         return run_data(args)
+    if args.command == "plot":
+        return run_plot(args)
     return run_train(args)
 
 

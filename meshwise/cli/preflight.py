@@ -12,13 +12,15 @@ import logging
 from pathlib import Path
 
 from meshwise.checkpoint import resume
-from meshwise.cli import launch
+from meshwise.cli import capacity, launch
+from meshwise.cli.checkpoint_dir import check_start
 from meshwise.comm import devices
 from meshwise.data.corpus import available_cpus
 from meshwise.data.dataset import TokenDataset, recorded_tokenizer, resolve_data
 from meshwise.data.tokenizer import check_vocab_fits, load_tokenizer
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
+from meshwise.train.loggers import missing_extra, parse_log_to
 
 log = logging.getLogger("meshwise")
 
@@ -26,12 +28,7 @@ log = logging.getLogger("meshwise")
 def prepare(cfg: TrainConfig) -> Path:
     """Validate against the data and the launch environment; return the token file."""
     if launch.under_torchrun():
-        world = launch.torchrun_world_size()
-        if world != cfg.parallel.dims.world_size:
-            flags = "--" + cfg.parallel.axes_text.replace(" x ", " x --")
-            raise ValueError(f"torchrun started {world} processes but {flags} = "
-                             f"{cfg.parallel.dims.world_size}; launch with "
-                             f"--nproc-per-node x --nnodes = {cfg.parallel.dims.world_size}")
+        check_torchrun(cfg)
     device = devices.resolve_device(cfg.runtime.device)
     if device == "cuda":
         import torch
@@ -46,6 +43,9 @@ def prepare(cfg: TrainConfig) -> Path:
         check_gpu_dtypes(cfg)
     if cfg.runtime.metrics:
         check_writable_file(cfg.runtime.metrics, "--metrics")
+    missing = missing_extra(parse_log_to(cfg.runtime.log_to))
+    if missing:
+        raise ValueError(missing)
     if device == "cpu" and cfg.runtime.dtype == "bf16":
         slowdown = bf16_slowdown()
         if slowdown > 2:
@@ -53,16 +53,37 @@ def prepare(cfg: TrainConfig) -> Path:
                         "this CPU (no native bf16 support); fp32 will train faster", slowdown)
     check_init_from(cfg)
     path = prepare_data(cfg)
-    dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size)  # checks
+    dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
+                           token_dtype=cfg.data.token_dtype)  # checks
+    num_params = capacity.parameter_count(cfg, dataset.vocab_size)
+    capacity.check_memory(cfg, num_params, dataset.vocab_size, device)
     c = cfg.checkpoint
     if c.save:
         resume.check_save_dir(c.save)
         resume.check_not_overwriting(c.save, c.resume)
     start = resume.find_resume(c.resume, c.save)
+    ckpt = None
     if start is not None:
         ckpt = resume.open_verified(start, cfg.model.sizes(dataset.vocab_size))
         check_same_tokenizer(ckpt.meta.get("config", {}), cfg)
+    check_start(cfg, start, ckpt, capacity.checkpoint_bytes(cfg, num_params))
     return path
+
+
+def check_torchrun(cfg: TrainConfig) -> None:
+    """torchrun's world matches the layout; restarts are torchrun's to make."""
+    world = launch.torchrun_world_size()
+    if world != cfg.parallel.dims.world_size:
+        flags = "--" + cfg.parallel.axes_text.replace(" x ", " x --")
+        raise ValueError(f"torchrun started {world} processes but {flags} = "
+                         f"{cfg.parallel.dims.world_size}; launch with "
+                         f"--nproc-per-node x --nnodes = {cfg.parallel.dims.world_size}")
+    if cfg.checkpoint.max_restarts:
+        # Each node would restart on its own, at its own time: the ranks could never meet.
+        raise ValueError(f"--max-restarts {cfg.checkpoint.max_restarts} does not work under "
+                         "torchrun (every node would restart on its own); valid: torchrun "
+                         f"--max-restarts {cfg.checkpoint.max_restarts} with --save DIR "
+                         "--resume auto")
 
 
 def prepare_data(cfg: TrainConfig) -> Path:
@@ -77,8 +98,9 @@ def prepare_data(cfg: TrainConfig) -> Path:
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
     if tokenizer is not None:
         check_vocab_fits(tokenizer, cfg.model.vocab_size)
-    path = resolve_data(d.path, d.cache_dir, tokenizer, num_workers=available_cpus())
-    tokenizer = tokenizer or recorded_tokenizer(path)
+    path = resolve_data(d.path, d.cache_dir, tokenizer, num_workers=available_cpus(),
+                        token_dtype=d.token_dtype)
+    tokenizer = tokenizer or recorded_tokenizer(path, d.token_dtype)
     if tokenizer is not None and tokenizer.path is not None:
         d.tokenizer, d.tokenizer_digest = tokenizer.path, tokenizer.digest
         cfg.model.vocab_size = cfg.model.vocab_size or tokenizer.vocab_size

@@ -10,20 +10,25 @@ errors exit with status 2 and one line before any rank starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
 from meshwise.checkpoint import resume
+from meshwise.checkpoint.lineage import new_run_id
 from meshwise.cli import launch
+from meshwise.cli.checkpoint_dir import held_save_dir, record_start
 from meshwise.cli.preflight import prepare
 from meshwise.cli.train_flags import config_from_args, effective_config, noop_warnings
 from meshwise.comm import devices
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import apply_init_from
+from meshwise.train.loggers import name_the_run
 
 log = logging.getLogger("meshwise")
 
@@ -32,17 +37,22 @@ def run_train(args: argparse.Namespace) -> int:
     """``meshwise train``: the exit status."""
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s")
+    launch.die_with_torchrun()  # before the checks, which may take a while (a corpus build)
+    # SIGTERM unwinds like Ctrl-C, so a half-built corpus or save leaves no temporary.
+    previous = signal.signal(signal.SIGTERM, launch.raise_stopped)
     try:
-        cfg, origins = train_config(args)
-        for warning in noop_warnings(cfg, origins):
-            log.warning("warning: %s", warning)
-        data_path = prepare(cfg)
-        record_config(cfg, origins)
-    except ValueError as exc:
-        print(f"meshwise train: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        train(cfg, data_path)
+        with contextlib.ExitStack() as held:
+            try:
+                cfg, origins = train_config(args)
+                for warning in noop_warnings(cfg, origins):
+                    log.warning("warning: %s", warning)
+                held.enter_context(held_save_dir(cfg))  # until the job ends, however it ends
+                data_path = prepare(cfg)
+                record_config(cfg, origins)
+            except ValueError as exc:
+                print(f"meshwise train: error: {exc}", file=sys.stderr)
+                return 2
+            train(cfg, data_path)
     except launch.RankFailed as exc:
         print(f"meshwise train: {exc}", file=sys.stderr)
         return 1
@@ -50,6 +60,8 @@ def run_train(args: argparse.Namespace) -> int:
         return 128 + exc.signum
     except KeyboardInterrupt:
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -57,8 +69,10 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]
     """The validated configuration of ``meshwise train`` and where each value came from."""
     cfg, origins = config_from_args(args)
     cfg.runtime.quiet = args.quiet
+    cfg.checkpoint.run_id = new_run_id()
     apply_init_from(cfg, origins)
     apply_launch_defaults(cfg, origins)
+    name_the_run(cfg.runtime, cfg.checkpoint.save)
     return cfg.validate(), origins
 
 
@@ -106,6 +120,7 @@ def train(cfg: TrainConfig, data_path: Path) -> None:
     c = cfg.checkpoint
     start = resume.find_resume(c.resume, c.save)
     for attempt in range(c.max_restarts + 1):
+        record_start(cfg, start)
         try:
             launch.launch(_rank_main, (cfg, str(data_path), device, start and str(start)),
                           cfg.parallel.dims.world_size, device, cfg.comm.timeout_s,
@@ -113,6 +128,9 @@ def train(cfg: TrainConfig, data_path: Path) -> None:
             return
         except launch.RankFailed as exc:
             if attempt == c.max_restarts:
+                if c.max_restarts:
+                    raise launch.RankFailed(f"{exc}\ngave up: the job failed {attempt + 1} "
+                                            f"times (--max-restarts {c.max_restarts})") from None
                 raise
             start = resume.newest_or(c.save, start)
             log.warning("%s\nrestart %d of %d from %s", exc, attempt + 1, c.max_restarts,

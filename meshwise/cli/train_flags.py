@@ -71,6 +71,9 @@ TRAIN_FLAGS = [
      "global sequences per optimizer step, whatever the layout"),
     ("--data", "data", "path", str, "a text file, a folder of text files, or a .bin token file "
      "(meshwise data prepare)"),
+    ("--token-dtype", "data", "token_dtype", str,
+     "uint16 or uint32: the ids of a .bin without meshwise's sidecar, when its contents do "
+     "not settle it (a .bin meshwise wrote says so itself)"),
     ("--cache-dir", "data", "cache_dir", str,
      "where built token files are cached"),
     ("--tokenizer", "data", "tokenizer", str,
@@ -99,7 +102,8 @@ TRAIN_FLAGS = [
      "gradient bucket size in MB; with --zero 3, consecutive layers are gathered together "
      "up to this size"),
     ("--timeout-s", "comm", "timeout_s", float,
-     "seconds a collective may wait before the job fails"),
+     "seconds a collective, or the start of the other ranks, may wait before the job fails "
+     "(1 to 31536000); under torchrun give its rendezvous the same: --rdzv-conf timeout=S"),
     ("--compress", "comm", "compress", str,
      "dp gradient compression: none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK"),
     ("--error-feedback", "comm", "error_feedback", str,
@@ -124,22 +128,43 @@ TRAIN_FLAGS = [
      f"{' or '.join(ACTIVATION_CHECKPOINTING)}: full keeps only each transformer block's "
      "input in forward and recomputes the rest in backward (less memory, more compute)"),
     ("--metrics", "runtime", "metrics", str, "write one JSON line per step to this file"),
+    ("--log-to", "runtime", "log_to", str,
+     "experiment loggers, comma-separated: tensorboard, wandb, mlflow (each an optional "
+     "extra: pip install 'meshwise[tensorboard]'); every metric per step, the configuration "
+     "as hyper-parameters; W&B offline without an API key, MLflow in a local file store"),
+    ("--log-dir", "runtime", "log_dir", str,
+     "where the loggers keep the run (a resumed run with the same folder goes on in the "
+     "same runs)"),
+    ("--run-name", "runtime", "run_name", str, "the run's name in the loggers"),
+    ("--project", "runtime", "project", str,
+     "the W&B project and MLflow experiment"),
+    ("--profile-steps", "runtime", "profile_steps", str,
+     "A-B: record steps A to B (1-based) with torch.profiler on every rank, one Chrome "
+     "trace per rank with meshwise's named ranges"),
+    ("--profile-dir", "runtime", "profile_dir", str, "where the profiler's traces go"),
     ("--check-replicas-every", "runtime", "check_replicas_every", int,
      "every N steps, check that tp-replicated parameters (norms, biases, positions) are "
      "equal on every tp rank, under any ZeRO stage; 0: never"),
     ("--log-every", "runtime", "log_every", int,
      "progress line every N steps when output is not a terminal"),
     ("--save", "checkpoint", "save", str,
-     "write sharded checkpoints under this directory (step-NNNNNNNN/ each)"),
+     "write sharded checkpoints under this directory (step-NNNNNNNN/ each); one job at a "
+     "time: the directory is locked while the job runs"),
     ("--save-every", "checkpoint", "save_every", int,
      "checkpoint every N steps, and at the end"),
     ("--keep-last", "checkpoint", "keep_last", int,
-     "keep only the newest K checkpoints in --save"),
+     "keep only the newest K checkpoints of this run's lineage in --save (never the one it "
+     "resumed from; other branches' are left alone)"),
     ("--resume", "checkpoint", "resume", str,
      "continue from a checkpoint, or a --save directory's newest one; 'auto': the newest "
      "in --save if there is one, else start fresh. Any layout can resume any other"),
+    ("--branch", "checkpoint", "branch", bool,
+     "resuming a checkpoint older than the newest in --save: move the newer ones into "
+     "--save/set-aside-RUN/ and train on (without it the run is refused, as it would "
+     "collide with them)"),
     ("--max-restarts", "checkpoint", "max_restarts", int,
-     "when a rank dies, restart the job from the newest checkpoint up to N times"),
+     "when a rank dies, restart the job from the newest checkpoint up to N times (not under "
+     "torchrun: use torchrun --max-restarts with --resume auto)"),
 ]
 
 
@@ -159,7 +184,11 @@ DEFAULT_TEXT = {
     "path": "the Python standard library's sources, byte-level",
     "cache_dir": "$MESHWISE_CACHE or ~/.cache/meshwise",
     "metrics": "none", "save": "none", "resume": "none: start fresh",
+    "log_dir": "DIR/logs with --save DIR, else runs/RUN_NAME",
+    "run_name": "--save's folder name, else run-DATE-TIME",
+    "profile_steps": "none", "profile_dir": "LOG_DIR/profile",
     "save_every": "only at the end", "keep_last": "keep all",
+    "token_dtype": "the sidecar's; without one, uint16 unless the file could be uint32",
     "ranks_per_node": "torchrun's LOCAL_WORLD_SIZE; locally, every rank on one node",
 }
 BY_FIELD = {field: (flag, section, kind) for flag, section, field, kind, _ in TRAIN_FLAGS}
@@ -178,8 +207,8 @@ def default_text(section: str, field: str) -> str:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, section, field, kind, help_text in TRAIN_FLAGS:
         help_text = f"{help_text} (default: {default_text(section, field)})"
-        if kind is bool:  # a switch: given means on
-            parser.add_argument(flag, dest=field, action="store_true",
+        if kind is bool:  # a switch: given means true (``key = true`` in TOML)
+            parser.add_argument(flag, dest=field, action="store_const", const=True,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
@@ -216,10 +245,13 @@ def read_toml(path: str) -> dict:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                          f"at offset {exc.start}); TOML files are UTF-8") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"--config {path}: not a readable TOML file ({exc})") from None
     sections = sorted({f.name for f in dataclasses.fields(TrainConfig)})
-    flat = {}
+    flat, spelled = {}, {}
     for key, value in raw.items():
         if isinstance(value, dict):
             if key not in sections:
@@ -230,6 +262,11 @@ def read_toml(path: str) -> dict:
             items = [(key, value, None)]
         for name, item, section in items:
             field, kind = _toml_key(path, name, section)
+            where = f"[{section}] {name}" if section else name
+            if field in spelled:  # two spellings of one setting: neither may win silently
+                raise ConfigError(f"--config {path}: {spelled[field]!r} and {where!r} both set "
+                                  f"{BY_FIELD[field][0]}; keep one")
+            spelled[field] = where
             flat[field] = _typed(path, name, item, kind)
     return flat
 

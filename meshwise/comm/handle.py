@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from meshwise.comm import ranges
 from meshwise.comm.devices import Stopwatch
 
 
@@ -102,7 +103,7 @@ class Handle:
         assert not self.done, "Handle.wait() called twice"
         waiting = (self._counters.waiting(self._category, self._device)
                    if self._counters is not None else contextlib.nullcontext())
-        with waiting:
+        with ranges.named(f"wait/{self._category}"), waiting:
             for work in self._works:
                 if work is not None:
                     try:

@@ -16,9 +16,12 @@ tokenizer by its path, each parsing it once.
 
 from __future__ import annotations
 
+import errno
+import logging
 import multiprocessing
 import os
 import signal
+import stat
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -31,6 +34,8 @@ import numpy as np
 from meshwise.data.token_files import (ACCEPTED, SIDECAR_SUFFIX, TOKEN_DTYPES, _atomic_write,
                                   _write_meta, dtype_for_vocab)
 from meshwise.data.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger("meshwise")
 
 PIECE_BYTES = 1 << 18  # a long document is cut about every 256 KiB
 TASK_BYTES = 1 << 20  # what one worker encodes per round trip
@@ -58,20 +63,50 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def list_files(root: Path, suffix: str = "", skip_dirs: frozenset = frozenset()) -> list[str]:
-    """Sorted POSIX relative paths of the files under ``root``.
+def list_files(root: Path, suffix: str = "", skip_dirs: frozenset = frozenset(),
+               strict: bool = True) -> list[str]:
+    """Sorted POSIX relative paths of the regular files under ``root``.
 
     Hidden entries and meshwise's own sidecars are skipped, so a token file
-    written inside the folder it came from does not feed the next build.
+    written inside the folder it came from does not feed the next build. So are
+    FIFOs, sockets and devices (named in a warning: reading one could block
+    forever). A symbolic link to nothing, a loop or an unreadable entry is an
+    error naming it when ``strict`` (the user's own folder), else skipped.
     """
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
         rel_dir = Path(dirpath).relative_to(root)
-        found += [(rel_dir / f).as_posix() for f in filenames
-                  if f.endswith(suffix) and not f.startswith(".")
-                  and not f.endswith(SIDECAR_SUFFIX)]
+        for name in filenames:
+            if not name.endswith(suffix) or name.startswith(".") or name.endswith(SIDECAR_SUFFIX):
+                continue
+            problem = file_problem(Path(dirpath) / name)
+            if problem is None:
+                found.append((rel_dir / name).as_posix())
+            elif strict and not problem.startswith("not a regular file"):
+                raise ValueError(f"{Path(dirpath) / name} is {problem}; remove it or make it "
+                                 "a readable file")
+            elif strict:
+                logger.warning("warning: skipping %s: %s", Path(dirpath) / name, problem)
     return sorted(found)
+
+
+def file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a document, or None for a regular file (links
+    followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a symbolic link to nothing" if os.path.islink(path) else "missing"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        return f"unreadable ({exc.strerror})"
+    if stat.S_ISREG(mode):
+        return None if os.access(path, os.R_OK) else "unreadable (permission denied)"
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+             (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a directory"))
+    return "not a regular file (" + next((k for test, k in kinds if test(mode)), "special") + ")"
 
 
 def plan_pieces(files: list[Path], tokenizer: Tokenizer) -> tuple[list[Piece], dict]:
@@ -159,14 +194,20 @@ def _worker_init() -> None:
 
 def _encoded(tokenizer: Tokenizer, dtype: str, tasks: list[list[Piece]],
              num_workers: int) -> Iterator[list[np.ndarray]]:
-    """Each task's token arrays, in task order; at most 2 tasks per worker in flight."""
-    if num_workers == 1 or len(tasks) <= 1:
+    """Each task's token arrays, in task order; at most 2 tasks per worker in flight.
+
+    Only a small job is encoded in this process: a tokenizer busy in native code
+    cannot be interrupted, so anything longer runs in workers, and Ctrl-C or
+    SIGTERM here ends them at once (their work is lost anyway).
+    """
+    if len(tasks) <= 1 and sum(p.end - p.start for t in tasks for p in t) <= TASK_BYTES:
         for task in tasks:
             yield _encode_task(tokenizer.path, dtype, task)
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
     pool = ProcessPoolExecutor(num_workers, mp_context=context, initializer=_worker_init)
+    finished = False
     try:
         todo = iter(tasks)
         pending = deque(pool.submit(_encode_task, tokenizer.path, dtype, task)
@@ -177,8 +218,21 @@ def _encoded(tokenizer: Tokenizer, dtype: str, tasks: list[list[Piece]],
             if task is not None:
                 pending.append(pool.submit(_encode_task, tokenizer.path, dtype, task))
             yield result
+        finished = True
     finally:
+        if not finished:  # interrupted, or a task failed: do not wait for the others
+            _stop_workers(pool)
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill the pool's worker processes (the executor has no public way before 3.14)."""
+    kill = getattr(pool, "kill_workers", None)
+    if kill is not None:
+        kill()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
 
 
 def build_token_file(dest: Path, files: list[Path], tokenizer: Tokenizer, source: str,

@@ -29,12 +29,13 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from meshwise.data.corpus import build_token_file, list_files
+from meshwise.data.corpus import build_token_file, file_problem, list_files
 from meshwise.data.progress import Progress
 # Re-exported: the token-file format is part of this module's interface.
 from meshwise.data.token_files import (ACCEPTED, BYTE_VOCAB_SIZE, TOKEN_DTYPE,  # noqa: F401
-                                  check_tokenizer, read_meta, recorded_tokenizer,
-                                  resolve_vocab_size, sidecar_path, token_dtype)
+                                       check_tokenizer, exclusive_build, largest_id, read_meta,
+                                       recorded_tokenizer, resolve_vocab_size, sidecar_path)
+from meshwise.data.token_files import token_dtype as dtype_of
 from meshwise.data.tokenizer import BYTE_LEVEL, ByteTokenizer, Tokenizer
 
 logger = logging.getLogger("meshwise")
@@ -87,11 +88,7 @@ def _cached(dest: Path, build) -> Path:
     if dest.is_file() and sidecar_path(dest).is_file():
         logger.info("using cached corpus %s", dest)
         return dest
-    import fcntl
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.with_name(f".{dest.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with exclusive_build(dest):
         if dest.is_file() and sidecar_path(dest).is_file():
             logger.info("using corpus %s, built by another process", dest)
             return dest
@@ -102,7 +99,7 @@ def _stdlib_corpus(cache_dir: Path, tokenizer: Tokenizer, num_workers: int) -> P
     """The default corpus: the standard library's ``.py`` sources."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = frozenset({"site-packages", "__pycache__"})
-    files = list_files(root, ".py", skip)
+    files = list_files(root, ".py", skip, strict=False)
     key = _hash_key(_tokenizer_key(tokenizer) + [(rel, (root / rel).stat().st_size)
                                                  for rel in files])
     dest = cache_dir / f"stdlib-{platform.python_version()}-{key}.bin"
@@ -134,14 +131,19 @@ def _tokenizer_key(tokenizer: Tokenizer) -> list:
 
 
 def text_files(path: Path) -> list[Path]:
-    """The documents of ``path``: the file itself, or every file under the folder."""
+    """The documents of ``path``: the file itself, or every regular file under the folder
+    (``ValueError`` naming a file that cannot be read)."""
     if not path.is_dir():
+        problem = file_problem(path)
+        if problem:
+            raise ValueError(f"data path {str(path)!r} is {problem}; expected {ACCEPTED}")
         return [path]
     return [path / rel for rel in list_files(path, skip_dirs=frozenset({"__pycache__"}))]
 
 
 def resolve_data(path: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None,
-                 tokenizer: Tokenizer | None = None, num_workers: int = 1) -> Path:
+                 tokenizer: Tokenizer | None = None, num_workers: int = 1,
+                 token_dtype: str | None = None) -> Path:
     """Path of the token ``.bin`` for ``path``, building and caching it if needed.
 
     ``None`` selects the default corpus (the standard library's sources); a text
@@ -157,9 +159,10 @@ def resolve_data(path: str | os.PathLike | None, cache_dir: str | os.PathLike | 
     if path is not None:
         path = Path(path).expanduser()
         if not path.exists():
-            raise ValueError(f"data path {str(path)!r} does not exist; expected {ACCEPTED}")
+            what = "is a symbolic link to nothing" if path.is_symlink() else "does not exist"
+            raise ValueError(f"data path {str(path)!r} {what}; expected {ACCEPTED}")
         if path.is_file() and path.suffix == ".bin":
-            meta = read_meta(path)  # validates, and writes the sidecar once if missing
+            meta = read_meta(path, token_dtype)  # validates; writes the sidecar once if missing
             if tokenizer is not None:
                 check_tokenizer(meta, tokenizer, path)
             return path
@@ -189,7 +192,8 @@ def rank_slice(batch: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
 class TokenDataset:
     """Random windows of ``seq_len + 1`` tokens from a memory-mapped token file.
 
-    The file is read with the dtype its sidecar records (uint16 or uint32).
+    The file is read with the dtype its sidecar records (uint16 or uint32), or
+    ``token_dtype`` for a file without one (``read_meta``).
 
     The last ``val_fraction`` of the tokens (at least ``VAL_MIN_SEQUENCES``
     windows' worth; none when ``val_fraction`` is 0) is the validation split;
@@ -199,7 +203,7 @@ class TokenDataset:
     """
 
     def __init__(self, path: str | os.PathLike, seq_len: int, val_fraction: float = 0.01,
-                 vocab_size: int = 0):
+                 vocab_size: int = 0, token_dtype: str | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if not 0.0 <= val_fraction < 1.0:
@@ -207,9 +211,12 @@ class TokenDataset:
         self.path = Path(path)
         self.seq_len = seq_len
         self.val_fraction = val_fraction
-        meta = read_meta(self.path)
-        self.vocab_size: int = resolve_vocab_size(meta, vocab_size)
-        self.dtype = token_dtype(meta)
+        meta = read_meta(self.path, token_dtype)
+        # Every load checks the largest id against the vocabulary (a cached scan):
+        # an id past it would train on garbage under some layouts and crash others.
+        meta = {**meta, "max_token": largest_id(self.path, meta)}
+        self.vocab_size: int = resolve_vocab_size(meta, vocab_size, self.path)
+        self.dtype = dtype_of(meta)
         self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         window = seq_len + 1
         num_tokens = len(self._tokens)

@@ -2,30 +2,36 @@
 
 The ids are little-endian uint16 when the vocabulary fits (at most 65,536
 ids), uint32 above (Llama 3's 128,256). The sidecar ``<name>.bin.meshwise.json``
-holds ``{"num_tokens", "vocab_size", "max_token", "source", "dtype",
+holds ``{"num_tokens", "vocab_size", "max_token", "scanned", "source", "dtype",
 "tokenizer", "format", "written_by"}``. ``vocab_size`` is the tokenizer's when
 it is known (256 for byte-level corpora) and ``null`` for a ``.bin`` meshwise
-did not build; ``max_token`` is the largest id in the file when it was scanned;
+did not build; ``max_token`` is the largest id in the file as of ``scanned``
+(the file's size and modification time then): every load checks it against
+the model's vocabulary, scanning again only a file that changed since.
 ``tokenizer`` is what wrote the file (``meshwise.data.tokenizer``: kind, path,
-digest, vocab_size, separator), absent for a scanned file. A ``.bin`` without
-our sidecar, or a sidecar without ``dtype`` (written before there was a
-choice), is uint16. The sidecar's name is ours alone and ``written_by`` marks
-it: a file of that name that meshwise did not write is never read or replaced.
-Every write is atomic (a temp file in the same folder, then ``os.replace``).
+digest, vocab_size, separator), absent for a scanned file. A sidecar without
+``dtype`` (written before there was a choice) means uint16; a ``.bin`` without
+a sidecar is uint16 unless its contents could be uint32 ids, in which case the
+dtype must be given (``meshwise.data.token_scan``). The sidecar's name is ours
+alone and ``written_by`` marks it: a file of that name that meshwise did not
+write is never read or replaced. Every write is atomic (a temp file in the
+same folder, then ``os.replace``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import logging
 import os
 import tempfile
-from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
+from meshwise.data import file_lock, token_scan
 from meshwise.data.tokenizer import BYTE_LEVEL, BYTE_VOCAB_SIZE, Tokenizer, load_unchanged
 
 logger = logging.getLogger("meshwise")
@@ -35,8 +41,7 @@ WRITTEN_BY = "meshwise"
 SIDECAR_SUFFIX = ".meshwise.json"  # corpus.bin -> corpus.bin.meshwise.json
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_DTYPE = TOKEN_DTYPES["uint16"]  # the default, and the only one before sidecars said
-ACCEPTED = "a text file, a folder of text files, or a .bin of token ids (uint16 by default)"
-_SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a .bin for its max token
+ACCEPTED = "a text file, a folder of text files, or a .bin of token ids (uint16 or uint32)"
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -83,6 +88,21 @@ def _atomic_write(dest: Path, chunks: Iterable[bytes], before_replace=None) -> N
         raise
 
 
+@contextlib.contextmanager
+def exclusive_build(dest: Path):
+    """Build ``dest`` alone: hold the lock beside it (``.NAME.lock``, removed afterwards),
+    and remove what builders of ``dest`` that died left (their temp files) first."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    lock = dest.with_name(f".{dest.name}.lock")
+    fd = file_lock.acquire(lock, wait=True)
+    try:
+        for stale in dest.parent.glob(f".{glob.escape(dest.name)}.*.tmp"):
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        file_lock.release(lock, fd)
+
+
 def _umask() -> int:
     """This process's umask (reading it means setting it; put straight back)."""
     mask = os.umask(0o022)
@@ -108,57 +128,96 @@ def _ours(side: Path) -> dict | None:
     return meta
 
 
-@lru_cache(maxsize=16)
-def _scan_bin(path: str, size: int, mtime_ns: int) -> dict:
-    """Metadata of a ``.bin`` without a sidecar: one chunked pass for the max token.
-
-    Cached on (path, size, mtime): this is where the result lives when the
-    sidecar cannot be written, and a rewritten file is scanned again.
-    """
-    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
-    max_token = 0
-    for start in range(0, len(tokens), _SCAN_CHUNK):
-        max_token = max(max_token, int(tokens[start : start + _SCAN_CHUNK].max()))
-    return {"num_tokens": len(tokens), "vocab_size": None, "max_token": max_token,
-            "source": path, "dtype": "uint16"}
-
-
-def read_meta(path: str | os.PathLike) -> dict:
+def read_meta(path: str | os.PathLike, dtype: str | None = None) -> dict:
     """Metadata of a token file: its sidecar, or computed once from the tokens.
 
-    Without a (valid) sidecar the file is read as uint16 and scanned once for
-    ``max token + 1``; the sidecar is then written next to it if that folder is
-    writable, and otherwise the result is kept in memory for this process.
+    ``dtype`` (``--token-dtype``) is what the ids are when no sidecar says; it
+    must agree with one that does. Without a (valid) sidecar the file is scanned
+    once for its largest id; the sidecar is then written next to it if that
+    folder is writable, and otherwise the result is kept in memory.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"data path {str(path)!r} does not exist; expected {ACCEPTED}")
+    check_regular(path)
     st = path.stat()
     side = sidecar_path(path)
     meta = _ours(side) if side.exists() else None
-    dtype = token_dtype(meta) if meta else TOKEN_DTYPE
-    if st.st_size == 0 or st.st_size % dtype.itemsize:
+    recorded = (meta.get("dtype") or "uint16") if meta else None
+    if recorded and dtype and recorded != dtype:
+        raise ValueError(f"--token-dtype {dtype}, but {side} records {recorded} for {path}; "
+                         "valid: leave --token-dtype out")
+    name = recorded or dtype or _settled_dtype(path, st)
+    itemsize = token_dtype({**(meta or {}), "dtype": name}).itemsize
+    if st.st_size == 0 or st.st_size % itemsize:
         raise ValueError(f"token file {str(path)!r} has {st.st_size} bytes, not a non-empty "
-                         f"array of {dtype.name} tokens; expected {ACCEPTED}")
+                         f"array of {name} tokens; expected {ACCEPTED}")
     if meta is not None:
-        if (meta.get("num_tokens") == st.st_size // dtype.itemsize
+        if (meta.get("num_tokens") == st.st_size // itemsize
                 and meta.get("format") == FORMAT_VERSION):
             return meta
         if meta.get("tokenizer"):  # built from text: a rescan would lose what wrote it
             raise ValueError(f"token file {str(path)!r} has {st.st_size} bytes, but its sidecar "
-                             f"records {meta.get('num_tokens')} {dtype.name} tokens: it changed "
+                             f"records {meta.get('num_tokens')} {name} tokens: it changed "
                              "since meshwise wrote it; prepare it again")
         logger.warning("rebuilding the stale sidecar %s", side)
-    meta = dict(_scan_bin(str(path.resolve()), st.st_size, st.st_mtime_ns))
+    meta = {"num_tokens": st.st_size // itemsize, "vocab_size": None, "max_token": None,
+            "source": str(path.resolve()), "dtype": name}
+    meta["max_token"] = largest_id(path, meta)
+    return _remember(path, meta)
+
+
+def check_regular(path: Path) -> None:
+    """A token file must be a regular file (a FIFO would block its reader forever)."""
+    if path.is_file():
+        return
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"data path {str(path)!r} is a symbolic link to nothing (or a loop); "
+                         f"expected {ACCEPTED}")
+    if path.exists():
+        raise ValueError(f"data path {str(path)!r} is not a regular file; expected {ACCEPTED}")
+    raise ValueError(f"data path {str(path)!r} does not exist; expected {ACCEPTED}")
+
+
+def _settled_dtype(path: Path, st: os.stat_result) -> str:
+    """uint16 for a ``.bin`` without a sidecar, unless it could be uint32 (then refuse)."""
+    share = token_scan.uint32_share(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if share:
+        raise ValueError(f"--data {path} has no meshwise sidecar and could hold uint16 or uint32 "
+                         f"ids (read as uint16, {share:.0%} of every other id is 0, as in a "
+                         "uint32 file); say which with --token-dtype uint16 or --token-dtype "
+                         "uint32")
+    return "uint16"
+
+
+def largest_id(path: str | os.PathLike, meta: dict) -> int:
+    """The largest id in the token file: the sidecar's while the file is unchanged, else
+    scanned (and kept in the sidecar when it can be)."""
+    path = Path(path)
+    st = path.stat()
+    scanned = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if meta.get("max_token") is not None and meta.get("scanned") == scanned:
+        return meta["max_token"]
+    found = token_scan.max_token(str(path.resolve()), st.st_size, st.st_mtime_ns,
+                                 token_dtype(meta).str)
+    meta_now = {**meta, "max_token": found, "scanned": scanned}
+    if meta.get("written_by") == WRITTEN_BY:  # our sidecar: keep the scan for the next load
+        _remember(path, meta_now)
+    else:
+        meta["scanned"] = scanned
+    return found
+
+
+def _remember(path: Path, meta: dict) -> dict:
+    """Write ``meta`` as the sidecar when the folder allows it; return it either way."""
     if os.access(path.parent, os.W_OK):
         try:
             _write_meta(path, meta)
         except OSError as err:  # a race or a read-only mount: keep it in memory
-            logger.debug("could not write sidecar %s: %s", side, err)
+            logger.debug("could not write sidecar %s: %s", sidecar_path(path), err)
     return meta
 
 
-def resolve_vocab_size(meta: dict, requested: int = 0) -> int:
+def resolve_vocab_size(meta: dict, requested: int = 0,
+                       path: str | os.PathLike | None = None) -> int:
     """The vocabulary a model of this data needs, checked against the tokens.
 
     ``requested`` (``--vocab-size``, 0 for none) wins when given; it must hold
@@ -169,6 +228,11 @@ def resolve_vocab_size(meta: dict, requested: int = 0) -> int:
     """
     stated, max_token = meta.get("vocab_size"), meta.get("max_token")
     source = meta.get("source", "the data")
+    if stated and max_token is not None and max_token >= stated:
+        name = path or f"the token file of {source}"
+        raise ValueError(f"{name} holds token id {max_token}, outside the vocabulary of {stated} "
+                         "it was tokenized with: it changed since meshwise wrote it; prepare it "
+                         "again")
     if requested:
         if max_token is not None and max_token >= requested:
             raise ValueError(f"{source} holds token id {max_token}, outside --vocab-size "
@@ -213,10 +277,10 @@ def check_tokenizer(meta: dict, tokenizer: Tokenizer, data: str | os.PathLike) -
                          "again with this tokenizer")
 
 
-def recorded_tokenizer(bin_path: str | os.PathLike) -> Tokenizer | None:
+def recorded_tokenizer(bin_path: str | os.PathLike, dtype: str | None = None) -> Tokenizer | None:
     """The ``tokenizer.json`` a token file's sidecar names, if it is still there
     unchanged (same digest); None for byte-level data or one that cannot be found."""
-    recorded = read_meta(bin_path).get("tokenizer") or {}
+    recorded = read_meta(bin_path, dtype).get("tokenizer") or {}
     if recorded.get("kind") == BYTE_LEVEL or not recorded.get("path"):
         return None
     tokenizer = load_unchanged(recorded["path"], recorded.get("digest"))

@@ -24,6 +24,18 @@ SIZES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
 DEFAULT_ROPE_THETA = 10000.0  # what transformers assumes when config.json names none
+# The JSON type of every config.json key meshwise reads ("?": null allowed, as
+# transformers reads null there as "not given").
+KEY_TYPES = {**{key: "int" for key in SIZES.values()}, "rms_norm_eps": "number",
+             "num_key_value_heads": "int?", "head_dim": "int?", "rope_theta": "number",
+             "tie_word_embeddings": "bool", "attention_bias": "bool", "mlp_bias": "bool",
+             "hidden_act": "str", "model_type": "str", "architectures": "list?",
+             "rope_scaling": "object?", "rope_parameters": "object?"}
+ROPE_KEY_TYPES = {"factor": "number", "low_freq_factor": "number",
+                  "high_freq_factor": "number", "original_max_position_embeddings": "int",
+                  "rope_type": "str", "type": "str", "rope_theta": "number"}
+_WANTED = {"int": "an integer", "number": "a number", "bool": "true or false",
+           "str": "a string", "list": "a list", "object": "an object"}
 
 
 def hf_name(name: str) -> str:
@@ -49,8 +61,12 @@ def read_config(directory: str | Path) -> dict:
 def llama_sizes(config: dict, where: str) -> dict:
     """Our model settings (``LlamaConfig`` fields) from a ``config.json`` dict.
 
-    Raises ValueError naming ``where`` for another architecture or a Llama
-    variant meshwise does not compute (biases, another activation, head size)."""
+    Raises ValueError naming ``where`` for a value of the wrong type, another
+    architecture or a Llama variant meshwise does not compute (biases, another
+    activation, head size)."""
+    check_types(config, KEY_TYPES, f"{where}/config.json")
+    for key in ("rope_scaling", "rope_parameters"):
+        check_types(config.get(key) or {}, ROPE_KEY_TYPES, f"{where}/config.json: {key}")
     architectures = config.get("architectures") or [ARCHITECTURE]
     if config.get("model_type") != "llama" or ARCHITECTURE not in architectures:
         raise ValueError(f"--init-from {where}: config.json describes model_type "
@@ -60,7 +76,8 @@ def llama_sizes(config: dict, where: str) -> dict:
     if missing:
         raise ValueError(f"--init-from {where}: config.json lacks {', '.join(missing)}")
     sizes = {ours: config[theirs] for ours, theirs in SIZES.items() if theirs in config}
-    sizes.setdefault("n_kv_head", sizes["n_head"])  # no key: multi-head attention
+    if sizes.get("n_kv_head") is None:  # no key (or null): multi-head attention
+        sizes["n_kv_head"] = sizes["n_head"]
     _check_supported(config, sizes, where)
     rope = dict(config.get("rope_parameters") or {})
     theta = config.get("rope_theta", rope.get("rope_theta", DEFAULT_ROPE_THETA))
@@ -75,6 +92,26 @@ def llama_sizes(config: dict, where: str) -> dict:
     return sizes
 
 
+def check_types(config: dict, types: dict[str, str], where: str) -> None:
+    """Each key of ``types`` present in ``config`` has its JSON type (ValueError naming it):
+    ``"false"`` is a string, not a boolean, and 2.0 layers are not a count."""
+    if not isinstance(config, dict):
+        raise ValueError(f"--init-from {where}: not a JSON object")
+    for key, kind in types.items():
+        if key not in config:
+            continue
+        value, base = config[key], kind.rstrip("?")
+        if value is None and kind.endswith("?"):
+            continue
+        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+              "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+              "bool": isinstance(value, bool), "str": isinstance(value, str),
+              "list": isinstance(value, list), "object": isinstance(value, dict)}[base]
+        if not ok:
+            raise ValueError(f"--init-from {where}: {key} = {json.dumps(value)} is not "
+                             f"{_WANTED[base]}")
+
+
 def _check_supported(config: dict, sizes: dict, where: str) -> None:
     head_dim = sizes["d_model"] // sizes["n_head"]
     unsupported = [
@@ -82,7 +119,7 @@ def _check_supported(config: dict, sizes: dict, where: str) -> None:
         (config.get("mlp_bias", False), "mlp_bias true", "false"),
         (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r}",
          "'silu'"),
-        (config.get("head_dim", head_dim) != head_dim, f"head_dim {config.get('head_dim')}",
+        ((config.get("head_dim") or head_dim) != head_dim, f"head_dim {config.get('head_dim')}",
          f"hidden_size / num_attention_heads = {head_dim}"),
     ]
     for bad, what, valid in unsupported:

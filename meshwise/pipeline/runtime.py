@@ -22,7 +22,7 @@ import itertools
 
 import torch
 
-from meshwise.comm import ops
+from meshwise.comm import ops, ranges
 from meshwise.comm.devices import Stopwatch
 from meshwise.pipeline.p2p import Channels, Incoming, Outgoing, release_storage
 from meshwise.pipeline.schedules import Action, Schedule, group_steps
@@ -86,9 +86,10 @@ class PipelineRuntime:
         with contextlib.nullcontext() if sync else self.engine.no_sync():
             for step in self.steps:
                 if isinstance(step, tuple):
-                    self._communicate(step)
+                    with ranges.named("pipeline/p2p"):
+                        self._communicate(step)
                     continue
-                with self.compute.measure():
+                with ranges.named(f"pipeline/{step}"), self.compute.measure():
                     if step.kind == "F":
                         self._forward(step)
                     else:

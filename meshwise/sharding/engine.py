@@ -78,18 +78,19 @@ class EngineBase:
 
     # -- shared --------------------------------------------------------------------------
     @torch.no_grad()
-    def grad_sq_norm(self, include=None) -> torch.Tensor:
+    def grad_sq_norm(self, include=None, over_dp: bool = True) -> torch.Tensor:
         """Sum of squared reduced-gradient elements over the parameters, complete over dp.
 
         ``include(name)`` picks which parameters count (e.g. tp-replicated ones
         on one tp rank only). Sharded gradients (stages 2-3) are summed over dp, so
-        every dp rank must call it.
+        every dp rank must call it; with ``over_dp=False`` the caller sums them (at
+        stages 0-1 every dp rank's value is already the whole).
         """
         self._before_update()
         total = torch.zeros((), dtype=torch.float64, device=self.flats[0].device)
         for flat in self.flats:
             total += flat.grad_sq_sum(include)
-        if self.stage >= 2:
+        if self.stage >= 2 and over_dp:
             ops.all_reduce(total, self.group, category="norm")
         return total
 

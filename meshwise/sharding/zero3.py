@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from meshwise.comm import ops, policy
+from meshwise.comm import ops, policy, ranges
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.binding import BufferPool, device_of, values_of
 from meshwise.sharding.engine import EngineBase
@@ -234,7 +234,8 @@ class ZeroStage3(EngineBase):
 
     def _ensure_gathered(self, unit: Unit) -> None:
         self._start_gather(unit)
-        unit.wait_gather()
+        with ranges.named(f"zero3/gather {unit.name}"):
+            unit.wait_gather()
 
     def _free(self, unit: Unit) -> None:
         storage = unit.buffer.untyped_storage().data_ptr() if unit.is_gathered else None

@@ -4,16 +4,23 @@ A checkpoint holds the engine's parameters and AdamW moments (sharded, see
 ``meshwise.checkpoint.state``) and, in its manifest, the step reached (which
 fixes the learning rate and the next global batch, both pure functions of the
 step), the optimizer's step count, the model's shape, the layout and the whole
-configuration. With ``--compress``, each rank also stores what its compressor
-carries to the next step (error feedback, PowerSGD's warm-started ``Q``), so a
-run resumed on the same layout and buckets continues bit-exactly.
+configuration, and the run's lineage (``meshwise.checkpoint.lineage``): which run
+wrote it and from which checkpoint that run started. ``--keep-last`` prunes
+only that lineage, and never the checkpoint the run resumed from. With
+``--compress``, each rank also stores what its compressor carries to the next
+step (error feedback, PowerSGD's warm-started ``Q``), so a run resumed on the
+same layout and buckets continues bit-exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
+
 from meshwise.checkpoint import state
+from meshwise.checkpoint.lineage import Lineage
+from meshwise.checkpoint.save_dir import SaveDir
 from meshwise.checkpoint.store import Checkpoint
 from meshwise.mesh import Mesh
 
@@ -44,6 +51,8 @@ class RunCheckpointer:
         p = cfg.parallel
         self.layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages,
                        "zero": p.zero, "cp": p.cp, "sp": p.sp}
+        self.lineage = Lineage(cfg.checkpoint.run_id)  # a fresh run, until ``load``
+        self.resumed_from: Path | None = None
 
     def due(self, step: int) -> bool:
         c = self.cfg.checkpoint
@@ -54,17 +63,22 @@ class RunCheckpointer:
     def save(self, step: int) -> None:
         c = self.cfg.checkpoint
         meta = {"step": step, "optimizer_step": self.engine.step_count, "model": self.model,
-                "layout": self.layout, "config": dataclasses.asdict(self.cfg)}
+                "layout": self.layout, "config": dataclasses.asdict(self.cfg),
+                "lineage": self.lineage.to_meta()}
         own = None if self.compressor is None else {"comm": self.compressor.state_tensors()}
-        path = state.save(c.save, step, self.engine.checkpoint_runs(), self.pieces,
+        protect = frozenset({self.resumed_from}) if self.resumed_from else frozenset()
+        save_dir = SaveDir(Path(c.save), c.run_id, c.keep_last, self.lineage, protect)
+        path = state.save(save_dir, step, self.engine.checkpoint_runs(), self.pieces,
                           self.writers, self.mesh.world, meta, own)
         if path is not None:
-            removed = state.keep_newest(c.save, c.keep_last)
+            removed = save_dir.prune(c.keep_last) if c.keep_last else []
             log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")
 
     def load(self, path: str) -> int:
         """Restore from ``path``; return the step it was saved at."""
         ckpt = Checkpoint(path)  # verified before the ranks started (``check_resume``)
+        self.lineage = Lineage.of(ckpt.meta).resumed_by(self.cfg.checkpoint.run_id, ckpt.step)
+        self.resumed_from = Path(path)
         saved = {**LAYOUT_DEFAULTS, **ckpt.meta["layout"]}  # saved before cp and sp existed
         same = saved == self.layout
         state.load(ckpt, self.engine.checkpoint_runs(), self.pieces, self.mesh.rank, same)

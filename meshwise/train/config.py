@@ -19,6 +19,8 @@ from meshwise.comm.devices import DEVICES
 from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
 from meshwise.pipeline.schedules import validate_schedule_config
+from meshwise.train.loggers import parse_log_to
+from meshwise.train.profiling import parse_steps
 # The model section and its presets, part of this module's interface.
 from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
 
@@ -27,6 +29,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 ON_NAN = ("stop", "skip")
+TOKEN_DTYPES = ("uint16", "uint32")
+# A collective's timeout: below a second even connecting fails; gloo and NCCL keep it
+# in milliseconds, and a year is longer than any step should wait.
+TIMEOUT_RANGE_S = (1.0, 365 * 24 * 3600.0)
+MAX_VOCAB_SIZE = 1 << 32  # token files hold uint32 ids at most
 
 
 @dataclass
@@ -83,6 +90,7 @@ class DataConfig:
     cache_dir: str | None = None
     tokenizer: str | None = None  # a tokenizer.json; None: byte-level
     tokenizer_digest: str | None = None  # set by ``prepare``: what a checkpoint records
+    token_dtype: str | None = None  # of a .bin without our sidecar; None: the sidecar's
     seq_len: int = 128
     batch_size: int = 16
     grad_accum: int = 1
@@ -115,6 +123,13 @@ class RuntimeConfig:
     quiet: bool = False
     check_replicas_every: int = 100  # compare tp replicas' values every N steps; 0: never
     activation_checkpointing: str = "none"  # "full": recompute each block in backward
+    # watching a run (meshwise.train.observe): loggers, their folder and run, the profiler
+    log_to: str = "none"  # comma-separated: tensorboard, wandb, mlflow
+    log_dir: str | None = None  # set before launch: DIR/logs of --save DIR, else runs/RUN_NAME
+    run_name: str | None = None  # set before launch: --save's folder name, else the time
+    project: str = "meshwise"
+    profile_steps: str | None = None  # "A-B"
+    profile_dir: str | None = None  # set before launch: LOG_DIR/profile
 
 
 @dataclass
@@ -124,6 +139,12 @@ class CheckpointConfig:
     keep_last: int | None = None  # None: keep every checkpoint
     resume: str | None = None  # a checkpoint, a --save directory, or "auto"
     max_restarts: int = 0
+    branch: bool = False  # resuming an older step: set newer checkpoints aside, not refuse
+    # Set by the launcher, not flags: this job's run id (names its saves and its
+    # lineage), and the checkpoint each launch starts from (every rank must agree).
+    run_id: str = ""
+    resume_step: int | None = None
+    resume_manifest: str | None = None  # the SHA-256 of its manifest
 
 
 @dataclass
@@ -160,6 +181,15 @@ class TrainConfig:
         _positive(lr=o.lr)
         _non_negative(check_replicas_every=self.runtime.check_replicas_every)
         _non_negative(seed=d.seed, vocab_size=m.vocab_size, max_skipped_steps=o.max_skipped_steps)
+        low, high = TIMEOUT_RANGE_S
+        if not low <= self.comm.timeout_s <= high:
+            raise ValueError(f"--timeout-s {self.comm.timeout_s:g} is out of range; valid: "
+                             f"{low:g} to {high:.0f} seconds (a year)")
+        if m.vocab_size > MAX_VOCAB_SIZE:
+            raise ValueError(f"--vocab-size {m.vocab_size} is more ids than token files hold; "
+                             f"valid: up to {MAX_VOCAB_SIZE} (uint32)")
+        if d.token_dtype is not None:
+            _choice("--token-dtype", d.token_dtype, TOKEN_DTYPES)
         for flag, beta in (("--beta1", o.beta1), ("--beta2", o.beta2), ("--dropout", m.dropout)):
             if not 0 <= beta < 1:
                 raise ValueError(f"{flag} must be in [0, 1), got {beta}")
@@ -172,6 +202,8 @@ class TrainConfig:
         _choice("--on-nan", o.on_nan, ON_NAN)
         _choice("--activation-checkpointing", self.runtime.activation_checkpointing,
                 ACTIVATION_CHECKPOINTING)
+        parse_log_to(self.runtime.log_to)
+        parse_steps(self.runtime.profile_steps)
         self._validate_model()
         self._validate_layout()
         self._validate_checkpoint()

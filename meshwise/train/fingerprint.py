@@ -5,7 +5,9 @@ given different flags (or data, or code). Before anything else, every rank
 sends a fingerprint of its configuration, its token file and meshwise's source
 to the others; a difference stops the job at once, naming the first key that
 differs. Paths are left out (nodes may mount the same files elsewhere); the
-files' contents stand for them (the tokenizer's by its digest).
+files' contents stand for them (the tokenizer's by its digest, the checkpoint a
+run resumes by its step and its manifest's digest, the ``--save`` directory by
+the checkpoints it holds).
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ import hashlib
 from functools import lru_cache
 from pathlib import Path
 
+from meshwise.checkpoint.store import complete_checkpoints
 from meshwise.comm import ops
 
 # Fields that may differ between nodes: where things are, how much is printed.
 PER_NODE = {"data.path", "data.cache_dir", "data.tokenizer", "runtime.metrics", "runtime.quiet",
-            "runtime.log_every", "checkpoint.save", "checkpoint.resume", "model.init_from"}
+            "runtime.log_every", "checkpoint.save", "checkpoint.resume", "model.init_from",
+            "checkpoint.run_id",
+            # only the logging rank logs; each rank profiles for itself
+            "runtime.log_to", "runtime.log_dir", "runtime.run_name", "runtime.project",
+            "runtime.profile_steps", "runtime.profile_dir"}
 _SAMPLE_BYTES = 1 << 20
 
 
@@ -37,6 +44,8 @@ def fingerprint(cfg, data_path: str | Path) -> dict:
                 flat[name] = value
     flat["data file"] = _file_digest(str(data_path))
     flat["meshwise code"] = _code_digest()
+    save = cfg.checkpoint.save
+    flat["--save holding"] = ([p.name for p in complete_checkpoints(save)] if save else None)
     return flat
 
 

@@ -98,14 +98,20 @@ class GradSync3D:
         """The L2 norm of the full model's gradient, read on the host."""
         return math.sqrt(self.grad_sq_norm().item())
 
-    def skip_step(self, sq_norm: torch.Tensor, loss_part: torch.Tensor) -> torch.Tensor:
-        """Whether this step must be skipped: a 0-dim bool tensor, the same on every
-        rank, true where the gradient norm or any rank's loss is not finite. One
-        small world all-reduce, no host read (``loss * 0`` is NaN exactly where the
-        loss is not finite, and NaN survives the sum)."""
-        flag = (loss_part.to(torch.float64) * 0).reshape(1)
-        ops.all_reduce(flag, self.mesh.world, category="check")
-        return ~(torch.isfinite(sq_norm) & torch.isfinite(flag[0]))
+    def norm_and_skip(self, loss_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The squared global gradient norm and whether the step must be skipped (a
+        non-finite norm or any rank's loss not finite): 0-dim tensors on the device,
+        the same on every rank, from one world all-reduce and no host read.
+
+        Each rank's part of the squared norm and ``loss * 0`` (NaN exactly where its
+        loss is not finite; NaN survives the sum) are summed over the world. At ZeRO
+        stages 0-1 every dp rank holds the whole dp sum, so the world's sum counts
+        it dp times and is divided by dp."""
+        local = self.engine.grad_sq_norm(include=self.counted.__contains__, over_dp=False)
+        both = torch.stack([local.to(torch.float64), loss_part.detach().to(torch.float64) * 0])
+        ops.all_reduce(both, self.mesh.world, category="norm")
+        sq = both[0] if self.engine.stage >= 2 else both[0] / self.mesh.dims.dp
+        return sq, ~(torch.isfinite(sq) & torch.isfinite(both[1]))
 
     def check_replica_values(self, rtol: float = 1e-6) -> None:
         """Raise if a tp-replicated parameter's values differ across tp ranks.

@@ -6,6 +6,7 @@ combined over the ranks first, in one collective (``RankValues``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -106,15 +107,21 @@ class MetricsLog:
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = _lines_up_to(self.path, resume_step) if resume_step else ""
-            self._file = open(self.path, "w", buffering=1)
-            self._file.write(kept)
+            self._file = open(self.path, "wb", buffering=0)  # each line reaches the OS whole
+            if kept:
+                self._file.write(kept.encode())
 
     def write(self, record: dict) -> None:
         self.history.append(record)
         if self._file:
+            line = memoryview((json.dumps(strict_json(record), allow_nan=False) + "\n").encode())
+            end = self._file.tell()
             try:
-                self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+                while line:  # a full disk may take part of a line, then refuse the rest
+                    line = line[self._file.write(line):]
             except OSError as exc:
+                with contextlib.suppress(OSError):  # not a regular file (/dev/full)
+                    self._file.truncate(end)  # no half line: every line stays valid JSON
                 raise MetricsWriteError(f"cannot write --metrics {self.path}: "
                                         f"{exc.strerror or exc}") from None
         self._show(record)

@@ -15,9 +15,9 @@ One optimizer step, top to bottom (``train_step``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
-import os
 import time
 from functools import partial
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
-from meshwise.comm import ops
+from meshwise.comm import ops, ranges
 from meshwise.comm.devices import host_to_device, rank_device
 from meshwise.data.dataset import TokenDataset, rank_slice
 from meshwise.data.tokenizer import decode_sample, printable
@@ -47,6 +47,7 @@ from meshwise.train.lr_schedule import lr_at
 from meshwise.train.memory import PeakMemory
 from meshwise.train.metrics import MetricsLog, RankValues
 from meshwise.train.sequence import SequenceSplit, sequence_shard
+from meshwise.train.observe import RunObserver
 
 log = logging.getLogger("meshwise")
 
@@ -70,7 +71,8 @@ class Trainer:
                                device=self.device)
         ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
         d, p = cfg.data, cfg.parallel
-        self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size)
+        self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size,
+                                 token_dtype=d.token_dtype)
         self.model_shape = cfg.model.sizes(self.data.vocab_size)
         self.family = family(self.model_shape["family"])
         self.model_cfg = self.family.make_config({**self.model_shape, "dropout": cfg.model.dropout})
@@ -117,7 +119,16 @@ class Trainer:
                                   quiet=cfg.runtime.quiet)
         self.fault = injected_fault()
         self.skipped_in_a_row = 0
+        self.observer = self._observer()
         self.memory = PeakMemory(self.device)  # after start-up: it keeps that peak too
+
+    def _observer(self) -> RunObserver:
+        """FLOPs come from the whole model's shapes (built on the meta device)."""
+        with torch.device("meta"):
+            whole = self.family.build(self.model_cfg, None)
+        layers = list(getattr(whole, self.pm.plan.layers).values())
+        return RunObserver(self.cfg, self.mesh, self.device, whole, layers,
+                           dataclasses.asdict(self.cfg))
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
@@ -126,7 +137,29 @@ class Trainer:
             log.info("model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step",
                      self.model_cfg, self.num_params / 1e6, self.cfg.parallel.dims,
                      self.global_tokens)
-        val_loss = None
+        try:  # the loggers keep what was logged, also when a step fails
+            val_loss = self._run_steps()
+            if not self.params_finite():  # never end "successfully" with a broken model
+                raise NonFiniteError("the weights are non-finite at the end of training")
+            if not (d.eval_every and self.cfg.optim.steps % d.eval_every == 0):
+                val_loss = self.evaluate()  # the last step was not evaluated yet
+                self.observer.log({"step": self.cfg.optim.steps, "val_loss": val_loss})
+            sample = self.sample(d.sample_tokens) if d.sample_tokens else None
+        finally:
+            self.observer.close()
+        if self.is_logging_rank:
+            self.metrics.note(self.metrics.summary(val_loss))
+            self.metrics.note(self.observer.summary())
+            if sample is not None:
+                prompt, continuation = sample
+                self.metrics.note(f"sample (prompt in [brackets]):\n[{printable(prompt)}]"
+                                  f"{printable(continuation)}")
+        self.metrics.close()
+        self.comm_stats.close()
+
+    def _run_steps(self) -> float | None:
+        """Every step from where the run starts; the last validation loss, if any."""
+        d, val_loss = self.cfg.data, None
         for step in range(self.start_step + 1, self.cfg.optim.steps + 1):
             try:
                 record = self.train_step(step)
@@ -136,21 +169,11 @@ class Trainer:
                 val_loss = record["val_loss"] = self.evaluate()
             if self.is_logging_rank:
                 self.metrics.write(record)
+                self.observer.log(record)
             if self.checkpointer.due(step):
-                self.checkpointer.save(step)
-        if not self.params_finite():  # never end "successfully" with a broken model
-            raise NonFiniteError("the weights are non-finite at the end of training")
-        if not (d.eval_every and self.cfg.optim.steps % d.eval_every == 0):
-            val_loss = self.evaluate()  # the last step was not evaluated yet
-        sample = self.sample(d.sample_tokens) if d.sample_tokens else None
-        if self.is_logging_rank:
-            self.metrics.note(self.metrics.summary(val_loss))
-            if sample is not None:
-                prompt, continuation = sample
-                self.metrics.note(f"sample (prompt in [brackets]):\n[{printable(prompt)}]"
-                                  f"{printable(continuation)}")
-        self.metrics.close()
-        self.comm_stats.close()
+                with ranges.named("checkpoint/save"):
+                    self.checkpointer.save(step)
+        return val_loss
 
     def train_step(self, step: int) -> dict:
         self.memory.start_step()
@@ -161,20 +184,23 @@ class Trainer:
         fault = self.fault if self.fault and self.fault.at(self.mesh.rank, step) else None
         if fault:
             fault.before_step(self.mesh, self.device)
+        self.observer.start_step(step)
 
-        self.engine.zero_grad()
-        loss_part = self._forward_backward(self._micro_batches(step, "train"), step)
+        with self.observer.phase("forward_backward"):
+            self.engine.zero_grad()
+            loss_part = self._forward_backward(self._micro_batches(step, "train"), step)
         if fault and fault.kind == "nan":  # this rank's loss of the step is not a number
             loss_part = loss_part + float("nan")
-        self.grad_sync.finish()
+        with self.observer.phase("grad_sync"):
+            self.grad_sync.finish()
 
         # Norm, clipping and the non-finite check stay on the device: the step needs
         # no host read before the optimizer (a skipped step changes nothing there).
-        sq_norm = self.grad_sync.grad_sq_norm()
-        skip = self.grad_sync.skip_step(sq_norm, loss_part)
-        clip = self.cfg.optim.clip
-        grad_scale = (clip / (sq_norm.sqrt() + 1e-6)).clamp(max=1.0) if clip > 0 else 1.0
-        self.engine.step(lr, grad_scale, skip)
+        with self.observer.phase("optimizer"):
+            sq_norm, skip = self.grad_sync.norm_and_skip(loss_part)
+            clip = self.cfg.optim.clip
+            grad_scale = (clip / (sq_norm.sqrt() + 1e-6)).clamp(max=1.0) if clip > 0 else 1.0
+            self.engine.step(lr, grad_scale, skip)
         if self.compressor is not None:  # its warm-up and top-k's ramp count steps taken
             self.compressor.end_step()
         every = self.cfg.runtime.check_replicas_every
@@ -201,6 +227,7 @@ class Trainer:
             "peak_mem_bytes": int(combined["peak_mem_bytes"]),
         }
         record.update(self.comm_stats.record(combined))
+        self.observer.record(record, combined)
         if self.cfg.parallel.zero == 3:
             # Transient: full parameters gathered at once (unit in use + prefetched).
             record["zero3_peak_gathered_bytes"] = int(combined["gathered"])
@@ -221,6 +248,7 @@ class Trainer:
         values.add("peak_mem_bytes", self.memory.step_peak_bytes(), "max")
         values.add("gathered", getattr(self.engine, "peak_gathered_bytes", 0), "max")  # ZeRO-3
         self.comm_stats.add_to(values)
+        self.observer.add_to(values)
         return values
 
     # ------------------------------------------------------------- helpers
@@ -260,8 +288,10 @@ class Trainer:
             self.dropout.at(step, first + i * rows)  # which samples these are
             sync = contextlib.nullcontext() if i == last else self.engine.no_sync()
             with sync:
-                loss = self.pm.loss(self.model(inputs), targets) * scale
-                loss.backward()
+                with ranges.named("forward"):
+                    loss = self.pm.loss(self.model(inputs), targets) * scale
+                with ranges.named("backward"):
+                    loss.backward()
             total += loss.detach()
         return total
 

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -37,6 +38,15 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not), as the kernel's /proc says."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def run_main(*args, cwd, env_extra=None) -> subprocess.CompletedProcess:
     """``meshwise ARGS`` in this process: for what ends before any rank starts (exit 2).
 
@@ -68,3 +78,22 @@ def run_main(*args, cwd, env_extra=None) -> subprocess.CompletedProcess:
             else:
                 os.environ[name] = value
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def in_small_filesystem(size: str, mount_point: Path, command: list, timeout: float):
+    """``command`` with ``mount_point`` a fresh tmpfs of ``size`` (a private mount
+    namespace, so it vanishes with the command): a full disk on demand. What it held
+    at the end is copied to ``mount_point`` + ``-after``. Skips where it cannot mount."""
+    if not shutil.which("unshare") or not sys.platform.startswith("linux"):
+        pytest.skip("needs unshare (Linux) to mount a small file system")
+    mount_point.mkdir()
+    namespace = ["unshare", "--mount"] + (["--map-root-user"] if os.getuid() else [])
+    mount = f"mount -t tmpfs -o size={size} meshwise-test {mount_point}"
+    probe = subprocess.run([*namespace, "sh", "-c", mount], capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
+    after = mount_point.with_name(mount_point.name + "-after")
+    script = f'{mount} && {{ "$@"; rc=$?; cp -a {mount_point} {after}; exit $rc; }}'
+    return subprocess.run([*namespace, "sh", "-c", script, "sh", *map(str, command)],
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True,
+                          text=True, timeout=timeout)

@@ -13,29 +13,13 @@ import time
 import pytest
 
 from tests.e2e.conftest import SMALL, read_metrics
+from tests.e2e.conftest import process_alive as _alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux signals")
 
 
 def _start(tmp_path, corpus, *flags):
-    env = dict(os.environ, MESHWISE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshwise", "train", *map(str, SMALL), "--data", str(corpus),
-         "--dp", "2", "--steps", "100000", "--metrics", str(metrics), *flags],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # wait until both ranks train
-        if metrics.exists() and len(read_metrics(metrics)) >= 2:
-            ranks = _ranks(proc.pid)
-            if len(ranks) == 2:
-                return proc, ranks
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended early:\n{proc.stderr.read()}")
-        time.sleep(0.05)
-    _kill_group(proc.pid)
-    pytest.fail("the run did not start training within 60 s")
+    return _start_ranks(tmp_path, corpus, 2, *flags)
 
 
 def _kill_group(pid: int) -> None:
@@ -52,14 +36,6 @@ def _ranks(launcher: int) -> list[int]:
     return sorted(int(pid) for pid in out.split())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pids, seconds: float) -> float:
     start = time.monotonic()
     while any(_alive(p) for p in pids):
@@ -72,15 +48,20 @@ def _wait_gone(pids, seconds: float) -> float:
     return time.monotonic() - start
 
 
-def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path, corpus):
-    proc, ranks = _start(tmp_path, corpus, "--timeout-s", "5")
-    os.kill(ranks[1], signal.SIGSTOP)
-    stopped_at = time.monotonic()
+def _signal_and_wait(proc, pid: int, signum: int, timeout: float = 60) -> tuple[str, float]:
+    """Send ``signum`` to ``pid``; the job's stderr and how long it took to end."""
+    os.kill(pid, signum)
+    sent_at = time.monotonic()
     try:
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=timeout)
     finally:
         _kill_group(proc.pid)
-    took = time.monotonic() - stopped_at
+    return err, time.monotonic() - sent_at
+
+
+def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path, corpus):
+    proc, ranks = _start(tmp_path, corpus, "--timeout-s", "5")
+    err, took = _signal_and_wait(proc, ranks[1], signal.SIGSTOP)
     assert proc.returncode == 1, err
     assert took < 20, took  # 5 s timeout + failure grace; gloo's default is 30 minutes
     assert "timed out" in err and "on group" in err and "step" in err, err
@@ -107,3 +88,94 @@ def test_ranks_die_with_a_killed_launcher(tmp_path, corpus):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     assert _wait_gone(ranks, 10) < 10
+
+
+def _start_ranks(tmp_path, corpus, num_ranks, *flags):
+    """A long run on ``num_ranks`` ranks, once they train: (launcher, rank pids)."""
+    env = dict(os.environ, MESHWISE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshwise", "train", *map(str, SMALL), "--data", str(corpus),
+         "--dp", str(num_ranks), "--steps", "100000", "--metrics", str(metrics), *flags],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until every rank trains
+        if metrics.exists() and len(read_metrics(metrics)) >= 2:
+            ranks = _ranks(proc.pid)
+            if len(ranks) == num_ranks:
+                return proc, ranks
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early:\n{proc.stderr.read()}")
+        time.sleep(0.05)
+    _kill_group(proc.pid)
+    pytest.fail("the run did not start training within 60 s")
+
+
+def _peak_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_single_rank_killed_like_by_the_oom_killer_is_named_with_its_peak(tmp_path, corpus):
+    proc, ranks = _start_ranks(tmp_path, corpus, 1)  # one rank: still a child of the launcher
+    peak_gib = _peak_kib(ranks[0]) / 2**20
+    err, took = _signal_and_wait(proc, ranks[0], signal.SIGKILL, timeout=30)
+    assert proc.returncode == 1, err
+    assert took < 15  # under 1 s on an idle machine
+    assert "rank 0 was killed by signal SIGKILL (out of memory?)" in err, err
+    assert "peak resident memory so far" in err, err
+    reported = float(err.split("peak resident memory so far ")[1].split(" GiB")[0])
+    assert abs(reported - peak_gib) < 0.05, (reported, peak_gib)
+
+
+def _memory_cgroup(limit_bytes: int):
+    """A fresh memory cgroup limited to ``limit_bytes`` (v1 or v2); its procs file, or skip."""
+    for root, limit_file in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+                             ("/sys/fs/cgroup", "memory.max")):
+        group = os.path.join(root, f"meshwise-test-{os.getpid()}")
+        try:
+            os.makedirs(group, exist_ok=True)
+            with open(os.path.join(group, limit_file), "w") as f:
+                f.write(str(limit_bytes))
+            return group
+        except OSError:
+            try:
+                os.rmdir(group)
+            except OSError:
+                pass
+    pytest.skip("no memory cgroup can be created here")
+
+
+def test_out_of_memory_in_a_cgroup_names_the_rank_and_its_peak(tmp_path, corpus):
+    group = _memory_cgroup(400 << 20)
+    env = dict(os.environ, MESHWISE_CACHE=str(tmp_path / "cache"))
+    # 19M parameters: 0.3 GB of weights, gradients and AdamW state (under the limit, so
+    # not refused up front), plus the runtime and activations: more than the limit.
+    big = ["--d-model", "512", "--n-head", "8", "--n-layer", "6"]
+
+    def enter():
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "meshwise", "train", *map(str, SMALL), *big, "--data",
+             str(corpus), "--dp", "1", "--steps", "3"], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=120, preexec_fn=enter)
+    finally:
+        os.rmdir(group)
+    assert result.returncode == 1, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert "rank 0 was killed by signal SIGKILL (out of memory?)" in line, result.stderr
+    assert "peak resident memory so far" in line and "memory limit here 0.39 GiB" in line
+
+
+def test_sigint_to_one_rank_names_that_rank(tmp_path, corpus):
+    proc, ranks = _start_ranks(tmp_path, corpus, 2)
+    err, took = _signal_and_wait(proc, ranks[1], signal.SIGINT, timeout=30)
+    assert proc.returncode == 1, err
+    assert took < 15  # under 1 s on an idle machine
+    assert "rank 1: interrupted (SIGINT to rank 1's process)" in err, err
+    assert "rank 0" not in err and "Traceback" not in err, err
+    _wait_gone(ranks, 10)

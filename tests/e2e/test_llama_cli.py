@@ -141,3 +141,20 @@ def test_bad_llama_settings_exit_2_with_one_line(tmp_path, corpus, flags, messag
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("key, value, wanted", [
+    ("tie_word_embeddings", "false", "is not true or false"),  # truthy: would drop lm_head
+    ("hidden_size", 64.0, "is not an integer"),
+    ("num_hidden_layers", None, "is not an integer"),
+    ("intermediate_size", [96], "is not an integer"),
+    ("rms_norm_eps", "1e-5", "is not a number"),
+])
+def test_config_json_values_of_the_wrong_type_exit_2_naming_file_and_key(
+        tmp_path, hf_dir, corpus, key, value, wanted):
+    directory = _copy(hf_dir, tmp_path)
+    _edit_config(directory, **{key: value})
+    result = run_main("train", "--init-from", directory, "--data", corpus, *RUN, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert f"{directory}/config.json: {key} = {json.dumps(value)} {wanted}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

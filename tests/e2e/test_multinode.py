@@ -12,15 +12,20 @@ and train with the losses of ``--dp 4`` on one machine.
 
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from benchmarks.two_nodes import TwoNodes, unavailable
 from meshwise.cli.launch import free_port
 from tests.e2e.conftest import SMALL, read_metrics, run_cli
+from tests.e2e.conftest import process_alive as _alive
 
 STEPS = 6
 
@@ -140,3 +145,113 @@ def test_two_nodes_train_with_hierarchical_all_reduce(tmp_path, corpus, two_shap
     assert result.returncode == 0, result.stderr
     assert [r["loss"] for r in records] == pytest.approx(
         [r["loss"] for r in read_metrics(local)], rel=1e-4)
+
+
+def _launch_two(tmp_path, corpus, flags_per_node, *flags):
+    """Two launchers on loopback, each with its own extra flags; the Popen objects."""
+    port = free_port()
+    procs = []
+    for node_rank, own in enumerate(flags_per_node):
+        command = [_torchrun(), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+                   str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "-m", "meshwise", "train", *map(str, SMALL), "--data", str(corpus), "--dp",
+                   "2", *map(str, flags), *map(str, own)]
+        procs.append(subprocess.Popen(command, cwd=tmp_path, env=_env(tmp_path),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    return procs
+
+
+def _end_all(procs, pids=()) -> None:
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_launcher_takes_its_rank_and_the_other_node_ends(tmp_path, corpus):
+    metrics = tmp_path / "m.jsonl"
+    procs = _launch_two(tmp_path, corpus, [[], []], "--steps", 100000, "--timeout-s", 20,
+                        "--metrics", metrics)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and len(read_metrics(metrics)) >= 2):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [p.stderr.read() for p in procs if p.poll() is not None]
+            time.sleep(0.05)  # polling the metrics file, not standing in for work
+        out = subprocess.run(["pgrep", "-P", str(procs[1].pid)], capture_output=True, text=True)
+        ranks = [int(pid) for pid in out.stdout.split()]
+        assert ranks, "node 1 has no rank"
+        os.kill(procs[1].pid, signal.SIGKILL)  # node 1's torchrun, as by the OOM killer
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in ranks):
+            assert time.monotonic() - killed < 5, "node 1's rank outlived its torchrun"
+            time.sleep(0.05)
+        _, err = procs[0].communicate(timeout=60)
+        assert procs[0].returncode != 0
+        assert time.monotonic() - killed < 25, "node 0 took longer than --timeout-s to end"
+        assert "rank 0: lost its connection to another rank" in err, err
+    finally:
+        _end_all(procs, ranks)
+
+
+@pytest.mark.timeout(150)
+def test_nodes_resuming_different_checkpoints_stop_before_training(tmp_path, corpus):
+    save = tmp_path / "ck"
+    result = run_cli("train", *SMALL, "--data", corpus, "--dp", "2", "--steps", "4", "--save",
+                     save, "--save-every", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    procs = _launch_two(tmp_path, corpus, [["--resume", save / "step-00000004"],
+                                           ["--resume", save / "step-00000002"]],
+                        "--steps", 8, "--timeout-s", 30, "--metrics", tmp_path / "m.jsonl")
+    start = time.monotonic()
+    try:
+        errs = [p.communicate(timeout=100)[1] for p in procs]
+    finally:
+        _end_all(procs)
+    assert time.monotonic() - start < 60
+    for proc, err in zip(procs, errs):
+        assert proc.returncode != 0
+        assert "was started with checkpoint.resume_step = 2 but rank 0 with 4" in err, err
+    assert not (tmp_path / "m.jsonl").exists() or not read_metrics(tmp_path / "m.jsonl")
+
+
+def _readme_give_up_command() -> list[str]:
+    """The README's command for node 0 that gives up when node 1 never comes."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Multi-node"):]
+    section = section[:section.index("\n## ", 1)]
+    block = section[section.index("```bash\n# node 0 alone"):]
+    block = block[len("```bash\n"):block.index("```", 8)]
+    lines = [line for line in block.replace("\\\n", " ").splitlines()
+             if line.strip() and not line.startswith("#")]
+    return shlex.split(lines[0])
+
+
+@pytest.mark.timeout(120)
+def test_one_node_alone_gives_up_after_the_documented_timeout(tmp_path, corpus):
+    command = _readme_give_up_command()
+    assert command[0] == "torchrun" and "--rdzv-conf" in command
+    rdzv = command[command.index("--rdzv-conf") + 1]
+    given = dict(item.split("=") for item in rdzv.split(","))
+    timeout_s = float(command[command.index("--timeout-s") + 1])
+    assert float(given["timeout"]) == timeout_s  # torchrun gives up when meshwise would
+    # The same command here: 1 rank per node, a short timeout, the small model on the CPU.
+    wait = 6
+    local = [_torchrun(), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "0",
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+             "--rdzv-conf", f"timeout={wait}", "-m", "meshwise", "train", *map(str, SMALL),
+             "--data", str(corpus), "--dp", "2", "--timeout-s", str(wait)]
+    start = time.monotonic()
+    done = subprocess.run(local, cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=90)
+    took = time.monotonic() - start
+    assert done.returncode != 0
+    assert wait <= took < wait + 20, took
+    assert "1/2 clients joined" in done.stderr, done.stderr[-2000:]

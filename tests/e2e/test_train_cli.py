@@ -57,6 +57,12 @@ def test_data_parallel_layouts_give_the_same_losses(tmp_path, corpus):
     (["--clip", "nan"], "--clip must be a finite number >= 0, got nan"),
     (["--beta2", "1"], "--beta2 must be in [0, 1), got 1.0"),
     (["--metrics", "/proc/no/such/m.jsonl"], "--metrics /proc/no/such/m.jsonl: cannot write"),
+    (["--timeout-s", "0.001"], "--timeout-s 0.001 is out of range; valid: 1 to 31536000"),
+    (["--timeout-s", "1e15"], "--timeout-s 1e+15 is out of range; valid: 1 to 31536000"),
+    (["--vocab-size", "3000000000"], "the model has 192.00 B parameters (--vocab-size "
+                                     "3000000000"),
+    (["--vocab-size", "5000000000"], "--vocab-size 5000000000 is more ids than token files hold"),
+    (["--token-dtype", "int8"], "--token-dtype 'int8' is not valid; valid: uint16, uint32"),
 ])
 def test_bad_config_exits_2_with_one_line(tmp_path, corpus, flags, message):
     result = run_main("train", *SMALL, "--data", corpus, *flags, cwd=tmp_path)
@@ -72,6 +78,8 @@ def test_bad_config_exits_2_with_one_line(tmp_path, corpus, flags, message):
     ("[trainer]\nsteps = 3", "unknown section [trainer]"),
     ("[optim]\nbatch-size = 4", "'batch-size' belongs under [data], not [optim]"),
     ("stepz = 3", "unknown key 'stepz'"),
+    ("steps = 3\n[optim]\nsteps = 4", "'steps' and '[optim] steps' both set --steps; keep one"),
+    ("batch-size = 4\nbatch_size = 8", "'batch-size' and 'batch_size' both set --batch-size"),
 ])
 def test_bad_toml_exits_2_naming_file_and_key(tmp_path, corpus, toml, message):
     config = tmp_path / "run.toml"
@@ -195,3 +203,33 @@ def test_effective_config_is_shown_and_kept_and_the_sample_marks_its_prompt(tmp_
     shown = result.stdout + result.stderr
     assert "--weight-decay 0.05  [toml]" in shown and "--steps 2  [flag]" in shown
     assert "sample (prompt in [brackets]):\n[" in shown
+
+
+def test_a_toml_file_that_is_not_utf8_is_named(tmp_path, corpus):
+    config = tmp_path / "run.toml"
+    config.write_bytes("# réglages\nsteps = 3\n".encode("latin-1"))
+    result = run_main("train", *SMALL, "--data", corpus, "--config", config, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert f"--config {config}: not UTF-8 text (byte 0xe9 at offset 3)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_max_restarts_says_when_it_gives_up(tmp_path, corpus):
+    result = run_cli("train", *SMALL, "--data", corpus, "--dp", "1", "--steps", "4",
+                     "--save", tmp_path / "ck", "--max-restarts", "1", cwd=tmp_path,
+                     env_extra={"MESHWISE_FAIL_AT": "0:2"}, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "restart 1 of 1 from the beginning" in result.stderr
+    assert result.stderr.strip().endswith("gave up: the job failed 2 times (--max-restarts 1)")
+
+
+def test_max_restarts_under_torchrun_is_refused_before_starting(tmp_path, corpus, monkeypatch):
+    monkeypatch.setattr("meshwise.cli.launch.die_with_torchrun", lambda: None)  # not pytest
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "9", "LOCAL_WORLD_SIZE": "1"}
+    result = run_main("train", *SMALL, "--data", corpus, "--dp", "2", "--save", tmp_path / "ck",
+                      "--max-restarts", "2", "--timeout-s", "5", cwd=tmp_path, env_extra=env)
+    assert result.returncode == 2, result.stderr
+    assert ("--max-restarts 2 does not work under torchrun (every node would restart on its "
+            "own); valid: torchrun --max-restarts 2 with --save DIR --resume auto"
+            in result.stderr), result.stderr

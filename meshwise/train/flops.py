@@ -1,0 +1,87 @@
+"""FLOPs per token from a model's own shapes, the device's peak, and MFU.
+
+Model FLOPs per token (the convention of PaLM, Chowdhery et al. 2022, appendix
+B, and of torchtitan and Megatron-LM's reports): every multiply-add of a matrix
+multiply counts 2 FLOPs in the forward and 4 in the backward, so each parameter
+of a linear layer costs 6 per token (the head included, the embedding lookups
+not); attention's scores and weighted values add ``12 x layers x d_model x
+seq_len``. That attention term counts the whole ``T x T`` product, as the peers
+do, although a causal kernel computes about half of it: figures stay
+comparable with theirs (and with ``torch.utils.flop_counter``, which counts the
+same), at the price of overstating causal attention's work.
+
+Hardware FLOPs add what activation recomputation does again: one more forward
+of every recomputed layer (``2`` per layer parameter and ``4 x d_model x
+seq_len`` of attention per token and layer). MFU and HFU divide the achieved
+rate by the devices' peak: for a GPU its dense peak in the compute dtype from
+its data sheet; on a CPU, which has no data sheet figure we could trust, the
+rate this rank measures for a large matrix multiply in the compute dtype at
+start-up, all ranks at once (so that they share the cores as training does).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+# Dense peaks from the vendors' data sheets (SXM/flagship parts), FLOP/s.
+GPU_PEAKS = {  # name fragment: {dtype: peak}
+    "H200": {torch.bfloat16: 989e12, torch.float32: 67e12},
+    "H100": {torch.bfloat16: 989e12, torch.float32: 67e12},
+    "A100": {torch.bfloat16: 312e12, torch.float32: 19.5e12},
+    "L40S": {torch.bfloat16: 362e12, torch.float32: 91.6e12},
+    "A10G": {torch.bfloat16: 70e12, torch.float32: 31.2e12},
+}
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters a forward multiplies by: every ``nn.Linear``'s weight (a tied
+    head counts as the head it is)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def flops_per_token(model: nn.Module, layers: list[nn.Module], n_layer: int, d_model: int,
+                    seq_len: int, recomputed: bool = False) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) per token of a training step: forward and backward
+    of ``model`` (the whole, single-process one; the meta device will do) and, with
+    ``recomputed``, one more forward of each of its ``layers``."""
+    attention = 12 * n_layer * d_model * seq_len
+    model_flops = 6 * matmul_params(model) + attention
+    if not recomputed:
+        return float(model_flops), float(model_flops)
+    again = 2 * sum(matmul_params(layer) for layer in layers) + attention / 3
+    return float(model_flops), float(model_flops + again)
+
+
+def gpu_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The data-sheet dense peak of this GPU in ``dtype`` (None for one we do not know)."""
+    name = torch.cuda.get_device_name(device)
+    return next((peaks.get(dtype) for key, peaks in GPU_PEAKS.items() if key in name), None)
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype, size: int = 1024,
+                  budget_s: float = 0.5) -> float:
+    """FLOP/s of a ``size``-square matrix multiply here: the best of as many as fit in
+    ``budget_s`` (at least 5; the best is the least disturbed by other work)."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    a @ a  # warm-up
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < 5 or spent < budget_s:
+        start = time.perf_counter()
+        a @ a
+        if device.type != "cpu":
+            torch.cuda.synchronize(device)
+        took = time.perf_counter() - start
+        best, spent, runs = min(best, took), spent + took, runs + 1
+    return 2 * size**3 / best
+
+
+def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """This rank's peak FLOP/s in ``dtype`` and where it comes from."""
+    if device.type == "cuda":
+        peak = gpu_peak(device, dtype)
+        if peak is not None:
+            return peak, f"{torch.cuda.get_device_name(device)} data sheet"
+    return measured_peak(device, dtype), "a matrix multiply measured at start-up"

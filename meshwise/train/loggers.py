@@ -1,0 +1,219 @@
+"""Experiment loggers: TensorBoard, Weights & Biases and MLflow, through their own libraries.
+
+``--log-to tensorboard,wandb,mlflow`` sends every metrics key of every step
+(dictionaries flattened: ``allreduce_calls/ring``) to each, and the effective
+configuration as the run's hyper-parameters. Only the logging rank writes. All
+three keep their runs under ``--log-dir`` (default: ``DIR/logs`` of ``--save
+DIR``, else ``runs/RUN_NAME``), where ``meshwise-run.json`` remembers each
+library's run id: a run resumed with the same directory goes on in the same
+runs, its steps continuing, instead of starting new ones.
+
+- TensorBoard: event files in ``LOG_DIR/tensorboard`` (``torch.utils.tensorboard``);
+- W&B: ``wandb.init(dir=LOG_DIR)``; with no API key set or stored it runs
+  offline (``WANDB_MODE=offline``, said once), ``wandb sync`` uploads later;
+- MLflow: unless ``MLFLOW_TRACKING_URI`` says otherwise, a local file store in
+  ``LOG_DIR/mlruns`` (MLflow 3 keeps that backend only on request, which is
+  made here), experiment ``--project``.
+
+Each library is an optional extra (``pip install 'meshwise[tensorboard]'``);
+asking for one that is not installed ends the run before any rank starts.
+
+The libraries are called from a thread of their own, one step's values as one
+batch each (a TensorBoard event, a W&B history row, an MLflow batch), so the
+training loop only queues a record: the logging rank does not hold the others
+back while MLflow appends files or W&B talks to its service.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("meshwise")
+
+LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name -> module
+RUN_FILE = "meshwise-run.json"
+
+
+def name_the_run(runtime, save_dir: str | None) -> None:
+    """Fill in the run's name, its loggers' folder and the profile folder where not
+    given, before any rank starts (every rank must agree)."""
+    if not runtime.run_name:
+        runtime.run_name = Path(save_dir).name if save_dir else time.strftime("run-%Y%m%d-%H%M%S")
+    if not runtime.log_dir:
+        folder = Path(save_dir) / "logs" if save_dir else Path("runs") / runtime.run_name
+        runtime.log_dir = str(folder)
+    if not runtime.profile_dir:
+        runtime.profile_dir = str(Path(runtime.log_dir) / "profile")
+
+
+def parse_log_to(text: str | None) -> list[str]:
+    """``--log-to`` as a list of logger names (ValueError naming a bad one)."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip() and n.strip() != "none"]
+    for name in names:
+        if name not in LOGGERS:
+            raise ValueError(f"--log-to {name!r} is not valid; valid: "
+                             f"{', '.join(LOGGERS)} (comma-separated), or none")
+    return list(dict.fromkeys(names))
+
+
+def missing_extra(names: list[str]) -> str | None:
+    """Why a named logger cannot run here (its library is not installed), or None."""
+    for name in names:
+        if importlib.util.find_spec(LOGGERS[name]) is None:
+            return (f"--log-to {name} needs the {LOGGERS[name]} library: pip install "
+                    f"'meshwise[{name}]' (or pip install -e '.[{name}]' in a checkout)")
+    return None
+
+
+def flatten(record: dict, prefix: str = "") -> dict[str, float]:
+    """Numbers of a metrics record, nested dictionaries as ``outer/inner`` keys."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            out[prefix + key] = float(value)
+    return out
+
+
+class ExperimentLog:
+    """The loggers of ``names`` for one run; ``log(record)`` per step, ``close()``."""
+
+    def __init__(self, names: list[str], log_dir: str | os.PathLike, run_name: str,
+                 project: str, config: dict):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        ids = self._load_ids()
+        self._backends = [_BACKENDS[name](self.log_dir, run_name, project, config, ids.get(name))
+                          for name in names]
+        self._save_ids({b.name: b.run_id for b in self._backends})
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="meshwise-loggers", daemon=True)
+        self._thread.start()
+
+    def log(self, record: dict) -> None:
+        """Queue one step's record (the thread sends it to every logger)."""
+        self._queue.put((flatten(record), int(record["step"])))
+
+    def close(self) -> None:
+        """Send what is queued, then close every logger."""
+        self._queue.put(None)
+        self._thread.join()
+        for backend in self._backends:
+            backend.close()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            values, step = item
+            for backend in self._backends:
+                try:
+                    backend.log(values, step)
+                except Exception as exc:  # a logger's trouble must not end the training
+                    log.warning("warning: --log-to %s: %s", backend.name, exc)
+
+    def _load_ids(self) -> dict:
+        path = self.log_dir / RUN_FILE
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def _save_ids(self, ids: dict) -> None:
+        (self.log_dir / RUN_FILE).write_text(json.dumps(ids, indent=1) + "\n")
+
+
+class _TensorBoard:
+    name = "tensorboard"
+
+    def __init__(self, log_dir: Path, run_name: str, project: str, config: dict, run_id):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_id = run_id or run_name
+        self.writer = SummaryWriter(str(log_dir / "tensorboard"))
+        if run_id is None:  # a resumed run keeps the hyper-parameters it started with
+            self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # One event per step holding every scalar (add_scalar writes one event each).
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        self.writer.file_writer.add_summary(summary, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    name = "wandb"
+
+    def __init__(self, log_dir: Path, run_name: str, project: str, config: dict, run_id):
+        import wandb
+
+        if not os.environ.get("WANDB_MODE") and not _wandb_key():
+            os.environ["WANDB_MODE"] = "offline"
+            log.warning("warning: --log-to wandb: no API key set or stored, so offline in %s "
+                        "(upload later with wandb sync)", log_dir / "wandb")
+        self.run = wandb.init(project=project, name=run_name, dir=str(log_dir), config=config,
+                              id=run_id, resume="allow" if run_id else None)
+        self.run_id = self.run.id
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="replace")
+
+
+class _MLflow:
+    name = "mlflow"
+
+    def __init__(self, log_dir: Path, run_name: str, project: str, config: dict, run_id):
+        import mlflow
+        from mlflow.entities import Metric, Param
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri((log_dir / "mlruns").resolve().as_uri())
+        experiment = mlflow.set_experiment(project)
+        self.client = mlflow.tracking.MlflowClient()
+        if run_id is None:
+            run_id = self.client.create_run(experiment.experiment_id, run_name=run_name).info.run_id
+            params = [Param(k, v) for k, v in flatten_config(config).items()]
+            for start in range(0, len(params), 100):  # MLflow takes 100 per batch
+                self.client.log_batch(run_id, params=params[start:start + 100])
+        self.run_id = run_id
+        self._metric = Metric
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self._metric(k, v, now, step) for k, v in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def flatten_config(config: dict, prefix: str = "") -> dict[str, str]:
+    """``{"data.seq_len": "128", ...}``: MLflow's parameters are flat strings."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = str(value)[:250]
+    return out
+
+
+_BACKENDS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _MLflow}

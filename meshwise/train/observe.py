@@ -1,0 +1,126 @@
+"""Watching a run: FLOPs, MFU, where each step's time went, loggers and the profiler.
+
+The trainer marks the phases of a step (``phase("forward_backward")``, ...)
+and hands over each step's record; this adds to it:
+
+- ``tflops``, ``mfu``, ``hfu``: model and hardware FLOPs of the step
+  (``meshwise.train.flops``) over its time, against every rank's peak summed;
+- ``time_breakdown``: the logging rank's step split into ``compute``,
+  exposed communication per axis (``dp``: gradient reductions and ZeRO's
+  parameter gathers; ``tp``; ``pp``: pipeline transfers, the bubble included),
+  ``optimizer`` and ``other`` (metrics, checks). Phases are timed on the device
+  (CUDA events on a GPU), waits as ``ops`` counts them (``CommCounters``).
+
+It also feeds the experiment loggers (rank 0) and drives the profiler.
+"""
+
+from __future__ import annotations
+
+import statistics
+from contextlib import contextmanager
+
+import torch
+
+from meshwise.comm import ops, ranges
+from meshwise.comm.devices import Stopwatch
+from meshwise.train import flops
+from meshwise.train.loggers import ExperimentLog, name_the_run, parse_log_to
+from meshwise.train.profiling import StepProfiler, parse_steps
+
+AXIS_CATEGORIES = {"dp": ("grad", "param"), "tp": ("tp",), "pp": ("p2p",)}
+PHASES = ("forward_backward", "grad_sync", "optimizer")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class RunObserver:
+    """FLOPs, time breakdown, loggers and profiler of one rank's run."""
+
+    def __init__(self, cfg, mesh, device, whole_model, layers, config_dict: dict):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        m = cfg.model.resolved()
+        recomputed = cfg.runtime.activation_checkpointing != "none"
+        self.model_flops, self.hardware_flops = flops.flops_per_token(
+            whole_model, layers, m.n_layer, m.d_model, cfg.data.seq_len, recomputed)
+        ops.barrier(mesh.world)  # every rank measures at once, sharing the cores as in training
+        peak, self.peak_source = flops.device_peak(device, DTYPES[cfg.runtime.dtype])
+        total = torch.tensor([peak], dtype=torch.float64, device=device)
+        ops.all_reduce(total, mesh.world, category="metrics")
+        self.peak_flops = total.item()
+        self._watches = {name: Stopwatch(device) for name in PHASES}
+        self._counters = mesh.world.counters
+        self._waits = self._wait_totals()
+        self.mfus: list[float] = []
+        self.breakdowns: list[dict] = []
+        r = cfg.runtime
+        self.profiler = StepProfiler(parse_steps(r.profile_steps), r.profile_dir or "profile",
+                                     mesh.rank, device)
+        self.loggers = None
+        names = parse_log_to(r.log_to)
+        if names and mesh.rank == 0:
+            if not r.log_dir:  # a TrainConfig made in Python, not through meshwise train
+                name_the_run(r, cfg.checkpoint.save)
+            self.loggers = ExperimentLog(names, r.log_dir, r.run_name, r.project, config_dict)
+
+    # ---------------------------------------------------------------- a step
+    def start_step(self, step: int) -> None:
+        self.profiler.step(step)
+        for watch in self._watches.values():
+            watch.reset()
+
+    @contextmanager
+    def phase(self, name: str):
+        with ranges.named(name), self._watches[name].measure():
+            yield
+
+    def add_to(self, values) -> None:
+        """This rank's phase times and waits, into the step's ``RankValues`` (the
+        logging rank's are kept: one rank's step adds up)."""
+        for name, watch in self._watches.items():
+            values.add(f"phase.{name}", watch.seconds(), "first")
+        waits = self._wait_totals()
+        for axis in AXIS_CATEGORIES:
+            values.add(f"wait.{axis}", waits[axis] - self._waits[axis], "first")
+        self._waits = waits
+
+    def record(self, record: dict, combined: dict[str, float]) -> None:
+        """Add FLOP rates and the time breakdown to ``record``; log it."""
+        seconds = record["step_time_s"]
+        record["tflops"] = self.model_flops * record["tokens"] / seconds / 1e12
+        record["mfu"] = record["tflops"] * 1e12 / self.peak_flops
+        record["hfu"] = self.hardware_flops * record["tokens"] / seconds / self.peak_flops
+        waits = {axis: combined[f"wait.{axis}"] for axis in AXIS_CATEGORIES}
+        worked = combined["phase.forward_backward"] + combined["phase.grad_sync"]
+        optimizer = combined["phase.optimizer"]
+        compute = max(0.0, worked - sum(waits.values()))
+        breakdown = {"compute": compute, **waits, "optimizer": optimizer}
+        breakdown["other"] = max(0.0, seconds - sum(breakdown.values()))
+        record["time_breakdown"] = breakdown
+        self.mfus.append(record["mfu"])
+        self.breakdowns.append(breakdown)
+
+    def log(self, record: dict) -> None:
+        if self.loggers is not None:
+            self.loggers.log(record)
+
+    # ---------------------------------------------------------------- the end
+    def summary(self) -> str:
+        """``MFU ...; step time: 61% compute, ...`` over the steps after the first."""
+        kept = self.breakdowns[1:] or self.breakdowns
+        if not kept:
+            return ""
+        parts = {k: statistics.median(b[k] for b in kept) for k in kept[0]}
+        total = sum(parts.values()) or 1.0
+        shares = ", ".join(f"{v / total:.0%} {k}" for k, v in parts.items() if v / total >= 0.005)
+        mfu = statistics.median(self.mfus[1:] or self.mfus)
+        return (f"MFU {mfu:.1%} (model FLOPs {self.model_flops / 1e6:.1f}M per token; peak "
+                f"{self.peak_flops / 1e12:.2f} TFLOP/s over {self.mesh.dims.world_size} ranks, "
+                f"{self.peak_source}); step time: {shares}")
+
+    def close(self) -> None:
+        self.profiler.finish()
+        if self.loggers is not None:
+            self.loggers.close()
+
+    def _wait_totals(self) -> dict[str, float]:
+        return {axis: sum(self._counters.exposed_s(c) for c in categories)
+                for axis, categories in AXIS_CATEGORIES.items()}

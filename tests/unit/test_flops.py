@@ -1,0 +1,48 @@
+"""FLOPs per token from the model's shapes, against PyTorch's own count of one step."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from meshwise.models.families import family
+from meshwise.train.flops import flops_per_token
+
+SIZES = {
+    "gpt": dict(n_layer=2, n_head=4, d_model=64, block_size=64, vocab_size=300),
+    "llama": dict(n_layer=3, n_head=4, n_kv_head=2, d_model=64, ffn_hidden_size=160,
+                  block_size=64, vocab_size=300),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_flops_per_token_match_pytorchs_count_of_a_training_step(name):
+    fam = family(name)
+    cfg = fam.make_config(SIZES[name])
+    model = fam.create(cfg, seed=0)
+    batch, seq_len = 2, 48
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
+    # The math attention kernel: PyTorch counts its matrix products (the fused CPU
+    # kernel it would otherwise pick has no FLOP formula registered).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    layers = list(getattr(model, fam.plan(cfg).layers).values())
+    ours, hardware = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, seq_len)
+    counted = counter.get_total_flops() / (batch * seq_len)
+    assert abs(ours - counted) <= 0.02 * counted, (ours, counted)
+    assert hardware == ours
+
+
+def test_recomputation_adds_one_forward_of_the_layers():
+    fam = family("gpt")
+    cfg = fam.make_config(SIZES["gpt"])
+    with torch.device("meta"):
+        model = fam.build(cfg, None)
+    layers = list(model.blocks.values())
+    model_flops, hardware = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, 48,
+                                            recomputed=True)
+    per_layer = sum(m.weight.numel() for layer in layers for m in layer.modules()
+                    if isinstance(m, torch.nn.Linear))
+    assert hardware - model_flops == 2 * per_layer + 4 * cfg.n_layer * cfg.d_model * 48
