@@ -105,12 +105,13 @@ class GradSync3D:
 
         Each rank's part of the squared norm and ``loss * 0`` (NaN exactly where its
         loss is not finite; NaN survives the sum) are summed over the world. At ZeRO
-        stages 0-1 every dp rank holds the whole dp sum, so the world's sum counts
-        it dp times and is divided by dp."""
+        stages 0-1 every rank of the engine's group (dp x cp) holds the whole sum over
+        that group, so the world's sum counts it dp x cp times and is divided by that."""
         local = self.engine.grad_sq_norm(include=self.counted.__contains__, over_dp=False)
         both = torch.stack([local.to(torch.float64), loss_part.detach().to(torch.float64) * 0])
         ops.all_reduce(both, self.mesh.world, category="norm")
-        sq = both[0] if self.engine.stage >= 2 else both[0] / self.mesh.dims.dp
+        replicas = self.mesh.dims.dp * self.mesh.dims.cp
+        sq = both[0] if self.engine.stage >= 2 else both[0] / replicas
         return sq, ~(torch.isfinite(sq) & torch.isfinite(both[1]))
 
     def check_replica_values(self, rtol: float = 1e-6) -> None:
