@@ -34,6 +34,9 @@ def ledger_enabled() -> bool:
     return os.environ.get(LEDGER_ENV, "1") != "0"
 
 
+WATCHDOG_JOIN_S = 10.0  # longer than one tick's store calls; bounded if the store hangs
+
+
 class CommContext:
     """One rank's ledger, NCCL-rule state and cross-rank exchange."""
 
@@ -122,8 +125,11 @@ class CommContext:
         return self.exchange.report(str(finding)) if finding else None
 
     def close(self) -> None:
+        """Stop the watchdog and wait for it: a daemon thread still inside a store
+        call when the interpreter exits aborts the process (std::terminate)."""
         if self.watchdog is not None:
             self.watchdog.stop()
+            self.watchdog.join(timeout=WATCHDOG_JOIN_S)
 
 
 def default_device(backend_name: str) -> torch.device:

@@ -120,10 +120,10 @@ class Watchdog(threading.Thread):
         self.reports_timeouts, self.poll_s = reports_timeouts, poll_s
         self._answered = 0
         self._examined: set[int] = set()  # entries already diagnosed as slow, not wrong
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     def new_alert(self) -> int:
         """A generation number for an alert no rank has raised yet (as far as we know)."""
@@ -131,7 +131,7 @@ class Watchdog(threading.Thread):
         return self._answered
 
     def run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while not self._stopping.wait(self.poll_s):
             try:
                 self._tick()
             except Exception:  # the store went away: the job is ending

@@ -39,7 +39,8 @@ from meshwise.layout.init import Init, init_values, normal
 from meshwise.layout.params import mark_tp
 from meshwise.layout.pieces import Piece
 from meshwise.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
-                                               scatter_to_tp, tp_rank_of, tp_size_of)
+                                               reduce_scatter_sequence, scatter_to_tp,
+                                               tp_rank_of, tp_size_of)
 from meshwise.tensor_parallel.weight_grads import WeightGradStore, linear
 
 
@@ -102,7 +103,9 @@ class ColumnParallelLinear(nn.Module):
 
     The input is replicated; :func:`copy_to_tp` (Megatron's ``f``) sums its
     gradient over ranks. The output is this rank's ``out_features / tp`` slice,
-    or the full output when ``gather_output``. Built on the meta device (under
+    or the full output when ``gather_output``. With ``sequence`` (a
+    ``SequenceGather``: sequence parallelism) the input is this rank's slice of
+    the sequence, all-gathered first. Built on the meta device (under
     ``torch.device("meta")``) it holds shapes only, for a later materialisation.
     ``weight_grads``: a split backward's store (``meshwise.tensor_parallel.weight_grads``).
     """
@@ -111,11 +114,11 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, init_seed: int = 0,
-                 dtype: torch.dtype | None = None, device=None, _source=None):
+                 dtype: torch.dtype | None = None, device=None, _source=None, sequence=None):
         super().__init__()
         _check_divisible("out_features", out_features, tp_size_of(tp_group))
         self.in_features, self.out_features = in_features, out_features
-        self.tp_group, self.gather_output = tp_group, gather_output
+        self.tp_group, self.gather_output, self.sequence = tp_group, gather_output, sequence
         dtype = dtype or torch.get_default_dtype()
         weight, b = (None, None) if _source is None else _source
         self.weight = sharded_param((out_features, in_features), 0, tp_group, dtype, device,
@@ -126,20 +129,27 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tp_group, gather_output: bool = False):
+    def from_linear(cls, linear: nn.Linear, tp_group, gather_output: bool = False,
+                    sequence=None):
         """The column-parallel form of ``linear`` (its slice of the values, or shapes on meta)."""
         return cls(linear.in_features, linear.out_features, tp_group, linear.bias is not None,
                    gather_output, dtype=linear.weight.dtype, device=linear.weight.device,
-                   _source=(linear.weight, linear.bias))
+                   _source=(linear.weight, linear.bias), sequence=sequence)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(copy_to_tp(x, self.tp_group), self.weight, self.bias,
-                   self.weight_grads)  # (..., out / tp)
+        if self.sequence is not None:
+            # Its own autograd function regathers the input in backward: the weight
+            # gradient comes in B, also under a split backward.
+            y = self.sequence.linear(x, self.weight, self.bias)  # (B, T, out / tp)
+        else:
+            y = linear(copy_to_tp(x, self.tp_group), self.weight, self.bias,
+                       self.weight_grads)  # (..., out / tp)
         return gather_from_tp(y, self.tp_group, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp_size={tp_size_of(self.tp_group)}, gather_output={self.gather_output}")
+                f"tp_size={tp_size_of(self.tp_group)}, gather_output={self.gather_output}"
+                + (", sequence parallel" if self.sequence is not None else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -148,18 +158,22 @@ class RowParallelLinear(nn.Module):
     Each rank multiplies its slice of ``x`` by its slice of ``A``; the partial
     products are summed by :func:`reduce_from_tp` (Megatron's ``g``). The bias is
     replicated and added once, after the reduction (adding it per rank would
-    count it ``tp`` times). ``weight_grads``: as for :class:`ColumnParallelLinear`.
+    count it ``tp`` times). With ``sequence_parallel`` the sum is reduce-scattered
+    along the sequence (dim 1 of a (batch, sequence, features) output).
+    ``weight_grads``: as for :class:`ColumnParallelLinear`.
     """
 
     weight_grads: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02, init_seed: int = 0,
-                 dtype: torch.dtype | None = None, device=None, _source=None):
+                 dtype: torch.dtype | None = None, device=None, _source=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         _check_divisible("in_features", in_features, tp_size_of(tp_group))
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        self.sequence_parallel = sequence_parallel
         dtype = dtype or torch.get_default_dtype()
         weight, b = (None, None) if _source is None else _source
         self.weight = sharded_param((out_features, in_features), 1, tp_group, dtype, device,
@@ -170,21 +184,27 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tp_group, input_is_parallel: bool = True):
-        """The row-parallel form of ``linear`` (its slice of the values, or shapes on meta)."""
+    def from_linear(cls, linear: nn.Linear, tp_group, input_is_parallel: bool = True,
+                    sequence=None):
+        """The row-parallel form of ``linear`` (its slice of the values, or shapes on meta);
+        ``sequence``: the chunk's ``SequenceGather`` under sequence parallelism."""
         return cls(linear.in_features, linear.out_features, tp_group, linear.bias is not None,
                    input_is_parallel, dtype=linear.weight.dtype, device=linear.weight.device,
-                   _source=(linear.weight, linear.bias))
+                   _source=(linear.weight, linear.bias), sequence_parallel=sequence is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size_of(self.tp_group) == 1:
             return linear(x, self.weight, self.bias, self.weight_grads)  # exactly nn.Linear
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group, dim=-1)          # (..., in / tp)
-        y = reduce_from_tp(linear(x, self.weight, None, self.weight_grads),
-                           self.tp_group)  # (..., out)
+        partial = linear(x, self.weight, None, self.weight_grads)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(partial, self.tp_group)  # (B, T/tp, out)
+        else:
+            y = reduce_from_tp(partial, self.tp_group)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp_size={tp_size_of(self.tp_group)}, input_is_parallel={self.input_is_parallel}")
+                f"tp_size={tp_size_of(self.tp_group)}, input_is_parallel={self.input_is_parallel}"
+                + (", sequence parallel" if self.sequence_parallel else ""))

@@ -156,5 +156,8 @@ def defer_weight_grads(modules, store: WeightGradStore) -> int:
 
 
 def defers_weight_grad(module: nn.Module, attr: str) -> bool:
-    """Whether ``module.attr`` gets its gradient in a W pass when a split backward runs."""
-    return attr == "weight" and getattr(module, "weight_grads", None) is not None
+    """Whether ``module.attr`` gets its gradient in a W pass when a split backward runs
+    (not a sequence-parallel layer's: it gathers its input in an autograd function of
+    its own, and its weight gradient comes in B)."""
+    return (attr == "weight" and getattr(module, "weight_grads", None) is not None
+            and getattr(module, "sequence", None) is None)

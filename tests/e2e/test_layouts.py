@@ -38,6 +38,8 @@ LAYOUTS = {
                                        "--virtual-stages", "2", "--micro-batches", "4",
                                        "--zero", "3", "--reshard-after-forward",
                                        "--activation-checkpointing", "full"],
+    # context parallel: learned positions of the zigzag chunks, ring attention
+    "cp2": ["--cp", "2"],
 }
 
 
@@ -49,6 +51,8 @@ LLAMA_LAYOUTS = {
     "dp2-tp2-zero3": LAYOUTS["dp2-tp2-zero3"],
     "dp2-tp2-pp2-zero1": LAYOUTS["dp2-tp2-pp2-zero1"],
     "dp2-pp2-zbv-zero3-reshard-ckpt": LAYOUTS["dp2-pp2-zbv-zero3-reshard-ckpt"],
+    # rotary positions of the zigzag chunks, kv heads around the ring, sequence parallel
+    "cp2-tp2-sp": ["--cp", "2", "--tp", "2", "--sp"],
 }
 
 
@@ -102,6 +106,10 @@ def test_llama_layout_matches_single_process(tmp_path, corpus, llama_reference, 
      "dualpipev needs micro-batches >= 2 x pp"),
     (["--pp", "2", "--schedule", "zbv", "--micro-batches", "4"], "virtual stages must be 2"),
     (["--micro-batches", "2"], "--micro-batches 2 needs --pp > 1"),
+    (["--cp", "3"], "--seq-len 32 does not split into 2 x cp = 6 load-balanced chunks; valid: "
+                    "a multiple of 6, e.g. --seq-len 30 or 36"),
+    (["--sp"], "--sp splits the sequence across the tp ranks between their layers and needs "
+               "--tp > 1"),
 ])
 def test_layouts_that_cannot_work_exit_2(tmp_path, corpus, flags, message):
     result = run_main("train", *MODEL, "--data", corpus, *flags, cwd=tmp_path)
