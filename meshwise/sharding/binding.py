@@ -79,12 +79,16 @@ class BufferPool:
 
     Buckets differ in size by a few elements, so a request is served by the
     smallest free buffer large enough (as a view of its start), and a new buffer
-    is made as large as the largest request so far, to serve them all.
+    is made as large as the largest request so far, to serve them all. With
+    ``exact`` a new buffer has the requested size: for a user that holds every
+    buffer at once (a pipeline stage's units for a whole step), where a buffer
+    per request the size of the largest would multiply what is resident.
     """
 
-    def __init__(self):
+    def __init__(self, exact: bool = False):
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self._largest: dict[tuple, int] = defaultdict(int)
+        self.exact = exact
 
     def acquire(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         key = (dtype, str(device))
@@ -94,7 +98,8 @@ class BufferPool:
         if fits:
             base = free.pop(min(fits, key=lambda i: free[i].numel()))
         else:
-            base = torch.empty(self._largest[key], dtype=dtype, device=device)
+            size = numel if self.exact else self._largest[key]
+            base = torch.empty(size, dtype=dtype, device=device)
         return base if base.numel() == numel else base[:numel]
 
     def release(self, buf: torch.Tensor) -> None:

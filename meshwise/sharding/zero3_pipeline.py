@@ -90,7 +90,9 @@ class PipelineZeroStage3(EngineBase):
         values = values or values_of(named)
         self.reshard = reshard_after_forward
         self.max_inflight = policy.overlapped_reductions(dp_group)
-        self.pool, self._partials = BufferPool(), {}
+        # Buffers of the request's size: units of very different sizes (an embedding,
+        # a layer) are all held at once here, not one after the other.
+        self.pool, self._partials = BufferPool(exact=True), {}
         cap = unit_cap_mb * 2**20 if unit_cap_mb else None
         make = partial(_StepUnit, group=dp_group, precision=self.precision, device=device,
                        values=values, pool=self.pool, on_gradient=self._on_gradient,

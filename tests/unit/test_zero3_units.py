@@ -125,3 +125,20 @@ def test_shard_ranges_values_and_decay_runs():
     stage1 = flat(2, 0, stage=1)  # full compute buffer; the master is its own range
     assert stage1.master.data_ptr() == stage1.params.data_ptr()
     assert torch.equal(stage1.params[:12], lin.weight.detach().reshape(-1))
+
+
+def test_an_exact_pool_allocates_what_is_asked():
+    """A pipeline stage holds all its units at once: a small unit's buffer must not be
+    the size of the largest (the default pool's way to serve every size later)."""
+    from meshwise.sharding.binding import BufferPool
+
+    shared, exact = BufferPool(), BufferPool(exact=True)
+    for pool in (shared, exact):
+        big = pool.acquire(1000, torch.float32, "cpu")
+        small = pool.acquire(10, torch.float32, "cpu")
+        assert big.numel() == 1000 and small.numel() == 10
+    assert shared.acquire(10, torch.float32, "cpu")._base.numel() == 1000
+    small = exact.acquire(10, torch.float32, "cpu")
+    assert small._base is None and small.numel() == 10
+    exact.release(small)
+    assert exact.acquire(10, torch.float32, "cpu").data_ptr() == small.data_ptr()  # reused
