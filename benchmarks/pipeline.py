@@ -100,7 +100,8 @@ class MeshwiseRunner:
     def __init__(self, args, mesh: Mesh, num_virtual: int):
         S, M = mesh.dims.pp, args.micro_batches
         pm, values = meshwise_gpt(gpt_config(args, args.vocab_size), args.seed,
-                                  pp_rank=mesh.pp_rank, pp_size=S, virtual_stages=num_virtual)
+                                  pp_rank=mesh.pp_rank, pp_size=S, virtual_stages=num_virtual,
+                                  tie_group=mesh.embed)
         self.engine = ZeroOptimizer(pm.named_parameters(), mesh.dp, stage=0,
                                     adamw=adamw_config(args), modules=pm.chunks, values=values)
         self.chunks = pm.chunks

@@ -64,15 +64,20 @@ class ParallelPlan:
         if len(names) != len(set(names)):
             raise ValueError("plan: a parameter is listed in two ties")
 
-    def tp_style(self, module_path: str) -> str | None:
-        """The style of the first pattern matching ``module_path`` (None: replicated)."""
+    def tp_match(self, module_path: str) -> tuple[str, str] | None:
+        """The first ``(pattern, style)`` matching ``module_path`` (None: replicated)."""
         parts = module_path.split(".")
         for pattern, style in self.tp:
             pattern_parts = pattern.split(".")
             if len(parts) == len(pattern_parts) and all(
                     fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pattern_parts)):
-                return style
+                return pattern, style
         return None
+
+    def tp_style(self, module_path: str) -> str | None:
+        """The style of the first pattern matching ``module_path`` (None: replicated)."""
+        match = self.tp_match(module_path)
+        return match[1] if match else None
 
     def logical_name(self, name: str) -> str:
         """The name checkpoints and the init use: a tie's first member."""

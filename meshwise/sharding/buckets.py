@@ -35,8 +35,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from meshwise.comm import ops
 from meshwise.sharding.adamw import AdamWConfig, decays
-from meshwise.sharding.binding import BufferPool, device_of, param_owners, rebind, values_of
+from meshwise.sharding.binding import (BufferPool, device_of, param_owners, rebind, tie_groups,
+                                      values_of)
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
 from meshwise.sharding.plans import BucketPlan, ParamSpec
@@ -95,6 +97,12 @@ class ZeroOptimizer(EngineBase):
         if stage < 2:
             for b in range(len(self.flats)):
                 self._point_grads(b, self.flats[b].grad)
+        # Cross-stage ties (``meshwise.apply.parallelize`` marks them): summed after dp.
+        self._ties = tie_groups(named)
+        if self._ties and stage >= 2:
+            raise ValueError(f"ZeRO stage {stage} keeps gradient shards, but "
+                             f"{named[self._ties[0][0]][0]} is tied across pipeline stages "
+                             "and needs its full gradient; valid: stage 0 or 1")
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
                        for i, p in enumerate(self._params)]
         self._gathers: list = [None] * len(self.flats)
@@ -227,6 +235,8 @@ class ZeroOptimizer(EngineBase):
         self._launch_in_order()
         self._finish_launched()
         self._reset_sync_state()
+        for i, group in self._ties:  # both copies of a tie take the same step
+            ops.all_reduce(self._grad_views[i], group, category="grad")
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -39,7 +39,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from meshwise.comm import ops, policy, ranges
 from meshwise.sharding.adamw import AdamWConfig
-from meshwise.sharding.binding import BufferPool, device_of, values_of
+from meshwise.sharding.binding import BufferPool, device_of, tie_groups, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.units import ROOT, Unit, cut_into_units
@@ -64,6 +64,11 @@ class ZeroStage3(EngineBase):
                  unit_cap_mb: float | None = None, max_inflight_reductions: int | None = None,
                  grad_reducer=None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        tied = tie_groups(named)
+        if tied:
+            raise ValueError(f"ZeRO-3 shards parameters, but {named[tied[0][0]][0]} is tied across "
+                             "pipeline stages and needs its full gradient; valid: ZeRO "
+                             "stage 0 or 1 with a pipeline")
         precision = precision or Precision.of(named[0][1].dtype)
         super().__init__(dp_group, 3, adamw, precision, grad_reducer)
         self.model, self.prefetch = model, prefetch

@@ -15,7 +15,9 @@ replicated and how its gradient is kept consistent:
 * pp: a tie whose members live on different stages (the token embedding and
   the head on the first and last stage) keeps a copy at each end; their
   gradients are SUMMED over ``mesh.embed`` after the dp sync (Megatron-LM's
-  embedding group), so both copies take the same step.
+  embedding group), so both copies take the same step. ``parallelize`` marks
+  them and the engine's ``finish_grad_sync`` sums them, so every caller of the
+  engine gets it.
 
 The global norm counts each unique parameter once: tp-replicated parameters on tp
 rank 0 only, a tie on the stage holding its first member only, and shards summed.
@@ -39,23 +41,20 @@ class GradSync3D:
     ``named_params``: the parameters as they were handed to the engine (read for
     their tensor-parallel marks only, so they may be on the meta device);
     ``engine``: the sharding engine; ``model``: this rank's ``ParallelModel``,
-    for ties across pipeline stages (none without it).
+    for ties across pipeline stages (counted once in the norm; none without it).
     """
 
     def __init__(self, named_params, mesh: Mesh, engine, model=None):
         self.mesh, self.engine = mesh, engine
         self.params = dict(named_params)
-        self.tied = model.cross_stage_ties if model and mesh.embed is not None else []
         writer = model.is_writer if model is not None else (lambda name: True)
         self.counted = {name for name, p in self.params.items()
                         if writer(name) and (mesh.tp_rank == 0 or is_tp_sharded(p))}
         self._checked_tp = False
 
     def finish(self) -> None:
-        """Wait for the dp reductions, then sum the tied embedding over its stages."""
+        """Wait for the dp reductions and the tie sums over stages (the engine's)."""
         self.engine.finish_grad_sync()
-        for name in self.tied:
-            ops.all_reduce(self.engine.grad_of(name), self.mesh.embed, category="grad")
         if not self._checked_tp and self.mesh.dims.tp > 1:
             self.check_tp_replicas()
             self._checked_tp = True

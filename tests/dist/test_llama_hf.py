@@ -41,7 +41,7 @@ def _tp2_diff(directory) -> float:
 def _pp2_diff(directory, virtual_stages: int) -> float | None:
     mesh = Mesh.build(ParallelDims(pp=2))
     pm, values = laid_out(directory, pp_rank=mesh.pp_rank, pp_size=2,
-                          virtual_stages=virtual_stages)
+                          virtual_stages=virtual_stages, tie_group=mesh.embed)
     kind = "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
     runtime = PipelineRuntime(pm.chunks, build_schedule(kind, 2, 2, virtual_stages), mesh.pp,
                               _engine(pm, mesh, values), loss_fn=pm.loss)
