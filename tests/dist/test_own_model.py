@@ -1,6 +1,8 @@
 """A model of one's own (examples/own_model.py) trained through the public API on
 every layout, against a plain single-process PyTorch loop, to 1e-5 per step."""
 
+import os
+
 import pytest
 import torch
 
@@ -71,3 +73,26 @@ def test_a_pipeline_by_hand_syncs_the_tie_across_stages(dist_pools, data_path):
     for losses in dist_pools.run(2, _pipeline_by_hand, data_path, 3):
         assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-5, (losses, expected)
 
+
+
+def _save_then_resume(data_path: str, save_dir: str) -> tuple[list[float], list[float]]:
+    """4 steps straight, and 2 + 2 with a checkpoint between (pp 2: the tie's copies)."""
+    from meshwise import Trainer
+
+    def run(steps_cfg, resume=None):
+        return Trainer(steps_cfg, data_path, resume=resume, model=TinyLM, plan=PLAN).train()
+
+    straight = [r["loss"] for r in run(config(steps=4, pp=2))]
+    cfg = config(steps=4, pp=2)
+    cfg.checkpoint.save, cfg.checkpoint.save_every = save_dir, 2
+    first = run(cfg)  # saves at steps 2 and 4
+    cfg.checkpoint.save = f"{save_dir}/resumed"  # a checkpoint is never overwritten
+    os.makedirs(cfg.checkpoint.save, exist_ok=True)
+    resumed = run(cfg, resume=f"{save_dir}/step-00000002")
+    return straight, [r["loss"] for r in first[:2] + resumed]
+
+
+@pytest.mark.timeout(180)
+def test_a_resumed_run_continues_as_if_never_stopped(dist_pools, data_path, tmp_path):
+    for straight, resumed in dist_pools.run(2, _save_then_resume, data_path, str(tmp_path)):
+        assert len(resumed) == 4 and resumed == pytest.approx(straight, abs=1e-6)
