@@ -22,28 +22,32 @@ ATOL = 1e-5
 
 
 def save_hf_llama(out, tie: bool = False, rope_scaling: dict | None = None,
-                  max_shard_size: str | None = None, seed: int = 0, **sizes):
-    """A random ``LlamaForCausalLM`` (norm weights random too) saved to ``out``."""
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
+                  max_shard_size: str | None = None, seed: int = 0, model_type: str = "llama",
+                  **sizes):
+    """A random ``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3 by ``model_type``; norm
+    weights and biases random too) saved to ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = HFLlamaConfig(**{**HF_SIZES, **sizes}, tie_word_embeddings=tie,
-                           rope_scaling=dict(rope_scaling) if rope_scaling else None)  # it edits it
+    scaling = {"rope_scaling": dict(rope_scaling)} if rope_scaling else {}  # it edits it
+    config = AutoConfig.for_model(model_type, **{**HF_SIZES, **sizes}, tie_word_embeddings=tie,
+                                  **scaling)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.2)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
     return model
 
 
 def hf_logits(directory, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(ids).logits
 

@@ -36,7 +36,7 @@ def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
     if preset_family != FAMILY:
         if "preset" in origins:
             raise ValueError(f"--model {m.preset} is a {preset_family} model but --init-from "
-                             f"{where} holds a Llama; valid: leave --model out, or --model "
+                             f"{where} holds a {sizes['hf_type']} model; valid: leave --model out, or --model "
                              f"{' or '.join(p for p in MODEL_PRESETS if p.startswith(FAMILY))}")
         m.preset = "llama-tiny"  # for its family: every size below comes from config.json
         origins["preset"] = "init-from"
