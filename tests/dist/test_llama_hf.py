@@ -86,3 +86,26 @@ def test_pp2_logits_match_transformers(dist_pools, hf_dirs, variant, virtual_sta
 def test_zero3_shards_read_from_the_files_match_transformers(dist_pools, hf_dirs):
     diffs = dist_pools.run(2, _zero3_diff, hf_dirs / "sharded")
     assert max(diffs) <= ATOL, diffs
+
+
+# Mistral, Qwen2 and Qwen3 (tests/unit/test_hf_families.py: tp 1) on every axis.
+OTHER_FAMILIES = {"qwen2-tied": dict(model_type="qwen2", tie=True),
+                  "qwen3-head32": dict(model_type="qwen3", head_dim=32),
+                  "mistral-window8": dict(model_type="mistral", sliding_window=8)}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-families")
+    for name, kwargs in OTHER_FAMILIES.items():
+        save_hf_llama(root / name, **kwargs)
+    return root
+
+
+@pytest.mark.parametrize("name", list(OTHER_FAMILIES))
+def test_other_families_match_transformers_at_tp2_pp2_and_zero3(dist_pools, family_dirs, name):
+    directory = family_dirs / name
+    assert max(dist_pools.run(2, _tp2_diff, directory)) <= ATOL
+    first, last = dist_pools.run(2, _pp2_diff, directory, 1)
+    assert first is None and last <= ATOL, last
+    assert max(dist_pools.run(2, _zero3_diff, directory)) <= ATOL
