@@ -40,7 +40,12 @@ def split_modules(model: nn.Module, plan: ParallelPlan) -> list[tuple[str, nn.Mo
         if match is None:
             continue
         pattern, style = match
-        if not isinstance(module, _FITS[style]):
+        if style == "shard_norm":
+            weight = getattr(module, "weight", None)
+            if not hasattr(module, "eps") or weight is None or weight.dim() != 1:
+                raise ValueError(f"plan: {path} is a {type(module).__name__}, but style "
+                                 "'shard_norm' needs an RMSNorm (a weight of one dim and eps)")
+        elif not isinstance(module, _FITS[style]):
             raise ValueError(f"plan: {path} is a {type(module).__name__}, but style {style!r} "
                              f"needs an nn.{_FITS[style].__name__}; change its style or the "
                              "module")
@@ -135,6 +140,8 @@ def check_forward(model: nn.Module, split, tp_size: int, num_stages: int,
 def _shrunk(model: nn.Module, split, tp_size: int) -> nn.Module:
     shard = copy.deepcopy(model)
     for path, module, style in split:
+        if style == "shard_norm":  # the same on every rank
+            continue
         bias = getattr(module, "bias", None) is not None
         with torch.device("meta"):
             if style == "colwise":

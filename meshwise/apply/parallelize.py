@@ -31,7 +31,8 @@ from meshwise.layout.init import Init, init_values
 from meshwise.layout.params import logical_piece, mark_tie
 from meshwise.layout.pieces import Piece
 from meshwise.layout.plan import ParallelPlan
-from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                             ShardRMSNorm)
 from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
 from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
                                             vocab_parallel_cross_entropy)
@@ -41,6 +42,7 @@ _SWAP = {
     "rowwise": RowParallelLinear.from_linear,
     "vocab_embedding": VocabParallelEmbedding.from_embedding,
     "vocab_head": VocabParallelHead.from_linear,
+    "shard_norm": ShardRMSNorm.from_norm,
 }
 
 

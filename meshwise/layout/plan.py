@@ -20,6 +20,9 @@ and picotron's ``apply_tensor_parallel`` do):
   ``vocab_head``
       the output ``nn.Linear`` over the vocabulary, split like the embedding;
       its logits stay split and the loss is computed from the shards.
+  ``shard_norm``
+      an RMSNorm (``weight`` and ``eps``) applied to each head of a split
+      activation (Qwen3's q/k norms): replicated, its gradient summed over tp.
 
 - ``layers``: the ``nn.ModuleDict`` of repeated layers, keyed by their global
   index, in order. Pipeline stages are cut from it (a stage keeps its layers
@@ -42,7 +45,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
+TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "shard_norm")
 
 
 @dataclass(frozen=True)

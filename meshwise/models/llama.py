@@ -293,7 +293,9 @@ def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
             ("layers.*.self_attn.q_proj", "colwise"), ("layers.*.self_attn.k_proj", "colwise"),
             ("layers.*.self_attn.v_proj", "colwise"), ("layers.*.self_attn.o_proj", "rowwise"),
             ("layers.*.mlp.gate_proj", "colwise"), ("layers.*.mlp.up_proj", "colwise"),
-            ("layers.*.mlp.down_proj", "rowwise"), ("lm_head", "vocab_head")),
+            ("layers.*.mlp.down_proj", "rowwise"), ("lm_head", "vocab_head"),
+            *((("layers.*.self_attn.q_norm", "shard_norm"),
+               ("layers.*.self_attn.k_norm", "shard_norm")) if cfg.qk_norm else ())),
         ties=(("embed_tokens.weight", "lm_head.weight"),) if cfg.tie_embeddings else (),
     )
 

@@ -181,3 +181,28 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"tp_size={tp_size_of(self.tp_group)}, input_is_parallel={self.input_is_parallel}")
+
+
+# ---------------------------------------------------------------- norms on a shard
+class ShardRMSNorm(nn.Module):
+    """An RMSNorm over the last dim of a tensor-parallel shard (Qwen3's per-head
+    q/k norms: each rank normalises its own heads). The weight is replicated, but
+    each rank's gradient covers only its heads: ``copy_to_tp`` sums it over tp in
+    backward, so every replica takes the same step."""
+
+    def __init__(self, dim: int, eps: float, tp_group, dtype=None, device=None, source=None):
+        super().__init__()
+        self.eps, self.tp_group = eps, tp_group
+        self.weight = replicated_param((dim,), dtype, device, source)
+
+    @classmethod
+    def from_norm(cls, norm: nn.Module, tp_group) -> "ShardRMSNorm":
+        """From an RMSNorm (``weight`` of one dim and ``eps``; ``nn.RMSNorm`` included)."""
+        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        return cls(norm.weight.shape[0], eps, tp_group, dtype=norm.weight.dtype,
+                   device=norm.weight.device, source=norm.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return copy_to_tp(self.weight, self.tp_group) * x32.to(x.dtype)

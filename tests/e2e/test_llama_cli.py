@@ -62,6 +62,38 @@ def test_init_from_train_save_export_round_trip(tmp_path, hf_dir, corpus):
         load_tokenizer(hf_dir / "tokenizer.json").encode(text)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_type, sizes, layout", [
+    ("qwen2", dict(tie=True), ["--pp", "2"]),  # the tied head on the last stage
+    ("qwen3", dict(head_dim=32), ["--tp", "2"]),
+    ("mistral", dict(sliding_window=8), ["--dp", "2", "--zero", "3"]),
+])
+def test_other_families_fine_tune_and_export_through_transformers(tmp_path, corpus, model_type,
+                                                                  sizes, layout):
+    from transformers import AutoModelForCausalLM
+
+    from meshwise.checkpoint.store import open_checkpoint
+    from meshwise.serve.model import load_model
+
+    save_hf_llama(tmp_path / "hf", model_type=model_type, **sizes)
+    result = run_cli("train", "--init-from", tmp_path / "hf", *layout, "--data", corpus, *RUN,
+                     "--save", tmp_path / "ckpt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    export = run_main("export", tmp_path / "ckpt", "--out", tmp_path / "out", "--format", "hf",
+                      cwd=tmp_path)
+    assert export.returncode == 0, export.stderr
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert hf.config.model_type == model_type
+    ours = load_model(open_checkpoint(tmp_path / "ckpt"))
+    ids = torch.randint(0, HF_SIZES["vocab_size"], (2, 24),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(ids).logits - ours(ids)).abs().max().item()
+    assert diff <= ATOL, diff
+    start = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert not torch.equal(start.model.norm.weight, hf.model.norm.weight)  # it trained
+
+
 def _copy(hf_dir, tmp_path):
     return shutil.copytree(hf_dir, tmp_path / "copy")
 
@@ -104,6 +136,10 @@ def _bad_rope(d, _):
     _edit_config(d, rope_scaling={"rope_type": "yarn", "factor": 4.0})
 
 
+def _bad_moe(d, _):
+    _edit_config(d, num_local_experts=8)
+
+
 @pytest.mark.parametrize("spoil, flags, message", [
     (_bad_other_architecture, [], "config.json describes model_type 'gpt2'"),
     (_bad_shapes, [], "model.layers.0.mlp.gate_proj.weight is stored as [96, 64] but "
@@ -112,6 +148,7 @@ def _bad_rope(d, _):
     (_bad_missing_tensor, [], "lists no tensor model.layers.3.mlp.up_proj.weight"),
     (_bad_big_tokenizer, [], "has more tokens than the vocabulary of 301"),
     (_bad_rope, [], "rope_scaling type 'yarn' is not supported; valid: llama3"),
+    (_bad_moe, [], "config.json has MoE blocks (num_local_experts 8)"),
     (None, ["--n-layer", "2"], "--n-layer 2 contradicts --init-from"),
     (None, ["--vocab-size", "512"], "--vocab-size 512 contradicts --init-from"),
     (None, ["--model", "tiny"], "--model tiny is a gpt model but --init-from"),
