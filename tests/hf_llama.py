@@ -74,3 +74,25 @@ def materialize(pm, values) -> None:
     owners = param_owners(pm.chunks)
     for name, param in pm.named_parameters():
         rebind(param, values(name, 0, param.numel()).view(param.shape), owners)
+
+
+GPT2_SIZES = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=301, n_positions=64)
+
+
+def save_gpt2(out, prefix: bool = True, **change):
+    """A random ``GPT2LMHeadModel`` (biases and LayerNorms random too) saved to ``out``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**{**GPT2_SIZES, **change})).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "ln" in name:
+                param.normal_(0.5 if "ln" in name and name.endswith("weight") else 0.0, 0.2)
+    model.save_pretrained(out)
+    if not prefix:  # the original checkpoints' names: no "transformer." prefix
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(out / "model.safetensors")
+        save_file({k.removeprefix("transformer."): v for k, v in tensors.items()
+                   if not k.startswith("lm_head")}, out / "model.safetensors")

@@ -250,7 +250,7 @@ class TrainConfig:
                     raise ValueError(f"{flag_name(name)} applies to the llama models, "
                                      f"not --model {m.preset}; valid: --model "
                                      f"{' or '.join(p for p in MODEL_PRESETS if 'llama' in p)}")
-        _positive(**{name: getattr(m, name) for name in LLAMA_ONLY[:-1]
+        _positive(**{name: getattr(m, name) for name in LLAMA_ONLY
                      if getattr(m, name) is not None})
         if m.d_model % m.n_head:
             raise ValueError(f"--d-model {m.d_model} is not divisible by --n-head {m.n_head}")

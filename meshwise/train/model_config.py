@@ -36,7 +36,7 @@ MODEL_PRESETS = {
                  **LLAMA_VARIANT},
 }
 # Settings of the llama family only; None: the preset's (or --init-from's config.json).
-LLAMA_ONLY = ("n_kv_head", "ffn_hidden_size", "rope_theta", "norm_eps", "init_from")
+LLAMA_ONLY = ("n_kv_head", "ffn_hidden_size", "rope_theta", "norm_eps")
 
 
 @dataclass
@@ -55,7 +55,7 @@ class ModelConfig:
     norm_eps: float | None = None
     tie_embeddings: bool | None = None  # no flag: a preset's, or config.json's
     rope_scaling: dict | None = None  # no flag: config.json's (llama3 scaling)
-    init_from: str | None = None  # a Hugging Face Llama directory
+    init_from: str | None = None  # a Hugging Face directory (Llama family or GPT-2)
     # no flags: a preset's, or config.json's (Mistral, Qwen2, Qwen3 variants)
     qkv_bias: bool | None = None
     qk_norm: bool | None = None

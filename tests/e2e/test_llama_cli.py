@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import run_cli, run_main
-from tests.hf_llama import ATOL, HF_SIZES, save_hf_llama
+from tests.hf_llama import ATOL, HF_SIZES, save_gpt2, save_hf_llama
 
 pytest.importorskip("transformers")
 
@@ -67,6 +67,7 @@ def test_init_from_train_save_export_round_trip(tmp_path, hf_dir, corpus):
     ("qwen2", dict(tie=True), ["--pp", "2"]),  # the tied head on the last stage
     ("qwen3", dict(head_dim=32), ["--tp", "2"]),
     ("mistral", dict(sliding_window=8), ["--dp", "2", "--zero", "3"]),
+    ("gpt2", {}, ["--tp", "2", "--pp", "2"]),  # into meshwise's GPT
 ])
 def test_other_families_fine_tune_and_export_through_transformers(tmp_path, corpus, model_type,
                                                                   sizes, layout):
@@ -75,7 +76,10 @@ def test_other_families_fine_tune_and_export_through_transformers(tmp_path, corp
     from meshwise.checkpoint.store import open_checkpoint
     from meshwise.serve.model import load_model
 
-    save_hf_llama(tmp_path / "hf", model_type=model_type, **sizes)
+    if model_type == "gpt2":
+        save_gpt2(tmp_path / "hf")
+    else:
+        save_hf_llama(tmp_path / "hf", model_type=model_type, **sizes)
     result = run_cli("train", "--init-from", tmp_path / "hf", *layout, "--data", corpus, *RUN,
                      "--save", tmp_path / "ckpt", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -91,7 +95,7 @@ def test_other_families_fine_tune_and_export_through_transformers(tmp_path, corp
         diff = (hf(ids).logits - ours(ids)).abs().max().item()
     assert diff <= ATOL, diff
     start = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    assert not torch.equal(start.model.norm.weight, hf.model.norm.weight)  # it trained
+    assert not torch.equal(start.lm_head.weight, hf.lm_head.weight)  # it trained
 
 
 def _copy(hf_dir, tmp_path):
@@ -111,7 +115,7 @@ def _drop_tensor(directory, name):
 
 
 def _bad_other_architecture(d, _):
-    _edit_config(d, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    _edit_config(d, model_type="bert", architectures=["BertForMaskedLM"])
 
 
 def _bad_shapes(d, _):
@@ -141,7 +145,7 @@ def _bad_moe(d, _):
 
 
 @pytest.mark.parametrize("spoil, flags, message", [
-    (_bad_other_architecture, [], "config.json describes model_type 'gpt2'"),
+    (_bad_other_architecture, [], "config.json describes model_type 'bert'"),
     (_bad_shapes, [], "model.layers.0.mlp.gate_proj.weight is stored as [96, 64] but "
                       "config.json implies [128, 64]"),
     (_bad_missing_shard, [], "the shard model-00002-"),
