@@ -36,6 +36,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.utils._python_dispatch import _disable_current_modes
 
 from meshwise.comm import ops, policy, ranges
 from meshwise.sharding.adamw import AdamWConfig
@@ -184,7 +185,11 @@ class ZeroStage3(EngineBase):
     def _pre_forward(self, unit: Unit, first: bool, module, args) -> None:
         self._ensure_gathered(unit)
         if unit.in_backward:  # activation checkpointing recomputes inside backward
-            unit.use_views()
+            # Parameter plumbing, not the model's computation: hidden from dispatch
+            # modes, or selective checkpointing's replay would find ops its forward
+            # never recorded.
+            with _disable_current_modes():
+                unit.use_views()
             return
         if not first:
             return  # the unit's first module already pointed every module at it

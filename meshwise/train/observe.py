@@ -39,7 +39,8 @@ class RunObserver:
                  d_model: int | None = None):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         d_model = d_model or cfg.model.resolved().d_model
-        recomputed = cfg.runtime.activation_checkpointing != "none"
+        # Selective recomputes element-wise ops only: no matmul FLOPs again.
+        recomputed = cfg.runtime.activation_checkpointing == "full"
         self.model_flops, self.hardware_flops = flops.flops_per_token(
             whole_model, layers, len(layers), d_model, cfg.data.seq_len, recomputed)
         ops.barrier(mesh.world)  # every rank measures at once, sharing the cores as in training
