@@ -1,9 +1,17 @@
-"""Rank topology: how ``world_size`` ranks are laid out as dp x pp x tp.
+"""Rank topology: how ``world_size`` ranks are laid out as dp x pp x cp x tp.
 
-Ranks are numbered with tp fastest, then pp, then dp, so tensor-parallel peers
-(which talk the most) are neighbours, as in Megatron-LM:
+Ranks are numbered with tp fastest, then cp, then pp, then dp, so the axes that
+talk the most are neighbours (tensor-parallel peers exchange activations in
+every layer, context-parallel peers pass keys and values around a ring in
+every attention), as Megatron-LM orders tp before cp:
 
-    rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank
+    rank = ((dp_rank * pp_size + pp_rank) * cp_size + cp_rank) * tp_size + tp_rank
+
+With ``cp_size`` 1 this is the dp x pp x tp order of before, rank for rank.
+Parameters are replicated over dp and cp alike (a cp rank holds every
+parameter and a slice of every sequence), so their gradients are summed, and
+under ZeRO sharded, over the ``dp_cp`` group: the ranks that differ only in dp
+and cp (torchtitan's ``dp_shard_cp``).
 
 ``ParallelDims`` and the rank arithmetic are pure; ``Mesh.build`` creates one
 process group per axis through ``meshwise.comm.ops`` and is the only part that
@@ -15,16 +23,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")  # outermost first: the order of the rank formula
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the three parallel axes; ``world_size`` is their product."""
+    """Sizes of the four parallel axes; ``world_size`` is their product."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self):
         for axis in AXES:
@@ -34,7 +43,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def dp_enabled(self) -> bool:
@@ -48,54 +57,76 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
     def coords(self, rank: int) -> dict[str, int]:
-        """The (dp, pp, tp) coordinates of a global rank."""
+        """The (dp, pp, cp, tp) coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
-        tp_rank = rank % self.tp
-        pp_rank = (rank // self.tp) % self.pp
-        dp_rank = rank // (self.tp * self.pp)
-        return {"dp": dp_rank, "pp": pp_rank, "tp": tp_rank}
+        coords = {}
+        for axis in reversed(AXES):  # the fastest axis is the last digit
+            size = getattr(self, axis)
+            coords[axis] = rank % size
+            rank //= size
+        return {axis: coords[axis] for axis in AXES}
 
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        return (dp * self.pp + pp) * self.tp + tp
+    def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     def axis_groups(self, axis: str) -> list[list[int]]:
         """Every group of ranks that differ only along ``axis`` (each sorted)."""
-        if axis not in AXES:
-            raise ValueError(f"unknown axis {axis!r}; valid: {', '.join(AXES)}")
-        others = [a for a in AXES if a != axis]
-        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        return self.axes_groups((axis,))
+
+    def axes_groups(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks that differ only along ``axes`` (each sorted by rank,
+        so ``("dp", "cp")`` lists dp-major: the order of a flat buffer's shards)."""
+        for axis in axes:
+            if axis not in AXES:
+                raise ValueError(f"unknown axis {axis!r}; valid: {', '.join(AXES)}")
+        sizes = self.sizes()
+        others = [a for a in AXES if a not in axes]
         groups = []
         for fixed in product(*(range(sizes[a]) for a in others)):
             coord = dict(zip(others, fixed))
             ranks = []
-            for i in range(sizes[axis]):
-                coord[axis] = i
-                ranks.append(self.rank_of(coord["dp"], coord["pp"], coord["tp"]))
-            groups.append(ranks)
+            for free in product(*(range(sizes[a]) for a in axes)):
+                coord.update(zip(axes, free))
+                ranks.append(self.rank_of(coord["dp"], coord["pp"], coord["tp"], coord["cp"]))
+            groups.append(sorted(ranks))
         return groups
 
 
 class Mesh:
     """This rank's place in the layout and one process group per axis.
 
-    Built with ``Mesh.build(dims)`` after ``torch.distributed`` is initialised
-    (see ``meshwise.cli.launch``). Pass it explicitly to whatever needs a group.
+    ``cp``: the context-parallel group (``None`` when cp is 1); ``dp_cp``: the
+    group gradients are summed (and ZeRO shards kept) over, ``dp`` itself when cp
+    is 1 and ``cp`` itself when dp is 1. Built with
+    ``Mesh.build(dims)`` after ``torch.distributed`` is initialised (see
+    ``meshwise.cli.launch``). Pass it explicitly to whatever needs a group.
     """
 
-    def __init__(self, dims: ParallelDims, rank: int, world, dp, pp, tp, embed=None):
+    def __init__(self, dims: ParallelDims, rank: int, world, dp, pp, tp, embed=None, cp=None,
+                 dp_cp=None):
         self.dims = dims
         self.rank = rank
         self.world = world
         self.dp = dp
         self.pp = pp
         self.tp = tp
-        # First and last pipeline stage of this (dp, tp) position, which both hold
+        self.cp = cp
+        self.dp_cp = dp_cp if dp_cp is not None else dp
+        # First and last pipeline stage of this (dp, cp, tp) position, which both hold
         # the tied token embedding; None on other stages and when pp == 1.
         self.embed = embed
         coords = dims.coords(rank)
         self.dp_rank, self.pp_rank, self.tp_rank = coords["dp"], coords["pp"], coords["tp"]
+        self.cp_rank = coords["cp"]
 
     @classmethod
     def build(cls, dims: ParallelDims, timeout_s: float | None = None, device=None) -> "Mesh":
@@ -107,23 +138,31 @@ class Mesh:
         world = ops.world_group(timeout_s=timeout_s, device=device)
         if world.size != dims.world_size:
             raise ValueError(
-                f"world size {world.size} does not match dp*tp*pp = "
-                f"{dims.dp}*{dims.tp}*{dims.pp} = {dims.world_size}"
+                f"world size {world.size} does not match dp*cp*tp*pp = "
+                f"{dims.dp}*{dims.cp}*{dims.tp}*{dims.pp} = {dims.world_size}"
             )
-        groups = {}
-        for axis in AXES:
-            # Every rank must create every group, in the same order.
-            for ranks in dims.axis_groups(axis):
-                group = ops.new_group(ranks, axis, world.counters, timeout_s, device)
-                if world.rank in ranks:
-                    groups[axis] = group
+
+        def mine(name: str, groups: list[list[int]]):
+            found = None
+            for ranks in groups:  # every rank must create every group, in the same order
+                group = ops.new_group(ranks, name, world.counters, timeout_s, device)
+                found = group or found
+            return found
+
+        # No cp groups without context parallelism: the start-up and the groups of
+        # a dp x pp x tp run stay what they were.
+        axes = [axis for axis in AXES if axis != "cp" or dims.cp > 1]
+        groups = {axis: mine(axis, dims.axis_groups(axis)) for axis in axes}
+        dp_cp = None
+        if dims.dp > 1 and dims.cp > 1:
+            dp_cp = mine("dp_cp", dims.axes_groups(("dp", "cp")))
+        elif dims.cp > 1:
+            dp_cp = groups["cp"]
         embed = None
         if dims.pp > 1:
-            for ranks in dims.axis_groups("pp"):
-                group = ops.new_group([ranks[0], ranks[-1]], "embed", world.counters, timeout_s,
-                                      device)
-                embed = group or embed
-        return cls(dims, world.rank, world, groups["dp"], groups["pp"], groups["tp"], embed)
+            embed = mine("embed", [[ranks[0], ranks[-1]] for ranks in dims.axis_groups("pp")])
+        return cls(dims, world.rank, world, groups["dp"], groups["pp"], groups["tp"], embed,
+                   cp=groups.get("cp"), dp_cp=dp_cp)
 
     @property
     def is_first_stage(self) -> bool:
@@ -135,8 +174,9 @@ class Mesh:
 
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the pipeline stage ``pp_rank`` in this rank's pp group."""
-        return self.dims.rank_of(self.dp_rank, pp_rank, self.tp_rank)
+        return self.dims.rank_of(self.dp_rank, pp_rank, self.tp_rank, self.cp_rank)
 
     def __repr__(self) -> str:
         return (f"Mesh(rank={self.rank}, dp={self.dp_rank}/{self.dims.dp}, "
-                f"pp={self.pp_rank}/{self.dims.pp}, tp={self.tp_rank}/{self.dims.tp})")
+                f"pp={self.pp_rank}/{self.dims.pp}, cp={self.cp_rank}/{self.dims.cp}, "
+                f"tp={self.tp_rank}/{self.dims.tp})")

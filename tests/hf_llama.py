@@ -57,14 +57,16 @@ def token_ids(vocab_size: int = HF_SIZES["vocab_size"], shape=(2, 24), seed: int
 
 
 def laid_out(directory, tp_group=None, pp_rank: int = 0, pp_size: int = 1,
-             virtual_stages: int = 1, tie_group=None):
+             virtual_stages: int = 1, cp_group=None, sequence_parallel: bool = False,
+             tie_group=None):
     """meshwise's ``ParallelModel`` of ``directory`` (on the meta device) and the
     ``values(name, start, end)`` that read its slices from the files."""
     cfg = LlamaConfig(**llama_sizes(read_config(directory), str(directory)))
     with torch.device("meta"):
         model = Llama(cfg)
     pm = parallelize(model, llama_plan(cfg), tp_group=tp_group, pp_rank=pp_rank,
-                     pp_size=pp_size, virtual_stages=virtual_stages, tie_group=tie_group)
+                     pp_size=pp_size, virtual_stages=virtual_stages, cp_group=cp_group,
+                     sequence_parallel=sequence_parallel, tie_group=tie_group)
     weights = SafetensorsDir(directory)
     return pm, pm.values_from(lambda piece: weights.read(hf_name(piece.name), piece))
 

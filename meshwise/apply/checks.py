@@ -26,7 +26,7 @@ from meshwise.layout.plan import ParallelPlan
 from meshwise.tensor_parallel.layers import padded_vocab_size
 
 _FITS = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab_head": nn.Linear,
-         "vocab_embedding": nn.Embedding}
+         "vocab_embedding": nn.Embedding, "position_embedding": nn.Embedding}
 _RESHAPE_RULE = ("where a split dimension is reshaped, use -1 or the local size "
                  "(view(B, T, -1, head_dim)), not the whole model's count of heads or features")
 
@@ -140,7 +140,7 @@ def check_forward(model: nn.Module, split, tp_size: int, num_stages: int,
 def _shrunk(model: nn.Module, split, tp_size: int) -> nn.Module:
     shard = copy.deepcopy(model)
     for path, module, style in split:
-        if style == "shard_norm":  # the same on every rank
+        if style in ("shard_norm", "position_embedding"):  # the same shape on every rank
             continue
         bias = getattr(module, "bias", None) is not None
         with torch.device("meta"):

@@ -11,8 +11,10 @@ them from ``ParallelModel.init_values`` (or a checkpoint's values).
 
 The order follows torchtitan's: the pipeline cut first (each chunk is a copy of
 the model with the layers and end modules it does not hold removed), then
-tensor parallelism on each chunk, then activation checkpointing and sharding by
-the caller.
+tensor parallelism (with sequence parallelism: the activations between its
+layers hold a slice of the sequence) and context parallelism (this rank's
+positions, ring attention) on each chunk, then activation checkpointing and
+sharding by the caller.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from torch import nn
 from meshwise.apply.checks import (check_divisible, check_forward, check_names, split_modules,
                                    vocab_from_modules)
 from meshwise.apply.module_init import default_inits
+from meshwise.context_parallel.positions import ZigzagPositions
+from meshwise.context_parallel.ring import RingAttention
 from meshwise.layout.init import Init, init_values
 from meshwise.layout.params import logical_piece, mark_tie
 from meshwise.layout.pieces import Piece
@@ -34,15 +38,23 @@ from meshwise.layout.plan import ParallelPlan
 from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              ShardRMSNorm)
 from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
+from meshwise.tensor_parallel.sequence import SequenceGather, SequenceParallelEmbedding
 from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
                                             vocab_parallel_cross_entropy)
 
+# Each style's parallel form: (module, tp_group, sequence) -> module, where
+# ``sequence`` is the chunk's ``SequenceGather`` under sequence parallelism, else None.
 _SWAP = {
     "colwise": ColumnParallelLinear.from_linear,
     "rowwise": RowParallelLinear.from_linear,
     "vocab_embedding": VocabParallelEmbedding.from_embedding,
     "vocab_head": VocabParallelHead.from_linear,
     "shard_norm": ShardRMSNorm.from_norm,
+    "position_embedding": SequenceParallelEmbedding.from_embedding,
+}
+_CP_SWAP = {
+    "positions": ZigzagPositions.from_positions,
+    "ring_attention": RingAttention.from_sdpa,
 }
 
 
@@ -53,6 +65,9 @@ class ParallelModel:
     ``chunks``: one module per virtual pipeline stage held here, in order
     (``stages`` their logical stage indices, of ``num_stages``). Parameter names
     are the single-process model's (a chunk keeps its layers' global keys).
+    ``sequence_parallel``: whether the activations between tensor-parallel
+    layers hold a slice of the sequence (then every tp-replicated parameter's
+    gradient is a partial sum over tp).
     """
 
     chunks: list[nn.Module]
@@ -62,6 +77,7 @@ class ParallelModel:
     tp_group: object
     vocab_size: int | None
     cross_stage_ties: list[str] = field(default_factory=list)
+    sequence_parallel: bool = False
     # each logical parameter's own initialisation (its module's), or why there is none
     own_inits: dict[str, Init] | None = None
     own_inits_problem: str = ""
@@ -148,14 +164,19 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: int = 0,
-                pp_size: int = 1, virtual_stages: int = 1, vocab_size: int | None = None, *,
-                mesh=None, tie_group=None) -> ParallelModel:
+                pp_size: int = 1, virtual_stages: int = 1, vocab_size: int | None = None,
+                sequence_parallel: bool = False, cp_group=None, *, mesh=None,
+                tie_group=None) -> ParallelModel:
     """This rank's ``ParallelModel`` of ``model`` (which is consumed: chunks reuse it).
 
-    ``mesh``: a ``meshwise.Mesh``, which gives the three below; or, one by one:
+    ``mesh``: a ``meshwise.Mesh``, which gives the groups and pipeline position
+    below; or, one by one:
     ``tp_group``: the tensor-parallel group (``None`` or size 1: none);
     ``pp_rank``/``pp_size``/``virtual_stages``: the pipeline position (chunk
     ``v`` is logical stage ``v * pp_size + pp_rank``, Narayanan et al. 2021);
+    ``sequence_parallel``: split the sequence between the tensor-parallel
+    layers (needs tp > 1); ``cp_group``: the context-parallel group (``None``
+    or size 1: none).
     ``tie_group``: the group of the stages a tie spans (``mesh.embed``), over
     which the engines sum a cross-stage tie's gradients (an engine refuses a
     cross-stage tie without it).
@@ -166,21 +187,34 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
     if mesh is not None:
         tp_group = mesh.tp if mesh.dims.tp > 1 else None
         pp_rank, pp_size, tie_group = mesh.pp_rank, mesh.dims.pp, mesh.embed
+        cp_group = mesh.cp if mesh.dims.cp > 1 else None
     num_stages = pp_size * virtual_stages
     layers = _layers(model, plan)
     if len(layers) % num_stages:
         raise ValueError(f"{len(layers)} layers do not split into pp x virtual stages = "
                          f"{pp_size} x {virtual_stages} = {num_stages} equal chunks")
-    vocab_size, own, problem = _check(model, plan, tp_size_of(tp_group), num_stages, vocab_size)
+    if sequence_parallel and tp_size_of(tp_group) == 1:
+        raise ValueError("sequence parallelism splits the sequence across tp ranks: it needs "
+                         "tp > 1")
+    cp_size = 1 if cp_group is None else cp_group.size
+    if cp_size > 1 and not plan.ring_capable:
+        raise ValueError(f"{type(model).__name__}'s plan names no ring_attention: its "
+                         "attention cannot run under context parallelism")
+    vocab_size, own, problem = _check(model, plan, tp_size_of(tp_group), num_stages,
+                                      vocab_size)
     stages = [v * pp_size + pp_rank for v in range(virtual_stages)]
     chunks = [_cut(model, plan, s, num_stages) for s in stages]
-    if tp_size_of(tp_group) > 1:
-        for chunk in chunks:
-            _apply_tp(chunk, plan, tp_group)
+    for chunk in chunks:
+        if tp_size_of(tp_group) > 1:
+            _apply_tp(chunk, plan, tp_group,
+                      SequenceGather(tp_group) if sequence_parallel else None)
+        if cp_size > 1:
+            _swap_styles(chunk, plan.cp_style, lambda style, module: _CP_SWAP[style](
+                module, cp_group))
     ties = _cross_stage_ties(chunks, plan, num_stages)
     _mark_ties(chunks, ties, tie_group)
     return ParallelModel(chunks, stages, num_stages, plan, tp_group, vocab_size, ties,
-                         own, problem)
+                         sequence_parallel, own, problem)
 
 
 def _check(model: nn.Module, plan: ParallelPlan, tp_size: int, num_stages: int,
@@ -239,12 +273,19 @@ def _cut(model: nn.Module, plan: ParallelPlan, stage: int, num_stages: int) -> n
     return chunk
 
 
-def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group) -> None:
-    """Swap each module the plan names for its tensor-parallel form; re-tie ties."""
+def _swap_styles(chunk: nn.Module, style_of, swap) -> None:
+    """Replace each module whose path has a style by ``swap(style, module)``."""
     for path, module in list(chunk.named_modules()):
-        style = plan.tp_style(path)
+        style = style_of(path)
         if style is not None:
-            _set_module(chunk, path, _SWAP[style](module, tp_group))
+            _set_module(chunk, path, swap(style, module))
+
+
+def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group, sequence) -> None:
+    """Swap each module the plan names for its tensor-parallel form; re-tie ties.
+    ``sequence``: one ``SequenceGather`` for the chunk under sequence parallelism."""
+    _swap_styles(chunk, plan.tp_style,
+                 lambda style, module: _SWAP[style](module, tp_group, sequence=sequence))
     for tie in plan.ties:
         held = [name for name in tie if _get_param(chunk, name) is not None]
         for name in held[1:]:

@@ -37,7 +37,7 @@ def prepare(cfg: TrainConfig) -> Path:
             raise ValueError("--device cuda but no CUDA device is available; valid: cpu, auto")
         local = cfg.parallel.dims.world_size
         if not launch.under_torchrun() and local > torch.cuda.device_count():
-            raise ValueError(f"dp x tp x pp = {local} local ranks need {local} GPUs, but "
+            raise ValueError(f"{cfg.parallel.axes_text} = {local} local ranks need {local} GPUs, but "
                              f"{torch.cuda.device_count()} are visible; use fewer ranks, or "
                              "torchrun across nodes")
         check_gpu_dtypes(cfg)
@@ -74,7 +74,8 @@ def check_torchrun(cfg: TrainConfig) -> None:
     """torchrun's world matches the layout; restarts are torchrun's to make."""
     world = launch.torchrun_world_size()
     if world != cfg.parallel.dims.world_size:
-        raise ValueError(f"torchrun started {world} processes but --dp x --tp x --pp = "
+        flags = "--" + cfg.parallel.axes_text.replace(" x ", " x --")
+        raise ValueError(f"torchrun started {world} processes but {flags} = "
                          f"{cfg.parallel.dims.world_size}; launch with "
                          f"--nproc-per-node x --nnodes = {cfg.parallel.dims.world_size}")
     if cfg.checkpoint.max_restarts:

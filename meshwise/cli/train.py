@@ -77,7 +77,7 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]
 
 
 def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
-    """``--dp`` when not given: the world / (tp x pp) under torchrun, 2 for the CPU demo."""
+    """``--dp`` when not given: the world / (cp x tp x pp) under torchrun, 2 for the CPU demo."""
     p = cfg.parallel
     if launch.under_torchrun() and not cfg.comm.ranks_per_node and "LOCAL_WORLD_SIZE" in os.environ:
         cfg.comm.ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])  # node grouping
@@ -85,14 +85,15 @@ def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
     if "dp" in origins:
         return
     if launch.under_torchrun():
-        world, per_replica = launch.torchrun_world_size(), p.tp * p.pp
+        world, per_replica = launch.torchrun_world_size(), p.cp * p.tp * p.pp
         if world % per_replica == 0 and world // per_replica != p.dp:
             p.dp = world // per_replica
             origins["dp"] = "torchrun"
-            log.info("--dp %d: torchrun started %d processes for tp %d x pp %d", p.dp, world,
-                     p.tp, p.pp)
+            log.info("--dp %d: torchrun started %d processes for cp %d x tp %d x pp %d", p.dp,
+                     world, p.cp, p.tp, p.pp)
         return
-    demo = (p.tp == 1 and p.pp == 1 and cfg.data.batch_size % (2 * cfg.data.grad_accum) == 0)
+    demo = (p.tp == 1 and p.pp == 1 and p.cp == 1
+            and cfg.data.batch_size % (2 * cfg.data.grad_accum) == 0)
     if demo and devices.resolve_device(cfg.runtime.device) == "cpu":
         p.dp = 2
         origins["dp"] = "demo"

@@ -27,6 +27,12 @@ TRAIN_FLAGS = [
     ("--dp", "parallel", "dp", int, "data-parallel ranks"),
     ("--tp", "parallel", "tp", int, "tensor-parallel ranks"),
     ("--pp", "parallel", "pp", int, "pipeline stages"),
+    ("--cp", "parallel", "cp", int,
+     "context-parallel ranks: every sequence split into 2 x cp load-balanced chunks, attention "
+     "by a ring of key/value blocks (--seq-len a multiple of 2 x cp)"),
+    ("--sp", "parallel", "sp", bool,
+     "sequence parallelism (with --tp > 1): the sequence split across the tp ranks between "
+     "their layers (norms, dropout, residuals), 1/tp of those activations per rank"),
     ("--schedule", "parallel", "schedule", str,
      f"pipeline schedule: {', '.join(SCHEDULES)}"),
     ("--virtual-stages", "parallel", "virtual_stages", int,
@@ -167,7 +173,9 @@ TRAIN_FLAGS = [
 
 # Defaults that are not a plain value of the dataclass field.
 DEFAULT_TEXT = {
-    "dp": "2 for the CPU demo (no layout flags), else 1; under torchrun: the world / (tp x pp)",
+    "dp": "2 for the CPU demo (no layout flags), else 1; under torchrun: the world / "
+          "(cp x tp x pp)",
+    "sp": "off",
     "micro_batches": "pp",
     "n_layer": "the preset's", "n_head": "the preset's", "d_model": "the preset's",
     "block_size": "the preset's", "n_kv_head": "the preset's",
@@ -310,7 +318,7 @@ def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
         found.append("--grad-reduce-dtype has no effect without --dtype bf16: fp32 "
                      "gradients are reduced in fp32")
     comm_flags = [f for f in ("compress", "allreduce") if f in origins]
-    if p.dp == 1 and comm_flags:
+    if p.dp * p.cp == 1 and comm_flags:
         found.append(f"--{comm_flags[0]} has no effect with --dp 1: no gradient is reduced "
                      "over dp")
     lossy = cfg.comm.compress.partition(":")[0] in ("topk", "powersgd")

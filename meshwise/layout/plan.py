@@ -23,6 +23,26 @@ and picotron's ``apply_tensor_parallel`` do):
   ``shard_norm``
       an RMSNorm (``weight`` and ``eps``) applied to each head of a split
       activation (Qwen3's q/k norms): replicated, its gradient summed over tp.
+  ``position_embedding``
+      an ``nn.Embedding`` of learned positions, replicated; under sequence
+      parallelism each rank looks up only the positions of its slice.
+
+  With sequence parallelism (``--sp``, Korthikanti et al. 2022) the
+  activations between those layers, of shape (batch, sequence, features), hold
+  ``1/tp`` of the sequence: a column-parallel layer and the head all-gather
+  their input along it, a row-parallel layer and the vocabulary embedding
+  reduce-scatter their output along it, and every replicated parameter (norms,
+  row-parallel biases, positions) sees only its rank's tokens, so its gradient
+  is summed over tp.
+
+- ``cp``: what context parallelism (``--cp``) swaps, by path pattern and style:
+
+  ``positions``
+      the model's ``Positions`` module: the positions of this rank's tokens.
+  ``ring_attention``
+      a ``ScaledDotProductAttention``: ring attention over the cp group.
+
+  A plan without a ``ring_attention`` entry cannot run with ``--cp``.
 
 - ``layers``: the ``nn.ModuleDict`` of repeated layers, keyed by their global
   index, in order. Pipeline stages are cut from it (a stage keeps its layers
@@ -37,7 +57,10 @@ and picotron's ``apply_tensor_parallel`` do):
   stage may share a tie), each holds a copy and their gradients are summed.
 
 The model's own code must use ``-1`` (or the local size) where a split dimension
-is reshaped (``view(B, T, -1, head_dim)``), so the same code runs on a shard.
+is reshaped (``view(B, T, -1, head_dim)``), so the same code runs on a shard,
+and take the sequence length from the tensor it reshapes (a column-parallel
+layer's output holds the whole sequence under sequence parallelism, its input
+a slice).
 """
 
 from __future__ import annotations
@@ -45,7 +68,9 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "shard_norm")
+TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "position_embedding",
+             "shard_norm")
+CP_STYLES = ("positions", "ring_attention")
 
 
 @dataclass(frozen=True)
@@ -57,30 +82,34 @@ class ParallelPlan:
     last_stage: tuple[str, ...] = ()
     tp: tuple[tuple[str, str], ...] = ()
     ties: tuple[tuple[str, ...], ...] = ()
+    cp: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
-        for pattern, style in self.tp:
-            if style not in TP_STYLES:
-                raise ValueError(f"plan: style {style!r} for {pattern!r}; valid: "
-                                 f"{', '.join(TP_STYLES)}")
+        for entries, styles in ((self.tp, TP_STYLES), (self.cp, CP_STYLES)):
+            for pattern, style in entries:
+                if style not in styles:
+                    raise ValueError(f"plan: style {style!r} for {pattern!r}; valid: "
+                                     f"{', '.join(styles)}")
         names = [n for tie in self.ties for n in tie]
         if len(names) != len(set(names)):
             raise ValueError("plan: a parameter is listed in two ties")
 
     def tp_match(self, module_path: str) -> tuple[str, str] | None:
         """The first ``(pattern, style)`` matching ``module_path`` (None: replicated)."""
-        parts = module_path.split(".")
-        for pattern, style in self.tp:
-            pattern_parts = pattern.split(".")
-            if len(parts) == len(pattern_parts) and all(
-                    fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pattern_parts)):
-                return pattern, style
-        return None
+        return _match(self.tp, module_path)
 
     def tp_style(self, module_path: str) -> str | None:
         """The style of the first pattern matching ``module_path`` (None: replicated)."""
-        match = self.tp_match(module_path)
-        return match[1] if match else None
+        return _style(self.tp, module_path)
+
+    def cp_style(self, module_path: str) -> str | None:
+        """What context parallelism makes of ``module_path`` (None: nothing)."""
+        return _style(self.cp, module_path)
+
+    @property
+    def ring_capable(self) -> bool:
+        """Whether the model's attention can run as a ring (``--cp`` > 1)."""
+        return any(style == "ring_attention" for _, style in self.cp)
 
     def logical_name(self, name: str) -> str:
         """The name checkpoints and the init use: a tie's first member."""
@@ -88,3 +117,18 @@ class ParallelPlan:
             if name in tie:
                 return tie[0]
         return name
+
+
+def _match(entries: tuple[tuple[str, str], ...], module_path: str) -> tuple[str, str] | None:
+    parts = module_path.split(".")
+    for pattern, style in entries:
+        pattern_parts = pattern.split(".")
+        if len(parts) == len(pattern_parts) and all(
+                fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pattern_parts)):
+            return pattern, style
+    return None
+
+
+def _style(entries: tuple[tuple[str, str], ...], module_path: str) -> str | None:
+    match = _match(entries, module_path)
+    return match[1] if match else None

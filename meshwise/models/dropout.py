@@ -5,7 +5,10 @@ what order, so the same run laid out differently would drop different elements.
 Here every element's draw is a hash of what the element *is*: the run's seed,
 the step, the sample's index in the global batch, the site in the model
 (``blocks.3.attn``), for attention weights the head, and the element's place
-in its sample (and head). The hash (SplitMix64's finaliser, Steele et al.
+in its sample (and head), counted in global positions of the sequence: a rank
+that holds only some tokens of each sequence (context parallelism's zigzag
+chunks, sequence parallelism's slices; ``meshwise.layout.sequence``) draws the
+masks of those tokens as one process draws them. The hash (SplitMix64's finaliser, Steele et al.
 2014) runs as a few integer kernels over the whole activation on its device:
 no generator per sample or head, nothing read on the host. So:
 
@@ -13,9 +16,10 @@ no generator per sample or head, nothing read on the host. So:
   draw the same mask, and those holding different heads draw different ones,
   as Megatron-LM's RNG tracker arranges;
 - dp ranks draw different masks because they hold different samples;
-- and beyond what Megatron guarantees, any layout (dp, tp, pp, micro-batches,
-  accumulation, ZeRO stage) draws exactly the masks one process would, so the
-  loss curve stays layout-independent with dropout on.
+- cp and sp ranks draw different masks because they hold different tokens;
+- and beyond what Megatron guarantees, any layout (dp, tp, pp, cp, sp,
+  micro-batches, accumulation, ZeRO stage) draws exactly the masks one process
+  would, so the loss curve stays layout-independent with dropout on.
 
 The trainer says which step and samples a forward computes with
 ``DropoutContext.at(step, first_sample)``; the masks are saved by autograd for
@@ -29,6 +33,8 @@ import zlib
 
 import torch
 from torch import nn
+
+from meshwise.layout.sequence import SequenceShard
 
 # SplitMix64's constants, as the signed 64-bit integers torch computes with.
 _GAMMA = 0x9E3779B97F4A7C15 - 2**64
@@ -53,7 +59,8 @@ class DropoutContext:
     """Where in training the next forward is: the seed, the step, its first sample.
 
     ``tp_rank``: this rank's place on the tensor-parallel axis (the trainer sets
-    it): a rank holding heads 4..7 draws their masks.
+    it): a rank holding heads 4..7 draws their masks. ``sequence``: which tokens
+    of each sequence this rank holds (the trainer sets it under cp and sp).
     """
 
     def __init__(self, seed: int):
@@ -61,6 +68,7 @@ class DropoutContext:
         self.step = 0
         self.first_sample = 0
         self.tp_rank = 0
+        self.sequence = SequenceShard()
 
     def __deepcopy__(self, memo):
         # One context per rank, shared by every copy of the model (pipeline chunks).
@@ -69,10 +77,16 @@ class DropoutContext:
     def at(self, step: int, first_sample: int) -> None:
         self.step, self.first_sample = step, first_sample
 
-    def mask(self, site: str, shape: torch.Size, p: float, device,
-             per_head: bool = False) -> torch.Tensor:
+    def mask(self, site: str, shape: torch.Size, p: float, device, per_head: bool = False,
+             elements: torch.Tensor | None = None) -> torch.Tensor:
         """Keep-mask scaled by 1/(1-p), shape ``shape`` = (B, ...); with ``per_head``
-        dim 1 holds this rank's attention heads (for attention weights)."""
+        dim 1 holds this rank's attention heads (for attention weights).
+
+        ``elements``: each element's index in its sample (or sample and head),
+        int64, broadcastable to ``shape`` without its leading dims; default: for
+        ``per_head``, the weights of whole sequences (B, H, T, T) in order; else a
+        residual-stream activation (B, T, ...) whose dim 1 holds the tokens this
+        rank keeps between the tensor-parallel layers (``stream_elements``)."""
         base = zlib.crc32(f"{self.seed}:{self.step}:{site}".encode())
         samples = torch.arange(self.first_sample, self.first_sample + shape[0], device=device)
         key = _splitmix(_splitmix(samples) ^ base)  # (B,)
@@ -82,11 +96,29 @@ class DropoutContext:
                                  device=device)
             key = _splitmix(key[:, None] ^ _splitmix(heads)[None, :])  # (B, H)
             lead = 2
-        elements = torch.arange(math.prod(shape[lead:]), device=device)  # place in its slice
+        if elements is None and per_head:
+            elements = torch.arange(math.prod(shape[lead:]), device=device).view(shape[lead:])
+        elif elements is None:
+            elements = self.stream_elements(shape, device)
+        elements = elements.expand(shape[lead:]).reshape(-1)  # place in its slice
         bits = _splitmix(key.reshape(*key.shape, 1) ^ _splitmix(elements))
         uniform = _shift_right(bits, 40).to(torch.float32) * 2.0**-24  # 24 random bits
         keep = (uniform >= p).view(shape)
         return keep.to(torch.float32) / (1.0 - p)
+
+    def stream_elements(self, shape: torch.Size, device) -> torch.Tensor:
+        """Indices in their sample of the elements of a (B, T_held, ...) activation of
+        the residual stream: ``position * inner + i``, as one process numbers them."""
+        inner = math.prod(shape[2:])
+        rows = self.sequence.stream_positions(shape[1], device)  # (T_held,)
+        return (rows[:, None] * inner + torch.arange(inner, device=device)).view(shape[1:])
+
+    @staticmethod
+    def attention_elements(q_positions: torch.Tensor, k_positions: torch.Tensor,
+                           seq_len: int) -> torch.Tensor:
+        """Indices of attention weights (query, key) in their sample and head: the
+        place of ``(q, k)`` in the (T, T) matrix one process forms (Tq, Tk)."""
+        return q_positions[:, None] * seq_len + k_positions[None, :]
 
 
 class KeyedDropout(nn.Module):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from meshwise.layout.init import ONES, ZEROS, Init, init_module, normal
 from meshwise.layout.plan import ParallelPlan
+from meshwise.models.attention import Positions, ScaledDotProductAttention
 from meshwise.models.dropout import DropoutContext, KeyedDropout
 from meshwise.models.kv_cache import LayerCache
 
@@ -41,15 +42,16 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, site: str, dropout: DropoutContext | None = None):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
-        self.p_attn, self.site, self.dropout = cfg.dropout, f"{site}.weights", dropout
         # Output rows laid out head by head, (n_head, 3, head_dim), so a split of the
         # rows (a column-parallel layer) gives each rank whole heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.sdpa = ScaledDotProductAttention(cfg.dropout, f"{site}.weights", dropout)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd)
+        qkv = self.qkv(x)  # (B, T, 3 C): T of the output (more than x's under --sp)
+        B, T = qkv.shape[:2]
+        qkv = qkv.view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
         causal = True
         if cache is not None:
@@ -58,21 +60,9 @@ class CausalSelfAttention(nn.Module):
             if not causal and T != 1:
                 raise ValueError("with a filled KV cache, feed one token at a time")
             k, v = cache.append(k, v)  # (B, nh, P + T, hd)
-        if self.training and self.p_attn:
-            y = self._attend_with_dropout(q, k, v)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, nh, T, hd)
+        y = self.sdpa(q, k, v, causal)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.proj(y)
-
-    def _attend_with_dropout(self, q, k, v) -> torch.Tensor:
-        """Causal attention with the weights dropped per (sample, head)."""
-        T = q.shape[2]
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, nh, T, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        att = torch.softmax(att.masked_fill(~causal, float("-inf")), dim=-1)
-        keep = self.dropout.mask(self.site, att.shape, self.p_attn, att.device, per_head=True)
-        return (att * keep.to(att.dtype)) @ v  # (B, nh, T, hd)
 
 
 class MLP(nn.Module):
@@ -115,6 +105,7 @@ class GPT(nn.Module):
             dropout = DropoutContext(0)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.positions = Positions()
         self.drop_embed = KeyedDropout(cfg.dropout, "embed", dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i, dropout) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.d_model)
@@ -132,7 +123,7 @@ class GPT(nn.Module):
         states. ``cache``: one ``LayerCache`` per layer (generation)."""
         if self.wte is not None:
             start = cache[0].length if cache else 0
-            pos = torch.arange(start, start + x.shape[1], device=x.device)
+            pos = self.positions(start, x.shape[1], x.device)  # (T,)
             x = self.wte(x) + self.wpe(pos)  # (B, T, C)
             if self.drop_embed is not None:
                 x = self.drop_embed(x)
@@ -148,14 +139,18 @@ class GPT(nn.Module):
 def gpt_plan(cfg: GPTConfig) -> ParallelPlan:
     """Megatron-LM's layout (Shoeybi et al. 2019, section 3): heads split across tp
     (QKV column, output projection row parallel), the MLP column then row
-    parallel, the vocabulary split for the tied embedding and head."""
+    parallel, the vocabulary split for the tied embedding and head; the learned
+    positions looked up per sequence-parallel slice. Under context parallelism
+    the positions are this rank's and attention runs as a ring."""
     return ParallelPlan(
         layers="blocks",
         first_stage=("wte", "wpe", "drop_embed"),
         last_stage=("ln_f", "lm_head"),
-        tp=(("wte", "vocab_embedding"), ("blocks.*.attn.qkv", "colwise"),
+        tp=(("wte", "vocab_embedding"), ("wpe", "position_embedding"),
+            ("blocks.*.attn.qkv", "colwise"),
             ("blocks.*.attn.proj", "rowwise"), ("blocks.*.mlp.fc", "colwise"),
             ("blocks.*.mlp.proj", "rowwise"), ("lm_head", "vocab_head")),
+        cp=(("positions", "positions"), ("blocks.*.attn.sdpa", "ring_attention")),
         ties=(("wte.weight", "lm_head.weight"),),
     )
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from meshwise.layout.init import ONES, ZEROS, Init, init_module, normal
 from meshwise.layout.plan import ParallelPlan
+from meshwise.models.attention import Positions, ScaledDotProductAttention
 from meshwise.models.kv_cache import LayerCache
 
 ROPE_TYPES = ("default", "llama3")
@@ -123,12 +124,12 @@ class Rotary:
         self.cfg = cfg
         self._inv_freq: dict[str, torch.Tensor] = {}
 
-    def __call__(self, start: int, length: int, device, dtype) -> tuple[torch.Tensor, ...]:
-        key = str(device)
+    def __call__(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, ...]:
+        """``positions``: (T,) global positions of the tokens; returns (T, hd) each."""
+        key = str(positions.device)
         if key not in self._inv_freq:
-            self._inv_freq[key] = rope_inverse_frequencies(self.cfg).to(device)
-        pos = torch.arange(start, start + length, device=device, dtype=torch.float)
-        angles = pos[:, None] * self._inv_freq[key][None, :]  # (T, hd / 2)
+            self._inv_freq[key] = rope_inverse_frequencies(self.cfg).to(positions.device)
+        angles = positions.float()[:, None] * self._inv_freq[key][None, :]  # (T, hd / 2)
         angles = torch.cat([angles, angles], dim=-1)  # (T, hd): both halves rotate alike
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -165,25 +166,30 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.head_dim, self.window = cfg.head_dim, cfg.sliding_window
-        self.group = cfg.n_head // cfg.n_kv_head  # query heads per key/value head
         q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, q, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.d_model, kv, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, kv, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q, cfg.d_model, bias=False)
         if cfg.qk_norm:  # one weight over a head's dims, shared by every head
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        # Query head i reads key/value head i // (n_head / n_kv_head); a tp shard holds
+        # whole groups, and the key/value heads are never repeated in memory.
+        self.sdpa = ScaledDotProductAttention()
+        self.o_proj = nn.Linear(q, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        cos, sin = rope
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
+        """``rope(length, device, dtype)``: cos and sin at the positions of the
+        ``length`` tokens whose queries this forward holds."""
+        q = self.q_proj(x)  # (B, T, C): T of the output (more than x's under --sp)
+        B, T = q.shape[:2]
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
         k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh or nkv, T, hd)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        cos, sin = rope(T, x.device, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         causal = True
         if cache is not None:
@@ -191,15 +197,16 @@ class Attention(nn.Module):
             causal = cache.k is None
             if not causal and T != 1:
                 raise ValueError("with a filled KV cache, feed one token at a time")
-            k, v = cache.append(k, v)  # (B, nkv, P + T, hd): cached before the repeat
-        # Query head i reads key/value head i // group; a tp shard holds whole groups.
-        k = k.repeat_interleave(self.group, dim=1)  # (B, nh, P + T, hd)
-        v = v.repeat_interleave(self.group, dim=1)
+            k, v = cache.append(k, v)  # (B, nkv, P + T, hd)
         mask = window_mask(T, k.shape[2], self.window, q.device)
-        if mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hd)
+        if mask is None:
+            y = self.sdpa(q, k, v, causal)  # (B, nh, T, hd)
+        elif type(self.sdpa) is ScaledDotProductAttention:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                               enable_gqa=k.shape[1] != q.shape[1])
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, nh, T, hd)
+            raise ValueError("a sliding window does not run under context parallelism (--cp); "
+                             "valid: --cp 1, or --seq-len <= the window")
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -224,7 +231,34 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # (B, T, C)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, keeping only ``gate`` and ``up`` for the backward."""
+    if not torch.is_grad_enabled():
+        return F.silu(gate) * up
+    return _SwiGLU.apply(gate, up)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """autograd would keep ``silu(gate)`` besides both inputs; recomputing it in backward
+    (an elementwise op, as Megatron-LM's fused SwiGLU does) keeps one (tokens, ffn)
+    activation less per layer."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        sigmoid = torch.sigmoid(gate)
+        silu = gate * sigmoid
+        # d silu(g) / dg = sigmoid(g) (1 + g (1 - sigmoid(g)))
+        grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
+        return grad_gate, grad * silu
 
 
 class DecoderLayer(nn.Module):
@@ -256,6 +290,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.positions = Positions()
         self.rotary = Rotary(cfg)
 
     def init_weights(self, seed: int = 0) -> "Llama":
@@ -271,7 +306,16 @@ class Llama(nn.Module):
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)  # (B, T, C)
         start = cache[0].length if cache else 0
-        rope = self.rotary(start, x.shape[1], x.device, x.dtype)
+        tables = {}
+
+        def rope(length: int, device, dtype):
+            # Asked by each attention for the tokens of its queries (under sequence
+            # parallelism more than the layers' input holds); computed once per forward.
+            key = (length, str(device), dtype)
+            if key not in tables:
+                tables[key] = self.rotary(self.positions(start, length, device), dtype)
+            return tables[key]
+
         for i, layer in enumerate(self.layers.values()):
             x = layer(x, rope, cache[i] if cache else None)
         if self.norm is not None:
@@ -284,7 +328,9 @@ class Llama(nn.Module):
 def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
     """Megatron-LM's layout (Shoeybi et al. 2019, section 3) for Llama: q/k/v and
     gate/up column parallel (whole query and key/value heads per rank), o and down
-    row parallel, the vocabulary split for the embedding and the head."""
+    row parallel, the vocabulary split for the embedding and the head. Under
+    context parallelism the rotary positions are this rank's and attention runs
+    as a ring passing only the key/value heads."""
     return ParallelPlan(
         layers="layers",
         first_stage=("embed_tokens",),
@@ -296,6 +342,7 @@ def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
             ("layers.*.mlp.down_proj", "rowwise"), ("lm_head", "vocab_head"),
             *((("layers.*.self_attn.q_norm", "shard_norm"),
                ("layers.*.self_attn.k_norm", "shard_norm")) if cfg.qk_norm else ())),
+        cp=(("positions", "positions"), ("layers.*.self_attn.sdpa", "ring_attention")),
         ties=(("embed_tokens.weight", "lm_head.weight"),) if cfg.tie_embeddings else (),
     )
 

@@ -6,6 +6,7 @@ and offers the trainer one protocol, whatever the stage:
 - ``zero_grad()``; backward(s), all but the last under ``no_sync()``;
   ``finish_grad_sync()`` (reductions were started during backward);
 - ``grad_sq_norm(include)``: the squared global gradient norm over dp;
+- ``held_grads(names)``: views of the reduced gradients it holds of ``names``;
 - ``step(lr, grad_scale, skip)``: AdamW on what this rank owns, then the
   updated values are published to the compute parameters (an all-gather that
   may still be in flight: ``wait_params()`` before reading them outside a
@@ -92,6 +93,12 @@ class EngineBase:
         if self.stage >= 2 and over_dp:
             ops.all_reduce(total, self.group, category="norm")
         return total
+
+    def held_grads(self, names: set[str]) -> list[torch.Tensor]:
+        """Views of the reduced gradients of ``names`` this rank holds (whole or its
+        shard's part), in a fixed order: to complete them over another axis."""
+        self._before_update()
+        return [view for flat in self.flats for view in flat.held_grads(names)]
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale=1.0, skip: torch.Tensor | None = None) -> None:

@@ -165,6 +165,17 @@ class FlatParams:
         lo, hi = self.update_range
         return self.grad[lo:hi] if self.stage < 2 else self.grad_shard[:hi - lo]
 
+    def held_grads(self, names: set[str]) -> list[torch.Tensor]:
+        """Views of the reduced gradient this rank holds of the parameters ``names``, in
+        buffer order (stages 0-1: whole parameters; 2-3: their parts in the shard).
+        Ranks whose buffers hold the same parameters at the same offsets (tp ranks
+        of one dp rank) get views of the same elements."""
+        if self.stage < 2:
+            return [self.grad[s.offset:s.offset + s.numel] for s in self.slots if s.name in names]
+        lo, hi = self.update_range
+        return [self.grad_shard[a - lo:b - lo] for slot, a, b in self._overlaps(lo, hi)
+                if slot.name in names]
+
     def grad_sq_sum(self, include=None) -> torch.Tensor:
         """Sum of squared reduced-gradient elements this rank holds (stages 0-1: the
         whole buffer, complete; 2-3: the shard, to be summed over dp).

@@ -40,7 +40,8 @@ from meshwise.layout.init import Init, init_values, normal
 from meshwise.layout.params import mark_tp
 from meshwise.layout.pieces import Piece
 from meshwise.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
-                                               scatter_to_tp, tp_rank_of, tp_size_of)
+                                               reduce_scatter_sequence, scatter_to_tp,
+                                               tp_rank_of, tp_size_of)
 
 
 # ---------------------------------------------------------------- helpers
@@ -102,17 +103,19 @@ class ColumnParallelLinear(nn.Module):
 
     The input is replicated; :func:`copy_to_tp` (Megatron's ``f``) sums its
     gradient over ranks. The output is this rank's ``out_features / tp`` slice,
-    or the full output when ``gather_output``. Built on the meta device (under
+    or the full output when ``gather_output``. With ``sequence`` (a
+    ``SequenceGather``: sequence parallelism) the input is this rank's slice of
+    the sequence, all-gathered first. Built on the meta device (under
     ``torch.device("meta")``) it holds shapes only, for a later materialisation.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, init_seed: int = 0,
-                 dtype: torch.dtype | None = None, device=None, _source=None):
+                 dtype: torch.dtype | None = None, device=None, _source=None, sequence=None):
         super().__init__()
         _check_divisible("out_features", out_features, tp_size_of(tp_group))
         self.in_features, self.out_features = in_features, out_features
-        self.tp_group, self.gather_output = tp_group, gather_output
+        self.tp_group, self.gather_output, self.sequence = tp_group, gather_output, sequence
         dtype = dtype or torch.get_default_dtype()
         weight, b = (None, None) if _source is None else _source
         self.weight = sharded_param((out_features, in_features), 0, tp_group, dtype, device,
@@ -123,19 +126,24 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tp_group, gather_output: bool = False):
+    def from_linear(cls, linear: nn.Linear, tp_group, gather_output: bool = False,
+                    sequence=None):
         """The column-parallel form of ``linear`` (its slice of the values, or shapes on meta)."""
         return cls(linear.in_features, linear.out_features, tp_group, linear.bias is not None,
                    gather_output, dtype=linear.weight.dtype, device=linear.weight.device,
-                   _source=(linear.weight, linear.bias))
+                   _source=(linear.weight, linear.bias), sequence=sequence)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (..., out / tp)
+        if self.sequence is not None:
+            y = self.sequence.linear(x, self.weight, self.bias)  # (B, T, out / tp)
+        else:
+            y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (..., out / tp)
         return gather_from_tp(y, self.tp_group, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp_size={tp_size_of(self.tp_group)}, gather_output={self.gather_output}")
+                f"tp_size={tp_size_of(self.tp_group)}, gather_output={self.gather_output}"
+                + (", sequence parallel" if self.sequence is not None else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -144,16 +152,19 @@ class RowParallelLinear(nn.Module):
     Each rank multiplies its slice of ``x`` by its slice of ``A``; the partial
     products are summed by :func:`reduce_from_tp` (Megatron's ``g``). The bias is
     replicated and added once, after the reduction (adding it per rank would
-    count it ``tp`` times).
+    count it ``tp`` times). With ``sequence_parallel`` the sum is reduce-scattered
+    along the sequence (dim 1 of a (batch, sequence, features) output).
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02, init_seed: int = 0,
-                 dtype: torch.dtype | None = None, device=None, _source=None):
+                 dtype: torch.dtype | None = None, device=None, _source=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         _check_divisible("in_features", in_features, tp_size_of(tp_group))
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        self.sequence_parallel = sequence_parallel
         dtype = dtype or torch.get_default_dtype()
         weight, b = (None, None) if _source is None else _source
         self.weight = sharded_param((out_features, in_features), 1, tp_group, dtype, device,
@@ -164,23 +175,29 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tp_group, input_is_parallel: bool = True):
-        """The row-parallel form of ``linear`` (its slice of the values, or shapes on meta)."""
+    def from_linear(cls, linear: nn.Linear, tp_group, input_is_parallel: bool = True,
+                    sequence=None):
+        """The row-parallel form of ``linear`` (its slice of the values, or shapes on meta);
+        ``sequence``: the chunk's ``SequenceGather`` under sequence parallelism."""
         return cls(linear.in_features, linear.out_features, tp_group, linear.bias is not None,
                    input_is_parallel, dtype=linear.weight.dtype, device=linear.weight.device,
-                   _source=(linear.weight, linear.bias))
+                   _source=(linear.weight, linear.bias), sequence_parallel=sequence is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size_of(self.tp_group) == 1:
             return F.linear(x, self.weight, self.bias)  # exactly nn.Linear
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group, dim=-1)          # (..., in / tp)
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)  # (..., out)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(F.linear(x, self.weight), self.tp_group)  # (B, T/tp, out)
+        else:
+            y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp_size={tp_size_of(self.tp_group)}, input_is_parallel={self.input_is_parallel}")
+                f"tp_size={tp_size_of(self.tp_group)}, input_is_parallel={self.input_is_parallel}"
+                + (", sequence parallel" if self.sequence_parallel else ""))
 
 
 # ---------------------------------------------------------------- norms on a shard
@@ -188,21 +205,26 @@ class ShardRMSNorm(nn.Module):
     """An RMSNorm over the last dim of a tensor-parallel shard (Qwen3's per-head
     q/k norms: each rank normalises its own heads). The weight is replicated, but
     each rank's gradient covers only its heads: ``copy_to_tp`` sums it over tp in
-    backward, so every replica takes the same step."""
+    backward, so every replica takes the same step. Under sequence parallelism the
+    gradient sync already sums every replicated parameter's gradient over tp, so
+    the norm leaves it to that (summing twice would count it tp times)."""
 
-    def __init__(self, dim: int, eps: float, tp_group, dtype=None, device=None, source=None):
+    def __init__(self, dim: int, eps: float, tp_group, dtype=None, device=None, source=None,
+                 sum_grad: bool = True):
         super().__init__()
-        self.eps, self.tp_group = eps, tp_group
+        self.eps, self.tp_group, self.sum_grad = eps, tp_group, sum_grad
         self.weight = replicated_param((dim,), dtype, device, source)
 
     @classmethod
-    def from_norm(cls, norm: nn.Module, tp_group) -> "ShardRMSNorm":
-        """From an RMSNorm (``weight`` of one dim and ``eps``; ``nn.RMSNorm`` included)."""
+    def from_norm(cls, norm: nn.Module, tp_group, sequence=None) -> "ShardRMSNorm":
+        """From an RMSNorm (``weight`` of one dim and ``eps``; ``nn.RMSNorm`` included);
+        ``sequence``: the chunk's ``SequenceGather`` under sequence parallelism."""
         eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
         return cls(norm.weight.shape[0], eps, tp_group, dtype=norm.weight.dtype,
-                   device=norm.weight.device, source=norm.weight)
+                   device=norm.weight.device, source=norm.weight, sum_grad=sequence is None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return copy_to_tp(self.weight, self.tp_group) * x32.to(x.dtype)
+        weight = copy_to_tp(self.weight, self.tp_group) if self.sum_grad else self.weight
+        return weight * x32.to(x.dtype)

@@ -15,6 +15,15 @@ Two more pairs move between a replicated tensor and its slices along a dim:
 * :func:`scatter_to_tp`: keep this rank's chunk forward, all-gather backward.
 * :func:`gather_from_tp`: all-gather forward, keep this rank's chunk backward.
 
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) replaces ``f`` and
+``g`` at the edges of the regions between tensor-parallel layers, which hold
+``1/tp`` of the sequence, by a conjugate pair of the same volume:
+
+* :func:`gather_sequence`: all-gather along the sequence forward,
+  reduce-scatter backward (``g-bar``: entering a column-parallel layer);
+* :func:`reduce_scatter_sequence`: reduce-scatter forward, all-gather backward
+  (``g``'s replacement after a row-parallel layer).
+
 Every public function takes the tp group explicitly (a
 :class:`meshwise.comm.ops.Group`). ``None`` or a group of size 1 means no tensor
 parallelism: the function returns its input untouched and adds no autograd node,
@@ -26,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from meshwise.comm import ops
+from meshwise.comm import ops, policy
 
 CATEGORY = "tp"
 
@@ -73,6 +82,28 @@ def _all_gather(x: torch.Tensor, group: ops.Group, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] *= group.size
     return moved.reshape(shape)                             # (s0, .., tp * s_dim, .., s_n)
+
+
+def _reduce_scatter(x: torch.Tensor, group: ops.Group, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the group; keep this rank's chunk along ``dim`` (rank order)."""
+    size = x.shape[dim]
+    if size % group.size != 0:
+        raise ValueError(f"dim {dim} of size {size} is not divisible by tp size {group.size}")
+    chunk = size // group.size
+    # The chunks along ``dim`` become contiguous runs of a flat buffer: (S, ...) with S
+    # = size, rank r's run r * chunk .. (r + 1) * chunk.
+    leading = x.movedim(dim, 0)                             # (S, ...)
+    if policy.reduce_scatter_by_all_reduce(group):
+        # Out of place (``x`` may be saved by autograd); the chunk is copied out so the
+        # full-size sum is freed on return.
+        leading = leading.clone(memory_format=torch.contiguous_format)
+        ops.all_reduce(leading, group, category=CATEGORY)
+        mine = leading.narrow(0, group.rank * chunk, chunk).clone()  # (chunk, ...)
+    else:
+        leading = leading.contiguous()
+        mine = leading.new_empty(chunk, *leading.shape[1:])     # (chunk, ...)
+        ops.reduce_scatter(mine.view(-1), leading.view(-1), group, category=CATEGORY)
+    return mine.movedim(0, dim).contiguous()                # x's shape, dim / tp
 
 
 # ---------------------------------------------------------------- autograd pairs
@@ -131,6 +162,33 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_own_chunk(grad, ctx.group, ctx.dim), None, None
 
 
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` forward; reduce-scatter of the gradient backward (each
+    rank's consumers computed a partial gradient of the whole gathered tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
 # ---------------------------------------------------------------- public functions
 def copy_to_tp(x: torch.Tensor, group: ops.Group | None) -> torch.Tensor:
     """Enter a tp region (``f``): forward identity, backward all-reduce."""
@@ -158,3 +216,20 @@ def gather_from_tp(x: torch.Tensor, group: ops.Group | None, dim: int = -1) -> t
     if tp_size_of(group) == 1:
         return x
     return _GatherFromTP.apply(x, group, dim)
+
+
+def gather_sequence(x: torch.Tensor, group: ops.Group | None, dim: int = 1) -> torch.Tensor:
+    """Sequence-parallel slices -> the whole sequence (all-gather along ``dim``);
+    backward reduce-scatters the gradient."""
+    if tp_size_of(group) == 1:
+        return x
+    return _GatherSequence.apply(x, group, dim)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: ops.Group | None,
+                            dim: int = 1) -> torch.Tensor:
+    """Partial sums over the whole sequence -> this rank's slice of their total
+    (reduce-scatter along ``dim``); backward all-gathers the gradient."""
+    if tp_size_of(group) == 1:
+        return x
+    return _ReduceScatterSequence.apply(x, group, dim)

@@ -16,7 +16,8 @@ from meshwise.comm import ops
 from meshwise.layout.init import normal
 from meshwise.tensor_parallel.layers import sharded_param, padded_vocab_size
 from meshwise.tensor_parallel.mappings import (CATEGORY, copy_to_tp, gather_from_tp,
-                                               reduce_from_tp, tp_rank_of, tp_size_of)
+                                               reduce_from_tp, reduce_scatter_sequence,
+                                               tp_rank_of, tp_size_of)
 
 
 # ---------------------------------------------------------------- vocabulary
@@ -27,17 +28,19 @@ class VocabParallelEmbedding(nn.Module):
     :func:`reduce_from_tp` sums the rows into the full embedding. The table is
     padded to :func:`padded_vocab_size` rows; padding rows start at zero and are
     never looked up for valid ids (``0 <= id < num_embeddings``, not checked, to
-    avoid a device sync).
+    avoid a device sync). With ``sequence_parallel`` the rows are summed by a
+    reduce-scatter along the sequence (dim 1 of (batch, sequence) ids): each rank
+    keeps its slice, as the layers after it expect.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group,
                  init_std: float = 0.02, init_seed: int = 0, dtype: torch.dtype | None = None,
-                 device=None, _source=None):
+                 device=None, _source=None, sequence_parallel: bool = False):
         super().__init__()
         tp_size = tp_size_of(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padded_num_embeddings = padded_vocab_size(num_embeddings, tp_size)
-        self.tp_group = tp_group
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = sharded_param((self.padded_num_embeddings, embedding_dim), 0, tp_group,
                                dtype or torch.get_default_dtype(), device, normal(init_std),
                                init_seed, real_rows=num_embeddings, source=_source)
@@ -46,10 +49,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + rows
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, tp_group):
+    def from_embedding(cls, embedding: nn.Embedding, tp_group, sequence=None):
         return cls(embedding.num_embeddings, embedding.embedding_dim, tp_group,
                    dtype=embedding.weight.dtype, device=embedding.weight.device,
-                   _source=embedding.weight)
+                   _source=embedding.weight, sequence_parallel=sequence is not None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if tp_size_of(self.tp_group) == 1:
@@ -58,6 +61,8 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         # masked_fill also zeroes the gradient of the stand-in row 0 lookups.
         emb = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(emb, self.tp_group)   # (B, T / tp, dim)
         return reduce_from_tp(emb, self.tp_group)                # (..., dim)
 
     def extra_repr(self) -> str:
@@ -72,26 +77,31 @@ class VocabParallelHead(nn.Module):
     Returns this rank's logits ``(..., padded_vocab / tp)`` for
     :func:`vocab_parallel_cross_entropy` with ``vocab_size=num_embeddings``; the
     logits over the whole vocabulary are never gathered for the loss
-    (:meth:`full_logits` gathers them for generation).
+    (:meth:`full_logits` gathers them for generation). With ``sequence`` (a
+    ``SequenceGather``) the input is this rank's slice of the sequence, gathered.
     """
 
     def __init__(self, in_features: int, vocab_size: int, tp_group,
-                 dtype: torch.dtype | None = None, device=None, _source=None):
+                 dtype: torch.dtype | None = None, device=None, _source=None, sequence=None):
         super().__init__()
         self.in_features, self.vocab_size, self.tp_group = in_features, vocab_size, tp_group
+        self.sequence = sequence
         padded = padded_vocab_size(vocab_size, tp_size_of(tp_group))
         self.weight = sharded_param((padded, in_features), 0, tp_group,
                                dtype or torch.get_default_dtype(), device,
                                real_rows=vocab_size, source=_source)  # (padded / tp, in)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tp_group):
+    def from_linear(cls, linear: nn.Linear, tp_group, sequence=None):
         if linear.bias is not None:
             raise ValueError("a vocabulary-parallel head has no bias")
         return cls(linear.in_features, linear.out_features, tp_group,
-                   dtype=linear.weight.dtype, device=linear.weight.device, _source=linear.weight)
+                   dtype=linear.weight.dtype, device=linear.weight.device, _source=linear.weight,
+                   sequence=sequence)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.sequence is not None:  # the reduce-scatter backward sums over the shards
+            return self.sequence.linear(hidden, self.weight)  # (B, T, V / tp)
         # copy_to_tp sums the hidden state's gradient over the vocabulary shards.
         return F.linear(copy_to_tp(hidden, self.tp_group), self.weight)
 

@@ -22,13 +22,15 @@ from meshwise.train.config import TrainConfig
 
 def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh, dropout,
                 vocab_size: int | None) -> ParallelModel:
-    """This rank's part of the model: pipeline chunks with tensor-parallel layers, on meta."""
+    """This rank's part of the model: pipeline chunks with tensor-parallel layers (and
+    sequence parallelism), context-parallel positions and attention, on meta."""
     p = cfg.parallel
     with torch.device("meta"):
         model = family.build(model_cfg, dropout)
     return parallelize(model, family.plan(model_cfg), tp_group=mesh.tp if p.tp > 1 else None,
                        pp_rank=mesh.pp_rank, pp_size=p.pp, virtual_stages=p.virtual_stages,
-                       vocab_size=vocab_size, tie_group=mesh.embed)
+                       vocab_size=vocab_size, sequence_parallel=p.sp, cp_group=mesh.cp,
+                       tie_group=mesh.embed)
 
 
 def precision_of(cfg: TrainConfig) -> Precision:
@@ -44,14 +46,15 @@ def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: Adam
     """The gradient synchroniser + optimizer for ``--zero``: stages 0-2 share flat
     gradient buckets (``ZeroOptimizer``); stage 3 shards the parameters too. Either
     allocates only what this rank keeps and fills it from ``values``, and hands its
-    dp reductions to ``grad_reducer`` when one is given."""
+    reductions to ``grad_reducer`` when one is given. Parameters are replicated
+    over dp and cp, so both sum (and shard) over ``mesh.dp_cp``."""
     precision = precision_of(cfg)
     if cfg.parallel.zero == 3:
         (chunk,) = model.chunks  # ZeRO-3 does not combine with a pipeline
-        return ZeroStage3(chunk, mesh.dp, adamw, units=model.layers(), precision=precision,
+        return ZeroStage3(chunk, mesh.dp_cp, adamw, units=model.layers(), precision=precision,
                           values=values, device=device, unit_cap_mb=cfg.comm.bucket_mb,
                           grad_reducer=grad_reducer)
-    return ZeroOptimizer(model.named_parameters(), mesh.dp, stage=cfg.parallel.zero,
+    return ZeroOptimizer(model.named_parameters(), mesh.dp_cp, stage=cfg.parallel.zero,
                          adamw=adamw, bucket_cap_mb=cfg.comm.bucket_mb, precision=precision,
                          modules=model.chunks, values=values, device=device,
                          grad_reducer=grad_reducer)

@@ -26,6 +26,8 @@ from meshwise.mesh import Mesh
 
 log = logging.getLogger("meshwise")
 
+# Layout keys a checkpoint may lack, and what they were then.
+LAYOUT_DEFAULTS = {"cp": 1, "sp": False}
 # What fixes the dp buckets and what a compressor carries for them, besides the layout.
 BUCKET_SETTINGS = (("comm", "compress"), ("comm", "error_feedback"), ("comm", "bucket_mb"),
                    ("runtime", "dtype"), ("runtime", "grad_reduce_dtype"))
@@ -48,7 +50,7 @@ class RunCheckpointer:
         self.model = model  # the shape of the model, checked on resume
         p = cfg.parallel
         self.layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages,
-                       "zero": p.zero}
+                       "zero": p.zero, "cp": p.cp, "sp": p.sp}
         self.lineage = Lineage(cfg.checkpoint.run_id)  # a fresh run, until ``load``
         self.resumed_from: Path | None = None
 
@@ -77,7 +79,8 @@ class RunCheckpointer:
         ckpt = Checkpoint(path)  # verified before the ranks started (``check_resume``)
         self.lineage = Lineage.of(ckpt.meta).resumed_by(self.cfg.checkpoint.run_id, ckpt.step)
         self.resumed_from = Path(path)
-        same = ckpt.meta["layout"] == self.layout
+        saved = {**LAYOUT_DEFAULTS, **ckpt.meta["layout"]}  # saved before cp and sp existed
+        same = saved == self.layout
         state.load(ckpt, self.engine.checkpoint_runs(), self.pieces, self.mesh.rank, same)
         self.engine.load_done()
         self.engine.step_count = ckpt.meta["optimizer_step"]

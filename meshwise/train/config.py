@@ -41,6 +41,8 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: every sequence split across cp ranks, ring attention
+    sp: bool = False  # sequence parallel: the sequence split across tp between its layers
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batches: int = 0  # 0: pp when pp > 1, else 1
@@ -48,7 +50,19 @@ class ParallelConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp)
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
+
+    @property
+    def axes_text(self) -> str:
+        """The axes whose product is the world, as messages name them."""
+        return "dp x cp x tp x pp" if self.cp > 1 else "dp x tp x pp"
+
+    @property
+    def sequence_divisor(self) -> int:
+        """What every sequence's length must be a multiple of: 2 x cp zigzag chunks, and
+        each cp rank's tokens split across tp under sequence parallelism."""
+        chunks = 2 * self.cp if self.cp > 1 else 1
+        return math.lcm(chunks, self.cp * (self.tp if self.sp else 1))
 
     @property
     def num_micro_batches(self) -> int:
@@ -159,7 +173,7 @@ class TrainConfig:
         ``own_model``: the model is the caller's (``Trainer(model=...)``), not the
         ``model`` section's: its sizes are checked by ``parallelize`` instead."""
         p, m, o, d = self.parallel, self.model, self.optim, self.data
-        _positive(dp=p.dp, tp=p.tp, pp=p.pp, virtual_stages=p.virtual_stages,
+        _positive(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual_stages=p.virtual_stages,
                   seq_len=d.seq_len, batch_size=d.batch_size, grad_accum=d.grad_accum,
                   steps=o.steps, bucket_mb=self.comm.bucket_mb, timeout_s=self.comm.timeout_s,
                   eval_batches=d.eval_batches, log_every=self.runtime.log_every)
@@ -212,7 +226,7 @@ class TrainConfig:
         if c.ranks_per_node and world % c.ranks_per_node:
             divisors = [d for d in range(1, world + 1) if world % d == 0]
             raise ValueError(f"--ranks-per-node {c.ranks_per_node} does not divide the world of "
-                             f"dp x tp x pp = {world} ranks; valid: "
+                             f"{p.axes_text} = {world} ranks; valid: "
                              f"{', '.join(map(str, divisors))}")
         if self.runtime.grad_reduce_dtype == "bf16" and c.compress != "none":
             raise ValueError(f"--grad-reduce-dtype bf16 with --compress {c.compress}: the "
@@ -220,7 +234,7 @@ class TrainConfig:
                              "--grad-reduce-dtype fp32 with --compress, or --compress none")
         if c.allreduce == "hierarchical":
             per_node = c.ranks_per_node or world
-            for ranks in p.dims.axis_groups("dp"):
+            for ranks in p.dims.axes_groups(("dp", "cp")):  # the gradients' group
                 problem = hierarchical_problem(Topology.of(ranks, per_node), ranks)
                 if problem:
                     raise ValueError(
@@ -279,6 +293,7 @@ class TrainConfig:
             if m.n_layer % chunks and not own_model:
                 raise ValueError(f"--n-layer {m.n_layer} does not split into pp x virtual-stages "
                                  f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks")
+        self._validate_sequence()
         allowed = supported_zero_stages(p.pp)
         if p.zero not in allowed:
             valid = " or ".join(map(str, allowed))
@@ -291,6 +306,27 @@ class TrainConfig:
                 f"micro-batches = {p.dp} x {d.grad_accum} x {p.num_micro_batches} = {per_step}")
 
 
+    def _validate_sequence(self) -> None:
+        """--cp and --sp: what splits the sequence, and what it must be a multiple of."""
+        p, d = self.parallel, self.data
+        if p.sp and p.tp == 1:
+            raise ValueError("--sp splits the sequence across the tp ranks between their layers "
+                             "and needs --tp > 1; valid: --sp with --tp 2 or more, or no --sp")
+        if p.cp > 1 and not family(self.model.family).plan(
+                family(self.model.family).make_config(self.model.sizes(256))).ring_capable:
+            raise ValueError(f"--cp {p.cp}: the attention of --model {self.model.preset} cannot "
+                             "run as a ring; valid: --cp 1")
+        divisor = p.sequence_divisor
+        if d.seq_len % divisor:
+            what = (f"2 x cp = {2 * p.cp} load-balanced chunks" if p.cp > 1 else "")
+            if p.sp:
+                what += (" whose tokens split" if what else "slices") + f" across tp = {p.tp}"
+            lower = d.seq_len // divisor * divisor
+            near = " or ".join(str(n) for n in (lower, lower + divisor) if n > 0)
+            raise ValueError(f"--seq-len {d.seq_len} does not split into {what}; valid: a "
+                             f"multiple of {divisor}, e.g. --seq-len {near}")
+
+
 # Which ZeRO stages combine with which axes. The README's table is generated from
 # this (tests/unit/test_config.py keeps them equal) and validation uses it.
 UNSUPPORTED_REASON = ("ZeRO-2/3 keep only gradient or parameter shards, but pipeline stages "
@@ -300,9 +336,14 @@ COMPOSITIONS = [
     # (axes, example flags, ZeRO stages)
     ("dp", "--dp 2", ZERO_STAGES),
     ("dp x tp", "--dp 2 --tp 2", ZERO_STAGES),
+    ("dp x tp + sp", "--dp 2 --tp 2 --sp", ZERO_STAGES),
     ("tp x pp", "--tp 2 --pp 2", (0, 1)),
     ("dp x pp", "--dp 2 --pp 2", (0, 1)),
     ("dp x tp x pp", "--dp 2 --tp 2 --pp 2", (0, 1)),
+    ("dp x cp", "--dp 2 --cp 2", ZERO_STAGES),
+    ("cp x tp + sp", "--cp 2 --tp 2 --sp", ZERO_STAGES),
+    ("cp x pp", "--cp 2 --pp 2", (0, 1)),
+    ("dp x cp x tp x pp", "--dp 2 --cp 2 --tp 2 --pp 2 --sp", (0, 1)),
 ]
 
 

@@ -19,9 +19,10 @@ REPORTED = ("native", "ring", "tree", "hierarchical", "p2p")
 
 
 def grad_compressor(mesh: Mesh, cfg: TrainConfig) -> Compressor | None:
-    """The dp gradient compressor of ``--compress`` (``None``: none, or no dp axis)."""
+    """The gradient compressor of ``--compress`` over dp (and cp, whose ranks sum the
+    same gradients; ``None``: none, or no such axis)."""
     c = cfg.comm
-    if c.compress == "none" or mesh.dims.dp == 1:
+    if c.compress == "none" or mesh.dp_cp.size == 1:
         return None
     return build_compressor(c.compress, error_feedback=c.error_feedback == "on",
                             warmup_steps=c.compress_warmup_steps,
@@ -30,13 +31,14 @@ def grad_compressor(mesh: Mesh, cfg: TrainConfig) -> Compressor | None:
 
 def grad_reducer(mesh: Mesh, cfg: TrainConfig, compressor: Compressor | None
                  ) -> GradReducer | None:
-    """The dp reducer when compression or an algorithm asks for one (``None``: the
-    engines use the group's native collectives)."""
+    """The dp (x cp) reducer when compression or an algorithm asks for one (``None``:
+    the engines use the group's native collectives)."""
     c = cfg.comm
-    if (compressor is None and c.allreduce == "native") or mesh.dims.dp == 1:
+    group = mesh.dp_cp
+    if (compressor is None and c.allreduce == "native") or group.size == 1:
         return None
     per_node = c.ranks_per_node or mesh.dims.world_size
-    reducer = GradReducer(mesh.dp, compressor, c.allreduce, Topology.of(mesh.dp.ranks, per_node))
+    reducer = GradReducer(group, compressor, c.allreduce, Topology.of(group.ranks, per_node))
     if mesh.rank == 0:
         log.info("dp gradient sync: --compress %s (error feedback %s), --allreduce %s, "
                  "%d ranks per node", c.compress, c.error_feedback, c.allreduce, per_node)

@@ -1,10 +1,14 @@
-"""Gradient synchronisation across all three axes, and the global gradient norm.
+"""Gradient synchronisation across all four axes, and the global gradient norm.
 
 This is the one place that states, for every parameter, across which axes it is
 replicated and how its gradient is kept consistent:
 
-* dp: every parameter is replicated across dp; its gradient is SUMMED over dp by
-  the engine's buckets (or reduce-scattered into shards under ZeRO).
+* dp and cp: every parameter is replicated across dp and cp (a cp rank holds
+  every parameter and some tokens of every sequence); its gradient is SUMMED
+  over ``mesh.dp_cp`` by the engine's buckets (or reduce-scattered into shards
+  under ZeRO, which shards over dp x cp as FSDP does in torchtitan). Each cp
+  rank's loss is its tokens' share of the global mean, so the sum is the
+  gradient of the global mean: no token counted twice.
 * tp: a tp-sharded parameter (``tp_sharded=True``: column/row weights, the
   vocabulary shard of the embedding) is a different slice on every tp rank and
   needs nothing. A tp-replicated parameter (LayerNorms, row-parallel biases, the
@@ -12,6 +16,11 @@ replicated and how its gradient is kept consistent:
   communication: its gradient flows from activations that are themselves
   replicated, because ``copy_to_tp``'s backward already summed them over tp
   (Megatron-LM section 3). ``check_tp_replicas`` verifies this at the first step.
+  Under sequence parallelism (``--sp``) a replicated parameter sees only its
+  rank's slice of the sequence: its gradients are partial sums, SUMMED over tp
+  after the dp x cp sync, in one all-reduce of every such part this rank holds
+  (Megatron-LM's ``allreduce_sequence_parallel_gradients``; the sums commute,
+  and tp ranks hold the same parameters at the same offsets of their buffers).
 * pp: a tie whose members live on different stages (the token embedding and
   the head on the first and last stage) keeps a copy at each end; their
   gradients are SUMMED over ``mesh.embed`` after the dp sync (Megatron-LM's
@@ -50,14 +59,30 @@ class GradSync3D:
         writer = model.is_writer if model is not None else (lambda name: True)
         self.counted = {name for name, p in self.params.items()
                         if writer(name) and (mesh.tp_rank == 0 or is_tp_sharded(p))}
+        sequence_parallel = model is not None and model.sequence_parallel
+        self.partial_over_tp = ({name for name, p in self.params.items() if not is_tp_sharded(p)}
+                                if sequence_parallel and mesh.dims.tp > 1 else set())
         self._checked_tp = False
 
     def finish(self) -> None:
-        """Wait for the dp reductions and the tie sums over stages (the engine's)."""
+        """Wait for the dp reductions and the tie sums over stages (the engine's),
+        then sum sequence-parallel partial gradients over tp."""
         self.engine.finish_grad_sync()
+        if self.partial_over_tp:
+            self._sum_partials_over_tp()
         if not self._checked_tp and self.mesh.dims.tp > 1:
             self.check_tp_replicas()
             self._checked_tp = True
+
+    @torch.no_grad()
+    def _sum_partials_over_tp(self) -> None:
+        views = self.engine.held_grads(self.partial_over_tp)
+        if not views:
+            return
+        packed = torch.cat([v.reshape(-1) for v in views])  # (sum of their elements,)
+        ops.all_reduce(packed, self.mesh.tp, category="grad")
+        for view, part in zip(views, packed.split([v.numel() for v in views])):
+            view.copy_(part.view_as(view))
 
     def grad_sq_norm(self) -> torch.Tensor:
         """The squared L2 norm of the full model's gradient: a float64 0-dim tensor on
@@ -79,12 +104,13 @@ class GradSync3D:
 
         Each rank's part of the squared norm and ``loss * 0`` (NaN exactly where its
         loss is not finite; NaN survives the sum) are summed over the world. At ZeRO
-        stages 0-1 every dp rank holds the whole dp sum, so the world's sum counts
-        it dp times and is divided by dp."""
+        stages 0-1 every rank of the engine's group (dp x cp) holds the whole sum over
+        that group, so the world's sum counts it dp x cp times and is divided by that."""
         local = self.engine.grad_sq_norm(include=self.counted.__contains__, over_dp=False)
         both = torch.stack([local.to(torch.float64), loss_part.detach().to(torch.float64) * 0])
         ops.all_reduce(both, self.mesh.world, category="norm")
-        sq = both[0] if self.engine.stage >= 2 else both[0] / self.mesh.dims.dp
+        replicas = self.mesh.dims.dp * self.mesh.dims.cp
+        sq = both[0] if self.engine.stage >= 2 else both[0] / replicas
         return sq, ~(torch.isfinite(sq) & torch.isfinite(both[1]))
 
     def check_replica_values(self, rtol: float = 1e-6) -> None:
@@ -100,7 +126,7 @@ class GradSync3D:
         device = next(iter(held.values())).device if held else torch.device("cpu")
         empty = torch.zeros(0, dtype=torch.float64, device=device)
         self._compare_across_tp(names, [held.get(n, empty) for n in names], rtol, "values",
-                                sum_over=self.mesh.dp)
+                                sum_over=self.mesh.dp_cp)
 
     def _compare_across_tp(self, names, tensors, rtol: float, what: str, sum_over=None) -> None:
         if not names:

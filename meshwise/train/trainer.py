@@ -3,7 +3,8 @@
 One optimizer step, top to bottom (``train_step``):
   1. the learning rate for this step;
   2. global batch ``step`` (the same on every rank), this dp rank's contiguous
-     slice of it, cut into ``grad_accum`` micro-batches;
+     slice of it, cut into ``grad_accum`` micro-batches, each cut along the
+     sequence into this cp rank's tokens;
   3. forward and backward of each micro-batch, its summed token loss divided by
      the tokens of the GLOBAL batch, so gradients are those of the global mean
      whatever the split (DESIGN section 1); gradient sync only on the last one;
@@ -48,6 +49,7 @@ from meshwise.train.init_from import initial_values
 from meshwise.train.lr_schedule import lr_at
 from meshwise.train.memory import PeakMemory
 from meshwise.train.metrics import MetricsLog, RankValues
+from meshwise.train.sequence import SequenceSplit, sequence_shard
 from meshwise.train.observe import RunObserver
 
 log = logging.getLogger("meshwise")
@@ -88,6 +90,8 @@ class Trainer:
                                  token_dtype=d.token_dtype)
         self.dropout = DropoutContext(d.seed)
         self.dropout.tp_rank = self.mesh.tp_rank
+        self.dropout.sequence = sequence_shard(self.mesh, p.sp)  # masks of the tokens held
+        self.sequence = SequenceSplit(self.mesh, self.dropout.sequence, p.sequence_divisor)
         if model is None:
             self.model_shape = cfg.model.sizes(self.data.vocab_size)
             self.family = family(self.model_shape["family"])
@@ -127,7 +131,8 @@ class Trainer:
             schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
             self.pipeline = PipelineRuntime(chunks, schedule, self.mesh.pp, self.engine,
                                             loss_fn=self.pm.loss)
-        # Ranks whose loss counts: the last stage, once per tp group.
+        # Ranks whose loss counts: the last stage, once per tp group (every cp rank
+        # holds other tokens).
         self.reports_loss = self.mesh.is_last_stage and self.mesh.tp_rank == 0
         self.is_logging_rank = self.mesh.rank == 0
         self.start_step = self.checkpointer.load(resume) if resume else 0
@@ -275,13 +280,15 @@ class Trainer:
 
     # ------------------------------------------------------------- helpers
     def _micro_batches(self, step: int, split: str, num: int | None = None):
-        """This dp rank's contiguous slice of global batch ``step``, cut into micro-batches."""
+        """This dp rank's contiguous slice of global batch ``step``, cut into micro-batches,
+        each this cp rank's tokens (inputs and their targets cut alike)."""
         d, p = self.cfg.data, self.cfg.parallel
         batch = self.data.global_batch(step, d.batch_size, d.seed, split)  # (B, T+1)
         local = host_to_device(rank_slice(batch, self.mesh.dp_rank, self.mesh.dims.dp),
                                batch.dtype, self.device)
         num = num or d.grad_accum * p.num_micro_batches
-        return [(mb[:, :-1], mb[:, 1:]) for mb in local.chunk(num)]
+        return [(self.sequence.mine(mb[:, :-1]), self.sequence.mine(mb[:, 1:]))
+                for mb in local.chunk(num)]
 
     def _forward_backward(self, micro_batches, step: int) -> torch.Tensor:
         """Run every micro-batch; return this rank's share of the global mean loss
@@ -382,10 +389,13 @@ class Trainer:
         tokens = prompt.to(self.device).unsqueeze(0)  # (1, T)
         gen = torch.Generator().manual_seed(self.cfg.data.seed)
         for _ in range(num_tokens):
-            logits = self._forward(tokens[:, -self.cfg.data.seq_len:])
+            window = tokens[:, -self.cfg.data.seq_len:]
+            held, length = self.sequence.padded_mine(window)  # a length cp and sp split
+            last = self.sequence.last_logits(self._forward(held), window.shape[1], length,
+                                             self.model_cfg.vocab_size, self.device)
             nxt = torch.zeros(1, dtype=torch.long, device=self.device)
-            if logits is not None:
-                probs = torch.softmax(logits[0, -1].float().cpu() / temperature, -1)  # (V,)
+            if last is not None:
+                probs = torch.softmax(last.float().cpu() / temperature, -1)  # (V,)
                 nxt.copy_(torch.multinomial(probs, 1, generator=gen))
             if self.pipeline is not None:  # the last stage tells the others
                 ops.broadcast(nxt, self.mesh.dims.pp - 1, self.mesh.pp, category="sample")

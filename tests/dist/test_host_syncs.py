@@ -19,6 +19,9 @@ LAYOUTS = {
     "dp2-zero1": dict(dp=2, zero=1),
     "dp2-zero3": dict(dp=2, zero=3),
     "tp2": dict(tp=2),
+    "tp2-sp": dict(tp=2, sp=True),
+    "cp2": dict(cp=2),
+    "cp2-tp2-sp-dropout": dict(cp=2, tp=2, sp=True, dropout=0.1),
     "pp2": dict(pp=2, micro_batches=2),
     "dp2-int8-ring": dict(dp=2, compress="int8", allreduce="ring"),
     "dp2-powersgd-zero2": dict(dp=2, compress="powersgd:2", zero=2, compress_warmup_steps=0),
@@ -44,7 +47,7 @@ def _reads_in_one_step(layout: dict, data_path: str) -> list[str]:
     cfg.data.path, cfg.data.seq_len, cfg.data.batch_size = data_path, 16, 8
     cfg.optim.steps, cfg.runtime.device, cfg.runtime.quiet = 3, "cpu", True
     for key, value in layout.items():
-        section = cfg.comm if hasattr(cfg.comm, key) else cfg.parallel
+        section = next(s for s in (cfg.comm, cfg.model, cfg.parallel) if hasattr(s, key))
         setattr(section, key, value)
     trainer = Trainer(cfg.validate(), data_path)
     trainer.train_step(1)
@@ -72,7 +75,7 @@ def _reads_in_one_step(layout: dict, data_path: str) -> list[str]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_step_reads_the_device_once(dist_pools, tokens, name):
     layout = LAYOUTS[name]
-    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     for reads in dist_pools.run(world, _reads_in_one_step, layout, tokens):
         assert reads == ["tolist"], reads
 

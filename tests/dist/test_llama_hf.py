@@ -9,6 +9,7 @@ forward and compares the logits with transformers' in float32.
 import pytest
 import torch
 
+from meshwise.layout.sequence import zigzag_slice
 from meshwise.mesh import Mesh, ParallelDims
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
@@ -63,6 +64,18 @@ def _zero3_diff(directory) -> float:
     return (logits - hf_logits(directory, ids)).abs().max().item()
 
 
+def _cp2_logits(directory, tp: int) -> torch.Tensor:
+    """This cp rank's logits (its zigzag chunks) of a forward at cp 2 (x tp with --sp)."""
+    mesh = Mesh.build(ParallelDims(cp=2, tp=tp))
+    pm, values = laid_out(directory, tp_group=mesh.tp if tp > 1 else None, cp_group=mesh.cp,
+                          sequence_parallel=tp > 1)
+    ZeroOptimizer(pm.named_parameters(), mesh.dp_cp, 0, AdamWConfig(), modules=pm.chunks,
+                  values=values)
+    ids = zigzag_slice(token_ids(), 1, mesh.cp_rank, 2)  # (2, 12): chunks r and 3 - r
+    with torch.no_grad():
+        return pm.full_logits(pm.chunks[0](ids))
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-llama")
@@ -86,6 +99,18 @@ def test_pp2_logits_match_transformers(dist_pools, hf_dirs, variant, virtual_sta
 def test_zero3_shards_read_from_the_files_match_transformers(dist_pools, hf_dirs):
     diffs = dist_pools.run(2, _zero3_diff, hf_dirs / "sharded")
     assert max(diffs) <= ATOL, diffs
+
+
+@pytest.mark.parametrize("variant, tp", [("sharded", 1), ("tied-llama3", 2)])
+def test_cp2_logits_match_transformers(dist_pools, hf_dirs, variant, tp):
+    """Context parallel: each cp rank's chunks of the logits are transformers' (rotary
+    positions of the chunks it holds, attention over the whole sequence by the ring)."""
+    per_rank = dist_pools.run(2 * tp, _cp2_logits, hf_dirs / variant, tp)
+    expected = hf_logits(hf_dirs / variant, token_ids())
+    for rank, logits in enumerate(per_rank):
+        cp_rank = rank // tp
+        want = zigzag_slice(expected, 1, cp_rank, 2)
+        assert (logits - want).abs().max().item() <= ATOL, (rank, variant)
 
 
 # Mistral, Qwen2 and Qwen3 (tests/unit/test_hf_families.py: tp 1) on every axis.

@@ -24,6 +24,8 @@ LAYOUTS = {
     "dp2-tp2-pp2-zero1": ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1"],
     "dp2-tp2-zero2": ["--dp", "2", "--tp", "2", "--zero", "2"],
     "dp2-tp2-zero3": ["--dp", "2", "--tp", "2", "--zero", "3"],
+    # context parallel: learned positions of the zigzag chunks, ring attention
+    "cp2": ["--cp", "2"],
 }
 
 
@@ -34,6 +36,8 @@ LLAMA_LAYOUTS = {
     "pp2-interleaved": LAYOUTS["pp2-interleaved"],
     "dp2-tp2-zero3": LAYOUTS["dp2-tp2-zero3"],
     "dp2-tp2-pp2-zero1": LAYOUTS["dp2-tp2-pp2-zero1"],
+    # rotary positions of the zigzag chunks, kv heads around the ring, sequence parallel
+    "cp2-tp2-sp": ["--cp", "2", "--tp", "2", "--sp"],
 }
 
 
@@ -83,6 +87,10 @@ def test_llama_layout_matches_single_process(tmp_path, corpus, llama_reference, 
     (["--tp", "3"], "--n-head 4 is not divisible by --tp 3"),
     (["--pp", "2", "--zero", "3"], "--zero 3 with --pp 2 is not supported"),
     (["--micro-batches", "2"], "--micro-batches 2 needs --pp > 1"),
+    (["--cp", "3"], "--seq-len 32 does not split into 2 x cp = 6 load-balanced chunks; valid: "
+                    "a multiple of 6, e.g. --seq-len 30 or 36"),
+    (["--sp"], "--sp splits the sequence across the tp ranks between their layers and needs "
+               "--tp > 1"),
 ])
 def test_layouts_that_cannot_work_exit_2(tmp_path, corpus, flags, message):
     result = run_main("train", *MODEL, "--data", corpus, *flags, cwd=tmp_path)

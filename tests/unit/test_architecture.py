@@ -15,7 +15,7 @@ PACKAGE = ROOT / "meshwise"
 
 # Top to bottom: a wing may import only from the wings after it.
 FLOORS = ["cli", "train", "serve", "apply", "hf", "sharding", "pipeline", "tensor_parallel",
-          "models", "checkpoint", "mesh", "comm", "data", "layout"]
+          "context_parallel", "models", "checkpoint", "mesh", "comm", "data", "layout"]
 
 
 def _module_name(path: Path) -> str:

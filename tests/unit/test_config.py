@@ -179,3 +179,53 @@ def test_flag_names_follow_the_fields_they_set():
 
     renamed = {flag: field for flag, _, field, _, _ in TRAIN_FLAGS if flag_name(field) != flag}
     assert renamed == {"--model": "preset", "--data": "path"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cp", "2", "--seq-len", "30"],
+     "--seq-len 30 does not split into 2 x cp = 4 load-balanced chunks; valid: a multiple of "
+     "4, e.g. --seq-len 28 or 32"),
+    (["--cp", "2", "--tp", "4", "--sp", "--seq-len", "36"],
+     "--seq-len 36 does not split into 2 x cp = 4 load-balanced chunks whose tokens split "
+     "across tp = 4; valid: a multiple of 8, e.g. --seq-len 32 or 40"),
+    (["--tp", "2", "--sp", "--seq-len", "31"],
+     "--seq-len 31 does not split into slices across tp = 2; valid: a multiple of 2"),
+    (["--sp"], "--sp splits the sequence across the tp ranks between their layers and needs "
+               "--tp > 1; valid: --sp with --tp 2 or more, or no --sp"),
+    (["--cp", "0"], "--cp must be a finite number > 0"),
+])
+def test_sequence_splits_that_cannot_work_name_the_valid_values(argv, message):
+    with pytest.raises(ValueError) as info:
+        parse("--dp", "1", *argv)
+    assert message in str(info.value)
+
+
+def test_odd_cp_is_load_balanced_too():
+    cfg = parse("--cp", "3", "--seq-len", "126", "--dp", "1")
+    assert cfg.parallel.dims.world_size == 3 and cfg.parallel.sequence_divisor == 6
+
+
+def test_cp_needs_a_model_whose_attention_runs_as_a_ring(monkeypatch):
+    import dataclasses
+
+    from meshwise.models import families
+
+    gpt = families.FAMILIES["gpt"]
+    no_ring = dataclasses.replace(gpt, plan=lambda cfg: dataclasses.replace(gpt.plan(cfg), cp=()))
+    monkeypatch.setitem(families.FAMILIES, "gpt", no_ring)
+    with pytest.raises(ValueError, match="--cp 2: the attention of --model tiny cannot run as "
+                                         "a ring; valid: --cp 1"):
+        parse("--cp", "2")
+    parse("--cp", "1", "--dp", "1")
+
+
+def test_sp_is_a_switch_on_the_command_line_and_a_bool_in_toml(tmp_path):
+    assert parse("--tp", "2", "--sp").parallel.sp is True
+    assert parse("--tp", "2").parallel.sp is False
+    path = tmp_path / "run.toml"
+    path.write_text("tp = 2\n[parallel]\nsp = true\ncp = 2\n")
+    cfg = parse("--config", str(path))
+    assert (cfg.parallel.sp, cfg.parallel.cp, cfg.parallel.dims.world_size) == (True, 2, 4)
+    path.write_text("tp = 2\nsp = 1\n")
+    with pytest.raises(ValueError, match="sp = 1 is not true or false"):
+        parse("--config", str(path))

@@ -172,3 +172,27 @@ def test_bf16_weights_are_read_as_float32(tmp_path):
     save_file({"w": full}, str(tmp_path / "model.safetensors"))
     got = SafetensorsDir(tmp_path).read("w", Piece.box("w", (6, 4), (2, 0), (3, 4)).flat(1, 9))
     assert got.dtype == torch.float32 and torch.equal(got, full[2:5].float().reshape(-1)[1:9])
+
+
+def test_swiglu_keeps_its_inputs_only_and_differentiates_as_autograd():
+    from meshwise.models.llama import swiglu
+
+    gate, up = (torch.randn(3, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(swiglu, (gate, up))
+    out = swiglu(gate, up)
+    assert torch.equal(out, torch.nn.functional.silu(gate) * up)
+    saved = out.grad_fn.saved_tensors
+    assert len(saved) == 2 and saved[0] is gate and saved[1] is up
+
+
+def test_grouped_query_attention_keeps_kv_heads_unrepeated():
+    """The kv heads reach attention (and its saved tensors) as they are, not repeated."""
+    from meshwise.models.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(n_layer=1, n_head=4, n_kv_head=1, d_model=32,
+                              ffn_hidden_size=48)).init_weights(0)
+    seen = []
+    model.layers["0"].self_attn.sdpa.register_forward_hook(
+        lambda module, args, out: seen.append([t.shape[1] for t in args[:3]]))
+    model(torch.randint(0, 256, (1, 8)))
+    assert seen == [[4, 1, 1]]

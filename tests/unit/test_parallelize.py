@@ -91,3 +91,42 @@ def test_bad_plans_and_cuts_are_refused():
         model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="must be an nn.ModuleDict"):
         parallelize(model, ParallelPlan(layers="blocks"))
+
+
+def test_sequence_and_context_parallel_swap_what_the_plan_names():
+    from meshwise.context_parallel.positions import ZigzagPositions
+    from meshwise.context_parallel.ring import RingAttention
+    from meshwise.tensor_parallel.sequence import SequenceParallelEmbedding
+
+    with torch.device("meta"):
+        model = GPT(CFG)
+    pm = parallelize(model, gpt_plan(CFG), tp_group=_tp(1), cp_group=_tp(1),
+                     sequence_parallel=True)
+    chunk = pm.chunks[0]
+    assert pm.sequence_parallel
+    assert isinstance(chunk.positions, ZigzagPositions)
+    assert chunk.positions(0, 4, "cpu").tolist() == [2, 3, 4, 5]  # chunks 1 and 2 of 4
+    assert all(isinstance(b.attn.sdpa, RingAttention) for b in chunk.blocks.values())
+    assert isinstance(chunk.wpe, SequenceParallelEmbedding)
+    gather = chunk.blocks["0"].attn.qkv.sequence
+    assert gather is not None and chunk.blocks["1"].mlp.fc.sequence is gather  # one per chunk
+    assert chunk.lm_head.sequence is gather and chunk.wte.sequence_parallel
+    assert chunk.blocks["0"].mlp.proj.sequence_parallel
+    # without context parallelism the model keeps its own positions and attention
+    with torch.device("meta"):
+        plain = parallelize(GPT(CFG), gpt_plan(CFG), tp_group=_tp(0)).chunks[0]
+    assert type(plain.positions).__name__ == "Positions" and plain.wpe.__class__ is nn.Embedding
+
+
+def test_sequence_parallel_needs_tp_and_cp_needs_a_ring():
+    import dataclasses
+
+    with torch.device("meta"):
+        with pytest.raises(ValueError, match="sequence parallelism .* needs tp > 1"):
+            parallelize(GPT(CFG), gpt_plan(CFG), sequence_parallel=True)
+        no_ring = dataclasses.replace(gpt_plan(CFG), cp=())
+        with pytest.raises(ValueError, match="GPT's plan names no ring_attention"):
+            parallelize(GPT(CFG), no_ring, cp_group=_tp(0))
+        with pytest.raises(ValueError, match="style 'ring' for 'x'; valid: positions, "
+                                             "ring_attention"):
+            ParallelPlan(layers="blocks", cp=(("x", "ring"),))

@@ -1,0 +1,180 @@
+"""Ring attention over the cp group, on load-balanced (zigzag) chunks.
+
+Each of the N cp ranks holds two chunks of every sequence, ``r`` and
+``2N - 1 - r`` of ``2N`` (``meshwise.layout.sequence``), with their queries,
+keys and values. Attention over the whole sequence passes the keys and values
+around the ring (Liu et al. 2023, "Ring attention with blockwise
+transformers"): at step ``s`` rank ``r`` holds those of rank ``(r - s) mod N``,
+attends its queries to them and merges the result into its running output by
+log-sum-exp (``blocks.merge``), while sending them on to rank ``r + 1``.
+Under the causal mask the zigzag layout makes every step but the first cost
+half a block on every rank (Megatron-LM's and Llama 3's load balancing):
+
+- step 0, its own chunks: causal attention of all its queries (its positions
+  increase, so the global mask restricted to them is the causal mask);
+- keys from an earlier rank (``src < r``): all queries see the first of the
+  two key chunks (chunk ``src``); the second (``2N - 1 - src``) lies after both;
+- keys from a later rank (``src > r``): only the second query chunk
+  (``2N - 1 - r``) sees them, and sees both chunks whole.
+
+The backward sends the keys and values around again, each with the gradient
+dK/dV accumulated for it so far; after N steps every gradient is back at its
+owner. Grouped-query attention passes only the key/value heads. Every
+exchange is one ``ops.batch_p2p`` (send to the next rank, receive from the
+previous), as NCCL requires.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from meshwise.comm import ops
+from meshwise.context_parallel import blocks
+from meshwise.layout.sequence import zigzag_positions
+from meshwise.models.attention import check_heads
+
+CATEGORY = "cp"
+
+
+class GroupRing:
+    """The ring of a cp group: rank ``r`` sends to ``r + 1`` and receives from ``r - 1``."""
+
+    def __init__(self, group: ops.Group):
+        self.group, self.rank, self.size = group, group.rank, group.size
+
+    def exchange(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``tensors`` on; return what the previous rank sent (same shapes)."""
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        received = [torch.empty_like(t) for t in tensors]
+        ops.batch_p2p([(t, nxt, i) for i, t in enumerate(tensors)],
+                      [(t, prev, i) for i, t in enumerate(received)], self.group,
+                      category=CATEGORY)
+        return received
+
+
+def _block(step: int, src: int, rank: int, length: int) -> tuple[slice, slice, bool]:
+    """(query rows, key columns, causal) of this step's block; see the module docstring."""
+    half = length // 2
+    if step == 0:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+def ring_forward(q, k, v, ring, scale: float, keep_for=None):
+    """``(out, lse)`` of this rank's queries over the whole sequence.
+
+    ``keep_for(src, rows, cols)``: the dropout keep-mask function of a block
+    (``blocks`` takes ``keep(start, end)`` over its key columns), or None."""
+    acc = blocks.accumulation_dtype(q.dtype)
+    kv = torch.stack([k, v])  # (2, B, G, L, d): one message per step
+    out = lse = None
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        rows, cols, causal = _block(step, src, ring.rank, q.shape[2])
+        keep = keep_for(src, rows, cols) if keep_for else None
+        o, o_lse = blocks.block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                        causal, scale, keep)
+        if step == 0:  # its own block: every query sees its first key there
+            out, lse = o.to(acc), o_lse
+        else:
+            blocks.merge(out[:, :, rows], lse[:, :, rows], o.to(acc), o_lse, o_lse)
+        if step < ring.size - 1:
+            (kv,) = ring.exchange([kv])
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, ring, scale: float, keep_for=None):
+    """``(dq, dk, dv)``: dq of this rank's queries, dk/dv of its keys and values."""
+    kv = torch.stack([k, v])  # (2, B, G, L, d)
+    dq = dkv = None           # dkv: the gradient of the keys held now, travelling with them
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        rows, cols, causal = _block(step, src, ring.rank, q.shape[2])
+        keep = keep_for(src, rows, cols) if keep_for else None
+        dq_b, dk_b, dv_b = blocks.block_backward(
+            dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+            out[:, :, rows], lse[:, :, rows], causal, scale, keep)
+        if step == 0:  # its own block covers every query, key and value
+            dq, dkv = dq_b, torch.stack([dk_b, dv_b])  # (2, B, G, L, d)
+        else:
+            dq[:, :, rows] += dq_b
+            dkv[0][:, :, cols] += dk_b
+            dkv[1][:, :, cols] += dv_b
+        if step < ring.size - 1:
+            kv, dkv = ring.exchange([kv, dkv])
+        elif ring.size > 1:  # the gradient of our own keys comes home
+            (dkv,) = ring.exchange([dkv])
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, scale, keep_for):
+        out, lse = ring_forward(q, k, v, ring, scale, keep_for)
+        ctx.ring, ctx.scale, ctx.keep_for = ring, scale, keep_for
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.scale, ctx.keep_for)
+        return dq, dk, dv, None, None, None
+
+
+class RingAttention(nn.Module):
+    """``ScaledDotProductAttention`` over the cp group: this rank's zigzag chunks of
+    queries over every rank's keys (``ring_attention`` style of a plan).
+
+    Dropout on the attention weights (``p``) draws the masks one process draws:
+    keyed by sample, head and the (query, key) pair's global positions."""
+
+    def __init__(self, cp_group: ops.Group, p: float = 0.0, site: str = "", dropout=None):
+        super().__init__()
+        self.cp_group, self.p, self.site, self.dropout = cp_group, p, site, dropout
+
+    @classmethod
+    def from_sdpa(cls, module, cp_group: ops.Group) -> "RingAttention":
+        return cls(cp_group, module.p, module.site, module.dropout)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool = True) -> torch.Tensor:
+        """``q``: (B, H, L, d); ``k``, ``v``: (B, G, L, d); L this rank's tokens."""
+        if not causal:
+            raise ValueError("ring attention runs over whole causal sequences; decoding with a "
+                             "KV cache runs on one process (cp 1)")
+        check_heads(q.shape[1], k.shape[1])
+        keep_for = self._keep_for(q) if self.training and self.p else None
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        return _RingAttention.apply(q, k, v, GroupRing(self.cp_group), scale, keep_for)
+
+    def _keep_for(self, q: torch.Tensor):
+        """The keep-mask of a block: its weights' global (query, key) positions. The
+        backward draws the masks again (as FlashAttention replays its generator),
+        for the step and samples of this forward, wherever training has moved on."""
+        B, H, length, _ = q.shape
+        size, seq_len = self.cp_group.size, q.shape[2] * self.cp_group.size
+        mine = zigzag_positions(length, self.cp_group.rank, size, q.device)
+        context = copy.copy(self.dropout)  # where training is now: this forward's masks
+
+        def keep_for(src: int, rows: slice, cols: slice):
+            q_pos = mine[rows]
+            k_pos = zigzag_positions(length, src, size, q.device)[cols]
+
+            def keep(start: int, end: int) -> torch.Tensor:
+                elements = context.attention_elements(q_pos, k_pos[start:end], seq_len)
+                shape = torch.Size([B, H, len(q_pos), end - start])
+                return context.mask(self.site, shape, self.p, q.device, per_head=True,
+                                    elements=elements)
+            return keep
+        return keep_for
+
+    def extra_repr(self) -> str:
+        return f"cp_size={self.cp_group.size}" + (f", p={self.p}, site={self.site}"
+                                                   if self.p else "")

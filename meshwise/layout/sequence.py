@@ -1,0 +1,99 @@
+"""Which tokens of a sequence a rank holds under context and sequence parallelism (pure).
+
+Context parallelism (``--cp N``) cuts every sequence of ``T`` tokens into
+``2N`` chunks of ``T / 2N`` and gives cp rank ``r`` chunks ``r`` and
+``2N - 1 - r`` (the "zigzag" or head-tail layout of Megatron-LM's context
+parallelism and of Llama 3's, Meta 2024, section 3.3.2): under a causal mask an
+early chunk attends to few keys and a late one to many, so pairing them gives
+every rank the same work. A rank keeps its two chunks in order, so its own
+positions increase and a causal mask over its local tokens is exactly the
+global mask restricted to them.
+
+Sequence parallelism (``--sp``) then splits a rank's tokens again across the
+tp ranks, in ``tp`` contiguous runs of its local order, between the
+tensor-parallel layers (Korthikanti et al. 2022).
+
+``SequenceShard`` answers, for one rank, the global position of every token it
+holds in either region; dropout masks, learned and rotary positions and the
+ring's causal masks are all keyed by it, so they do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two chunks (of ``2 cp_size``) that cp rank ``cp_rank`` holds, in order."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def zigzag_positions(local_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
+    """Global positions of the ``local_len`` tokens cp rank ``cp_rank`` holds (int64)."""
+    if cp_size == 1:
+        return torch.arange(local_len, device=device)
+    if local_len % 2:
+        raise ValueError(f"a context-parallel rank holds two equal chunks; {local_len} tokens "
+                         "do not split in two")
+    chunk = local_len // 2
+    first, second = zigzag_chunks(cp_rank, cp_size)
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
+                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+
+
+def zigzag_slice(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """The tokens of ``x`` (whole sequences along ``dim``) that cp rank ``cp_rank`` holds."""
+    if cp_size == 1:
+        return x
+    length = x.shape[dim]
+    if length % (2 * cp_size):
+        raise ValueError(f"{length} tokens do not split into 2 x cp = {2 * cp_size} chunks")
+    chunk = length // (2 * cp_size)
+    first, second = zigzag_chunks(cp_rank, cp_size)
+    return torch.cat([x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)],
+                     dim=dim)
+
+
+def position_owner(position: int, seq_len: int, cp_size: int) -> tuple[int, int]:
+    """``(cp_rank, local index)`` of global ``position`` in a sequence of ``seq_len``."""
+    if cp_size == 1:
+        return 0, position
+    chunk = seq_len // (2 * cp_size)
+    index = position // chunk
+    if index < cp_size:
+        return index, position - index * chunk
+    return 2 * cp_size - 1 - index, chunk + position - index * chunk
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple``."""
+    return -(-length // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """The part of every sequence one rank holds: cp rank and size (zigzag chunks), and
+    with sequence parallelism its tp rank and size (``sp_size`` 1: no split)."""
+
+    cp_rank: int = 0
+    cp_size: int = 1
+    sp_rank: int = 0
+    sp_size: int = 1
+
+    @property
+    def tokens_divisor(self) -> int:
+        """What a sequence's length must be a multiple of for this layout."""
+        return (2 * self.cp_size if self.cp_size > 1 else 1) * self.sp_size
+
+    def local_positions(self, local_len: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's ``local_len`` tokens where the sequence is
+        whole across tp (attention, the tensor-parallel layers)."""
+        return zigzag_positions(local_len, self.cp_rank, self.cp_size, device)
+
+    def stream_positions(self, stream_len: int, device=None) -> torch.Tensor:
+        """Global positions of the ``stream_len`` tokens this rank holds between the
+        tensor-parallel layers (the residual stream: its sp slice of the local ones)."""
+        local = self.local_positions(stream_len * self.sp_size, device)
+        return local[self.sp_rank * stream_len:(self.sp_rank + 1) * stream_len]
