@@ -199,3 +199,22 @@ def test_config_json_values_of_the_wrong_type_exit_2_naming_file_and_key(
     assert result.returncode == 2, result.stderr
     assert f"{directory}/config.json: {key} = {json.dumps(value)} {wanted}" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_qwen3_norm_gradients_are_summed_once_with_and_without_sequence_parallel(tmp_path,
+                                                                                  corpus):
+    """Each tp rank normalises its own heads: the q/k norm's gradient is summed over tp
+    by the norm itself, or by the sequence-parallel sync under --sp, never both."""
+    save_hf_llama(tmp_path / "hf", model_type="qwen3", head_dim=32)
+    curves = {}
+    for name, layout in (("tp1", []), ("tp2", ["--tp", "2"]), ("tp2-sp", ["--tp", "2", "--sp"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        result = run_cli("train", "--init-from", tmp_path / "hf", *layout, "--data", corpus,
+                         *RUN, "--metrics", metrics, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        curves[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for name in ("tp2", "tp2-sp"):
+        for ref, got in zip(curves["tp1"], curves[name], strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), name
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), name
