@@ -22,28 +22,32 @@ ATOL = 1e-5
 
 
 def save_hf_llama(out, tie: bool = False, rope_scaling: dict | None = None,
-                  max_shard_size: str | None = None, seed: int = 0, **sizes):
-    """A random ``LlamaForCausalLM`` (norm weights random too) saved to ``out``."""
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
+                  max_shard_size: str | None = None, seed: int = 0, model_type: str = "llama",
+                  **sizes):
+    """A random ``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3 by ``model_type``; norm
+    weights and biases random too) saved to ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = HFLlamaConfig(**{**HF_SIZES, **sizes}, tie_word_embeddings=tie,
-                           rope_scaling=dict(rope_scaling) if rope_scaling else None)  # it edits it
+    scaling = {"rope_scaling": dict(rope_scaling)} if rope_scaling else {}  # it edits it
+    config = AutoConfig.for_model(model_type, **{**HF_SIZES, **sizes}, tie_word_embeddings=tie,
+                                  **scaling)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.2)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
     return model
 
 
 def hf_logits(directory, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(ids).logits
 
@@ -53,7 +57,8 @@ def token_ids(vocab_size: int = HF_SIZES["vocab_size"], shape=(2, 24), seed: int
 
 
 def laid_out(directory, tp_group=None, pp_rank: int = 0, pp_size: int = 1,
-             virtual_stages: int = 1, cp_group=None, sequence_parallel: bool = False):
+             virtual_stages: int = 1, cp_group=None, sequence_parallel: bool = False,
+             tie_group=None):
     """meshwise's ``ParallelModel`` of ``directory`` (on the meta device) and the
     ``values(name, start, end)`` that read its slices from the files."""
     cfg = LlamaConfig(**llama_sizes(read_config(directory), str(directory)))
@@ -61,7 +66,7 @@ def laid_out(directory, tp_group=None, pp_rank: int = 0, pp_size: int = 1,
         model = Llama(cfg)
     pm = parallelize(model, llama_plan(cfg), tp_group=tp_group, pp_rank=pp_rank,
                      pp_size=pp_size, virtual_stages=virtual_stages, cp_group=cp_group,
-                     sequence_parallel=sequence_parallel)
+                     sequence_parallel=sequence_parallel, tie_group=tie_group)
     weights = SafetensorsDir(directory)
     return pm, pm.values_from(lambda piece: weights.read(hf_name(piece.name), piece))
 
@@ -71,3 +76,25 @@ def materialize(pm, values) -> None:
     owners = param_owners(pm.chunks)
     for name, param in pm.named_parameters():
         rebind(param, values(name, 0, param.numel()).view(param.shape), owners)
+
+
+GPT2_SIZES = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=301, n_positions=64)
+
+
+def save_gpt2(out, prefix: bool = True, **change):
+    """A random ``GPT2LMHeadModel`` (biases and LayerNorms random too) saved to ``out``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**{**GPT2_SIZES, **change})).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "ln" in name:
+                param.normal_(0.5 if "ln" in name and name.endswith("weight") else 0.0, 0.2)
+    model.save_pretrained(out)
+    if not prefix:  # the original checkpoints' names: no "transformer." prefix
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(out / "model.safetensors")
+        save_file({k.removeprefix("transformer."): v for k, v in tensors.items()
+                   if not k.startswith("lm_head")}, out / "model.safetensors")

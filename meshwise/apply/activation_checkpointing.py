@@ -3,7 +3,12 @@
 ``apply_activation_checkpointing(blocks, "full")`` makes each given block keep
 only its input during the forward and recompute everything else when the
 backward reaches it (Chen et al. 2016, "Training deep nets with sublinear memory
-cost"; ``torch.utils.checkpoint`` with ``use_reentrant=False``). The model's code
+cost"; ``torch.utils.checkpoint`` with ``use_reentrant=False``). ``"selective"``
+keeps the outputs of the matrix multiplies and of fused attention and recomputes
+only the cheap rest, the element-wise ops, norms and activations (Korthikanti et
+al. 2022, "Reducing activation recomputation in large transformer models",
+section 4.2, applied per op as torchtitan's selective policy does): most of the
+memory of full checkpointing's savings at little of its time. The model's code
 and its parameter names are untouched: each block stays the same object, its
 class swapped for a subclass whose ``forward`` checkpoints the original one, so
 plans, checkpoints and ZeRO units see the same modules.
@@ -25,14 +30,30 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
-MODES = ("none", "full")
+MODES = ("none", "selective", "full")
+_aten = torch.ops.aten
+# Outputs kept under "selective": matmuls and fused attention (costly to redo).
+_KEEP = {getattr(_aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name)}
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str,
                                    dropout=None) -> None:
-    """Recompute each of ``blocks`` in backward when ``mode`` is ``"full"``.
+    """Recompute each of ``blocks`` in backward when ``mode`` is ``"full"``, or the
+    cheap parts of each when it is ``"selective"``.
 
     ``blocks``: the transformer blocks, in any order (of a whole model or of this
     rank's pipeline chunks). ``dropout``: the ``DropoutContext`` the blocks'
@@ -51,6 +72,7 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str,
             # names, hooks and copies (``copy.deepcopy``) stay those of the block.
             block.__class__ = _checkpointed_class(type(block))
         block._ac_dropout, block._ac_inside = dropout, False
+        block._ac_selective = mode == "selective"
 
 
 class Checkpointed:
@@ -70,8 +92,9 @@ class Checkpointed:
             with self._ac_entered(), _dropout_at(dropout, where):
                 return self(*args, **kwargs)
 
+        extra = {"context_fn": _selective_contexts} if self._ac_selective else {}
         with self._ac_entered():
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
 
     @contextlib.contextmanager
     def _ac_entered(self):

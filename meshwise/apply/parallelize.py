@@ -26,14 +26,18 @@ from typing import Callable
 import torch
 from torch import nn
 
+from meshwise.apply.checks import (check_divisible, check_forward, check_names, split_modules,
+                                   vocab_from_modules)
+from meshwise.apply.module_init import default_inits
 from meshwise.context_parallel.positions import ZigzagPositions
 from meshwise.context_parallel.ring import RingAttention
 from meshwise.layout.init import Init, init_values
-from meshwise.layout.params import logical_piece
+from meshwise.layout.params import logical_piece, mark_tie
 from meshwise.layout.pieces import Piece
 from meshwise.layout.plan import ParallelPlan
 from meshwise.pipeline.actions import stage_index
-from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                             ShardRMSNorm)
 from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
 from meshwise.tensor_parallel.sequence import SequenceGather, SequenceParallelEmbedding
 from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
@@ -46,6 +50,7 @@ _SWAP = {
     "rowwise": RowParallelLinear.from_linear,
     "vocab_embedding": VocabParallelEmbedding.from_embedding,
     "vocab_head": VocabParallelHead.from_linear,
+    "shard_norm": ShardRMSNorm.from_norm,
     "position_embedding": SequenceParallelEmbedding.from_embedding,
 }
 _CP_SWAP = {
@@ -74,10 +79,13 @@ class ParallelModel:
     num_stages: int
     plan: ParallelPlan
     tp_group: object
-    vocab_size: int
+    vocab_size: int | None
     cross_stage_ties: list[str] = field(default_factory=list)
     local_ties: list[tuple[str, ...]] = field(default_factory=list)
     sequence_parallel: bool = False
+    # each logical parameter's own initialisation (its module's), or why there is none
+    own_inits: dict[str, Init] | None = None
+    own_inits_problem: str = ""
 
     @property
     def holds_last_stage(self) -> bool:
@@ -131,10 +139,23 @@ class ParallelModel:
         return {name: logical_piece(self.logical_name(name), p, rank, size)
                 for name, p in named}
 
-    def init_values(self, init_of: Callable[[str], Init], seed: int):
+    def init_values(self, init_of: Callable[[str], Init] | None = None, seed: int = 0):
         """``values(name, start, end)`` for the engines: the single-process initial
-        values of this rank's slice, drawn for only the elements asked for."""
+        values of this rank's slice, drawn for only the elements asked for.
+
+        ``init_of(logical name) -> Init``; ``None``: each parameter's own module's
+        initialisation (``meshwise.apply.module_init``)."""
+        if init_of is None:
+            if self.own_inits is None:
+                raise ValueError(self.own_inits_problem)
+            init_of = self.own_init
         return self.values_from(lambda piece: init_values(init_of(piece.name), seed, piece))
+
+    def own_init(self, name: str) -> Init:
+        """The initialisation parameter ``name``'s module gives it (ValueError if unknown)."""
+        if self.own_inits is None:
+            raise ValueError(self.own_inits_problem)
+        return self.own_inits[self.logical_name(name)]
 
     def values_from(self, read: Callable[[Piece], torch.Tensor]):
         """``values(name, start, end)`` for the engines from ``read(piece)``, which
@@ -169,9 +190,11 @@ class ParallelModel:
 def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: int = 0,
                 pp_size: int = 1, virtual_stages: int = 1, vocab_size: int | None = None,
                 sequence_parallel: bool = False, cp_group=None,
-                stage_map: str = "loop") -> ParallelModel:
+                stage_map: str = "loop", *, mesh=None, tie_group=None) -> ParallelModel:
     """This rank's ``ParallelModel`` of ``model`` (which is consumed: chunks reuse it).
 
+    ``mesh``: a ``meshwise.Mesh``, which gives the groups and pipeline position
+    below; or, one by one:
     ``tp_group``: the tensor-parallel group (``None`` or size 1: none);
     ``pp_rank``/``pp_size``/``virtual_stages``: the pipeline position; ``stage_map``
     (``meshwise.pipeline.actions``): ``loop``, chunk ``v`` is logical stage
@@ -180,7 +203,17 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
     ``sequence_parallel``: split the sequence between the tensor-parallel
     layers (needs tp > 1); ``cp_group``: the context-parallel group (``None``
     or size 1: none).
+    ``tie_group``: the group of the stages a tie spans (``mesh.embed``), over
+    which the engines sum a cross-stage tie's gradients (an engine refuses a
+    cross-stage tie without it).
+    ``vocab_size``: read from the modules the plan splits over the vocabulary; a
+    value given must agree. The plan is checked against the model first
+    (``meshwise.apply.checks``): a mistake is a ``ValueError`` naming the module.
     """
+    if mesh is not None:
+        tp_group = mesh.tp if mesh.dims.tp > 1 else None
+        pp_rank, pp_size, tie_group = mesh.pp_rank, mesh.dims.pp, mesh.embed
+        cp_group = mesh.cp if mesh.dims.cp > 1 else None
     num_stages = pp_size * virtual_stages
     layers = _layers(model, plan)
     if len(layers) % num_stages:
@@ -193,7 +226,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
     if cp_size > 1 and not plan.ring_capable:
         raise ValueError(f"{type(model).__name__}'s plan names no ring_attention: its "
                          "attention cannot run under context parallelism")
-    stages = [stage_index(pp_rank, v, pp_size, stage_map) for v in range(virtual_stages)]
+    vocab_size, own, problem = _check(model, plan, tp_size_of(tp_group), num_stages,
+                                      vocab_size)
+    stages = [stage_index(pp_rank, v, pp_size, stage_map)
+              for v in range(virtual_stages)]
     chunks = [_cut(model, plan, s, num_stages) for s in stages]
     for chunk in chunks:
         if tp_size_of(tp_group) > 1:
@@ -203,10 +239,36 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
             _swap_styles(chunk, plan.cp_style, lambda style, module: _CP_SWAP[style](
                 module, cp_group))
     remote, local = _cross_stage_ties(chunks, plan, num_stages)
-    if vocab_size is None:
-        vocab_size = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    _mark_ties(chunks, remote, tie_group)
     return ParallelModel(chunks, stages, num_stages, plan, tp_group, vocab_size, remote, local,
-                         sequence_parallel)
+                         sequence_parallel, own, problem)
+
+
+def _check(model: nn.Module, plan: ParallelPlan, tp_size: int, num_stages: int,
+           vocab_size: int | None):
+    """The plan against the model (before anything is cut): the vocabulary, and each
+    parameter's own initialisation (or why there is none)."""
+    check_names(model, plan)
+    split = split_modules(model, plan)
+    if tp_size > 1:
+        check_divisible(split, tp_size)
+    vocab_size = vocab_from_modules(split, vocab_size)
+    check_forward(model, split, tp_size, num_stages,
+                  lambda m, stage, n: _cut(m, plan, stage, n))
+    try:
+        return vocab_size, default_inits(model), ""
+    except ValueError as exc:
+        return vocab_size, None, str(exc)
+
+
+def _mark_ties(chunks, ties: list[str], tie_group) -> None:
+    """Mark each cross-stage tie member with the group its gradient is summed over
+    (``None``: not given; an engine then refuses the parameter)."""
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for name in ties:
+            if name in params:
+                mark_tie(params[name], tie_group)
 
 
 def _layers(model: nn.Module, plan: ParallelPlan) -> nn.ModuleDict:

@@ -135,7 +135,9 @@ TRAIN_FLAGS = [
      "over dp in (with --dtype bf16; fp32 keeps every micro-step's bits)"),
     ("--activation-checkpointing", "runtime", "activation_checkpointing", str,
      f"{' or '.join(ACTIVATION_CHECKPOINTING)}: full keeps only each transformer block's "
-     "input in forward and recomputes the rest in backward (less memory, more compute)"),
+     "input in forward and recomputes the rest in backward (less memory, more compute); "
+     "selective keeps the matmul and attention outputs and recomputes the element-wise "
+     "rest (most of the saving at a fraction of the recompute)"),
     ("--metrics", "runtime", "metrics", str, "write one JSON line per step to this file"),
     ("--log-to", "runtime", "log_to", str,
      "experiment loggers, comma-separated: tensorboard, wandb, mlflow (each an optional "

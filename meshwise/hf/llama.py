@@ -1,5 +1,10 @@
 """Hugging Face's Llama ``config.json`` and tensor names, to and from ours (pure).
 
+Mistral, Qwen2 and Qwen3 are the same decoder with switches (``LlamaConfig``:
+sliding window, q/k/v biases, q/k norms and head size) and the same tensor
+names, so they are read and written here too, each under its own
+``model_type`` and architecture.
+
 Our module names are Hugging Face's without the ``model.`` prefix that
 ``LlamaForCausalLM`` puts before its decoder (``lm_head`` has none), so a
 tensor's name maps by that prefix alone. ``config.json`` is read in both the
@@ -16,6 +21,11 @@ from pathlib import Path
 from meshwise.models.llama import LlamaConfig, rope_type_of
 
 ARCHITECTURE = "LlamaForCausalLM"
+# model_type -> the architecture transformers builds for it
+ARCHITECTURES = {"llama": ARCHITECTURE, "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Mixture-of-experts keys of transformers' configs: a value > 0 means MoE blocks.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # Our LlamaConfig field <- config.json key.
 SIZES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
          "n_kv_head": "num_key_value_heads", "d_model": "hidden_size",
@@ -30,7 +40,8 @@ KEY_TYPES = {**{key: "int" for key in SIZES.values()}, "rms_norm_eps": "number",
              "num_key_value_heads": "int?", "head_dim": "int?", "rope_theta": "number",
              "tie_word_embeddings": "bool", "attention_bias": "bool", "mlp_bias": "bool",
              "hidden_act": "str", "model_type": "str", "architectures": "list?",
-             "rope_scaling": "object?", "rope_parameters": "object?"}
+             "rope_scaling": "object?", "rope_parameters": "object?", "sliding_window": "int?",
+             "use_sliding_window": "bool", **{key: "int?" for key in MOE_KEYS}}
 ROPE_KEY_TYPES = {"factor": "number", "low_freq_factor": "number",
                   "high_freq_factor": "number", "original_max_position_embeddings": "int",
                   "rope_type": "str", "type": "str", "rope_theta": "number"}
@@ -67,11 +78,12 @@ def llama_sizes(config: dict, where: str) -> dict:
     check_types(config, KEY_TYPES, f"{where}/config.json")
     for key in ("rope_scaling", "rope_parameters"):
         check_types(config.get(key) or {}, ROPE_KEY_TYPES, f"{where}/config.json: {key}")
-    architectures = config.get("architectures") or [ARCHITECTURE]
-    if config.get("model_type") != "llama" or ARCHITECTURE not in architectures:
+    kind = config.get("model_type")
+    architectures = config.get("architectures") or [ARCHITECTURES.get(kind, "")]
+    if kind not in ARCHITECTURES or ARCHITECTURES[kind] not in architectures:
+        valid = ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items())
         raise ValueError(f"--init-from {where}: config.json describes model_type "
-                         f"{config.get('model_type')!r} ({', '.join(architectures)}); valid: "
-                         f"a Llama (model_type 'llama', {ARCHITECTURE})")
+                         f"{kind!r} ({', '.join(architectures)}); valid: {valid}")
     missing = [key for key in SIZES.values() if key not in config and key != "num_key_value_heads"]
     if missing:
         raise ValueError(f"--init-from {where}: config.json lacks {', '.join(missing)}")
@@ -79,6 +91,7 @@ def llama_sizes(config: dict, where: str) -> dict:
     if sizes.get("n_kv_head") is None:  # no key (or null): multi-head attention
         sizes["n_kv_head"] = sizes["n_head"]
     _check_supported(config, sizes, where)
+    sizes.update(_variant(config, sizes, where))
     rope = dict(config.get("rope_parameters") or {})
     theta = config.get("rope_theta", rope.get("rope_theta", DEFAULT_ROPE_THETA))
     scaling = config.get("rope_scaling") or rope
@@ -113,19 +126,31 @@ def check_types(config: dict, types: dict[str, str], where: str) -> None:
 
 
 def _check_supported(config: dict, sizes: dict, where: str) -> None:
-    head_dim = sizes["d_model"] // sizes["n_head"]
+    moe = [key for key in MOE_KEYS if config.get(key)]
     unsupported = [
+        (moe, f"MoE blocks ({moe[0]} {config.get(moe[0])})" if moe else "", "a dense model"),
         (config.get("attention_bias", False), "attention_bias true", "false"),
         (config.get("mlp_bias", False), "mlp_bias true", "false"),
         (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r}",
          "'silu'"),
-        ((config.get("head_dim") or head_dim) != head_dim, f"head_dim {config.get('head_dim')}",
-         f"hidden_size / num_attention_heads = {head_dim}"),
+        (config.get("use_sliding_window", False), "use_sliding_window true (Qwen's "
+         "sliding-window layers)", "false"),
     ]
     for bad, what, valid in unsupported:
         if bad:
-            raise ValueError(f"--init-from {where}: config.json has {what}, which meshwise's "
-                             f"Llama does not compute; valid: {valid}")
+            raise ValueError(f"--init-from {where}: config.json has {what}, which meshwise "
+                             f"does not compute; valid: {valid}")
+
+
+def _variant(config: dict, sizes: dict, where: str) -> dict:
+    """The switches of the model_type: Qwen2's biases, Qwen3's q/k norms, a head size
+    of its own, Mistral's sliding window."""
+    kind = config["model_type"]
+    head_dim = config.get("head_dim") or sizes["d_model"] // sizes["n_head"]
+    own_head = head_dim if head_dim * sizes["n_head"] != sizes["d_model"] else 0
+    window = config.get("sliding_window") if kind == "mistral" else None
+    return {"qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3", "head_size": own_head,
+            "sliding_window": window or 0, "hf_type": kind}
 
 
 def _rope_scaling(scaling: dict, where: str) -> dict | None:
@@ -143,13 +168,17 @@ def _rope_scaling(scaling: dict, where: str) -> dict | None:
 
 
 def hf_config(cfg: LlamaConfig) -> dict:
-    """The ``config.json`` of ``cfg`` for ``LlamaForCausalLM``."""
-    config = {"architectures": [ARCHITECTURE], "model_type": "llama",
+    """The ``config.json`` of ``cfg`` for its family's architecture (``LlamaForCausalLM``...)."""
+    config = {"architectures": [ARCHITECTURES[cfg.hf_type]], "model_type": cfg.hf_type,
               **{theirs: getattr(cfg, ours) for ours, theirs in SIZES.items()},
               "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False,
               "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
               "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
               "torch_dtype": "float32", "use_cache": True}
+    if cfg.hf_type in ("qwen2", "qwen3"):
+        config.update(use_sliding_window=False, sliding_window=None)
+    if cfg.hf_type == "mistral":
+        config["sliding_window"] = cfg.sliding_window or None
     if cfg.rope_scaling:
         config["rope_scaling"] = dict(cfg.rope_scaling)
     return config
@@ -158,17 +187,23 @@ def hf_config(cfg: LlamaConfig) -> dict:
 def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor ``LlamaForCausalLM`` stores for ``cfg``, by its name, with its shape
     (``lm_head.weight`` included only when it is not tied to the embedding)."""
-    d, kv, ffn = cfg.d_model, cfg.n_kv_head * cfg.head_dim, cfg.ffn_hidden_size
+    d, ffn, hd = cfg.d_model, cfg.ffn_hidden_size, cfg.head_dim
+    q, kv = cfg.n_head * hd, cfg.n_kv_head * hd
     shapes = {"embed_tokens.weight": (cfg.vocab_size, d), "norm.weight": (d,)}
     for i in range(cfg.n_layer):
-        layer = f"layers.{i}."
+        layer, attn = f"layers.{i}.", f"layers.{i}.self_attn."
         shapes.update({
             layer + "input_layernorm.weight": (d,),
             layer + "post_attention_layernorm.weight": (d,),
-            layer + "self_attn.q_proj.weight": (d, d), layer + "self_attn.k_proj.weight": (kv, d),
-            layer + "self_attn.v_proj.weight": (kv, d), layer + "self_attn.o_proj.weight": (d, d),
+            attn + "q_proj.weight": (q, d), attn + "k_proj.weight": (kv, d),
+            attn + "v_proj.weight": (kv, d), attn + "o_proj.weight": (d, q),
             layer + "mlp.gate_proj.weight": (ffn, d), layer + "mlp.up_proj.weight": (ffn, d),
             layer + "mlp.down_proj.weight": (d, ffn)})
+        if cfg.qkv_bias:
+            shapes.update({attn + "q_proj.bias": (q,), attn + "k_proj.bias": (kv,),
+                           attn + "v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            shapes.update({attn + "q_norm.weight": (hd,), attn + "k_norm.weight": (hd,)})
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     return {hf_name(name): shape for name, shape in shapes.items()}

@@ -23,15 +23,17 @@ from .pieces import Piece
 
 BLOCK = 1 << 16  # elements per independently seeded block
 _CHUNK = 1 << 20  # piece elements resolved to logical indices at a time
-INIT_KINDS = ("normal", "zeros", "ones")
+INIT_KINDS = ("normal", "uniform", "zeros", "ones")
 
 
 @dataclass(frozen=True)
 class Init:
-    """How a parameter's single-process values are drawn: N(0, std^2), zeros or ones."""
+    """How a parameter's single-process values are drawn: N(0, std^2), U(-bound, bound)
+    (``nn.Linear``'s own initialisation), zeros or ones."""
 
     kind: str = "normal"
     std: float = 0.02
+    bound: float = 0.0
 
     def __post_init__(self):
         if self.kind not in INIT_KINDS:
@@ -46,6 +48,10 @@ def normal(std: float) -> Init:
     return Init("normal", std)
 
 
+def uniform(bound: float) -> Init:
+    return Init("uniform", bound=bound)
+
+
 def block_seed(seed: int, name: str, block: int) -> int:
     """A stable seed per (run seed, parameter, block); not Python's salted ``hash``."""
     return zlib.crc32(f"{seed}:{name}:{block}".encode())
@@ -54,13 +60,15 @@ def block_seed(seed: int, name: str, block: int) -> int:
 def _draw_block(init: Init, seed: int, name: str, block: int, numel: int) -> torch.Tensor:
     size = min(BLOCK, numel - block * BLOCK)
     gen = torch.Generator().manual_seed(block_seed(seed, name, block))
+    if init.kind == "uniform":
+        return torch.empty(size).uniform_(-init.bound, init.bound, generator=gen)
     return torch.empty(size).normal_(0.0, init.std, generator=gen)  # fp32, on the CPU
 
 
 def init_values(init: Init, seed: int, piece: Piece, dtype: torch.dtype = torch.float32,
                 device=None) -> torch.Tensor:
     """The elements of ``piece`` (flat, in its order) as one process would draw them."""
-    if init.kind != "normal":
+    if init.kind in ("zeros", "ones"):
         fill = 0.0 if init.kind == "zeros" else 1.0
         return torch.full((piece.numel,), fill, dtype=dtype, device=device)
     numel = math.prod(piece.shape)

@@ -32,6 +32,20 @@ def mark_tp(param: nn.Parameter, sharded: bool, dim: int | None = None) -> nn.Pa
     return param
 
 
+def mark_tie(param: nn.Parameter, group) -> nn.Parameter:
+    """Mark ``param`` as one copy of a tie whose other copies live on other pipeline
+    stages: its gradient is summed over ``group`` (the stages holding a copy;
+    ``None`` when the caller gave none: no engine can then train it)."""
+    param.cross_stage_tie = True
+    param.tie_group = group
+    return param
+
+
+def cross_stage_tie(param: torch.Tensor) -> tuple[bool, object]:
+    """Whether ``param`` is a cross-stage tie copy, and the group its gradient is summed over."""
+    return bool(getattr(param, "cross_stage_tie", False)), getattr(param, "tie_group", None)
+
+
 def is_tp_sharded(param: torch.Tensor) -> bool:
     """Whether tp ranks hold different slices of ``param`` (unmarked = replicated)."""
     return bool(getattr(param, "tp_sharded", False))

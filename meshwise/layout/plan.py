@@ -20,6 +20,9 @@ and picotron's ``apply_tensor_parallel`` do):
   ``vocab_head``
       the output ``nn.Linear`` over the vocabulary, split like the embedding;
       its logits stay split and the loss is computed from the shards.
+  ``shard_norm``
+      an RMSNorm (``weight`` and ``eps``) applied to each head of a split
+      activation (Qwen3's q/k norms): replicated, its gradient summed over tp.
   ``position_embedding``
       an ``nn.Embedding`` of learned positions, replicated; under sequence
       parallelism each rank looks up only the positions of its slice.
@@ -65,7 +68,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "position_embedding")
+TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "position_embedding",
+             "shard_norm")
 CP_STYLES = ("positions", "ring_attention")
 
 
@@ -90,6 +94,10 @@ class ParallelPlan:
         if len(names) != len(set(names)):
             raise ValueError("plan: a parameter is listed in two ties")
 
+    def tp_match(self, module_path: str) -> tuple[str, str] | None:
+        """The first ``(pattern, style)`` matching ``module_path`` (None: replicated)."""
+        return _match(self.tp, module_path)
+
     def tp_style(self, module_path: str) -> str | None:
         """The style of the first pattern matching ``module_path`` (None: replicated)."""
         return _style(self.tp, module_path)
@@ -111,11 +119,16 @@ class ParallelPlan:
         return name
 
 
-def _style(entries: tuple[tuple[str, str], ...], module_path: str) -> str | None:
+def _match(entries: tuple[tuple[str, str], ...], module_path: str) -> tuple[str, str] | None:
     parts = module_path.split(".")
     for pattern, style in entries:
         pattern_parts = pattern.split(".")
         if len(parts) == len(pattern_parts) and all(
                 fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pattern_parts)):
-            return style
+            return pattern, style
     return None
+
+
+def _style(entries: tuple[tuple[str, str], ...], module_path: str) -> str | None:
+    match = _match(entries, module_path)
+    return match[1] if match else None

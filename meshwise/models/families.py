@@ -30,8 +30,18 @@ class ModelFamily:
     config: type
     build: Callable[..., nn.Module]  # (config, dropout context or None) -> module
     plan: Callable[[Any], ParallelPlan]
-    init: Callable[[Any, str], Init]  # (config, logical parameter name) -> Init
-    check_tp: Callable[[Any, int], None]
+    init: Callable[[Any, str], Init] | None  # (config, logical name) -> Init; None: the
+    check_tp: Callable[[Any, int], None]     # modules' own (meshwise.apply.module_init)
+
+    @classmethod
+    def own(cls, factory: Callable[[], nn.Module], plan: ParallelPlan,
+            init_of: Callable[[str], Init] | None = None) -> "ModelFamily":
+        """A model of one's own: ``factory()`` builds it (the trainer calls it on the meta
+        device), ``plan`` lays it out, ``init_of(name)`` draws its initial values
+        (``None``: each module's own initialisation). Its checks are ``parallelize``'s."""
+        return cls("own", type(None), lambda cfg, dropout: factory(), lambda cfg: plan,
+                   None if init_of is None else (lambda cfg, name: init_of(name)),
+                   lambda cfg, tp: None)
 
     def create(self, cfg, seed: int = 0, dropout=None) -> nn.Module:
         """The whole model on one process, holding the layout-independent initial

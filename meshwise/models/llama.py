@@ -6,7 +6,11 @@ Face's ``LlamaForCausalLM`` checkpoints are written for, a SwiGLU MLP (Shazeer
 2020, "GLU variants improve Transformer"), grouped-query attention (Ainslie et
 al. 2023: ``n_kv_head`` key/value heads, each serving ``n_head / n_kv_head``
 query heads) and no biases. The output head is its own matrix unless
-``tie_embeddings``.
+``tie_embeddings``. The variants Hugging Face ships as other families are
+switches of the same code: Qwen2's q/k/v biases (``qkv_bias``), Qwen3's RMSNorm
+over each query and key head before the rotation (``qk_norm``) and its own
+head size (``head_size``), Mistral's sliding-window attention (``sliding_window``:
+a token sees itself and the ``sliding_window - 1`` tokens before it).
 
 Modules are named as in Hugging Face's model without its ``model.`` prefix
 (``embed_tokens``, ``layers.N.self_attn.q_proj``, ``layers.N.mlp.gate_proj``,
@@ -26,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshwise.layout.init import ONES, Init, init_module, normal
+from meshwise.layout.init import ONES, ZEROS, Init, init_module, normal
 from meshwise.layout.plan import ParallelPlan
 from meshwise.models.attention import Positions, ScaledDotProductAttention
 from meshwise.models.kv_cache import LayerCache
@@ -50,9 +54,14 @@ class LlamaConfig:
     tie_embeddings: bool = False
     rope_scaling: dict | None = field(default=None, hash=False)
     dropout: float = 0.0
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    head_size: int = 0  # 0: d_model / n_head
+    sliding_window: int = 0  # 0: full causal attention (Mistral: its window)
+    hf_type: str = "llama"  # the Hugging Face model_type it reads from and exports to
 
     def __post_init__(self):
-        if self.d_model % self.n_head:
+        if not self.head_size and self.d_model % self.n_head:
             raise ValueError(f"--d-model {self.d_model} is not divisible by --n-head "
                              f"{self.n_head}")
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
@@ -70,7 +79,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.head_size or self.d_model // self.n_head
 
 
 def rope_type_of(scaling: dict | None) -> str:
@@ -156,23 +165,29 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.head_dim = cfg.head_dim
-        kv = cfg.n_kv_head * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, kv, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, kv, bias=False)
+        self.head_dim, self.window = cfg.head_dim, cfg.sliding_window
+        q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, q, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, kv, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, kv, bias=cfg.qkv_bias)
+        if cfg.qk_norm:  # one weight over a head's dims, shared by every head
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         # Query head i reads key/value head i // (n_head / n_kv_head); a tp shard holds
         # whole groups, and the key/value heads are never repeated in memory.
         self.sdpa = ScaledDotProductAttention()
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.o_proj = nn.Linear(q, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None) -> torch.Tensor:
         """``rope(length, device, dtype)``: cos and sin at the positions of the
         ``length`` tokens whose queries this forward holds."""
         q = self.q_proj(x)  # (B, T, C): T of the output (more than x's under --sp)
         B, T = q.shape[:2]
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh or nkv, T, hd)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         cos, sin = rope(T, x.device, x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -183,8 +198,27 @@ class Attention(nn.Module):
             if not causal and T != 1:
                 raise ValueError("with a filled KV cache, feed one token at a time")
             k, v = cache.append(k, v)  # (B, nkv, P + T, hd)
-        y = self.sdpa(q, k, v, causal)  # (B, nh, T, hd)
+        mask = window_mask(T, k.shape[2], self.window, q.device)
+        if mask is None:
+            y = self.sdpa(q, k, v, causal)  # (B, nh, T, hd)
+        elif type(self.sdpa) is ScaledDotProductAttention:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                               enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            raise ValueError("a sliding window does not run under context parallelism (--cp); "
+                             "valid: --cp 1, or --seq-len <= the window")
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+def window_mask(num_queries: int, num_keys: int, window: int, device):
+    """Which keys each query sees under a sliding window (Beltagy et al. 2020, Mistral):
+    itself and the ``window - 1`` before it; None when the window covers every key."""
+    if not window or num_keys <= window:
+        return None
+    first = num_keys - num_queries  # the queries are the last positions
+    i = torch.arange(first, num_keys, device=device)[:, None]  # (T, 1)
+    j = torch.arange(num_keys, device=device)[None, :]  # (1, P + T)
+    return (j <= i) & (i - j < window)  # (T, P + T)
 
 
 class MLP(nn.Module):
@@ -305,7 +339,9 @@ def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
             ("layers.*.self_attn.q_proj", "colwise"), ("layers.*.self_attn.k_proj", "colwise"),
             ("layers.*.self_attn.v_proj", "colwise"), ("layers.*.self_attn.o_proj", "rowwise"),
             ("layers.*.mlp.gate_proj", "colwise"), ("layers.*.mlp.up_proj", "colwise"),
-            ("layers.*.mlp.down_proj", "rowwise"), ("lm_head", "vocab_head")),
+            ("layers.*.mlp.down_proj", "rowwise"), ("lm_head", "vocab_head"),
+            *((("layers.*.self_attn.q_norm", "shard_norm"),
+               ("layers.*.self_attn.k_norm", "shard_norm")) if cfg.qk_norm else ())),
         cp=(("positions", "positions"), ("layers.*.self_attn.sdpa", "ring_attention")),
         ties=(("embed_tokens.weight", "lm_head.weight"),) if cfg.tie_embeddings else (),
     )
@@ -313,9 +349,11 @@ def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
 
 def llama_init(cfg: LlamaConfig, name: str) -> Init:
     """Hugging Face's ``LlamaForCausalLM`` initialisation: N(0, 0.02) for every
-    linear and embedding weight, ones for the RMSNorm weights."""
-    if name.endswith("layernorm.weight") or name == "norm.weight":
+    linear and embedding weight, ones for the RMSNorm weights, zeros for biases."""
+    if name.endswith("norm.weight"):
         return ONES
+    if name.endswith(".bias"):
+        return ZEROS
     return normal(0.02)
 
 

@@ -17,6 +17,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from meshwise.layout.params import cross_stage_tie
+
 Values = Callable[[str, int, int], torch.Tensor]
 
 
@@ -110,3 +112,19 @@ class BufferPool:
 def device_of(params) -> torch.device:
     """Where the first parameter not on the meta device lives; the CPU if none is."""
     return next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
+
+
+def tie_groups(named: list[tuple[str, torch.Tensor]]) -> list[tuple[int, object]]:
+    """``(index in named, group)`` of each cross-stage tie copy (marked by
+    ``meshwise.apply.parallelize``); ValueError for one marked without a group,
+    whose gradient nothing would sum with its other copy's."""
+    out = []
+    for i, (name, param) in enumerate(named):
+        tied, group = cross_stage_tie(param)
+        if tied and group is None:
+            raise ValueError(f"{name} is tied to a parameter on another pipeline stage, but "
+                             "parallelize was given no group to sum their gradients over; "
+                             "pass mesh= (or tie_group=mesh.embed) to parallelize")
+        if tied:
+            out.append((i, group))
+    return out

@@ -39,8 +39,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from meshwise.comm import ops
 from meshwise.sharding.adamw import AdamWConfig, decays
-from meshwise.sharding.binding import BufferPool, device_of, param_owners, rebind, values_of
+from meshwise.sharding.binding import (BufferPool, device_of, param_owners, rebind, tie_groups,
+                                      values_of)
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
 from meshwise.sharding.plans import BucketPlan, ParamSpec
@@ -88,7 +90,11 @@ class ZeroOptimizer(EngineBase):
         # One dtype and device for all (the engine's); weight decay is per parameter.
         # The cap is in bytes of gradient, as DDP's bucket_cap_mb.
         grad_bytes = precision.reduce_dtype.itemsize
-        own = set(own_buckets)
+        # Cross-stage ties (``meshwise.apply.parallelize`` marks them) are summed over
+        # their group after dp; each gets a bucket of its own, so that at stage 2 its
+        # dp shard lines up with its partner's (``tie_grad``).
+        self._ties = tie_groups(named)
+        own = set(own_buckets) | {named[i][0] for i, _ in self._ties}
         specs = [ParamSpec(n, p.numel(), grad_bytes, ("own", n) if n in own else None)
                  for n, p in named]
         self.reduce_once = reduce_once and stage == 2
@@ -222,7 +228,13 @@ class ZeroOptimizer(EngineBase):
             self._next_finish += 1
 
     def finish_grad_sync(self) -> None:
-        """Launch the buckets not started yet and wait for every reduction."""
+        """Launch the buckets not started yet and wait for every reduction; then sum each
+        cross-stage tie over its group."""
+        self._finish_reductions()
+        for i, group in self._ties:  # both copies of a tie take the same step
+            ops.all_reduce(self.tie_grad(self._names[i]), group, category="grad")
+
+    def _finish_reductions(self) -> None:
         assert self._sync_enabled, "finish_grad_sync() called inside no_sync()"
         assert self._backward_seen, (
             "finish_grad_sync() without a backward outside no_sync() since the last one")
@@ -253,7 +265,7 @@ class ZeroOptimizer(EngineBase):
         assert self._sync_enabled, "no_sync() is not re-entrant"
         if self.stage == 2 and not self.reduce_once:
             yield
-            self.finish_grad_sync()
+            self._finish_reductions()  # a tie is summed once, at the step's finish
             return
         self._sync_enabled = False
         try:

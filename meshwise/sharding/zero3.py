@@ -36,10 +36,11 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.utils._python_dispatch import _disable_current_modes
 
 from meshwise.comm import ops, policy, ranges
 from meshwise.sharding.adamw import AdamWConfig
-from meshwise.sharding.binding import BufferPool, device_of, values_of
+from meshwise.sharding.binding import BufferPool, device_of, tie_groups, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.units import ROOT, Unit, cut_into_units, grad_tensors
@@ -64,6 +65,11 @@ class ZeroStage3(EngineBase):
                  unit_cap_mb: float | None = None, max_inflight_reductions: int | None = None,
                  grad_reducer=None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        tied = tie_groups(named)
+        if tied:
+            raise ValueError(f"ZeRO-3 shards parameters, but {named[tied[0][0]][0]} is tied across "
+                             "pipeline stages; valid: PipelineZeroStage3 for a pipeline's chunks "
+                             "(meshwise train --pp N --zero 3)")
         precision = precision or Precision.of(named[0][1].dtype)
         super().__init__(dp_group, 3, adamw, precision, grad_reducer)
         self.model, self.prefetch = model, prefetch
@@ -179,7 +185,11 @@ class ZeroStage3(EngineBase):
     def _pre_forward(self, unit: Unit, first: bool, module, args) -> None:
         self._ensure_gathered(unit)
         if unit.in_backward:  # activation checkpointing recomputes inside backward
-            unit.use_views()
+            # Parameter plumbing, not the model's computation: hidden from dispatch
+            # modes, or selective checkpointing's replay would find ops its forward
+            # never recorded.
+            with _disable_current_modes():
+                unit.use_views()
             return
         if not first:
             return  # the unit's first module already pointed every module at it

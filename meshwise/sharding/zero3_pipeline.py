@@ -38,9 +38,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from meshwise.comm import policy, ranges
+from meshwise.comm import ops, policy, ranges
 from meshwise.sharding.adamw import AdamWConfig
-from meshwise.sharding.binding import BufferPool, device_of, values_of
+from meshwise.sharding.binding import BufferPool, device_of, tie_groups, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.units import Unit, cut_into_units, grad_tensors
@@ -114,6 +114,12 @@ class PipelineZeroStage3(EngineBase):
         self._by_storage: dict[int, _StepUnit] = {}
         self._sync_enabled = True
         self._peak_window, self._last_step_peak = 0, None
+        self._ties = [(named[i][0], group) for i, group in tie_groups(named)]
+        for name, _ in self._ties:
+            if not any([s.name for s in u.flat.slots] == [name] for u in self.units):
+                raise ValueError(f"{name} is tied across pipeline stages and needs a unit of "
+                                 "its own, so that its dp shard lines up with its partner's; "
+                                 "pass its module in alone=")
         self._connect_reducer()
 
     def _register(self, chunk: nn.Module, root, blocks: list[_StepUnit]) -> None:
@@ -259,9 +265,16 @@ class PipelineZeroStage3(EngineBase):
         return not self._pending and not self._accumulated and not self._partials
 
     def _before_update(self) -> None:
-        self.finish_grad_sync()
+        self._complete()  # a tie's sum belongs to finish_grad_sync, once
 
     def finish_grad_sync(self) -> None:
+        """Complete the step's reductions, then sum each cross-stage tie's shard over its
+        group (both copies take the same step)."""
+        self._complete()
+        for name, group in self._ties:
+            ops.all_reduce(self.tie_grad(name), group, category="grad")
+
+    def _complete(self) -> None:
         """Complete what is left (a deferred weight unused in a forward, units whose last
         gradient came under no_sync), wait for every reduction, free the units."""
         for unit, ctx in list(self._partials.values()):
@@ -289,7 +302,7 @@ class PipelineZeroStage3(EngineBase):
         self._free_all()
 
     def zero_grad(self) -> None:
-        self.finish_grad_sync()
+        self._complete()
         for unit in self.units:
             unit.flat.grad_shard.zero_()
             unit.has_grad = [False] * len(unit.has_grad)

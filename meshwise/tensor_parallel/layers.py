@@ -208,3 +208,33 @@ class RowParallelLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"tp_size={tp_size_of(self.tp_group)}, input_is_parallel={self.input_is_parallel}"
                 + (", sequence parallel" if self.sequence_parallel else ""))
+
+
+# ---------------------------------------------------------------- norms on a shard
+class ShardRMSNorm(nn.Module):
+    """An RMSNorm over the last dim of a tensor-parallel shard (Qwen3's per-head
+    q/k norms: each rank normalises its own heads). The weight is replicated, but
+    each rank's gradient covers only its heads: ``copy_to_tp`` sums it over tp in
+    backward, so every replica takes the same step. Under sequence parallelism the
+    gradient sync already sums every replicated parameter's gradient over tp, so
+    the norm leaves it to that (summing twice would count it tp times)."""
+
+    def __init__(self, dim: int, eps: float, tp_group, dtype=None, device=None, source=None,
+                 sum_grad: bool = True):
+        super().__init__()
+        self.eps, self.tp_group, self.sum_grad = eps, tp_group, sum_grad
+        self.weight = replicated_param((dim,), dtype, device, source)
+
+    @classmethod
+    def from_norm(cls, norm: nn.Module, tp_group, sequence=None) -> "ShardRMSNorm":
+        """From an RMSNorm (``weight`` of one dim and ``eps``; ``nn.RMSNorm`` included);
+        ``sequence``: the chunk's ``SequenceGather`` under sequence parallelism."""
+        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        return cls(norm.weight.shape[0], eps, tp_group, dtype=norm.weight.dtype,
+                   device=norm.weight.device, source=norm.weight, sum_grad=sequence is None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = copy_to_tp(self.weight, self.tp_group) if self.sum_grad else self.weight
+        return weight * x32.to(x.dtype)

@@ -23,7 +23,7 @@ from meshwise.train.config import TrainConfig
 
 
 def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh, dropout,
-                vocab_size: int) -> ParallelModel:
+                vocab_size: int | None) -> ParallelModel:
     """This rank's part of the model: pipeline chunks with tensor-parallel layers (and
     sequence parallelism), context-parallel positions and attention, on meta."""
     p = cfg.parallel
@@ -32,7 +32,8 @@ def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh, dr
     return parallelize(model, family.plan(model_cfg), tp_group=mesh.tp if p.tp > 1 else None,
                        pp_rank=mesh.pp_rank, pp_size=p.pp, virtual_stages=p.virtual_stages,
                        vocab_size=vocab_size, sequence_parallel=p.sp, cp_group=mesh.cp,
-                       stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop")
+                       stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop",
+                       tie_group=mesh.embed)
 
 
 def precision_of(cfg: TrainConfig) -> Precision:
@@ -80,3 +81,20 @@ def _pipeline_zero3(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: A
                               alone=alone, precision=precision_of(cfg), values=values,
                               device=device, unit_cap_mb=cfg.comm.bucket_mb,
                               grad_reducer=grad_reducer)
+
+
+def own_model_shape(model: ParallelModel, data_vocab_size: int) -> dict:
+    """What a checkpoint records of a model of one's own; ValueError when the data's
+    token ids do not fit its vocabulary."""
+    vocab = model.vocab_size
+    if vocab is not None and data_vocab_size > vocab:
+        raise ValueError(f"the data has {data_vocab_size} token ids but the model's vocabulary "
+                         f"holds {vocab}; valid: a model with vocabulary >= {data_vocab_size}, "
+                         "or data of its tokenizer")
+    return {"family": "own", "vocab_size": vocab, "num_stages": model.num_stages}
+
+
+def hidden_size(layer: torch.nn.Module) -> int:
+    """A layer's width: the input features of its first ``nn.Linear`` (for FLOPs)."""
+    first = next((m for m in layer.modules() if isinstance(m, torch.nn.Linear)), None)
+    return first.in_features if first is not None else 0

@@ -168,8 +168,11 @@ class TrainConfig:
             return Path(self.checkpoint.save) / "ledger"
         return Path(tempfile.gettempdir()) / "meshwise-ledger"
 
-    def validate(self) -> "TrainConfig":
-        """Raise ``ValueError`` naming the first bad value; return self."""
+    def validate(self, own_model: bool = False) -> "TrainConfig":
+        """Raise ``ValueError`` naming the first bad value; return self.
+
+        ``own_model``: the model is the caller's (``Trainer(model=...)``), not the
+        ``model`` section's: its sizes are checked by ``parallelize`` instead."""
         p, m, o, d = self.parallel, self.model, self.optim, self.data
         _positive(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual_stages=p.virtual_stages,
                   seq_len=d.seq_len, batch_size=d.batch_size, grad_accum=d.grad_accum,
@@ -205,8 +208,9 @@ class TrainConfig:
                 ACTIVATION_CHECKPOINTING)
         parse_log_to(self.runtime.log_to)
         parse_steps(self.runtime.profile_steps)
-        self._validate_model()
-        self._validate_layout()
+        if not own_model:
+            self._validate_model()
+        self._validate_layout(own_model)
         self._validate_checkpoint()
         self._validate_comm()
         return self
@@ -261,7 +265,7 @@ class TrainConfig:
                     raise ValueError(f"{flag_name(name)} applies to the llama models, "
                                      f"not --model {m.preset}; valid: --model "
                                      f"{' or '.join(p for p in MODEL_PRESETS if 'llama' in p)}")
-        _positive(**{name: getattr(m, name) for name in LLAMA_ONLY[:-1]
+        _positive(**{name: getattr(m, name) for name in LLAMA_ONLY
                      if getattr(m, name) is not None})
         if m.d_model % m.n_head:
             raise ValueError(f"--d-model {m.d_model} is not divisible by --n-head {m.n_head}")
@@ -273,9 +277,9 @@ class TrainConfig:
                              f"{m.block_size} tokens (preset {m.preset}); use --seq-len <= "
                              f"{m.block_size}")
 
-    def _validate_layout(self) -> None:
+    def _validate_layout(self, own_model: bool = False) -> None:
         p, m, d = self.parallel, self.model.resolved(), self.data
-        if p.tp > 1:
+        if p.tp > 1 and not own_model:
             fam = family(self.model.family)
             fam.check_tp(fam.make_config(self.model.sizes(max(m.vocab_size, 1))), p.tp)
         if p.pp == 1:
@@ -287,7 +291,7 @@ class TrainConfig:
         else:
             validate_schedule_config(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
             chunks = p.pp * p.virtual_stages
-            if m.n_layer % chunks:
+            if m.n_layer % chunks and not own_model:
                 raise ValueError(f"--n-layer {m.n_layer} does not split into pp x virtual-stages "
                                  f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks")
         self._validate_sequence()

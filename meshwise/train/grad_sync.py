@@ -24,10 +24,11 @@ replicated and how its gradient is kept consistent:
 * pp: a tie whose members live on different stages (the token embedding and
   the head on the first and last stage) keeps a copy at each end; their
   gradients are SUMMED over ``mesh.embed`` after the dp sync (Megatron-LM's
-  embedding group), so both copies take the same step. Where both ends sit on
-  one rank (the V of ZB-V and DualPipeV) they are summed there. Under ZeRO-2/3
-  each member has a flat buffer of its own, so the dp shards of the members
-  line up and their sum is exact too.
+  embedding group), so both copies take the same step. ``parallelize`` marks
+  them and the engine's ``finish_grad_sync`` sums them, so every caller of the
+  engine gets it. Where both ends sit on one rank (the V of ZB-V and DualPipeV)
+  they are summed here. Under ZeRO-2/3 each member has a flat buffer of its own,
+  so the dp shards of the members line up and their sum is exact too.
 
 The global norm counts each unique parameter once: tp-replicated parameters on tp
 rank 0 only, a tie on the stage holding its first member only, and shards summed.
@@ -51,13 +52,12 @@ class GradSync3D:
     ``named_params``: the parameters as they were handed to the engine (read for
     their tensor-parallel marks only, so they may be on the meta device);
     ``engine``: the sharding engine; ``model``: this rank's ``ParallelModel``,
-    for ties across pipeline stages (none without it).
+    for ties across pipeline stages (counted once in the norm; none without it).
     """
 
     def __init__(self, named_params, mesh: Mesh, engine, model=None):
         self.mesh, self.engine = mesh, engine
         self.params = dict(named_params)
-        self.tied = model.cross_stage_ties if model and mesh.embed is not None else []
         self.local_ties = model.local_ties if model is not None else []
         writer = model.is_writer if model is not None else (lambda name: True)
         self.counted = {name for name, p in self.params.items()
@@ -68,11 +68,9 @@ class GradSync3D:
         self._checked_tp = False
 
     def finish(self) -> None:
-        """Wait for the dp reductions, then sum the tied embedding over its stages and
-        sequence-parallel partial gradients over tp."""
+        """Wait for the dp reductions and the tie sums over stages (the engine's),
+        then sum sequence-parallel partial gradients over tp."""
         self.engine.finish_grad_sync()
-        for name in self.tied:
-            ops.all_reduce(self.engine.tie_grad(name), self.mesh.embed, category="grad")
         for members in self.local_ties:
             grads = [self.engine.tie_grad(name) for name in members]
             total = torch.stack(grads).sum(0)

@@ -1,4 +1,5 @@
-"""``meshwise train --init-from DIR``: start from a local Hugging Face Llama directory.
+"""``meshwise train --init-from DIR``: start from a local Hugging Face directory
+(Llama, Mistral, Qwen2, Qwen3: meshwise's Llama; GPT-2: meshwise's GPT).
 
 Three moments, each where it belongs:
 
@@ -17,11 +18,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshwise.hf.gpt2 import SIZES as GPT2_SIZES
+from meshwise.hf.gpt2 import GPT2Weights, gpt2_sizes
 from meshwise.hf.llama import SIZES, hf_name, hf_shapes, llama_sizes, read_config
 from meshwise.hf.safetensors_dir import SafetensorsDir
 from meshwise.train.config import MODEL_PRESETS, TrainConfig, flag_name
 
-FAMILY = "llama"
+# config.json's model_type -> (our family, the preset whose family it is)
+FAMILY_OF = {"gpt2": ("gpt", "tiny")}
+LLAMA = ("llama", "llama-tiny")
+
+
+def _read_sizes(where: str) -> tuple[tuple[str, str], dict, dict]:
+    """(family and preset, our sizes, their config.json key of each size)."""
+    config = read_config(where)
+    family_preset = FAMILY_OF.get(config.get("model_type"), LLAMA)
+    if family_preset[0] == "gpt":
+        return family_preset, gpt2_sizes(config, where), GPT2_SIZES
+    return family_preset, llama_sizes(config, where), SIZES
 
 
 def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
@@ -31,21 +45,22 @@ def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
     if not m.init_from:
         return
     where = m.init_from
-    sizes = llama_sizes(read_config(where), where)
+    (fam, preset), sizes, keys = _read_sizes(where)
     preset_family = MODEL_PRESETS[m.preset]["family"]
-    if preset_family != FAMILY:
+    if preset_family != fam:
         if "preset" in origins:
+            valid = " or ".join(p for p, v in MODEL_PRESETS.items() if v["family"] == fam)
             raise ValueError(f"--model {m.preset} is a {preset_family} model but --init-from "
-                             f"{where} holds a Llama; valid: leave --model out, or --model "
-                             f"{' or '.join(p for p in MODEL_PRESETS if p.startswith(FAMILY))}")
-        m.preset = "llama-tiny"  # for its family: every size below comes from config.json
+                             f"{where} holds a {fam} model; valid: leave --model out, or "
+                             f"--model {valid}")
+        m.preset = preset  # for its family: every size below comes from config.json
         origins["preset"] = "init-from"
     for field, value in sizes.items():
         given = getattr(m, field)
         if field in origins and given not in (None, 0) and given != value:
             flag = flag_name(field)
             raise ValueError(f"{flag} {given} contradicts --init-from {where}: its config.json "
-                             f"has {SIZES.get(field, field)} {value}; leave {flag} out")
+                             f"has {keys.get(field, field)} {value}; leave {flag} out")
         setattr(m, field, value)
         origins.setdefault(field, "init-from")
     tokenizer = Path(where) / "tokenizer.json"
@@ -63,14 +78,18 @@ def check_init_from(cfg: TrainConfig) -> None:
     m = cfg.model
     if not m.init_from:
         return
-    llama = family(FAMILY).make_config(m.sizes(m.vocab_size))
-    optional = ("lm_head.weight",) if llama.tie_embeddings else ()
-    SafetensorsDir(m.init_from).check(hf_shapes(llama), optional)
+    model = family(m.family).make_config(m.sizes(m.vocab_size))
+    if m.family == "gpt":
+        weights = GPT2Weights(m.init_from, model.n_head)
+        weights.files.check(weights.stored_shapes(m.sizes(m.vocab_size)))
+    else:
+        optional = ("lm_head.weight",) if model.tie_embeddings else ()
+        SafetensorsDir(m.init_from).check(hf_shapes(model), optional)
     if cfg.data.tokenizer:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if tokenizer.vocab_size > llama.vocab_size:
+        if tokenizer.vocab_size > model.vocab_size:
             raise ValueError(f"--tokenizer {tokenizer.describe()} has more tokens than the "
-                             f"vocabulary of {llama.vocab_size} in --init-from {m.init_from}'s "
+                             f"vocabulary of {model.vocab_size} in --init-from {m.init_from}'s "
                              "config.json; valid: the model's own tokenizer (its "
                              "tokenizer.json, the default)")
 
@@ -80,5 +99,8 @@ def initial_values(pm, cfg: TrainConfig, init_of, seed: int):
     ``--init-from``, else the layout-independent initialisation of ``seed``."""
     if not cfg.model.init_from:
         return pm.init_values(init_of, seed)
+    if cfg.model.family == "gpt":
+        gpt2 = GPT2Weights(cfg.model.init_from, cfg.model.resolved().n_head)
+        return pm.values_from(gpt2.read)
     weights = SafetensorsDir(cfg.model.init_from)
     return pm.values_from(lambda piece: weights.read(hf_name(piece.name), piece))

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# A plain Llama; --init-from's config.json sets these for Mistral, Qwen2 and Qwen3.
+LLAMA_VARIANT = {"qkv_bias": False, "qk_norm": False, "head_size": 0, "sliding_window": 0,
+                 "hf_type": "llama"}
 MODEL_PRESETS = {
     # name: the model family (meshwise.models.families) and its sizes
     "tiny": {"family": "gpt", "n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 256},
@@ -20,19 +23,20 @@ MODEL_PRESETS = {
     # rounded to a multiple of 128, so that tp up to the kv heads divides it.
     "llama-tiny": {"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2, "d_model": 128,
                    "ffn_hidden_size": 384, "block_size": 256, "rope_theta": 10000.0,
-                   "norm_eps": 1e-5, "tie_embeddings": False, "rope_scaling": None},
+                   "norm_eps": 1e-5, "tie_embeddings": False, "rope_scaling": None, **LLAMA_VARIANT},
     "llama-small": {"family": "llama", "n_layer": 6, "n_head": 6, "n_kv_head": 2,
                     "d_model": 384, "ffn_hidden_size": 1024, "block_size": 512,
                     "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False,
-                    "rope_scaling": None},
+                    "rope_scaling": None, **LLAMA_VARIANT},
     # Llama-3.2-1B's sizes (its head is tied to the embedding); its 8192-token
     # pre-training context, without the llama3 rope scaling that extends it.
     "llama-1b": {"family": "llama", "n_layer": 16, "n_head": 32, "n_kv_head": 8, "d_model": 2048,
                  "ffn_hidden_size": 8192, "block_size": 8192, "rope_theta": 500000.0,
-                 "norm_eps": 1e-5, "tie_embeddings": True, "rope_scaling": None},
+                 "norm_eps": 1e-5, "tie_embeddings": True, "rope_scaling": None,
+                 **LLAMA_VARIANT},
 }
 # Settings of the llama family only; None: the preset's (or --init-from's config.json).
-LLAMA_ONLY = ("n_kv_head", "ffn_hidden_size", "rope_theta", "norm_eps", "init_from")
+LLAMA_ONLY = ("n_kv_head", "ffn_hidden_size", "rope_theta", "norm_eps")
 
 
 @dataclass
@@ -51,7 +55,13 @@ class ModelConfig:
     norm_eps: float | None = None
     tie_embeddings: bool | None = None  # no flag: a preset's, or config.json's
     rope_scaling: dict | None = None  # no flag: config.json's (llama3 scaling)
-    init_from: str | None = None  # a Hugging Face Llama directory
+    init_from: str | None = None  # a Hugging Face directory (Llama family or GPT-2)
+    # no flags: a preset's, or config.json's (Mistral, Qwen2, Qwen3 variants)
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
+    head_size: int | None = None
+    sliding_window: int | None = None
+    hf_type: str | None = None
 
     def resolved(self) -> "ModelConfig":
         """A copy with every size the preset defines filled in where it is unset."""

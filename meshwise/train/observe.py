@@ -35,12 +35,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class RunObserver:
     """FLOPs, time breakdown, loggers and profiler of one rank's run."""
 
-    def __init__(self, cfg, mesh, device, whole_model, layers, config_dict: dict):
+    def __init__(self, cfg, mesh, device, whole_model, layers, config_dict: dict,
+                 d_model: int | None = None):
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        m = cfg.model.resolved()
-        recomputed = cfg.runtime.activation_checkpointing != "none"
+        d_model = d_model or cfg.model.resolved().d_model
+        # Selective recomputes element-wise ops only: no matmul FLOPs again.
+        recomputed = cfg.runtime.activation_checkpointing == "full"
         self.model_flops, self.hardware_flops = flops.flops_per_token(
-            whole_model, layers, m.n_layer, m.d_model, cfg.data.seq_len, recomputed)
+            whole_model, layers, len(layers), d_model, cfg.data.seq_len, recomputed)
         ops.barrier(mesh.world)  # every rank measures at once, sharing the cores as in training
         peak, self.peak_source = flops.device_peak(device, DTYPES[cfg.runtime.dtype])
         total = torch.tensor([peak], dtype=torch.float64, device=device)

@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
@@ -31,11 +32,13 @@ from meshwise.data.dataset import TokenDataset, rank_slice
 from meshwise.data.tokenizer import decode_sample, printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
-from meshwise.models.families import family
+from meshwise.layout.init import Init
+from meshwise.layout.plan import ParallelPlan
+from meshwise.models.families import ModelFamily, family
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
 from meshwise.sharding.adamw import AdamWConfig
-from meshwise.train.build import build_engine, build_model
+from meshwise.train.build import build_engine, build_model, hidden_size, own_model_shape
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
 from meshwise.train.faults import injected_fault
@@ -59,10 +62,22 @@ class NonFiniteError(RuntimeError):
 class Trainer:
     """Trains the model of ``cfg`` on this rank's share of the work.
 
-    Call inside an initialised process group (``meshwise.cli.launch`` does that).
+    Call inside an initialised process group (``meshwise.launch`` does that).
+    ``model``/``plan``/``init_of``: a model of one's own in place of ``cfg``'s
+    family: ``model()`` builds the plain single-device model (called on the meta
+    device), ``plan`` lays it out, ``init_of(name) -> Init`` draws its initial
+    values (``None``: each module's own initialisation). Everything else is as
+    for the families: grad sync on every axis (cross-stage ties included), the
+    global norm and clipping, ZeRO, schedules, checkpoints and resume, metrics.
     """
 
-    def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None):
+    def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None, *,
+                 model: Callable[[], nn.Module] | None = None, plan: ParallelPlan | None = None,
+                 init_of: Callable[[str], Init] | None = None):
+        if (model is None) != (plan is None):
+            raise ValueError("a model of one's own needs both model= (a factory) and plan=")
+        if model is not None:
+            cfg.validate(own_model=True)
         self.cfg = cfg
         self.device = rank_device(cfg.runtime.device)
         check_same_job(cfg, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
@@ -73,22 +88,29 @@ class Trainer:
         d, p = cfg.data, cfg.parallel
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size,
                                  token_dtype=d.token_dtype)
-        self.model_shape = cfg.model.sizes(self.data.vocab_size)
-        self.family = family(self.model_shape["family"])
-        self.model_cfg = self.family.make_config({**self.model_shape, "dropout": cfg.model.dropout})
         self.dropout = DropoutContext(d.seed)
         self.dropout.tp_rank = self.mesh.tp_rank
         self.dropout.sequence = sequence_shard(self.mesh, p.sp)  # masks of the tokens held
         self.sequence = SequenceSplit(self.mesh, self.dropout.sequence, p.sequence_divisor)
-        self.pm = build_model(self.cfg, self.family, self.model_cfg, self.mesh, self.dropout,
-                              self.data.vocab_size)
+        if model is None:
+            self.model_shape = cfg.model.sizes(self.data.vocab_size)
+            self.family = family(self.model_shape["family"])
+            self.model_cfg = self.family.make_config({**self.model_shape,
+                                                      "dropout": cfg.model.dropout})
+            self.pm = build_model(self.cfg, self.family, self.model_cfg, self.mesh,
+                                  self.dropout, self.data.vocab_size)
+        else:
+            self.family, self.model_cfg = ModelFamily.own(model, plan, init_of), None
+            self.pm = build_model(self.cfg, self.family, None, self.mesh, self.dropout, None)
+            self.model_shape = own_model_shape(self.pm, self.data.vocab_size)
         apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing,
                                        self.dropout)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         named_params = self.pm.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
-        values = initial_values(self.pm, cfg, partial(self.family.init, self.model_cfg), d.seed)
+        init = self.family.init and partial(self.family.init, self.model_cfg)
+        values = initial_values(self.pm, cfg, init, d.seed)
         self.compressor = grad_compressor(self.mesh, cfg)
         reducer = grad_reducer(self.mesh, cfg, self.compressor)
         self.engine = build_engine(self.pm, self.mesh, cfg, self.adamw, values, self.device,
@@ -127,18 +149,21 @@ class Trainer:
         with torch.device("meta"):
             whole = self.family.build(self.model_cfg, None)
         layers = list(getattr(whole, self.pm.plan.layers).values())
+        d_model = None if self.model_cfg else hidden_size(layers[0])
         return RunObserver(self.cfg, self.mesh, self.device, whole, layers,
-                           dataclasses.asdict(self.cfg))
+                           dataclasses.asdict(self.cfg), d_model)
 
     # ------------------------------------------------------------------ loop
-    def train(self) -> None:
+    def train(self) -> list[dict]:
+        """Run every step; return each step's metrics record (the same on every rank)."""
         d = self.cfg.data
         if self.is_logging_rank:
             log.info("model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step",
-                     self.model_cfg, self.num_params / 1e6, self.cfg.parallel.dims,
+                     self.model_cfg or self.model_shape, self.num_params / 1e6, self.cfg.parallel.dims,
                      self.global_tokens)
         try:  # the loggers keep what was logged, also when a step fails
-            val_loss = self._run_steps()
+            records = self._run_steps()
+            val_loss = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
             if not self.params_finite():  # never end "successfully" with a broken model
                 raise NonFiniteError("the weights are non-finite at the end of training")
             if not (d.eval_every and self.cfg.optim.steps % d.eval_every == 0):
@@ -156,24 +181,26 @@ class Trainer:
                                   f"{printable(continuation)}")
         self.metrics.close()
         self.comm_stats.close()
+        return records
 
-    def _run_steps(self) -> float | None:
-        """Every step from where the run starts; the last validation loss, if any."""
-        d, val_loss = self.cfg.data, None
+    def _run_steps(self) -> list[dict]:
+        """Every step from where the run starts; their records."""
+        d, records = self.cfg.data, []
         for step in range(self.start_step + 1, self.cfg.optim.steps + 1):
             try:
                 record = self.train_step(step)
             except ops.CollectiveTimeout as exc:
                 raise ops.CollectiveTimeout(f"step {step}: {exc}") from None
             if d.eval_every and step % d.eval_every == 0:
-                val_loss = record["val_loss"] = self.evaluate()
+                record["val_loss"] = self.evaluate()
+            records.append(record)
             if self.is_logging_rank:
                 self.metrics.write(record)
                 self.observer.log(record)
             if self.checkpointer.due(step):
                 with ranges.named("checkpoint/save"):
                     self.checkpointer.save(step)
-        return val_loss
+        return records
 
     def train_step(self, step: int) -> dict:
         self.memory.start_step()
@@ -377,4 +404,4 @@ class Trainer:
         self.model.train()
         ids = tokens[0].tolist()
         return decode_sample(self.cfg.data.tokenizer, ids[:prompt_len], ids[prompt_len:],
-                             self.model_cfg.vocab_size)
+                             self.pm.vocab_size)

@@ -42,7 +42,7 @@ def _tp2_diff(directory) -> float:
 def _pp2_diff(directory, virtual_stages: int) -> float | None:
     mesh = Mesh.build(ParallelDims(pp=2))
     pm, values = laid_out(directory, pp_rank=mesh.pp_rank, pp_size=2,
-                          virtual_stages=virtual_stages)
+                          virtual_stages=virtual_stages, tie_group=mesh.embed)
     kind = "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
     runtime = PipelineRuntime(pm.chunks, build_schedule(kind, 2, 2, virtual_stages), mesh.pp,
                               _engine(pm, mesh, values), loss_fn=pm.loss)
@@ -111,3 +111,26 @@ def test_cp2_logits_match_transformers(dist_pools, hf_dirs, variant, tp):
         cp_rank = rank // tp
         want = zigzag_slice(expected, 1, cp_rank, 2)
         assert (logits - want).abs().max().item() <= ATOL, (rank, variant)
+
+
+# Mistral, Qwen2 and Qwen3 (tests/unit/test_hf_families.py: tp 1) on every axis.
+OTHER_FAMILIES = {"qwen2-tied": dict(model_type="qwen2", tie=True),
+                  "qwen3-head32": dict(model_type="qwen3", head_dim=32),
+                  "mistral-window8": dict(model_type="mistral", sliding_window=8)}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-families")
+    for name, kwargs in OTHER_FAMILIES.items():
+        save_hf_llama(root / name, **kwargs)
+    return root
+
+
+@pytest.mark.parametrize("name", list(OTHER_FAMILIES))
+def test_other_families_match_transformers_at_tp2_pp2_and_zero3(dist_pools, family_dirs, name):
+    directory = family_dirs / name
+    assert max(dist_pools.run(2, _tp2_diff, directory)) <= ATOL
+    first, last = dist_pools.run(2, _pp2_diff, directory, 1)
+    assert first is None and last <= ATOL, last
+    assert max(dist_pools.run(2, _zero3_diff, directory)) <= ATOL

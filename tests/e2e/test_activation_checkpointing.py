@@ -28,16 +28,18 @@ def train(workdir, name, *flags, model=MODEL, steps=STEPS, env_extra=None) -> li
     return read_metrics(metrics)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_full_checkpointing_keeps_the_loss_curve(tmp_path, corpus, name):
     flags = ["--data", corpus, *LAYOUTS[name]]
     plain = train(tmp_path, "none", *flags)
-    checkpointed = train(tmp_path, "full", *flags, "--activation-checkpointing", "full")
-    assert len(checkpointed) == STEPS
-    for ref, got in zip(plain, checkpointed, strict=True):
-        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (name, ref, got)
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (name, ref, got)
+    for mode in ("full", "selective"):
+        checkpointed = train(tmp_path, mode, *flags, "--activation-checkpointing", mode)
+        assert len(checkpointed) == STEPS
+        for ref, got in zip(plain, checkpointed, strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (mode, name, ref, got)
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (
+                mode, name, ref, got)
 
 
 @pytest.mark.timeout(300)

@@ -63,7 +63,7 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path, corpus):
     proc, ranks = _start(tmp_path, corpus, "--timeout-s", "5")
     err, took = _signal_and_wait(proc, ranks[1], signal.SIGSTOP)
     assert proc.returncode == 1, err
-    assert took < 20, took  # 5 s timeout + failure grace; gloo's default is 30 minutes
+    assert took < 40, took  # 5 s timeout + failure grace (a loaded machine); gloo: 30 min
     assert "timed out" in err and "on group" in err and "step" in err, err
     assert "Traceback" not in err, err  # an expected stop: one line, not a traceback
     _wait_gone(ranks, 10)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import run_cli, run_main
-from tests.hf_llama import ATOL, HF_SIZES, save_hf_llama
+from tests.hf_llama import ATOL, HF_SIZES, save_gpt2, save_hf_llama
 
 pytest.importorskip("transformers")
 
@@ -62,6 +62,42 @@ def test_init_from_train_save_export_round_trip(tmp_path, hf_dir, corpus):
         load_tokenizer(hf_dir / "tokenizer.json").encode(text)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_type, sizes, layout", [
+    ("qwen2", dict(tie=True), ["--pp", "2"]),  # the tied head on the last stage
+    ("qwen3", dict(head_dim=32), ["--tp", "2"]),
+    ("mistral", dict(sliding_window=8), ["--dp", "2", "--zero", "3"]),
+    ("gpt2", {}, ["--tp", "2", "--pp", "2"]),  # into meshwise's GPT
+])
+def test_other_families_fine_tune_and_export_through_transformers(tmp_path, corpus, model_type,
+                                                                  sizes, layout):
+    from transformers import AutoModelForCausalLM
+
+    from meshwise.checkpoint.store import open_checkpoint
+    from meshwise.serve.model import load_model
+
+    if model_type == "gpt2":
+        save_gpt2(tmp_path / "hf")
+    else:
+        save_hf_llama(tmp_path / "hf", model_type=model_type, **sizes)
+    result = run_cli("train", "--init-from", tmp_path / "hf", *layout, "--data", corpus, *RUN,
+                     "--save", tmp_path / "ckpt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    export = run_main("export", tmp_path / "ckpt", "--out", tmp_path / "out", "--format", "hf",
+                      cwd=tmp_path)
+    assert export.returncode == 0, export.stderr
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert hf.config.model_type == model_type
+    ours = load_model(open_checkpoint(tmp_path / "ckpt"))
+    ids = torch.randint(0, HF_SIZES["vocab_size"], (2, 24),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(ids).logits - ours(ids)).abs().max().item()
+    assert diff <= ATOL, diff
+    start = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert not torch.equal(start.lm_head.weight, hf.lm_head.weight)  # it trained
+
+
 def _copy(hf_dir, tmp_path):
     return shutil.copytree(hf_dir, tmp_path / "copy")
 
@@ -79,7 +115,7 @@ def _drop_tensor(directory, name):
 
 
 def _bad_other_architecture(d, _):
-    _edit_config(d, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    _edit_config(d, model_type="bert", architectures=["BertForMaskedLM"])
 
 
 def _bad_shapes(d, _):
@@ -104,14 +140,19 @@ def _bad_rope(d, _):
     _edit_config(d, rope_scaling={"rope_type": "yarn", "factor": 4.0})
 
 
+def _bad_moe(d, _):
+    _edit_config(d, num_local_experts=8)
+
+
 @pytest.mark.parametrize("spoil, flags, message", [
-    (_bad_other_architecture, [], "config.json describes model_type 'gpt2'"),
+    (_bad_other_architecture, [], "config.json describes model_type 'bert'"),
     (_bad_shapes, [], "model.layers.0.mlp.gate_proj.weight is stored as [96, 64] but "
                       "config.json implies [128, 64]"),
     (_bad_missing_shard, [], "the shard model-00002-"),
     (_bad_missing_tensor, [], "lists no tensor model.layers.3.mlp.up_proj.weight"),
     (_bad_big_tokenizer, [], "has more tokens than the vocabulary of 301"),
     (_bad_rope, [], "rope_scaling type 'yarn' is not supported; valid: llama3"),
+    (_bad_moe, [], "config.json has MoE blocks (num_local_experts 8)"),
     (None, ["--n-layer", "2"], "--n-layer 2 contradicts --init-from"),
     (None, ["--vocab-size", "512"], "--vocab-size 512 contradicts --init-from"),
     (None, ["--model", "tiny"], "--model tiny is a gpt model but --init-from"),
@@ -158,3 +199,22 @@ def test_config_json_values_of_the_wrong_type_exit_2_naming_file_and_key(
     assert result.returncode == 2, result.stderr
     assert f"{directory}/config.json: {key} = {json.dumps(value)} {wanted}" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_qwen3_norm_gradients_are_summed_once_with_and_without_sequence_parallel(tmp_path,
+                                                                                  corpus):
+    """Each tp rank normalises its own heads: the q/k norm's gradient is summed over tp
+    by the norm itself, or by the sequence-parallel sync under --sp, never both."""
+    save_hf_llama(tmp_path / "hf", model_type="qwen3", head_dim=32)
+    curves = {}
+    for name, layout in (("tp1", []), ("tp2", ["--tp", "2"]), ("tp2-sp", ["--tp", "2", "--sp"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        result = run_cli("train", "--init-from", tmp_path / "hf", *layout, "--data", corpus,
+                         *RUN, "--metrics", metrics, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        curves[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for name in ("tp2", "tp2-sp"):
+        for ref, got in zip(curves["tp1"], curves[name], strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), name
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), name

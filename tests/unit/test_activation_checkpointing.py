@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.models.dropout import DropoutContext
@@ -35,10 +36,11 @@ def _batch():
                                                                        generator=gen)
 
 
-def test_same_loss_and_gradients_with_blocks_run_twice():
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_same_loss_and_gradients_with_blocks_run_twice(mode):
     model, plain = _models()
     names = [n for n, _ in model.named_parameters()]
-    apply_activation_checkpointing(model.blocks.values(), "full", _context(model))
+    apply_activation_checkpointing(model.blocks.values(), mode, _context(model))
     assert [n for n, _ in model.named_parameters()] == names  # nothing renamed
     runs = []
     for block in model.blocks.values():
@@ -79,5 +81,47 @@ def test_none_leaves_blocks_alone_and_unknown_mode_is_refused():
     block_type = type(model.blocks['0'])
     apply_activation_checkpointing(model.blocks.values(), "none")
     assert type(model.blocks['0']) is block_type
-    with pytest.raises(ValueError, match="valid: none, full"):
-        apply_activation_checkpointing(model.blocks.values(), "selective")
+    with pytest.raises(ValueError, match="valid: none, selective, full"):
+        apply_activation_checkpointing(model.blocks.values(), "partial")
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode, recomputed", [("none", 0), ("selective", 0), ("full", 4)])
+def test_selective_keeps_the_matmul_outputs_full_recomputes_them(mode, recomputed):
+    """Backward's matmuls: 2 per forward matmul (input and weight gradients), plus
+    the recompute's forward matmuls under full checkpointing (4 per GPT block)."""
+    model, _ = _models()
+    apply_activation_checkpointing(model.blocks.values(), mode, _context(model))
+    x, y = _batch()
+    loss = _loss(model, x, y)
+    with _CountMatmuls() as counted:
+        loss.backward()
+    forward_matmuls = 4 * CFG.n_layer + 1  # qkv, proj, fc, proj per block; the head
+    assert counted.count == 2 * forward_matmuls + recomputed * CFG.n_layer
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-like"])
+def test_selective_checkpointing_of_the_llama_family_changes_no_gradient(name):
+    from meshwise.models.families import family
+    from meshwise.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden_size=64,
+                      block_size=32, vocab_size=50, qk_norm=name == "qwen3-like",
+                      qkv_bias=name == "qwen3-like", sliding_window=4)
+    plain, model = (family("llama").create(cfg, seed=2).double() for _ in range(2))
+    apply_activation_checkpointing(model.layers.values(), "selective")
+    x, y = _batch()
+    for m in (plain, model):
+        F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+    for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
