@@ -8,6 +8,7 @@ the job with one line and exit status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -17,10 +18,12 @@ from meshwise.cli.checkpoint_dir import check_start
 from meshwise.comm import devices
 from meshwise.data.files import available_cpus
 from meshwise.data.dataset import TokenDataset, recorded_tokenizer, resolve_data
+from meshwise.data.readers import ReadOptions
 from meshwise.data.tokenizer import check_vocab_fits, load_tokenizer
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
 from meshwise.train.loggers import missing_extra, parse_log_to
+from meshwise.train.lr_schedule import resumed_start
 
 log = logging.getLogger("meshwise")
 
@@ -54,7 +57,7 @@ def prepare(cfg: TrainConfig) -> Path:
     check_init_from(cfg)
     path = prepare_data(cfg)
     dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
-                           token_dtype=cfg.data.token_dtype)  # checks
+                           token_dtype=cfg.data.token_dtype, data_order=cfg.data.data_order)
     num_params = capacity.parameter_count(cfg, dataset.vocab_size)
     capacity.check_memory(cfg, num_params, dataset.vocab_size, device)
     c = cfg.checkpoint
@@ -66,6 +69,8 @@ def prepare(cfg: TrainConfig) -> Path:
     if start is not None:
         ckpt = resume.open_verified(start, cfg.model.sizes(dataset.vocab_size))
         check_same_tokenizer(ckpt.meta.get("config", {}), cfg)
+        cfg.optim.schedule_start = resumed_start(dataclasses.asdict(cfg.optim),
+                                                 ckpt.meta["config"]["optim"], ckpt.step)
     check_start(cfg, start, ckpt, capacity.checkpoint_bytes(cfg, num_params))
     return path
 
@@ -99,7 +104,8 @@ def prepare_data(cfg: TrainConfig) -> Path:
     if tokenizer is not None:
         check_vocab_fits(tokenizer, cfg.model.vocab_size)
     path = resolve_data(d.path, d.cache_dir, tokenizer, num_workers=available_cpus(),
-                        token_dtype=d.token_dtype)
+                        token_dtype=d.token_dtype,
+                        options=ReadOptions(d.text_field, d.data_format, d.skip_bad_records))
     tokenizer = tokenizer or recorded_tokenizer(path, d.token_dtype)
     if tokenizer is not None and tokenizer.path is not None:
         d.tokenizer, d.tokenizer_digest = tokenizer.path, tokenizer.digest

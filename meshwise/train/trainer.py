@@ -29,7 +29,7 @@ from meshwise.apply.activation_checkpointing import apply_activation_checkpointi
 from meshwise.comm import ops, ranges
 from meshwise.comm.devices import host_to_device, rank_device
 from meshwise.data.dataset import TokenDataset, rank_slice
-from meshwise.data.tokenizer import decode_sample, printable
+from meshwise.data.tokenizer import printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
 from meshwise.layout.init import Init
@@ -46,9 +46,11 @@ from meshwise.train.fingerprint import check_same_job
 from meshwise.train.grad_comm import GradCommStats, grad_compressor, grad_reducer
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.init_from import initial_values
-from meshwise.train.lr_schedule import lr_at
+from meshwise.data.order import epoch_position
+from meshwise.train.lr_schedule import LRSchedule
 from meshwise.train.memory import PeakMemory
 from meshwise.train.metrics import MetricsLog, RankValues
+from meshwise.train.sampling import end_sample
 from meshwise.train.sequence import SequenceSplit, sequence_shard
 from meshwise.train.observe import RunObserver
 
@@ -87,7 +89,7 @@ class Trainer:
         ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
         d, p = cfg.data, cfg.parallel
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size,
-                                 token_dtype=d.token_dtype)
+                                 token_dtype=d.token_dtype, data_order=d.data_order)
         self.dropout = DropoutContext(d.seed)
         self.dropout.tp_rank = self.mesh.tp_rank
         self.dropout.sequence = sequence_shard(self.mesh, p.sp)  # masks of the tokens held
@@ -107,6 +109,7 @@ class Trainer:
                                        self.dropout)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        self.lr_schedule = LRSchedule.of(dataclasses.asdict(o))
         named_params = self.pm.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
         init = self.family.init and partial(self.family.init, self.model_cfg)
@@ -169,7 +172,7 @@ class Trainer:
             if not (d.eval_every and self.cfg.optim.steps % d.eval_every == 0):
                 val_loss = self.evaluate()  # the last step was not evaluated yet
                 self.observer.log({"step": self.cfg.optim.steps, "val_loss": val_loss})
-            sample = self.sample(d.sample_tokens) if d.sample_tokens else None
+            sample = end_sample(self, d.sample_tokens) if d.sample_tokens else None
         finally:
             self.observer.close()
         if self.is_logging_rank:
@@ -207,7 +210,7 @@ class Trainer:
         start = time.perf_counter()
         counters = self.mesh.world.counters
         grad_bytes_before = counters.bytes_sent["grad"]
-        lr = lr_at(step, self.cfg.optim.lr, self.cfg.optim.warmup_steps, self.cfg.optim.steps)
+        lr = self.lr_schedule.lr(step)
         fault = self.fault if self.fault and self.fault.at(self.mesh.rank, step) else None
         if fault:
             fault.before_step(self.mesh, self.device)
@@ -253,6 +256,9 @@ class Trainer:
             "peak_rss_bytes": int(combined["peak_rss_bytes"]),
             "peak_mem_bytes": int(combined["peak_mem_bytes"]),
         }
+        if self.cfg.data.data_order == "epochs":
+            record.update(epoch_position(step, self.cfg.data.batch_size,
+                                         self.data.num_train_tokens, self.cfg.data.seq_len))
         record.update(self.comm_stats.record(combined))
         self.observer.record(record, combined)
         if self.cfg.parallel.zero == 3:
@@ -377,31 +383,3 @@ class Trainer:
             if out is None:
                 return None
         return self.pm.loss(out, targets) if targets is not None else self.pm.full_logits(out)
-
-    @torch.no_grad()
-    def sample(self, num_tokens: int, prompt_len: int = 32,
-               temperature: float = 0.8) -> tuple[str, str]:
-        """Continue a held-out prompt; every rank samples the same tokens.
-
-        Returns the prompt and the continuation, decoded."""
-        self.model.eval()
-        prompt = self.data.global_batch(0, 1, self.cfg.data.seed, "val")[0, :prompt_len]
-        tokens = prompt.to(self.device).unsqueeze(0)  # (1, T)
-        gen = torch.Generator().manual_seed(self.cfg.data.seed)
-        for _ in range(num_tokens):
-            window = tokens[:, -self.cfg.data.seq_len:]
-            held, length = self.sequence.padded_mine(window)  # a length cp and sp split
-            last = self.sequence.last_logits(self._forward(held), window.shape[1], length,
-                                             self.model_cfg.vocab_size, self.device)
-            nxt = torch.zeros(1, dtype=torch.long, device=self.device)
-            if last is not None:
-                probs = torch.softmax(last.float().cpu() / temperature, -1)  # (V,)
-                nxt.copy_(torch.multinomial(probs, 1, generator=gen))
-            if self.pipeline is not None:  # the last stage tells the others
-                owner = self.pipeline.schedule.owner(self.pipeline.num_logical - 1)[0]
-                ops.broadcast(nxt, owner, self.mesh.pp, category="sample")
-            tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
-        self.model.train()
-        ids = tokens[0].tolist()
-        return decode_sample(self.cfg.data.tokenizer, ids[:prompt_len], ids[prompt_len:],
-                             self.pm.vocab_size)
