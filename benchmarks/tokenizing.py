@@ -12,7 +12,7 @@ default an 8,000-token BPE trained here first):
   ``--jsonl-path`` from the standard library's sources, each record a few KB of
   text under ``"text"``), each record a document. meshwise: the whole
   ``meshwise data prepare FILE --workers N`` command, timed from outside, its
-  process tree's memory sampled from ``/proc`` every 50 ms (peak resident set of
+  process tree's memory sampled from ``/proc`` every 250 ms (peak resident set of
   the main process and of the largest worker, and the peak of the tree's summed
   proportional set: shared pages counted once); tokenizers: the texts parsed
   first (not timed), then ``encode_batch_fast`` over batches of 4,096 records.
@@ -69,7 +69,7 @@ for i in range(0, len(texts), 4096):
                                                                 add_special_tokens=False))
 print(time.perf_counter() - start, num_tokens, len(texts))
 """
-_SAMPLE_S = 0.05
+_SAMPLE_S = 0.25  # /proc/PID/smaps_rollup walks the page tables: not too often
 
 
 def _stdlib_files() -> list[Path]:

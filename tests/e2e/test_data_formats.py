@@ -35,7 +35,7 @@ def test_bad_records_and_values_exit_2_naming_them(tmp_path, records):
     assert f"bad.jsonl:{lines + 1}: not a JSON object" in err and "--skip-bad-records" in err
     err = _one_line(run_main("data", "prepare", bad, "--out", tmp_path / "b.bin",
                              "--text-field", "id", cwd=tmp_path))
-    assert f"bad.jsonl:1: field 'id' is int, not a string" in err
+    assert "bad.jsonl:1: field 'id' is int, not a string" in err
     done = run_main("data", "prepare", bad, "--out", tmp_path / "b.bin", "--skip-bad-records",
                     cwd=tmp_path)
     assert done.returncode == 0 and "2 bad records skipped" in done.stdout, done.stderr
