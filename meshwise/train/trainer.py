@@ -29,6 +29,7 @@ from meshwise.apply.activation_checkpointing import apply_activation_checkpointi
 from meshwise.comm import ops, ranges
 from meshwise.comm.devices import host_to_device, rank_device
 from meshwise.data.dataset import TokenDataset, rank_slice
+from meshwise.data.order import epoch_position
 from meshwise.data.tokenizer import printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
@@ -46,7 +47,6 @@ from meshwise.train.fingerprint import check_same_job
 from meshwise.train.grad_comm import GradCommStats, grad_compressor, grad_reducer
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.init_from import initial_values
-from meshwise.data.order import epoch_position
 from meshwise.train.lr_schedule import LRSchedule
 from meshwise.train.memory import PeakMemory
 from meshwise.train.metrics import MetricsLog, RankValues
@@ -109,7 +109,6 @@ class Trainer:
                                        self.dropout)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        self.lr_schedule = LRSchedule.of(dataclasses.asdict(o))
         named_params = self.pm.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
         init = self.family.init and partial(self.family.init, self.model_cfg)
@@ -139,6 +138,7 @@ class Trainer:
         self.reports_loss = self.pm.holds_last_stage and self.mesh.tp_rank == 0
         self.is_logging_rank = self.mesh.rank == 0
         self.start_step = self.checkpointer.load(resume) if resume else 0
+        self.lr_schedule = LRSchedule.of(dataclasses.asdict(o))  # its start: the load's
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
                                   o.steps, cfg.runtime.log_every, resume_step=self.start_step,
                                   quiet=cfg.runtime.quiet)
