@@ -72,14 +72,16 @@ def test_another_layout_resumes_within_round_off(tmp_path, corpus, saved, loaded
 
 def test_keep_last_and_resume_auto(tmp_path, corpus):
     save = tmp_path / "ckpts"
+    constant = ("--lr-schedule", "constant")  # the longer run continues its schedule
     fresh, _ = _train(tmp_path, corpus, "fresh", "--save", save, "--save-every", 2,
-                      "--keep-last", 2, "--resume", "auto", steps=6)
+                      "--keep-last", 2, "--resume", "auto", *constant, steps=6)
     assert sorted(fresh) == list(range(1, 7))  # nothing to resume: started fresh
     assert sorted(p.name for p in save.iterdir()) == ["step-00000004", "step-00000006"]
     # A save that died half way is not a checkpoint: auto skips it.
     (save / ".tmp-step-00000008").mkdir()
     (save / ".tmp-step-00000008" / "rank-00000.safetensors").write_bytes(b"partial")
-    more, _ = _train(tmp_path, corpus, "more", "--save", save, "--resume", "auto", steps=8)
+    more, _ = _train(tmp_path, corpus, "more", "--save", save, "--resume", "auto", *constant,
+                     steps=8)
     assert sorted(more) == [7, 8]  # from step 6, the newest complete checkpoint
 
 

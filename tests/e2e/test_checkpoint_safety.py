@@ -18,6 +18,8 @@ import pytest
 from tests.e2e.conftest import SMALL, in_small_filesystem, run_cli, run_main
 
 pytestmark = pytest.mark.timeout(240)
+# Runs here go on past the --steps they started with: a schedule that does not stretch.
+RUN = [*SMALL, "--lr-schedule", "constant"]
 
 
 def _steps(folder: Path) -> list[str]:
@@ -25,7 +27,7 @@ def _steps(folder: Path) -> list[str]:
 
 
 def _train(tmp_path, corpus, *flags, steps=6, timeout=120):
-    return run_cli("train", *SMALL, "--data", corpus, "--dp", "1", "--steps", steps, *flags,
+    return run_cli("train", *RUN, "--data", corpus, "--dp", "1", "--steps", steps, *flags,
                    cwd=tmp_path, timeout=timeout)
 
 
@@ -49,7 +51,7 @@ def test_a_rollback_keeps_its_source_and_branches_only_when_asked(tmp_path, corp
     save = _copy(saved_run, tmp_path)
     rollback = ["--save", save, "--save-every", 1, "--resume", save / "step-00000002",
                 "--keep-last", 1]
-    refused = run_main("train", *SMALL, "--data", corpus, "--dp", "1", "--steps", 8, *rollback,
+    refused = run_main("train", *RUN, "--data", corpus, "--dp", "1", "--steps", 8, *rollback,
                        cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr
     assert "step-00000004, step-00000006" in refused.stderr and "--branch" in refused.stderr
@@ -71,7 +73,7 @@ def test_a_rollback_keeps_its_source_and_branches_only_when_asked(tmp_path, corp
 def test_a_damaged_newer_step_is_named_before_training(tmp_path, corpus, saved_run):
     save = _copy(saved_run, tmp_path)
     (save / "step-00000006" / "manifest.json").unlink()
-    result = run_main("train", *SMALL, "--data", corpus, "--dp", "1", "--steps", 8,
+    result = run_main("train", *RUN, "--data", corpus, "--dp", "1", "--steps", 8,
                       "--save", save, "--resume", "auto", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "step-00000006 (no manifest.json" in result.stderr and "step 4" in result.stderr
@@ -109,7 +111,7 @@ def test_two_jobs_started_together_never_share_a_save_directory(tmp_path, corpus
     save = tmp_path / "S"
     env = dict(os.environ, MESHWISE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     jobs = [subprocess.Popen(
-        [sys.executable, "-m", "meshwise", "train", *map(str, SMALL), "--data", str(corpus),
+        [sys.executable, "-m", "meshwise", "train", *map(str, RUN), "--data", str(corpus),
          "--dp", "1", "--steps", "4", "--save", str(save), "--save-every", "1", "--seed",
          str(seed)], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
         for seed in (1, 2)]
@@ -137,14 +139,14 @@ def test_a_damaged_manifest_stops_the_job_before_any_rank(tmp_path, corpus, save
     data = bytearray(manifest.read_bytes())
     data[int(len(data) * where)] ^= 0x04  # one bit, as a bad disk flips it
     manifest.write_bytes(bytes(data))
-    result = run_main("train", *SMALL, "--data", corpus, "--dp", "1", "--steps", 8,
+    result = run_main("train", *RUN, "--data", corpus, "--dp", "1", "--steps", 8,
                       "--resume", manifest.parent, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "manifest" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def _train_command(tmp_path, corpus, *flags) -> list[str]:
-    return [sys.executable, "-m", "meshwise", "train", *map(str, SMALL), "--data", str(corpus),
+    return [sys.executable, "-m", "meshwise", "train", *map(str, RUN), "--data", str(corpus),
             "--dp", "1", *map(str, flags)]
 
 

@@ -204,12 +204,14 @@ def test_a_killed_launcher_takes_its_rank_and_the_other_node_ends(tmp_path, corp
 @pytest.mark.timeout(150)
 def test_nodes_resuming_different_checkpoints_stop_before_training(tmp_path, corpus):
     save = tmp_path / "ck"
+    # A constant learning rate: a longer run continues the schedule it was saved under.
     result = run_cli("train", *SMALL, "--data", corpus, "--dp", "2", "--steps", "4", "--save",
-                     save, "--save-every", "2", cwd=tmp_path)
+                     save, "--save-every", "2", "--lr-schedule", "constant", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     procs = _launch_two(tmp_path, corpus, [["--resume", save / "step-00000004"],
                                            ["--resume", save / "step-00000002"]],
-                        "--steps", 8, "--timeout-s", 30, "--metrics", tmp_path / "m.jsonl")
+                        "--steps", 8, "--timeout-s", 30, "--metrics", tmp_path / "m.jsonl",
+                        "--lr-schedule", "constant")
     start = time.monotonic()
     try:
         errs = [p.communicate(timeout=100)[1] for p in procs]
