@@ -1,5 +1,5 @@
 """The ``meshwise`` command: ``train``, ``schedule``, ``export``, ``generate``, ``data``, ``bench``,
-``plot``.
+``plot``, ``plan``.
 
 The entry point only parses and hands over to each subcommand's module in
 ``meshwise.cli``; bad input exits with status 2 and one line before any rank
@@ -15,6 +15,7 @@ from meshwise.cli.bench import add_bench_comm_arguments, run_bench_comm
 from meshwise.cli.data import add_data_arguments, run_data
 from meshwise.cli.export import add_export_arguments, run_export
 from meshwise.cli.generate import add_generate_arguments, run_generate
+from meshwise.cli.plan import add_plan_arguments, run_plan
 from meshwise.cli.plot import add_plot_arguments, run_plot
 from meshwise.cli.schedule import add_schedule_arguments, run_schedule
 from meshwise.cli.train import run_train
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time each all-reduce algorithm against the native collective, on local "
                     "ranks or under torchrun.")
     add_bench_comm_arguments(bench_comm)
+    plan = sub.add_parser("plan", help="which layout to run on N devices: memory and step "
+                                       "time predicted per layout")
+    add_plan_arguments(plan)
     plot = sub.add_parser("plot", help="curves of metrics files (loss, throughput, memory, ...)",
                           description="Plot one or more --metrics files, overlaid: loss, "
                                       "gradient norm, tokens/s, peak memory, exposed "
@@ -92,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_data(args)
     if args.command == "plot":
         return run_plot(args)
+    if args.command == "plan":
+        return run_plan(args)
     return run_train(args)
 
 
