@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshwise.cli.auto_layout import add_layout_argument
 from meshwise.cli.bench import add_bench_comm_arguments, run_bench_comm
 from meshwise.cli.data import add_data_arguments, run_data
 from meshwise.cli.export import add_export_arguments, run_export
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "machine: the tiny GPT preset on 2 data-parallel ranks over the Python "
                     "standard library's sources.")
     add_train_arguments(train)
+    add_layout_argument(train)
     train.add_argument("-q", "--quiet", action="store_true", help="only warnings and the summary")
     schedule = sub.add_parser("schedule", help="print or plot a pipeline schedule and its bubble")
     add_schedule_arguments(schedule)

@@ -128,8 +128,12 @@ def peak_memory(shape: ModelShape, layout: Layout, settings: Settings, in_flight
                 overhead_bytes: float) -> MemoryBreakdown:
     """The worst rank's peak. ``in_flight[r]``: (micro-batch, chunk) activations pipeline
     rank r keeps at most at once (the simulator's count; ``[1]`` without a pipeline)."""
-    worst = None
+    worst, seen = None, set()
     for rank in range(layout.pp):
+        role = (rank == 0, rank == layout.pp - 1, in_flight[rank])
+        if role in seen:
+            continue  # the same memory as a rank already counted
+        seen.add(role)
         b = _rank_memory(shape, layout, settings, rank, in_flight[rank], overhead_bytes)
         if worst is None or b.total > worst.total:
             worst = b

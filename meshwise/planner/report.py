@@ -35,15 +35,16 @@ def table(request, results: list[Prediction], top: int) -> str:
     lines = header(request)
     lines.append(f"{len(results)} valid layouts fit; the best {min(top, len(results))}, "
                  "by predicted tokens/s:")
-    lines.append(f"{'#':>3}  {'layout':<62} {'peak mem':>10} {'step':>9} {'tokens/s':>10} "
+    width = max([len(p.layout.flags()) for p in results[:top]] + [6])
+    lines.append(f"{'#':>3}  {'layout':<{width}} {'peak mem':>10} {'step':>9} {'tokens/s':>10} "
                  f"{'MFU':>6}  {'compute':>7} {'bubble':>6} {'comm':>6} {'optim':>6}")
     for i, p in enumerate(results[:top], 1):
         t = p.time
         comm = t.tp + t.cp + t.dp
         share = [100 * x / t.step for x in (t.compute, t.bubble, comm, t.optimizer)]
-        lines.append(f"{i:>3}  {p.layout.flags():<62} {_bytes(p.memory.total):>10} "
+        lines.append(f"{i:>3}  {p.layout.flags():<{width}} {_bytes(p.memory.total):>10} "
                      f"{_seconds(t.step):>9} {p.tokens_per_s:>10,.0f} {100 * p.mfu:>5.1f}%  "
-                     + " ".join(f"{s:>5.0f}%" for s in share)[1:])
+                     + " ".join(f"{s:>6.0f}%" for s in share))
     if results:
         lines.append(f"run the best: meshwise train {results[0].layout.flags()} "
                      f"--seq-len {request.cfg.data.seq_len} --batch-size "

@@ -12,6 +12,7 @@ recomputation fits too and is faster.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import MemoryBreakdown, Settings, peak_memory
 from meshwise.planner.shapes import ModelShape
-from meshwise.planner.step_time import TimeBreakdown, step_time
+from meshwise.planner.step_time import Pipeline, TimeBreakdown, pipeline, step_time
 from meshwise.train.config import ZERO_STAGES, TrainConfig
 
 MAX_OPTIONS = 4  # micro-batch or accumulation counts tried per layout
@@ -58,9 +59,10 @@ class Prediction:
 
 
 def predict(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile,
-            memory_limit: float) -> Prediction:
-    """Predicted memory and time of one layout (any layout, valid or not)."""
-    time, flights = step_time(shape, layout, st, device)
+            memory_limit: float, pipe: Pipeline | None = None) -> Prediction:
+    """Predicted memory and time of one layout (any layout, valid or not); ``pipe``: its
+    pipeline part, when already timed (it does not depend on the ZeRO stage)."""
+    time, flights = step_time(shape, layout, st, device, pipe)
     memory = peak_memory(shape, layout, st, flights, device.overhead_bytes)
     tokens = st.batch_size * st.seq_len / time.step
     peak = device.peak_flops.get(st.dtype) or device.matmul_rate(st.dtype)
@@ -79,24 +81,70 @@ def memory_limit(device: DeviceProfile, world: int) -> float:
 def search(cfg: TrainConfig, shape: ModelShape, world: int, device: DeviceProfile,
            space: Space, limit: float) -> list[Prediction]:
     """Every valid layout of ``world`` ranks with its prediction, best first; those that
-    do not fit ``limit`` bytes per rank follow, least memory first."""
+    do not fit ``limit`` bytes per rank follow, least memory first.
+
+    Each candidate is timed with its pipeline simulated at coarse costs (one significant
+    digit, so that thousands of layouts share a few simulations); the best ``REFINED``
+    are timed again exactly and ranked by that."""
     st = settings_of(cfg)
     fitting, over = [], []
+    stages, modes = _valid_choices(cfg, space)
     for structure in _structures(cfg, world, space):
         # ZeRO over one rank shards nothing: stage 0 stands for them all
-        stages = space.zero if structure.dp * structure.cp > 1 else space.zero[:1]
-        for zero in stages:
-            for mode in space.activation_checkpointing:
-                layout = _replace(structure, zero=zero, activation_checkpointing=mode)
-                if not _valid(cfg, layout):
-                    continue
-                p = predict(shape, layout, st, device, limit)
+        zeros = stages if structure.dp * structure.cp > 1 else stages[:1]
+        for mode in modes:
+            base = _replace(structure, activation_checkpointing=mode)
+            pipe = _pipe(shape, base, st, device)
+            found = [predict(shape, _replace(base, zero=z), st, device, limit, pipe)
+                     for z in zeros]
+            for p in found:
                 (fitting if p.fits else over).append(p)
-                if p.fits:
-                    break  # more recomputation would only be slower
-    fitting.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
+            # more recomputation would only be slower where this mode fits
+            zeros = [p.layout.zero for p in found if not p.fits]
+            if not zeros:
+                break
+    fitting.sort(key=_rank_key)
+    top = [predict(shape, p.layout, st, device, limit) for p in fitting[:REFINED]]
+    fitting[:REFINED] = sorted(top, key=_rank_key)
+    _pipe.cache_clear()
     over.sort(key=lambda p: p.memory.total)
     return fitting + over
+
+
+REFINED = 32
+
+
+def _rank_key(p: Prediction):
+    # Ties (three significant digits) go to the layout using less memory, then the shorter
+    # command line (fewer choices that buy nothing here).
+    return (-float(f"{p.tokens_per_s:.3g}"), round(p.memory.total, -20), len(p.layout.flags()))
+
+
+@functools.lru_cache(maxsize=None)
+def _pipe_cached(shape, structure, st, device_key):
+    return pipeline(shape, structure, st, _DEVICES[device_key], exact=False)
+
+
+_DEVICES: dict = {}
+
+
+def _pipe(shape: ModelShape, structure: Layout, st: Settings, device: DeviceProfile) -> Pipeline:
+    _DEVICES[id(device)] = device
+    return _pipe_cached(shape, structure, st, id(device))
+
+
+_pipe.cache_clear = _pipe_cached.cache_clear
+
+
+def _valid_choices(cfg: TrainConfig, space: Space) -> tuple[tuple, tuple]:
+    """The ZeRO stages and checkpointing modes of the space that the configuration check
+    accepts. The check has no rule that ties either to the axes, so each is checked once
+    (tests/unit/test_planner.py validates every layout listed: a rule that ties them
+    later fails there)."""
+    zeros = tuple(z for z in space.zero if _valid(cfg, Layout(zero=z)))
+    modes = tuple(m for m in space.activation_checkpointing
+                  if _valid(cfg, Layout(activation_checkpointing=m)))
+    return zeros, modes
 
 
 def settings_of(cfg: TrainConfig) -> Settings:

@@ -57,75 +57,122 @@ class TimeBreakdown:
 def simulated(kind: str, stages: int, micro_batches: int, virtual: int, forward: float,
               backward: float, weights: float, latency: float):
     """(step time, peak micro-batches in flight per rank) of a schedule, cached: layouts
-    that differ only in ZeRO stage or dp share the simulation."""
+    that differ only in ZeRO stage or dp share the simulation.
+
+    Past ``SIMULATED_ROUNDS`` x pp micro-batches the pipeline is in its steady state, where
+    each further micro-batch adds one forward and one backward to every rank's step and no
+    activation kept (GPipe keeps them all): the schedule is simulated at that count and
+    the rest is added, so that 1,024-rank plans stay fast."""
     from meshwise.pipeline.simulator import simulate
 
-    timeline = simulate(_schedule(kind, stages, micro_batches, virtual), forward, backward,
-                        weights, latency)
-    return timeline.step_time, tuple(timeline.peak_in_flight)
+    simulated_m = min(micro_batches, SIMULATED_ROUNDS * stages)
+    timeline = simulate(_schedule(kind, stages, simulated_m, virtual), forward, backward,
+                        weights, latency, check=False)
+    extra = (micro_batches - simulated_m) * (forward + backward + weights)
+    flights = tuple(timeline.peak_in_flight)
+    if kind == "gpipe":
+        flights = (micro_batches,) * stages
+    return timeline.step_time + extra, flights
+
+
+SIMULATED_ROUNDS = 2
 
 
 @functools.lru_cache(maxsize=512)
 def _schedule(kind: str, stages: int, micro_batches: int, virtual: int):
     from meshwise.pipeline.schedules import build_schedule
+    from meshwise.pipeline.validate import validate
 
-    return build_schedule(kind, stages, micro_batches, virtual)
-
-
-def _round(x: float) -> float:
-    """Two significant digits: costs that close share one simulation."""
-    return float(f"{x:.2g}")
+    schedule = build_schedule(kind, stages, micro_batches, virtual)
+    validate(schedule)
+    return schedule
 
 
-def in_flight(layout: Layout, costs: ActionCosts | None = None,
-              latency: float = 0.0) -> list[int]:
-    """Micro-batch chunks each pipeline rank keeps at once (1 without a pipeline)."""
+def _round(x: float, digits: int = 2) -> float:
+    """``digits`` significant digits: costs that close share one simulation."""
+    return float(f"{x:.{digits}g}")
+
+
+def in_flight(layout: Layout) -> list[int]:
+    """Micro-batch chunks each pipeline rank keeps at once (1 without a pipeline), under
+    unit costs."""
     if layout.pp == 1:
         return [1]
-    f, b, w = (1.0, 1.0, 1.0) if costs is None else _ratios(costs)
     return list(simulated(layout.schedule, layout.pp, layout.micro_batches,
-                          layout.virtual_stages, f, b, w, _round(latency))[1])
+                          layout.virtual_stages, 1.0, 1.0, 1.0, 0.0)[1])
 
 
-def _ratios(c: ActionCosts) -> tuple[float, float, float]:
-    scale = c.forward + c.tp / 2 + c.cp / 3
-    return (1.0, _round((c.backward + c.tp / 2 + 2 * c.cp / 3) / scale),
-            _round(c.weights / scale))
+@dataclass
+class Pipeline:
+    """The part of a step that does not depend on the ZeRO stage: every micro-batch's
+    compute and tp/cp communication on the slowest rank, with the pipeline's bubble."""
+
+    worst: ActionCosts
+    micro_steps: int  # micro-batches x accumulation
+    share: float  # the ranks' share of the CPU cores (1 on a GPU)
+    seconds: float
+    flights: list[int]
+    ranks: list[tuple[int, int, int]]
+    exact: bool
 
 
-def step_time(shape: ModelShape, layout: Layout, st: Settings,
-              device: DeviceProfile) -> tuple[TimeBreakdown, list[int]]:
-    """The slowest rank's step, and the micro-batches each pipeline rank keeps."""
-    ranks = [rank_params(shape, layout, r) for r in range(layout.pp)]
+def pipeline(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile,
+             exact: bool = True) -> Pipeline:
+    """Simulated with the costs rounded to 2 significant digits (``exact``), else to 1 (a
+    first ranking of many layouts; the best are timed again exactly)."""
+    ranks = list({rank_params(shape, layout, r) for r in range(layout.pp)})
     layers = shape.n_layer // layout.pp
     per_rank = [action_costs(shape, layout, st, device, layers, first > 0, last > 0)
                 for _, first, last in ranks]
     worst = max(per_rank, key=lambda c: c.compute + c.tp + c.cp)
     m = layout.micro_batches * layout.grad_accum
-    work = m * (worst.compute + worst.tp + worst.cp)
     share = _core_share(layout, device)
-    flights = [1]
     if layout.pp == 1:
-        pipe = work + m * worst.compute * (share - 1)
-    else:
-        n = micro_batch_tokens(layout, st)
-        message = n * shape.d_model * DTYPE_BYTES[st.dtype]
-        stride = layout.tp * layout.cp
-        latency = p2p_s(device, message, link_kind(stride, layout.pp, device.ranks_per_node))
-        scale = worst.forward + worst.tp / 2 + worst.cp / 3
-        f, b, w = _ratios(worst)
+        seconds = m * (worst.compute * share + worst.tp + worst.cp)
+        return Pipeline(worst, m, share, seconds, [1], ranks, exact)
+    n = micro_batch_tokens(layout, st)
+    message = n * shape.d_model * DTYPE_BYTES[st.dtype]
+    latency = p2p_s(device, message,
+                    link_kind(layout.tp * layout.cp, layout.pp, device.ranks_per_node))
+    scale = worst.forward + worst.tp / 2 + worst.cp / 3
+    backward = (worst.backward + worst.tp / 2 + 2 * worst.cp / 3) / scale
+    weights = worst.weights / scale
+    if exact:
         sim_step, flights = simulated(layout.schedule, layout.pp, layout.micro_batches,
-                                      layout.virtual_stages, f, b, w, _round(latency / scale))
-        flights = list(flights)
-        shared = m * worst.compute * share + m * (worst.tp + worst.cp)
-        pipe = max(sim_step * scale * layout.grad_accum, shared)
-    bubble = max(0.0, pipe - work - m * worst.compute * (share - 1))
-    compute = m * worst.compute * share
-    dp = _dp_exposed(shape, layout, st, device, ranks, m * (worst.backward + worst.weights))
-    optimizer = _optimizer_s(layout, st, device, ranks) * share
-    breakdown = TimeBreakdown(compute, bubble, m * worst.tp, m * worst.cp, dp, optimizer,
-                              bubble / pipe if pipe > 0 else 0.0)
-    return breakdown, flights
+                                      layout.virtual_stages, 1.0, _round(backward),
+                                      _round(weights), _round(latency / scale))
+    else:
+        sim_step, flights = _coarse(layout, backward, weights, latency / scale)
+    # Ranks sharing cores: a pipeline's idle ranks leave theirs to the others.
+    shared = m * (worst.compute * share + worst.tp + worst.cp)
+    seconds = max(sim_step * scale * layout.grad_accum, shared)
+    return Pipeline(worst, m, share, seconds, list(flights), ranks, exact)
+
+
+def _coarse(layout: Layout, backward: float, weights: float, latency: float):
+    """A first estimate for ranking many layouts: the schedule's bubble at unit costs
+    (simulated once per schedule shape) applied to these costs, each message's latency on
+    the way down and back up (2 (S - 1) of them)."""
+    unit_step, flights = simulated(layout.schedule, layout.pp, layout.micro_batches,
+                                   layout.virtual_stages, 1.0, 1.0, 1.0, 0.0)
+    work = layout.micro_batches * 3.0
+    per_micro_batch = 1.0 + backward + weights
+    return (unit_step / work * layout.micro_batches * per_micro_batch
+            + 2 * (layout.pp - 1) * latency), flights
+
+
+def step_time(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile,
+              pipe: Pipeline | None = None) -> tuple[TimeBreakdown, list[int]]:
+    """The slowest rank's step, and the micro-batches each pipeline rank keeps."""
+    pipe = pipe or pipeline(shape, layout, st, device)
+    w, m = pipe.worst, pipe.micro_steps
+    compute = m * w.compute * pipe.share
+    bubble = max(0.0, pipe.seconds - compute - m * (w.tp + w.cp))
+    dp = _dp_exposed(shape, layout, st, device, pipe.ranks, m * (w.backward + w.weights))
+    optimizer = _optimizer_s(layout, st, device, pipe.ranks) * pipe.share
+    breakdown = TimeBreakdown(compute, bubble, m * w.tp, m * w.cp, dp, optimizer,
+                              bubble / pipe.seconds if pipe.seconds > 0 else 0.0)
+    return breakdown, pipe.flights
 
 
 def _core_share(layout: Layout, device: DeviceProfile) -> float:
@@ -134,7 +181,8 @@ def _core_share(layout: Layout, device: DeviceProfile) -> float:
         return 1.0
     local = layout.world_size if device.ranks_per_node <= 0 else min(
         layout.world_size, device.ranks_per_node)
-    return max(1.0, local / device.cores)
+    threads = max(1, device.cores // local)  # what meshwise.cli.launch gives each rank
+    return 1.0 / min(threads, device.cores / local)
 
 
 def _dp_exposed(shape, layout: Layout, st: Settings, device: DeviceProfile, ranks,
