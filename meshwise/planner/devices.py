@@ -101,15 +101,16 @@ GPU_PROFILES = {
     "a100-40gb": _gpu("a100-40gb", 40, 312, 19.5, 1.56, 300, 25, 0.75),
 }
 
-# This kind of machine (2 x86 cores, torch 2.13 CPU, gloo), measured by --calibrate; used
-# until a machine's own calibration is stored.
+# This kind of machine (2 x86 cores, torch 2.13 CPU, gloo), measured by --calibrate on it
+# (medians of three calibrations): used until a machine's own calibration is stored.
 CPU_DEFAULTS = {
-    "matmul_flops": {"fp32": 45e9, "bf16": 8e9}, "attention_efficiency": 0.5,
-    "memory_bandwidth": 4e9, "op_overhead_s": 12e-6,
-    "links": {"intra": {"alpha_s": 60e-6, "beta_s_per_byte": 1 / 1.2e9}},
-    "overhead_bytes": 300 * 2**20, "collective_factor": {},
-    "all_reduce": {"2": {"alpha_s": 100e-6, "beta_s_per_byte": 1 / 1.0e9}},
-    "optimizer_s_per_param": 40e-9,
+    "matmul_flops": {"fp32": 88e9, "bf16": 200e9}, "attention_efficiency": 0.4,
+    "memory_bandwidth": 22e9, "op_overhead_s": 3.5e-6,
+    "links": {"intra": {"alpha_s": 170e-6, "beta_s_per_byte": 1 / 5.8e9}},
+    "overhead_bytes": 270 * 2**20, "collective_factor": {},
+    "all_reduce": {"2": {"alpha_s": 390e-6, "beta_s_per_byte": 1 / 1.2e9},
+                   "4": {"alpha_s": 1.9e-3, "beta_s_per_byte": 1 / 0.4e9}},
+    "optimizer_s_per_param": 27e-9,
 }
 
 
