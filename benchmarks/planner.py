@@ -141,7 +141,14 @@ def run_model(name: str, args, cache: str, saved: dict | None = None) -> dict:
                 break
         rows.append(compare(request, layout, best))
         print_row(name, rows[-1])
+        _keep(args.out, name, rows)  # as it goes: a stopped run keeps what it measured
     return summarize(name, rows)
+
+
+def _keep(path: str, name: str, rows: list[dict]) -> None:
+    kept = json.loads(Path(path).read_text()) if Path(path).exists() else {"models": {}}
+    kept["models"][name] = [{"layout": r["layout"], "measured": r["measured"]} for r in rows]
+    Path(path).write_text(json.dumps(kept, indent=1))
 
 
 def compare(request, layout: Layout, measured: dict) -> dict:
@@ -267,8 +274,10 @@ def main(argv=None) -> None:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--steps", type=int, default=5, help="steps per job (the first is not timed)")
-    p.add_argument("--repeats", type=int, default=2, help="runs of a noisy layout at most")
-    p.add_argument("--cache-dir", default=None, help="default: $MESHWISE_CACHE or ~/.cache/meshwise")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of a noisy layout at most (default: 1)")
+    p.add_argument("--cache-dir", default=None,
+                   help="default: $MESHWISE_CACHE or ~/.cache/meshwise")
     p.add_argument("--out", default="planner-measured.json",
                    help="where the measurements are kept (default: %(default)s)")
     p.add_argument("--from", dest="saved", default=None, metavar="FILE",
@@ -290,12 +299,10 @@ def main(argv=None) -> None:
     summaries = []
     if not args.gpus_only:
         saved = json.loads(Path(args.saved).read_text()) if args.saved else None
-        summaries = [run_model(name, args, cache, saved) for name in args.models.split(",")]
-        if not args.saved:
-            Path(args.out).write_text(json.dumps(
-                {"world": args.world, "models": {s["model"]: [
-                    {"layout": r["layout"], "measured": r["measured"]} for r in s["rows"]]
-                    for s in summaries}}, indent=1))
+        if not args.saved and Path(args.out).exists():
+            Path(args.out).unlink()  # a new run
+        summaries = [run_model(name, args, cache, saved) for name in args.models.split(",")
+                     if saved is None or name in saved["models"]]
     print(json.dumps({"world": args.world, "models": summaries, "published": gpus,
                       "planning_70b_1024": scale, "wall_s": time.perf_counter() - start}))
 

@@ -49,8 +49,9 @@ def calibrate(cache_dir: str | None = None) -> str:
     values["when"] = time.strftime("%Y-%m-%d %H:%M")
     path = save_calibration(values, Path(cache_dir) if cache_dir else None)
     mm = values["matmul_flops"]
-    ar = ", ".join(f"{size} ranks {c['alpha_s'] * 1e6:.0f} us + {1 / c['beta_s_per_byte'] / 1e9:.2f}"
-                   " GB/s" for size, c in values["all_reduce"].items())
+    ar = ", ".join(f"{size} ranks {c['alpha_s'] * 1e6:.0f} us + "
+                   f"{1 / c['beta_s_per_byte'] / 1e9:.2f} GB/s"
+                   for size, c in values["all_reduce"].items())
     return "\n".join([
         f"matmul fp32 {mm['fp32'] / 1e9:.1f} GFLOP/s, bf16 {mm['bf16'] / 1e9:.1f} GFLOP/s "
         f"(one thread); attention at {values['attention_efficiency']:.2f} of it",

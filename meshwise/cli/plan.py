@@ -21,6 +21,11 @@ from meshwise.train.config import DTYPES, ZERO_STAGES, TrainConfig
 
 PROG = "meshwise plan"
 MODEL_FLAGS = [row for row in TRAIN_FLAGS if row[1] == "model" and row[2] != "dropout"]
+PLAN_HELP = {  # where planning reads less than training
+    "init_from": "a local Hugging Face directory: the model's sizes come from its config.json "
+                 "(nothing else is read; no weights needed)",
+    "vocab_size": "vocabulary of the model (default: --init-from's config.json, else 256, "
+                  "byte-level)"}
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +37,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, metavar="N",
                         help="ranks (devices) to lay the model out on")
     for flag, section, field, kind, help_text in MODEL_FLAGS:
+        help_text = PLAN_HELP.get(field) or f"{help_text} (default: {default_text(section, field)})"
         parser.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
-                            help=f"{help_text} (default: {default_text(section, field)})")
+                            help=help_text)
     parser.add_argument("--seq-len", type=int, default=TrainConfig().data.seq_len,
                         help="tokens per sequence (default: %(default)s, as meshwise train)")
     parser.add_argument("--batch-size", type=int, default=TrainConfig().data.batch_size,

@@ -9,6 +9,7 @@ fit; ``PlanRequest.predict`` times one layout (``--explain``, ``--layout auto``)
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,7 @@ class PlanRequest:
                     f"({reason}); valid: a world whose ranks the model's heads, layers, "
                     "sequence and --batch-size divide among")
         least = found[0]
-        need_gb = least.memory.total / GIB
+        need_gb = math.ceil(least.memory.total / GIB * 10) / 10  # enough, at 0.1 GiB
         if self.device.memory_per_node:
             local = round(self.device.memory_bytes / self.limit)
             fix = f"--device-memory-gb {need_gb * local:.1f} or more (the machine's)"
@@ -81,14 +82,16 @@ class PlanRequest:
         world = self._smallest_world()
         more = f", or --world {world}" if world else ""
         return (f"no layout of --world {self.world} fits {self.limit / GIB:.1f} GiB {where}: "
-                f"the least any needs is {need_gb:.1f} GiB ({least.layout.flags()}); valid: "
+                f"the least any needs is {least.memory.total / GIB:.2f} GiB "
+                f"({least.layout.flags()}); valid: "
                 f"{fix}{more}")
 
     def _smallest_world(self) -> int | None:
         """The smallest multiple of the world (doubling) with a layout that fits, searched
         with the most frugal choices allowed (highest ZeRO stage, most recomputation)."""
-        frugal = dataclasses.replace(self.space, zero=self.space.zero[-1:],
-                                     activation_checkpointing=self.space.activation_checkpointing[-1:])
+        space = self.space
+        frugal = dataclasses.replace(space, zero=space.zero[-1:],
+                                     activation_checkpointing=space.activation_checkpointing[-1:])
         world = self.world * 2
         while world <= self.world * MAX_WORLD_FACTOR:
             found = search(self.cfg, self.shape, world, self.device, frugal,

@@ -117,7 +117,8 @@ REFINED = 32
 def _rank_key(p: Prediction):
     # Ties (three significant digits) go to the layout using less memory, then the shorter
     # command line (fewer choices that buy nothing here).
-    return (-float(f"{p.tokens_per_s:.3g}"), round(p.memory.total, -20), len(p.layout.flags()))
+    tokens = float(f"{p.tokens_per_s:.3g}")
+    return (-tokens, round(p.memory.total / 2**20), len(p.layout.flags()))
 
 
 @functools.lru_cache(maxsize=None)

@@ -42,7 +42,8 @@ def test_tensor_parallel_shards_add_up_to_the_layer():
     shape = model_shape(config(*SMALL))
     # GPT block: all but two LayerNorms (weight, bias) and the row layers' biases is split
     assert shape.layer_replicated == 6 * shape.d_model
-    assert shape.layer_split + shape.layer_replicated == 12 * shape.d_model ** 2 + 13 * shape.d_model
+    d = shape.d_model
+    assert shape.layer_split + shape.layer_replicated == 12 * d ** 2 + 13 * d
 
 
 def test_model_state_is_the_readme_table():
