@@ -120,29 +120,48 @@ def measure(model_flags: list[str], layout: Layout, steps: int, cache: str) -> d
             "others_cpu_share": min(max(others / (cores * wall), 0.0), 0.95)}
 
 
-def run_model(name: str, args, cache: str, saved: dict | None = None) -> dict:
+def request_for(name: str, args, cache: str):
     argv = ["plan", *MODELS[name], *SEQUENCE, "--world", str(args.world)]
     cfg = model_config(build_parser().parse_args(argv))
-    request = plan_request(cfg, args.world, "cpu", Space(), cache_dir=cache)
-    rows = []
+    return plan_request(cfg, args.world, "cpu", Space(), cache_dir=cache)
+
+
+def run_models(names: list[str], args, cache: str, saved: dict | None = None) -> list[dict]:
+    """Every model's layouts, taken in turns (a model's ZeRO-0 layouts first), so that a
+    run cut short has measured a bit of everything; with ``saved``, predict only."""
+    requests = {name: request_for(name, args, cache) for name in names}
+    rows = {name: [] for name in names}
     if saved is not None:
-        for row in saved["models"][name]:
-            rows.append(compare(request, Layout.parse(row["layout"]), row["measured"]))
-            print_row(name, rows[-1])
-        return summarize(name, rows)
-    for layout in layouts_to_run(request):
-        best = None
-        for _ in range(args.repeats):
-            m = measure(MODELS[name], layout, args.steps, cache)
-            quiet = (m["spread"], m["others_cpu_share"])
-            if best is None or quiet < (best["spread"], best["others_cpu_share"]):
-                best = m
-            if m["spread"] <= 0.3 and m["others_cpu_share"] < 0.2:
-                break
-        rows.append(compare(request, layout, best))
-        print_row(name, rows[-1])
-        _keep(args.out, name, rows)  # as it goes: a stopped run keeps what it measured
-    return summarize(name, rows)
+        for name in names:
+            for row in saved["models"].get(name, []):
+                rows[name].append(compare(requests[name], Layout.parse(row["layout"]),
+                                          row["measured"]))
+                print_row(name, rows[name][-1])
+        return [summarize(name, rows[name]) for name in names if rows[name]]
+    queues = {name: sorted(layouts_to_run(r), key=lambda l: l.zero) for name, r in
+              requests.items()}
+    while any(queues.values()):
+        for name in names:
+            if queues[name]:
+                layout = queues[name].pop(0)
+                measured = measure_quietest(MODELS[name], layout, args, cache)
+                rows[name].append(compare(requests[name], layout, measured))
+                print_row(name, rows[name][-1])
+                _keep(args.out, name, rows[name])  # as it goes: a run cut short keeps it
+    return [summarize(name, rows[name]) for name in names]
+
+
+def measure_quietest(model_flags, layout: Layout, args, cache: str) -> dict:
+    """Up to ``--repeats`` runs while the machine is busy; the quietest one."""
+    best = None
+    for _ in range(args.repeats):
+        m = measure(model_flags, layout, args.steps, cache)
+        if best is None or (m["spread"], m["others_cpu_share"]) < (best["spread"],
+                                                                  best["others_cpu_share"]):
+            best = m
+        if m["spread"] <= 0.3 and m["others_cpu_share"] < 0.2:
+            break
+    return best
 
 
 def _keep(path: str, name: str, rows: list[dict]) -> None:
@@ -301,8 +320,7 @@ def main(argv=None) -> None:
         saved = json.loads(Path(args.saved).read_text()) if args.saved else None
         if not args.saved and Path(args.out).exists():
             Path(args.out).unlink()  # a new run
-        summaries = [run_model(name, args, cache, saved) for name in args.models.split(",")
-                     if saved is None or name in saved["models"]]
+        summaries = run_models(args.models.split(","), args, cache, saved)
     print(json.dumps({"world": args.world, "models": summaries, "published": gpus,
                       "planning_70b_1024": scale, "wall_s": time.perf_counter() - start}))
 

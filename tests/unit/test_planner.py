@@ -187,3 +187,25 @@ def test_the_cpu_profile_reads_a_stored_calibration(tmp_path):
     save_calibration({"matmul_flops": {"fp32": 1e9, "bf16": 2e9}, "when": "now"}, tmp_path)
     profile = device_profile("cpu", tmp_path)
     assert profile.matmul_rate("fp32") == 1e9 and "calibrated here" in profile.source
+
+
+def test_layout_auto_takes_the_planners_best_for_the_launched_world(tmp_path):
+    from meshwise.cli.train import train_config
+
+    flags = ["train", "--layout", "auto", "--dp", "4", *SMALL, "--cache-dir", str(tmp_path)]
+    cfg, origins = train_config(build_parser().parse_args(flags))
+    assert cfg.parallel.dims.world_size == 4 and origins["tp"] == "auto"
+    request = plan_request(config(*SMALL), 4, "cpu", Space(), cache_dir=str(tmp_path))
+    assert Layout.of(cfg) == request.run()[0].layout
+    # a layout flag given with it narrows the choice
+    cfg, _ = train_config(build_parser().parse_args([*flags, "--zero", "3"]))
+    assert cfg.parallel.zero == 3 and cfg.parallel.dims.world_size == 4
+
+
+def test_the_probes_measure_positive_rates():
+    from meshwise.planner.probes import local_probes
+
+    probes = local_probes()
+    assert probes["matmul_flops"]["fp32"] > 1e8 and probes["matmul_flops"]["bf16"] > 1e7
+    assert probes["memory_bandwidth"] > 1e8 and 0 < probes["op_overhead_s"] < 1e-3
+    assert 0 < probes["optimizer_s_per_param"] < 1e-6 and probes["attention_efficiency"] > 0
