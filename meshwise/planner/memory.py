@@ -102,25 +102,23 @@ def activation_bytes_per_token(shape: ModelShape, layout: Layout, dtype: str) ->
     RMSNorm's fp32 input, normalised value and output (3 d each) / s; the rotated
     q, k, v, attention output and its copy, the SwiGLU's gate, up and product:
     (3 q + 2 kv + 3 f) / t. Attention keeps an fp32 log-sum-exp per head, never
-    the (T, T) scores (flash attention; the cp ring alike)."""
+    the (T, T) scores (flash attention; the cp ring alike). Selective keeps the
+    layer's input and every matmul's and attention's output; full only the input."""
     a, t = DTYPE_BYTES[dtype], layout.tp
     s = t if layout.sp else 1
     d, lse = shape.d_model, 4.0 * shape.n_head / t
+    # selective keeps each matmul's and attention's output: the column layers' and
+    # attention's are split over tp, the row layers' two (before their reduction) are not
     if shape.family == "gpt":
         between, inside = 4 * d * a, (3 * d + 2 * d + 2 * shape.ffn) * a
-        kept = (3 * d + 2 * d + shape.ffn) * a  # matmul and attention outputs
-        between_kept = 0.0
+        kept = (3 * d + d + shape.ffn) * a
     else:
-        norm = 4 + 2 * a  # an fp32 copy of the input, the bf16 normalised value and output
-        if dtype == "fp32":
-            norm = 3 * a
+        norm = 3 * a if dtype == "fp32" else 4 + 2 * a  # bf16: an fp32 copy of the input
         between = 2 * d * norm
         inside = (3 * shape.q_width + 2 * shape.kv_width + 3 * shape.ffn) * a
         kept = (2 * shape.q_width + 2 * shape.kv_width + 2 * shape.ffn) * a
-        between_kept = 0.0
-    full_layer = between / s + inside / t + lse
-    return {"none": full_layer,
-            "selective": d * a / s + between_kept + kept / t + lse,
+    return {"none": between / s + inside / t + lse,
+            "selective": d * a / s + kept / t + 2 * d * a + lse,
             "full": d * a / s}
 
 
