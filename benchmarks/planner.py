@@ -42,6 +42,7 @@ from meshwise.cli.plan import model_config  # noqa: E402
 from meshwise.planner.devices import load_calibration  # noqa: E402
 from meshwise.planner.layout import Layout  # noqa: E402
 from meshwise.planner.plan import plan_request  # noqa: E402
+from meshwise.planner.probes import OthersShare  # noqa: E402
 from meshwise.planner.search import Space  # noqa: E402
 from benchmarks.planner_published import planning_time, published  # noqa: E402
 
@@ -81,25 +82,10 @@ def layouts_to_run(request) -> list[Layout]:
     return list(dict.fromkeys(valid))
 
 
-def _busy_cpu_s() -> float:
-    """Seconds of CPU time the whole machine has spent busy since boot (/proc/stat)."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    ticks = [int(x) for x in fields]
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _children_cpu_s() -> float:
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def measure(model_flags: list[str], layout: Layout, steps: int, cache: str) -> dict:
     """One ``meshwise train`` job: the worst rank's peak RSS, the median step time, and the
     share of the machine's CPU that other processes took while it ran (other jobs)."""
-    busy, ours, wall = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
+    share = OthersShare()
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MESHWISE_CACHE=cache)
@@ -111,14 +97,12 @@ def measure(model_flags: list[str], layout: Layout, steps: int, cache: str) -> d
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)}\n{done.stderr[-2000:]}")
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    wall = time.perf_counter() - wall
-    others = (_busy_cpu_s() - busy) - (_children_cpu_s() - ours)
-    cores = len(os.sched_getaffinity(0))
+    others = share.measured()
     times = [r["step_time_s"] for r in records[1:]]
     return {"peak_rss_bytes": records[-1]["peak_rss_bytes"],
             "step_time_s": statistics.median(times),
             "spread": (max(times) - min(times)) / statistics.median(times),
-            "others_cpu_share": min(max(others / (cores * wall), 0.0), 0.95)}
+            "others_cpu_share": others}
 
 
 def request_for(name: str, args, cache: str):

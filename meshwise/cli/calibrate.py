@@ -12,7 +12,8 @@ Three kinds of measurement, each of what the cost model rates:
   ``MALLOC_MMAP_THRESHOLD_=65536``; each step's optimizer time): the runtime's
   fixed memory is its peak RSS less what the planner predicts for the model,
   and AdamW's cost per parameter is the trainer's own optimizer phase (gradient
-  norm, clipping and the update together).
+  norm, clipping and the update together), the share of the CPU other jobs took
+  meanwhile taken out of its clock.
 
 The results go to ``CACHE/planner-calibration.json``.
 """
@@ -103,6 +104,9 @@ def _training_run(values: dict) -> dict:
     from meshwise.planner.shapes import model_shape
     from meshwise.planner.step_time import step_time
 
+    from meshwise.planner.probes import OthersShare
+
+    share = OthersShare()
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
@@ -112,12 +116,15 @@ def _training_run(values: dict) -> dict:
         if done.returncode:
             raise ValueError(f"--calibrate: the measuring run failed: {done.stderr[-500:]}")
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # the run's own CPU, as on an idle machine: other jobs' share taken out of its clock
+    available = 1.0 - share.measured()
     cfg = _run_config()
     shape, layout = model_shape(cfg), Layout.of(cfg)
     device = cpu_profile({**values, "overhead_bytes": 0})
     _, flights = step_time(shape, layout, settings_of(cfg), device)
     model_bytes = peak_memory(shape, layout, settings_of(cfg), flights, 0.0).total
-    optimizer = statistics.median(r["time_breakdown"]["optimizer"] for r in records[1:])
+    optimizer = available * statistics.median(r["time_breakdown"]["optimizer"]
+                                              for r in records[1:])
     share = max(1.0, RUN_WORLD / (device.cores or 1))
     return {"overhead_bytes": records[-1]["peak_rss_bytes"] - model_bytes,
             "optimizer_s_per_param": optimizer / share / shape.num_params}

@@ -73,7 +73,8 @@ def action_costs(shape: ModelShape, layout: Layout, st: Settings, device: Device
     backward += forward if mode == "full" else (elementwise + kernels if mode == "selective"
                                                 else 0.0)
     weights = matmul
-    f, b, w = layers * forward, layers * backward, layers * weights
+    factor = device.layer_time_factor.get(shape.family, 1.0)
+    f, b, w = (layers * factor * x for x in (forward, backward, weights))
     if first:
         f += n * shape.d_model * a * 2 / device.memory_bandwidth
     if last:

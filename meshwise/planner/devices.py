@@ -69,6 +69,8 @@ class DeviceProfile:
     all_reduce: dict[int, LinkCost] = field(default_factory=dict)
     collectives_as_all_reduce: bool = False
     optimizer_s_per_param: float = 0.0  # AdamW over one owned parameter (0: memory-bound)
+    # a family's measured layer time over the roofline's (CPU: --calibrate; GPU: 1)
+    layer_time_factor: dict[str, float] = field(default_factory=dict)
 
     def matmul_rate(self, dtype: str) -> float:
         return self.matmul_flops[dtype]
@@ -110,7 +112,7 @@ CPU_DEFAULTS = {
     "overhead_bytes": 270 * 2**20, "collective_factor": {},
     "all_reduce": {"2": {"alpha_s": 390e-6, "beta_s_per_byte": 1 / 1.2e9},
                    "4": {"alpha_s": 1.9e-3, "beta_s_per_byte": 1 / 0.4e9}},
-    "optimizer_s_per_param": 27e-9,
+    "optimizer_s_per_param": 27e-9, "layer_time_factor": {"gpt": 1.0, "llama": 1.3},
 }
 
 
@@ -150,7 +152,8 @@ def cpu_profile(calibration: dict | None, cores: int | None = None) -> DevicePro
         collective_factor=values["collective_factor"], memory_per_node=True,
         all_reduce={int(size): LinkCost(c["alpha_s"], c["beta_s_per_byte"])
                     for size, c in values["all_reduce"].items()},
-        collectives_as_all_reduce=True, optimizer_s_per_param=values["optimizer_s_per_param"])
+        collectives_as_all_reduce=True, optimizer_s_per_param=values["optimizer_s_per_param"],
+        layer_time_factor=values.get("layer_time_factor", {}))
 
 
 def machine_memory_bytes() -> float:
