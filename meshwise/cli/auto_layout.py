@@ -84,6 +84,15 @@ def choose_layout(cfg: TrainConfig, origins: dict[str, str]) -> TrainConfig:
     for other in ranked[1:3]:
         log.info("  next: %s: %s tokens/s, %.2f GiB", other.layout.flags(),
                  f"{other.tokens_per_s:,.0f}", other.memory.total / 2**30)
-    for field in CHOSEN:
-        origins[field] = "auto"
-    return best.layout.apply(cfg)
+    chosen, default = best.layout.apply(cfg), Layout().apply(TrainConfig())
+    for field in CHOSEN:  # marked where auto set a value (the configuration shows it)
+        if field in origins or _value(chosen, field) != _value(default, field):
+            origins[field] = "auto"
+    return chosen
+
+
+def _value(cfg: TrainConfig, field: str):
+    for section in (cfg.parallel, cfg.data, cfg.runtime):
+        if hasattr(section, field):
+            return getattr(section, field)
+    raise KeyError(field)

@@ -194,7 +194,7 @@ def test_layout_auto_takes_the_planners_best_for_the_launched_world(tmp_path):
 
     flags = ["train", "--layout", "auto", "--dp", "4", *SMALL, "--cache-dir", str(tmp_path)]
     cfg, origins = train_config(build_parser().parse_args(flags))
-    assert cfg.parallel.dims.world_size == 4 and origins["tp"] == "auto"
+    assert cfg.parallel.dims.world_size == 4 and origins["dp"] == "auto"
     request = plan_request(config(*SMALL), 4, "cpu", Space(), cache_dir=str(tmp_path))
     assert Layout.of(cfg) == request.run()[0].layout
     # a layout flag given with it narrows the choice
@@ -209,3 +209,12 @@ def test_the_probes_measure_positive_rates():
     assert probes["matmul_flops"]["fp32"] > 1e8 and probes["matmul_flops"]["bf16"] > 1e7
     assert probes["memory_bandwidth"] > 1e8 and 0 < probes["op_overhead_s"] < 1e-3
     assert 0 < probes["optimizer_s_per_param"] < 1e-6 and probes["attention_efficiency"] > 0
+
+
+def test_layout_auto_warns_of_nothing_it_set_itself(tmp_path):
+    from meshwise.cli.train import train_config
+    from meshwise.cli.train_flags import noop_warnings
+
+    flags = ["train", "--layout", "auto", "--dp", "2", *SMALL, "--cache-dir", str(tmp_path)]
+    cfg, origins = train_config(build_parser().parse_args(flags))
+    assert noop_warnings(cfg, origins) == []
