@@ -19,23 +19,14 @@ from pathlib import Path
 from meshwise.checkpoint.save_dir import human_bytes
 from meshwise.cli import launch
 from meshwise.cli.ranks import memory_limit_bytes
+from meshwise.planner.memory import model_state_bytes_per_param
+from meshwise.planner.shapes import parameter_count  # noqa: F401 (this module's interface)
 from meshwise.train.config import TrainConfig
 
-TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient, AdamW's two moments
+# fp32 parameter, gradient, AdamW's two moments: the README's table, held once across all
+# ranks at ZeRO-3 (the least any layout holds; meshwise plan counts the rest)
+TRAIN_STATE_BYTES_PER_PARAM = model_state_bytes_per_param(3, 1, "fp32", "fp32")
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 parameter (the master copy) and both moments
-
-
-def parameter_count(cfg: TrainConfig, vocab_size: int) -> int:
-    """The model's parameters, counted on the meta device."""
-    import torch
-
-    from meshwise.models.families import family
-
-    fam = family(cfg.model.family)
-    model_cfg = fam.make_config({**cfg.model.sizes(vocab_size), "dropout": cfg.model.dropout})
-    with torch.device("meta"):
-        model = fam.build(model_cfg, None)
-    return sum(p.numel() for p in model.parameters())
 
 
 def checkpoint_bytes(cfg: TrainConfig, num_params: int) -> int:

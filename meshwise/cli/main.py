@@ -1,5 +1,5 @@
 """The ``meshwise`` command: ``train``, ``schedule``, ``export``, ``generate``, ``data``, ``bench``,
-``plot``.
+``plot``, ``plan``.
 
 The entry point only parses and hands over to each subcommand's module in
 ``meshwise.cli``; bad input exits with status 2 and one line before any rank
@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshwise.cli.auto_layout import add_layout_argument
 from meshwise.cli.bench import add_bench_comm_arguments, run_bench_comm
 from meshwise.cli.data import add_data_arguments, run_data
 from meshwise.cli.export import add_export_arguments, run_export
 from meshwise.cli.generate import add_generate_arguments, run_generate
+from meshwise.cli.plan import add_plan_arguments, run_plan
 from meshwise.cli.plot import add_plot_arguments, run_plot
 from meshwise.cli.schedule import add_schedule_arguments, run_schedule
 from meshwise.cli.train import run_train
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "machine: the tiny GPT preset on 2 data-parallel ranks over the Python "
                     "standard library's sources.")
     add_train_arguments(train)
+    add_layout_argument(train)
     train.add_argument("-q", "--quiet", action="store_true", help="only warnings and the summary")
     schedule = sub.add_parser("schedule", help="print or plot a pipeline schedule and its bubble")
     add_schedule_arguments(schedule)
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time each all-reduce algorithm against the native collective, on local "
                     "ranks or under torchrun.")
     add_bench_comm_arguments(bench_comm)
+    plan = sub.add_parser("plan", help="which layout to run on N devices: memory and step "
+                                       "time predicted per layout")
+    add_plan_arguments(plan)
     plot = sub.add_parser("plot", help="curves of metrics files (loss, throughput, memory, ...)",
                           description="Plot one or more --metrics files, overlaid: loss, "
                                       "gradient norm, tokens/s, peak memory, exposed "
@@ -92,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_data(args)
     if args.command == "plot":
         return run_plot(args)
+    if args.command == "plan":
+        return run_plan(args)
     return run_train(args)
 
 

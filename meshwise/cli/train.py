@@ -22,6 +22,7 @@ from pathlib import Path
 from meshwise.checkpoint import resume
 from meshwise.checkpoint.lineage import new_run_id
 from meshwise.cli import launch
+from meshwise.cli.auto_layout import choose_layout
 from meshwise.cli.checkpoint_dir import held_save_dir, record_start
 from meshwise.cli.preflight import prepare
 from meshwise.cli.train_flags import config_from_args, effective_config, noop_warnings
@@ -72,6 +73,8 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]
     cfg.checkpoint.run_id = new_run_id()
     apply_init_from(cfg, origins)
     apply_launch_defaults(cfg, origins)
+    if getattr(args, "layout", None) == "auto":
+        cfg = choose_layout(cfg, origins)  # the planner's best for the launched world
     name_the_run(cfg.runtime, cfg.checkpoint.save)
     return cfg.validate(), origins
 

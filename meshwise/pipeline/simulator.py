@@ -91,7 +91,7 @@ def reference_bubble(kind: str, num_stages: int, num_micro_batches: int,
 
 def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 1.0,
              weight_cost: float = 1.0, p2p_latency: float = 0.0,
-             blocking_sends: bool = False) -> Timeline:
+             blocking_sends: bool = False, check: bool = True) -> Timeline:
     """Validate and time a schedule.  A chunk's forward costs ``forward_cost / V``, the input
     part of its backward ``backward_cost / V`` and its weight part ``weight_cost / V``; a whole
     backward (no W of its own) costs both parts: a rank's share of the model is split over its
@@ -99,8 +99,10 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
 
     By default a rank waits only for the receives of a batch (a runtime that waits for its sends
     at the end of the step); ``blocking_sends=True`` times a runtime that waits for whole batches.
+    ``check=False`` skips the validation, for a schedule already validated (timed many times).
     """
-    validate(schedule)
+    if check:
+        validate(schedule)
     V = schedule.num_virtual_stages
 
     def cost(rank: int, action: Action) -> float:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "meshwise"
 
 # Top to bottom: a wing may import only from the wings after it.
-FLOORS = ["cli", "train", "serve", "apply", "hf", "sharding", "pipeline", "tensor_parallel",
+FLOORS = ["cli", "planner", "train", "serve", "apply", "hf", "sharding", "pipeline", "tensor_parallel",
           "context_parallel", "models", "checkpoint", "mesh", "comm", "data", "layout"]
 
 

@@ -1,0 +1,130 @@
+"""``meshwise plan --calibrate``: measure this machine once and store it for ``--device cpu``.
+
+Three kinds of measurement, each of what the cost model rates:
+
+- probes on one thread in this process (``meshwise.planner.probes``): matmul
+  FLOP/s per dtype, attention's efficiency, memory bandwidth, an op's dispatch;
+- the all-reduce's and a link's alpha-beta on 2 and 4 local gloo ranks
+  (``meshwise.comm.allreducer.probe``, as ``bench comm``'s adaptive algorithm
+  measures them);
+- one short ``meshwise train`` run of a small GPT on 2 ranks, measured from
+  outside as every benchmark is (peak RSS of the worst rank, with
+  ``MALLOC_MMAP_THRESHOLD_=65536``; each step's optimizer time): the runtime's
+  fixed memory is its peak RSS less what the planner predicts for the model,
+  and AdamW's cost per parameter is the trainer's own optimizer phase (gradient
+  norm, clipping and the update together), the share of the CPU other jobs took
+  meanwhile taken out of its clock.
+
+The results go to ``CACHE/planner-calibration.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from meshwise.cli import launch
+from meshwise.planner.devices import save_calibration
+
+# The run the runtime's memory and the optimizer's cost are measured on.
+RUN_FLAGS = ["--model", "tiny", "--n-layer", "4", "--d-model", "256", "--n-head", "4",
+             "--seq-len", "128", "--batch-size", "8", "--dp", "2", "--steps", "4",
+             "--eval-batches", "1", "-q"]
+RUN_WORLD = 2
+
+
+def calibrate(cache_dir: str | None = None) -> str:
+    """Measure, store, and say what was measured (one line per kind)."""
+    from meshwise.planner.probes import local_probes
+
+    start = time.perf_counter()
+    values = local_probes()
+    values["all_reduce"], values["links"] = _comm()
+    values.update(_training_run(values))
+    values["when"] = time.strftime("%Y-%m-%d %H:%M")
+    path = save_calibration(values, Path(cache_dir) if cache_dir else None)
+    mm = values["matmul_flops"]
+    ar = ", ".join(f"{size} ranks {c['alpha_s'] * 1e6:.0f} us + "
+                   f"{1 / c['beta_s_per_byte'] / 1e9:.2f} GB/s"
+                   for size, c in values["all_reduce"].items())
+    return "\n".join([
+        f"matmul fp32 {mm['fp32'] / 1e9:.1f} GFLOP/s, bf16 {mm['bf16'] / 1e9:.1f} GFLOP/s "
+        f"(one thread); attention at {values['attention_efficiency']:.2f} of it",
+        f"memory {values['memory_bandwidth'] / 1e9:.1f} GB/s, op dispatch "
+        f"{values['op_overhead_s'] * 1e6:.1f} us, AdamW {values['optimizer_s_per_param'] * 1e9:.1f}"
+        " ns per parameter",
+        f"all-reduce: {ar}",
+        f"runtime memory per rank {values['overhead_bytes'] / 2**20:.0f} MiB",
+        f"stored in {path} ({time.perf_counter() - start:.0f} s)"])
+
+
+def _comm() -> tuple[dict, dict]:
+    all_reduce, link = {}, None
+    for world in (2, 4):
+        with tempfile.TemporaryDirectory() as out:
+            launch.launch(_probe_rank, (out,), world, "cpu", 120.0)
+            result = json.loads((Path(out) / "probe.json").read_text())
+        all_reduce[str(world)] = result["all_reduce"]
+        link = link or result["link"]
+    return all_reduce, {"intra": link}
+
+
+def _probe_rank(out: str) -> None:
+    from meshwise.planner.probes import comm_probe
+
+    result = comm_probe()
+    if int(os.environ.get("RANK", 0)) == 0:
+        (Path(out) / "probe.json").write_text(json.dumps(result))
+
+
+def _run_config():
+    """The configuration ``meshwise train RUN_FLAGS`` runs."""
+    import argparse
+
+    from meshwise.cli.train_flags import add_train_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    parser.add_argument("-q", action="store_true")
+    return config_from_args(parser.parse_args(RUN_FLAGS))[0].validate()
+
+
+def _training_run(values: dict) -> dict:
+    """The fixed memory of a rank and AdamW's cost, from one real run measured outside."""
+    from meshwise.planner.devices import cpu_profile
+    from meshwise.planner.layout import Layout
+    from meshwise.planner.memory import peak_memory
+    from meshwise.planner.search import settings_of
+    from meshwise.planner.shapes import model_shape
+    from meshwise.planner.step_time import step_time
+
+    from meshwise.planner.probes import OthersShare
+
+    share = OthersShare()
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        done = subprocess.run([sys.executable, "-m", "meshwise", "train", *RUN_FLAGS,
+                               "--metrics", str(metrics)], env=env, capture_output=True,
+                              text=True)
+        if done.returncode:
+            raise ValueError(f"--calibrate: the measuring run failed: {done.stderr[-500:]}")
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # the run's own CPU, as on an idle machine: other jobs' share taken out of its clock
+    available = 1.0 - share.measured()
+    cfg = _run_config()
+    shape, layout = model_shape(cfg), Layout.of(cfg)
+    device = cpu_profile({**values, "overhead_bytes": 0})
+    _, flights = step_time(shape, layout, settings_of(cfg), device)
+    model_bytes = peak_memory(shape, layout, settings_of(cfg), flights, 0.0).total
+    optimizer = available * statistics.median(r["time_breakdown"]["optimizer"]
+                                              for r in records[1:])
+    share = max(1.0, RUN_WORLD / (device.cores or 1))
+    return {"overhead_bytes": records[-1]["peak_rss_bytes"] - model_bytes,
+            "optimizer_s_per_param": optimizer / share / shape.num_params}

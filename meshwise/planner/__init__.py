@@ -1,0 +1,1 @@
+"""Which layout to run: memory and step time predicted per layout (``meshwise plan``)."""

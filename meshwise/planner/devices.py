@@ -1,0 +1,194 @@
+"""What a device computes and moves per second: profiles for the cost model.
+
+A GPU's profile comes from its data sheet (dense matmul FLOP/s per dtype, HBM
+size and bandwidth, NVLink and network bandwidth per GPU) times an efficiency
+we state and justify below; the CPU's comes from ``meshwise plan --calibrate``
+(``meshwise.planner.calibrate``), measured on this machine and stored in the
+cache folder, with defaults measured the same way on a 2-core x86 machine when
+none is stored.
+
+Efficiencies (what a well-tuned stack reaches of the data sheet):
+
+- matmuls: cuBLAS reaches about 70-80% of the dense bf16 peak on transformer
+  GEMMs of these sizes (NVIDIA's own H100 GEMM figures, 700-750 of 989 TFLOP/s;
+  A100 240-260 of 312). We take 0.75 on A100 and 0.70 on H100/H200, whose peak is
+  harder to reach (its power limit throttles the clock under dense tensor-core load).
+- attention: FlashAttention-2 reaches 50-73% of A100's peak forward and less in
+  backward (Dao 2023, section 4.1): 0.55 of the matmul rate's peak, causal
+  blocks skipped.
+- memory-bound work (norms, activations, residual adds, the optimizer): 80% of
+  HBM bandwidth, as STREAM-like copies reach.
+- links: NCCL's ring all-reduce bus bandwidth over NVLink is about 80% of the
+  per-direction NVLink figure, and over InfiniBand/RoCE about 90% of the NIC's
+  line rate (nccl-tests on DGX systems); alpha is NCCL's per-step latency,
+  about 10 us inside a node and 20 us across nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from meshwise.comm.allreducer import LinkCost
+
+CALIBRATION_FILE = "planner-calibration.json"
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One rank's device as the cost model sees it.
+
+    ``matmul_flops``: achieved matmul FLOP/s per compute dtype (peak x efficiency);
+    ``cores``: CPU cores the ranks of one machine share (None: a device per rank);
+    ``links``: alpha-beta of one rank's link by kind (``intra``: inside a node,
+    ``inter``: across nodes), per message of a ring step; ``collective_factor``:
+    how much slower than a ring over those links each collective runs
+    (measured on gloo, 1 for NCCL); ``overhead_bytes``: what a rank's process
+    holds besides the model (runtime, libraries, communication buffers)."""
+
+    name: str
+    memory_bytes: float
+    matmul_flops: dict[str, float]
+    attention_efficiency: float
+    memory_bandwidth: float
+    op_overhead_s: float
+    links: dict[str, LinkCost]
+    ranks_per_node: int
+    overhead_bytes: float
+    overlap: bool  # communication overlaps compute (separate engines on a GPU)
+    source: str
+    cores: int | None = None
+    collective_factor: dict[str, float] = field(default_factory=dict)
+    peak_flops: dict[str, float] = field(default_factory=dict)  # data sheet, for MFU
+    memory_per_node: bool = False  # memory_bytes is the machine's, shared by its ranks
+    # measured all-reduces by group size (gloo), and whether reduce-scatter and
+    # all-gather run as all-reduces (meshwise.comm.policy on gloo)
+    all_reduce: dict[int, LinkCost] = field(default_factory=dict)
+    collectives_as_all_reduce: bool = False
+    optimizer_s_per_param: float = 0.0  # AdamW over one owned parameter (0: memory-bound)
+    # a family's measured layer time over the roofline's (CPU: --calibrate; GPU: 1)
+    layer_time_factor: dict[str, float] = field(default_factory=dict)
+
+    def matmul_rate(self, dtype: str) -> float:
+        return self.matmul_flops[dtype]
+
+    def link(self, kind: str) -> LinkCost:
+        return self.links.get(kind) or self.links["intra"]
+
+
+def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, hbm_tbs: float,
+         nvlink_gbs: float, nic_gbs: float, matmul_eff: float) -> DeviceProfile:
+    return DeviceProfile(
+        name=name, memory_bytes=memory_gb * 2**30,
+        matmul_flops={"bf16": bf16_tflops * 1e12 * matmul_eff,
+                      "fp32": fp32_tflops * 1e12 * matmul_eff},
+        peak_flops={"bf16": bf16_tflops * 1e12, "fp32": fp32_tflops * 1e12},
+        attention_efficiency=0.55 / matmul_eff, memory_bandwidth=hbm_tbs * 1e12 * 0.8,
+        op_overhead_s=4e-6,
+        links={"intra": LinkCost(10e-6, 1 / (nvlink_gbs * GB * 0.8)),
+               "inter": LinkCost(20e-6, 1 / (nic_gbs * GB * 0.9))},
+        ranks_per_node=8, overhead_bytes=1.5 * 2**30, overlap=True,
+        source=f"{name} data sheet x stated efficiencies (meshwise.planner.devices)")
+
+
+# Data sheets (SXM parts): dense bf16 and fp32 (non-tensor) TFLOP/s, HBM GB/s, NVLink per
+# direction GB/s, one 400 (HDR: 200) Gb/s NIC per GPU. overhead: CUDA context, NCCL buffers.
+GPU_PROFILES = {
+    "h100": _gpu("h100", 80, 989, 67, 3.35, 450, 50, 0.70),
+    "h200": _gpu("h200", 141, 989, 67, 4.8, 450, 50, 0.70),
+    "a100": _gpu("a100", 80, 312, 19.5, 2.04, 300, 25, 0.75),
+    "a100-40gb": _gpu("a100-40gb", 40, 312, 19.5, 1.56, 300, 25, 0.75),
+}
+
+# This kind of machine (2 x86 cores, torch 2.13 CPU, gloo), measured by --calibrate on it
+# (medians of three calibrations): used until a machine's own calibration is stored.
+CPU_DEFAULTS = {
+    "matmul_flops": {"fp32": 88e9, "bf16": 200e9}, "attention_efficiency": 0.4,
+    "memory_bandwidth": 22e9, "op_overhead_s": 3.5e-6,
+    "links": {"intra": {"alpha_s": 170e-6, "beta_s_per_byte": 1 / 5.8e9}},
+    "overhead_bytes": 270 * 2**20, "collective_factor": {},
+    "all_reduce": {"2": {"alpha_s": 390e-6, "beta_s_per_byte": 1 / 1.2e9},
+                   "4": {"alpha_s": 1.9e-3, "beta_s_per_byte": 1 / 0.4e9}},
+    "optimizer_s_per_param": 27e-9, "layer_time_factor": {"gpt": 1.0, "llama": 1.3},
+}
+
+
+def known_devices() -> list[str]:
+    return ["cpu", *GPU_PROFILES]
+
+
+def device_profile(name: str, cache_dir: Path | None = None, cores: int | None = None,
+                   memory_bytes: float | None = None) -> DeviceProfile:
+    """The profile of ``name`` (ValueError listing the known ones); for ``cpu`` this
+    machine's calibration from ``cache_dir`` when one is stored."""
+    if name in GPU_PROFILES:
+        profile = GPU_PROFILES[name]
+    elif name == "cpu":
+        profile = cpu_profile(load_calibration(cache_dir), cores)
+    else:
+        raise ValueError(f"--device {name!r} has no profile; valid: {', '.join(known_devices())}")
+    if memory_bytes is not None:
+        profile = replace(profile, memory_bytes=memory_bytes)
+    return profile
+
+
+def cpu_profile(calibration: dict | None, cores: int | None = None) -> DeviceProfile:
+    """This machine's CPU: its cores, memory and the calibration's rates (else the
+    defaults). Its memory is the machine's, shared by the ranks it runs."""
+    values = {**CPU_DEFAULTS, **(calibration or {})}
+    links = {kind: LinkCost(c["alpha_s"], c["beta_s_per_byte"])
+             for kind, c in values["links"].items()}
+    source = (f"calibrated here ({calibration.get('when', 'meshwise plan --calibrate')})"
+              if calibration else "defaults of a 2-core machine (run meshwise plan --calibrate)")
+    return DeviceProfile(
+        name="cpu", memory_bytes=machine_memory_bytes(), matmul_flops=values["matmul_flops"],
+        peak_flops=values["matmul_flops"], attention_efficiency=values["attention_efficiency"],
+        memory_bandwidth=values["memory_bandwidth"], op_overhead_s=values["op_overhead_s"],
+        links=links, ranks_per_node=0, overhead_bytes=values["overhead_bytes"], overlap=False,
+        source=source, cores=cores or len(os.sched_getaffinity(0)),
+        collective_factor=values["collective_factor"], memory_per_node=True,
+        all_reduce={int(size): LinkCost(c["alpha_s"], c["beta_s_per_byte"])
+                    for size, c in values["all_reduce"].items()},
+        collectives_as_all_reduce=True, optimizer_s_per_param=values["optimizer_s_per_param"],
+        layer_time_factor=values.get("layer_time_factor", {}))
+
+
+def machine_memory_bytes() -> float:
+    """This machine's memory (its cgroup's limit when lower)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return float(total)
+
+
+def calibration_path(cache_dir: Path | None = None) -> Path:
+    from meshwise.data.dataset import default_cache_dir
+
+    return Path(cache_dir or default_cache_dir()) / CALIBRATION_FILE
+
+
+def load_calibration(cache_dir: Path | None = None) -> dict | None:
+    """The stored calibration of this machine, or None."""
+    path = calibration_path(cache_dir)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_calibration(values: dict, cache_dir: Path | None = None) -> Path:
+    path = calibration_path(cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(values, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+

@@ -1,0 +1,200 @@
+"""Short measurements of this machine for the CPU profile (``meshwise plan --calibrate``).
+
+Each probe times the work the cost model rates, on one thread as a rank of a
+many-rank job runs (``meshwise.cli.launch``), in the thread's own CPU time (so
+other work on the machine does not count), the least of several runs:
+
+- ``matmul``: FLOP/s of the matrix multiplies of a transformer layer's sizes
+  (tokens x width x 3 width), fp32 and bf16;
+- ``attention``: causal ``scaled_dot_product_attention`` forward, as a fraction of
+  the matmul rate at its FLOPs (half of the ``T x T`` product);
+- ``memory_bandwidth``: bytes/s of an element-wise add of 32 MiB tensors (read
+  two, write one);
+- ``op_overhead``: seconds of a tiny op with autograd recording (a kernel's
+  dispatch, which dominates small element-wise work on a CPU);
+- ``optimizer``: seconds per parameter of meshwise's own AdamW over a flat buffer;
+- ``layer_time_factors``: one layer of each family's own code, forward and backward,
+  over the roofline's time for it with the values above (eager PyTorch's small kernels,
+  copies and autograd bookkeeping, which no single probe sees);
+- ``comm_probe``: on every rank of a group, ``meshwise.comm.allreducer.probe``'s
+  alpha-beta of a point-to-point link and of the native all-reduce.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from meshwise.comm.allreducer import probe
+from meshwise.comm.algorithms import Topology
+
+
+def _best(fn, runs: int = 7) -> float:
+    """The least CPU time of this thread over ``runs`` calls: what ``fn`` costs on a core of
+    its own, whatever else the machine runs meanwhile (every probe runs on one thread)."""
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(runs):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return max(best, 1e-9)
+
+
+def matmul_rate(dtype: torch.dtype, tokens: int = 2048, width: int = 512) -> float:
+    x = torch.randn(tokens, width).to(dtype)
+    w = torch.randn(3 * width, width).to(dtype)
+    return 2.0 * tokens * width * 3 * width / _best(lambda: x @ w.t())
+
+
+def attention_efficiency(rate: float, heads: int = 8, seq: int = 512, head_dim: int = 64) -> float:
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, heads, seq, head_dim) for _ in range(3))
+    took = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), runs=15)
+    flops = 2.0 * seq * seq * heads * head_dim  # 4 T^2 h d, half of it under the causal mask
+    return flops / took / rate
+
+
+def memory_bandwidth(numel: int = 8 * 2**20) -> float:
+    a, b = torch.ones(numel), torch.ones(numel)
+    out = torch.empty(numel)
+    return 3 * 4 * numel / _best(lambda: torch.add(a, b, out=out))
+
+
+def op_overhead() -> float:
+    x = torch.ones(8, requires_grad=True)
+
+    def ops():
+        y = x
+        for _ in range(100):
+            y = y * 1.0
+        return y
+
+    return _best(ops) / 100
+
+
+def optimizer_seconds_per_param(numel: int = 2**21) -> float:
+    from meshwise.sharding.adamw import AdamWConfig, adamw_update, chunk_numel
+
+    param, grad = torch.randn(numel), torch.randn(numel)
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    chunk = chunk_numel(param.device)
+
+    def step():
+        for start in range(0, numel, chunk):
+            s = slice(start, start + chunk)
+            adamw_update(param[s], grad[s], m[s], v[s], 1, 1e-3, AdamWConfig())
+
+    return _best(step, runs=3) / numel
+
+
+# One layer of each family, timed whole (forward and backward) at these sizes.
+LAYER_SIZES = {"gpt": {"preset": "tiny", "n_head": 4, "d_model": 256},
+               "llama": {"preset": "llama-tiny", "n_head": 4, "n_kv_head": 2, "d_model": 256,
+                         "ffn_hidden_size": 768}}
+LAYER_TOKENS = 512
+
+
+def layer_seconds(family_name: str) -> float:
+    """Forward and backward of one layer of the family's own code on ``LAYER_TOKENS`` tokens
+    (the fastest of several runs)."""
+    from meshwise.models.gpt import Block, GPTConfig
+    from meshwise.models.llama import DecoderLayer, LlamaConfig, Rotary
+
+    sizes = {k: v for k, v in LAYER_SIZES[family_name].items() if k != "preset"}
+    x = torch.randn(1, LAYER_TOKENS, sizes["d_model"], requires_grad=True)
+    if family_name == "gpt":
+        layer = Block(GPTConfig(n_layer=1, block_size=LAYER_TOKENS, **sizes), 0)
+        run = lambda: layer(x)  # noqa: E731
+    else:
+        cfg = LlamaConfig(n_layer=1, block_size=LAYER_TOKENS, **sizes)
+        layer, rotary = DecoderLayer(cfg), Rotary(cfg)
+        run = lambda: layer(x, lambda n, device, dtype: rotary(torch.arange(n), dtype))  # noqa
+
+    return _best(lambda: run().sum().backward(), runs=5)
+
+
+def layer_time_factors(values: dict) -> dict[str, float]:
+    """Each family's measured layer time over what the roofline predicts for it with these
+    probe values: what eager PyTorch's many small kernels cost beyond the roofline."""
+    from meshwise.planner.compute import action_costs
+    from meshwise.planner.devices import cpu_profile
+    from meshwise.planner.layout import Layout
+    from meshwise.planner.memory import Settings
+    from meshwise.planner.shapes import model_shape
+    from meshwise.train.config import TrainConfig
+
+    device = cpu_profile({**values, "layer_time_factor": {}})
+    factors = {}
+    for family_name, sizes in LAYER_SIZES.items():
+        cfg = TrainConfig()
+        for field, value in sizes.items():
+            setattr(cfg.model, field, value)
+        costs = action_costs(model_shape(cfg), Layout(), Settings(LAYER_TOKENS, 1), device,
+                             1, first=False, last=False)
+        factors[family_name] = layer_seconds(family_name) / costs.compute
+    return factors
+
+
+def local_probes() -> dict:
+    """Every probe but communication, on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32 = matmul_rate(torch.float32)
+        values = {"matmul_flops": {"fp32": fp32, "bf16": matmul_rate(torch.bfloat16)},
+                  "attention_efficiency": attention_efficiency(fp32),
+                  "memory_bandwidth": memory_bandwidth(), "op_overhead_s": op_overhead(),
+                  "optimizer_s_per_param": optimizer_seconds_per_param()}
+        values["layer_time_factor"] = layer_time_factors(values)
+        return values
+    finally:
+        torch.set_num_threads(threads)
+
+
+class OthersShare:
+    """The share of this machine's CPU that processes other than this one's children took
+    from its creation to ``measured()`` (Linux ``/proc/stat``): other jobs on a shared
+    machine, which a wall-clock time measured meanwhile includes."""
+
+    def __init__(self):
+        self.busy, self.ours, self.wall = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
+
+    def measured(self) -> float:
+        import os
+
+        wall = time.perf_counter() - self.wall
+        others = (_busy_cpu_s() - self.busy) - (_children_cpu_s() - self.ours)
+        return min(max(others / (len(os.sched_getaffinity(0)) * wall), 0.0), 0.95)
+
+
+def _busy_cpu_s() -> float:
+    import os
+
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def comm_probe() -> dict:
+    """On every rank of the world: alpha-beta of a link and of the native all-reduce,
+    the same on every rank (a collective)."""
+    from meshwise.comm import ops
+
+    group = ops.world_group(timeout_s=120.0)
+    model = probe(group, Topology.of(tuple(range(group.size)), group.size), large=8 * 2**20,
+                  repeats=7)
+    link = model.links["intra"]
+    return {"size": group.size,
+            "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte},
+            "all_reduce": {"alpha_s": model.native.alpha_s,
+                           "beta_s_per_byte": model.native.beta_s_per_byte}}

@@ -1,0 +1,237 @@
+"""Step time of one layout: compute, the pipeline's bubble, communication, optimizer.
+
+- compute and the exposed tp/cp communication per action
+  (``meshwise.planner.compute``);
+- the pipeline from ``meshwise.pipeline.simulator``, timed with those per-action
+  costs and the activations' transfer time between stages as its p2p latency:
+  the bubble is what the simulated step takes beyond the ranks' own work; the
+  simulator also counts the micro-batches each rank keeps (memory);
+- the gradient collectives over dp x cp by ZeRO stage (Rajbhandari et al. 2019:
+  stage 0-1 all-reduce, 2 reduce-scatter, 3 adds the parameters' all-gathers, per
+  micro-step without a pipeline), hidden behind the backward where the device
+  overlaps communication, exposed where it does not (gloo on CPU cores);
+- AdamW over the parameters a rank owns, and the gradient norm.
+
+On a CPU whose cores are fewer than its ranks, ranks share the cores: the
+compute of the whole step takes at least every rank's work over the cores, and
+a pipeline's idle ranks leave theirs to the others.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from meshwise.planner.collectives import collective_s, link_kind, p2p_s
+from meshwise.planner.compute import ActionCosts, action_costs, micro_batch_tokens
+from meshwise.planner.devices import DeviceProfile
+from meshwise.planner.layout import Layout
+from meshwise.planner.memory import DTYPE_BYTES, Settings, rank_params
+from meshwise.planner.shapes import ModelShape
+
+COMPRESS_RATIO = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.26}
+
+
+@dataclass
+class TimeBreakdown:
+    """Seconds of one optimizer step on the slowest rank, by what takes them."""
+
+    compute: float  # forwards, backwards and recomputation of every micro-batch
+    bubble: float  # pipeline ranks idle, and waiting for activations
+    tp: float
+    cp: float
+    dp: float  # exposed gradient and ZeRO collectives
+    optimizer: float
+    bubble_fraction: float
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.bubble + self.tp + self.cp + self.dp + self.optimizer
+
+    def parts(self) -> dict[str, float]:
+        return {"compute": self.compute, "pipeline bubble": self.bubble, "tp comm": self.tp,
+                "cp comm": self.cp, "dp comm": self.dp, "optimizer": self.optimizer}
+
+
+@functools.lru_cache(maxsize=4096)
+def simulated(kind: str, stages: int, micro_batches: int, virtual: int, forward: float,
+              backward: float, weights: float, latency: float):
+    """(step time, peak micro-batches in flight per rank) of a schedule, cached: layouts
+    that differ only in ZeRO stage or dp share the simulation.
+
+    Past ``SIMULATED_ROUNDS`` x pp micro-batches the pipeline is in its steady state, where
+    each further micro-batch adds one forward and one backward to every rank's step and no
+    activation kept (GPipe keeps them all): the schedule is simulated at that count and
+    the rest is added, so that 1,024-rank plans stay fast."""
+    from meshwise.pipeline.simulator import simulate
+
+    simulated_m = min(micro_batches, SIMULATED_ROUNDS * stages)
+    timeline = simulate(_schedule(kind, stages, simulated_m, virtual), forward, backward,
+                        weights, latency, check=False)
+    extra = (micro_batches - simulated_m) * (forward + backward + weights)
+    flights = tuple(timeline.peak_in_flight)
+    if kind == "gpipe":
+        flights = (micro_batches,) * stages
+    return timeline.step_time + extra, flights
+
+
+SIMULATED_ROUNDS = 2
+
+
+@functools.lru_cache(maxsize=512)
+def _schedule(kind: str, stages: int, micro_batches: int, virtual: int):
+    from meshwise.pipeline.schedules import build_schedule
+    from meshwise.pipeline.validate import validate
+
+    schedule = build_schedule(kind, stages, micro_batches, virtual)
+    validate(schedule)
+    return schedule
+
+
+def _round(x: float, digits: int = 2) -> float:
+    """``digits`` significant digits: costs that close share one simulation."""
+    return float(f"{x:.{digits}g}")
+
+
+def in_flight(layout: Layout) -> list[int]:
+    """Micro-batch chunks each pipeline rank keeps at once (1 without a pipeline), under
+    unit costs."""
+    if layout.pp == 1:
+        return [1]
+    return list(simulated(layout.schedule, layout.pp, layout.micro_batches,
+                          layout.virtual_stages, 1.0, 1.0, 1.0, 0.0)[1])
+
+
+@dataclass
+class Pipeline:
+    """The part of a step that does not depend on the ZeRO stage: every micro-batch's
+    compute and tp/cp communication on the slowest rank, with the pipeline's bubble."""
+
+    worst: ActionCosts
+    micro_steps: int  # micro-batches x accumulation
+    share: float  # the ranks' share of the CPU cores (1 on a GPU)
+    seconds: float
+    flights: list[int]
+    ranks: list[tuple[int, int, int]]
+    exact: bool
+
+
+def pipeline(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile,
+             exact: bool = True) -> Pipeline:
+    """Simulated with the costs rounded to 2 significant digits (``exact``), else to 1 (a
+    first ranking of many layouts; the best are timed again exactly)."""
+    ranks = list({rank_params(shape, layout, r) for r in range(layout.pp)})
+    layers = shape.n_layer // layout.pp
+    per_rank = [action_costs(shape, layout, st, device, layers, first > 0, last > 0)
+                for _, first, last in ranks]
+    worst = max(per_rank, key=lambda c: c.compute + c.tp + c.cp)
+    m = layout.micro_batches * layout.grad_accum
+    share = _core_share(layout, device)
+    if layout.pp == 1:
+        seconds = m * (worst.compute * share + worst.tp + worst.cp)
+        return Pipeline(worst, m, share, seconds, [1], ranks, exact)
+    n = micro_batch_tokens(layout, st)
+    message = n * shape.d_model * DTYPE_BYTES[st.dtype]
+    latency = p2p_s(device, message,
+                    link_kind(layout.tp * layout.cp, layout.pp, device.ranks_per_node))
+    scale = worst.forward + worst.tp / 2 + worst.cp / 3
+    backward = (worst.backward + worst.tp / 2 + 2 * worst.cp / 3) / scale
+    weights = worst.weights / scale
+    if exact:
+        sim_step, flights = simulated(layout.schedule, layout.pp, layout.micro_batches,
+                                      layout.virtual_stages, 1.0, _round(backward),
+                                      _round(weights), _round(latency / scale))
+    else:
+        sim_step, flights = _coarse(layout, backward, weights, latency / scale)
+    # Ranks sharing cores: a pipeline's idle ranks leave theirs to the others.
+    shared = m * (worst.compute * share + worst.tp + worst.cp)
+    seconds = max(sim_step * scale * layout.grad_accum, shared)
+    return Pipeline(worst, m, share, seconds, list(flights), ranks, exact)
+
+
+def _coarse(layout: Layout, backward: float, weights: float, latency: float):
+    """A first estimate for ranking many layouts: the schedule's bubble at unit costs
+    (simulated once per schedule shape) applied to these costs, each message's latency on
+    the way down and back up (2 (S - 1) of them)."""
+    unit_step, flights = simulated(layout.schedule, layout.pp, layout.micro_batches,
+                                   layout.virtual_stages, 1.0, 1.0, 1.0, 0.0)
+    work = layout.micro_batches * 3.0
+    per_micro_batch = 1.0 + backward + weights
+    return (unit_step / work * layout.micro_batches * per_micro_batch
+            + 2 * (layout.pp - 1) * latency), flights
+
+
+def step_time(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile,
+              pipe: Pipeline | None = None) -> tuple[TimeBreakdown, list[int]]:
+    """The slowest rank's step, and the micro-batches each pipeline rank keeps."""
+    pipe = pipe or pipeline(shape, layout, st, device)
+    w, m = pipe.worst, pipe.micro_steps
+    compute = m * w.compute * pipe.share
+    bubble = max(0.0, pipe.seconds - compute - m * (w.tp + w.cp))
+    dp = _dp_exposed(shape, layout, st, device, pipe.ranks, m * (w.backward + w.weights))
+    optimizer = _optimizer_s(layout, st, device, pipe.ranks) * pipe.share
+    breakdown = TimeBreakdown(compute, bubble, m * w.tp, m * w.cp, dp, optimizer,
+                              bubble / pipe.seconds if pipe.seconds > 0 else 0.0)
+    return breakdown, pipe.flights
+
+
+def _core_share(layout: Layout, device: DeviceProfile) -> float:
+    """How much slower a rank computes because its machine's ranks share the cores."""
+    if device.cores is None:
+        return 1.0
+    local = layout.world_size if device.ranks_per_node <= 0 else min(
+        layout.world_size, device.ranks_per_node)
+    threads = max(1, device.cores // local)  # what meshwise.cli.launch gives each rank
+    return 1.0 / min(threads, device.cores / local)
+
+
+def _dp_exposed(shape, layout: Layout, st: Settings, device: DeviceProfile, ranks,
+                backward_s: float) -> float:
+    """Exposed seconds of the gradient (and ZeRO parameter) collectives over dp x cp."""
+    n = layout.dp * layout.cp
+    if n == 1:
+        return 0.0
+    params = max(sum(r) for r in ranks)
+    a = DTYPE_BYTES[st.dtype]
+    grad_bytes = params * (2 if st.dtype == "bf16" and st.grad_reduce_dtype == "bf16" else 4)
+    grad_bytes *= COMPRESS_RATIO.get(layout.compress.partition(":")[0], 0.05)
+    if layout.dp > 1:
+        link = link_kind(layout.tp * layout.cp * layout.pp, layout.dp, device.ranks_per_node)
+    else:
+        link = link_kind(layout.tp, layout.cp, device.ranks_per_node)
+
+    def coll(kind, nbytes):
+        return collective_s(device, kind, nbytes, n, link)
+
+    z, micro = layout.zero, layout.grad_accum
+    if z == 0:
+        total = coll("all_reduce", grad_bytes)
+    elif z == 1:
+        total = coll("all_reduce", grad_bytes) + coll("all_gather", params * a)
+    elif z == 2:
+        reduces = micro if layout.pp == 1 else 1
+        total = reduces * coll("reduce_scatter", grad_bytes) + coll("all_gather", params * a)
+    else:
+        per = 1 if layout.pp > 1 else micro
+        gathers = 1 if layout.pp > 1 else 2
+        total = per * (gathers * coll("all_gather", params * a)
+                       + coll("reduce_scatter", grad_bytes))
+    if not device.overlap:
+        return total
+    # Hidden behind the backward (and ZeRO-3's gathers behind the forward too), but the
+    # last bucket's reduction waits for the last gradient.
+    tail = coll("all_reduce", min(grad_bytes, st.bucket_mb * 2**20))
+    window = backward_s * (1.5 if z == 3 else 1.0)
+    return max(tail, total - window)
+
+
+def _optimizer_s(layout: Layout, st: Settings, device: DeviceProfile, ranks) -> float:
+    """AdamW over the parameters this rank owns, and the gradient norm over its gradients."""
+    params = max(sum(r) for r in ranks)
+    owned = params if layout.zero == 0 else params / (layout.dp * layout.cp)
+    if device.optimizer_s_per_param:
+        return owned * device.optimizer_s_per_param
+    # parameters, gradients and both moments read, three of them written (fp32), a bf16
+    # copy of the parameters written too
+    touched = owned * (7 * 4 + (2 if st.dtype == "bf16" else 0)) + params * 4
+    return touched / device.memory_bandwidth
