@@ -31,7 +31,8 @@ from pathlib import Path
 
 from benchmarks.common import median, print_json
 from meshwise.data.bpe import save_tokenizer, train_bpe
-from meshwise.data.corpus import build_token_file, list_files
+from meshwise.data.corpus import build_token_file
+from meshwise.data.files import list_files
 from meshwise.data.tokenizer import load_tokenizer
 
 # Runs in a fresh process, so RAYON_NUM_THREADS sizes the pool it creates.

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from meshwise.data.corpus import available_cpus, plan_pieces, read_piece
+from meshwise.data.corpus import plan_pieces, read_piece
+from meshwise.data.files import available_cpus
 from meshwise.cli import launch
 from meshwise.data.token_files import _ours, exclusive_build, sidecar_path
 from meshwise.data.tokenizer import ByteTokenizer

@@ -15,7 +15,7 @@ from meshwise.checkpoint import resume
 from meshwise.cli import capacity, launch
 from meshwise.cli.checkpoint_dir import check_start
 from meshwise.comm import devices
-from meshwise.data.corpus import available_cpus
+from meshwise.data.files import available_cpus
 from meshwise.data.dataset import TokenDataset, recorded_tokenizer, resolve_data
 from meshwise.data.tokenizer import check_vocab_fits, load_tokenizer
 from meshwise.train.config import TrainConfig

@@ -16,12 +16,10 @@ tokenizer by its path, each parsing it once.
 
 from __future__ import annotations
 
-import errno
 import logging
 import multiprocessing
 import os
 import signal
-import stat
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -31,7 +29,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from meshwise.data.token_files import (ACCEPTED, SIDECAR_SUFFIX, TOKEN_DTYPES, _atomic_write,
+from meshwise.data.files import SNIFF_BYTES
+from meshwise.data.token_files import (ACCEPTED, TOKEN_DTYPES, _atomic_write,
                                   _write_meta, dtype_for_vocab)
 from meshwise.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -39,7 +38,6 @@ logger = logging.getLogger("meshwise")
 
 PIECE_BYTES = 1 << 18  # a long document is cut about every 256 KiB
 TASK_BYTES = 1 << 20  # what one worker encodes per round trip
-SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary
 _CUT_WINDOW = 1 << 16  # bytes searched at a time for a cut
 _CONTEXT = 256  # bytes either side of a candidate cut that are encoded to check it
 _MAX_CUT_TRIES = 32  # candidates checked per window before moving on
@@ -53,60 +51,6 @@ class Piece:
     start: int
     end: int
     first: bool
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity), at least 1."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def list_files(root: Path, suffix: str = "", skip_dirs: frozenset = frozenset(),
-               strict: bool = True) -> list[str]:
-    """Sorted POSIX relative paths of the regular files under ``root``.
-
-    Hidden entries and meshwise's own sidecars are skipped, so a token file
-    written inside the folder it came from does not feed the next build. So are
-    FIFOs, sockets and devices (named in a warning: reading one could block
-    forever). A symbolic link to nothing, a loop or an unreadable entry is an
-    error naming it when ``strict`` (the user's own folder), else skipped.
-    """
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
-        rel_dir = Path(dirpath).relative_to(root)
-        for name in filenames:
-            if not name.endswith(suffix) or name.startswith(".") or name.endswith(SIDECAR_SUFFIX):
-                continue
-            problem = file_problem(Path(dirpath) / name)
-            if problem is None:
-                found.append((rel_dir / name).as_posix())
-            elif strict and not problem.startswith("not a regular file"):
-                raise ValueError(f"{Path(dirpath) / name} is {problem}; remove it or make it "
-                                 "a readable file")
-            elif strict:
-                logger.warning("warning: skipping %s: %s", Path(dirpath) / name, problem)
-    return sorted(found)
-
-
-def file_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be read as a document, or None for a regular file (links
-    followed)."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "a symbolic link to nothing" if os.path.islink(path) else "missing"
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return "a symbolic link loop"
-        return f"unreadable ({exc.strerror})"
-    if stat.S_ISREG(mode):
-        return None if os.access(path, os.R_OK) else "unreadable (permission denied)"
-    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
-             (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a directory"))
-    return "not a regular file (" + next((k for test, k in kinds if test(mode)), "special") + ")"
 
 
 def plan_pieces(files: list[Path], tokenizer: Tokenizer) -> tuple[list[Piece], dict]:

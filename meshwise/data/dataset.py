@@ -29,7 +29,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from meshwise.data.corpus import build_token_file, file_problem, list_files
+from meshwise.data.corpus import build_token_file
+from meshwise.data.files import file_problem, list_files
 from meshwise.data.progress import Progress
 # Re-exported: the token-file format is part of this module's interface.
 from meshwise.data.token_files import (ACCEPTED, BYTE_VOCAB_SIZE, TOKEN_DTYPE,  # noqa: F401

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshwise.data import corpus
+from meshwise.data import corpus, files as data_files
 from meshwise.data.bpe import save_tokenizer, train_bpe
 from meshwise.data.dataset import TokenDataset, read_meta, resolve_data, sidecar_path
 from meshwise.data.token_files import _write_meta, check_tokenizer
@@ -110,7 +110,7 @@ def test_two_workers_give_the_tokens_of_one_process_in_order(tmp_path, bpe_path,
     built = {}
     for workers in (1, 2):
         dest = tmp_path / f"w{workers}.bin"
-        listed = [root / name for name in corpus.list_files(root)]  # blob.dat among them
+        listed = [root / name for name in data_files.list_files(root)]  # blob.dat among them
         stats = corpus.build_token_file(dest, listed, tokenizer, str(root), num_workers=workers)
         assert stats["files"] == 5 and stats["skipped"] == 1
         built[workers] = np.fromfile(dest, dtype="<u2").tolist()
