@@ -42,6 +42,7 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.context_parallel import blocks
+from meshwise.layout.documents import shares_a_document
 from meshwise.layout.sequence import zigzag_positions
 from meshwise.models.attention import check_heads
 
@@ -77,8 +78,8 @@ def _block(step: int, src: int, rank: int, length: int) -> tuple[slice, slice, b
 class RingBlocks:
     """Each ring step's block: (query rows, key columns, causal, mask), or None for a
     block no query sees anything of. ``documents`` (of this forward's whole sequences,
-    on the device) and ``on_host`` (the same on the CPU): document masking; None:
-    plain causal attention."""
+    on the device) and ``on_host`` (their ids as a host array): document masking;
+    None: plain causal attention."""
 
     def __init__(self, rank: int, size: int, length: int, documents=None, on_host=None):
         self.rank, self.size, self.length = rank, size, length
@@ -88,13 +89,20 @@ class RingBlocks:
         rows, cols, causal = _block(step, src, self.rank, self.length)
         if self.documents is None:
             return rows, cols, causal, None
-        q_host = zigzag_positions(self.length, self.rank, self.size)[rows]
-        k_host = zigzag_positions(self.length, src, self.size)[cols]
-        if step and not self.on_host.shares_a_document(int(k_host[-1]), int(q_host[0])):
+        if step and not shares_a_document(self.on_host, *self._edge(src)):
             return None  # every key of the block belongs to documents its queries left
         device = self.documents.ids.device
-        mask = self.documents.allowed(q_host.to(device), k_host.to(device), causal)
-        return rows, cols, causal, mask  # (B, 1, Lq, Lk)
+        q_pos = zigzag_positions(self.length, self.rank, self.size, device)[rows]
+        k_pos = zigzag_positions(self.length, src, self.size, device)[cols]
+        return rows, cols, causal, self.documents.allowed(q_pos, k_pos, causal)  # (B,1,Lq,Lk)
+
+    def _edge(self, src: int) -> tuple[int, int]:
+        """(last key, first query) of a block after step 0, in global positions: its keys
+        all lie before its queries (see ``_block``)."""
+        chunk = self.length // 2
+        if src < self.rank:
+            return (src + 1) * chunk - 1, self.rank * chunk
+        return (2 * self.size - src) * chunk - 1, (2 * self.size - 1 - self.rank) * chunk
 
 
 def ring_forward(q, k, v, ring, scale: float, keep_for=None, blocks_of=None):
@@ -205,7 +213,7 @@ class RingAttention(nn.Module):
         """This forward's documents, on the device and on the host (or none)."""
         if self.documents is None or self.documents.current() is None:
             return None, None
-        return self.documents.current(), self.documents.current_on_host()
+        return self.documents.current(), self.documents.current_on_host().ids
 
     def _keep_for(self, q: torch.Tensor):
         """The keep-mask of a block: its weights' global (query, key) positions. The

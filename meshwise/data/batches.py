@@ -95,11 +95,11 @@ class BatchSource:
     def batch(self, step: int, batch_size: int, seed: int, split: str = "train") -> Batch:
         """Global batch ``step``: the same on every rank, whatever the layout."""
         if self.rows is None:
-            tokens = self.dataset.global_batch(step, batch_size, seed, split)  # (B, T + 1)
+            tokens = self.dataset.global_windows(step, batch_size, seed, split)  # (B, T + 1)
             starts = None
             if self.separator is not None:
-                starts = separator_starts(tokens[:, :-1].numpy(), self.separator)
-            return Batch(tokens, None, None if starts is None else torch.from_numpy(starts))
+                starts = separator_starts(tokens[:, :-1], self.separator)
+            return Batch(torch.from_numpy(tokens), None, starts)
         lo, hi = (0, len(self.rows) - self.num_val) if split == "train" else \
             (len(self.rows) - self.num_val, len(self.rows))
         rng = np.random.default_rng([seed, step, SPLITS[split]])

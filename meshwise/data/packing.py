@@ -1,7 +1,8 @@
 """What a global batch carries: tokens, which targets count in the loss, where documents start.
 
 ``Batch`` is a global batch of ``B`` sequences of ``T + 1`` tokens (inputs
-``tokens[:, :-1]``, targets ``tokens[:, 1:]``) with, where they apply:
+``tokens[:, :-1]``, targets ``tokens[:, 1:]``) with, where they apply (host
+arrays: what is decided from them reads nothing from a device):
 
 - ``labels`` (B, T) bool: the targets the loss is over (``None``: all of them).
   The loss is the mean over the labelled targets of the global batch, counted
@@ -25,23 +26,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from meshwise.layout.documents import Documents
+
 LOSS_ON = ("assistant", "all")
 LONG_CONVERSATIONS = ("truncate", "refuse")
 PAD_ID = 0  # the input at a padding position: any id (it has no label, nothing sees it)
 
 
+IGNORE = -100  # the target the loss skips (PyTorch's ignore_index)
+
+
 @dataclass
 class Batch:
-    """A global batch: ``tokens`` (B, T + 1) int64, ``labels`` and ``starts`` (B, T)
-    bool or None."""
+    """A global batch: ``tokens`` (B, T + 1) int64 tensor; ``labels`` and ``starts``
+    (B, T) bool host arrays, or None."""
 
     tokens: torch.Tensor
-    labels: torch.Tensor | None = None
-    starts: torch.Tensor | None = None
+    labels: np.ndarray | None = None
+    starts: np.ndarray | None = None
 
     @property
     def num_labelled(self) -> int:
-        """Targets in the loss (host arithmetic: the batch is on the CPU)."""
+        """Targets in the loss, counted on the host."""
         if self.labels is None:
             return self.tokens.shape[0] * (self.tokens.shape[1] - 1)
         return int(self.labels.sum())
@@ -51,10 +57,17 @@ class Batch:
         targets = self.tokens[:, 1:]
         if self.labels is None:
             return targets
-        return targets.masked_fill(~self.labels, IGNORE)
+        return targets.masked_fill(~torch.from_numpy(self.labels), IGNORE)
 
 
-IGNORE = -100  # the target the loss skips (PyTorch's ignore_index)
+def documents_from_starts(starts: np.ndarray) -> Documents:
+    """The documents (host arrays) of sequences whose documents begin where ``starts``
+    (B, T) is true (and at every row's first token, marked or not)."""
+    starts = starts.copy()
+    starts[:, 0] = True
+    index = np.broadcast_to(np.arange(starts.shape[1]), starts.shape)
+    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return Documents(np.cumsum(starts, axis=1, dtype=np.int64), index - first)
 
 
 def separator_starts(inputs: np.ndarray, separator: int) -> np.ndarray:
@@ -119,5 +132,5 @@ class PackedRows:
             begins[i, self.conversation_starts[first:last] - start] = True
             begins[i, length:length + 1] = True  # the padding: a document of its own
         label &= ~begins  # a conversation's first token is no target
-        return Batch(torch.from_numpy(out), torch.from_numpy(label[:, 1:].copy()),
-                     torch.from_numpy(begins[:, :-1].copy()) if document_mask else None)
+        return Batch(torch.from_numpy(out), label[:, 1:], begins[:, :-1] if document_mask
+                     else None)

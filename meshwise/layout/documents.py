@@ -28,29 +28,22 @@ class Documents:
 
     ``ids``: (B, T) int64, the same for the tokens of one document, increasing
     from one document to the next; ``positions``: (B, T) int64, each token's
-    place in its document (0 at its first token).
+    place in its document (0 at its first token). Tensors on a device, or host
+    arrays (``meshwise.data.packing.documents_from_starts`` makes them from
+    where documents start).
     """
 
     ids: torch.Tensor
     positions: torch.Tensor
-
-    @classmethod
-    def from_starts(cls, starts: torch.Tensor) -> "Documents":
-        """From ``starts`` (B, T) bool, true where a document begins (the first token of
-        every row begins one, marked or not)."""
-        starts = starts.clone()
-        starts[:, 0] = True
-        ids = starts.long().cumsum(1)  # (B, T)
-        index = torch.arange(starts.shape[1], device=starts.device).expand_as(ids)
-        first = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values
-        return cls(ids, index - first)
 
     def rows(self, first: int, count: int) -> "Documents":
         """Rows ``[first, first + count)`` (the sequences one forward computes)."""
         return Documents(self.ids[first:first + count], self.positions[first:first + count])
 
     def to(self, device) -> "Documents":
-        return Documents(self.ids.to(device), self.positions.to(device))
+        """As tensors on ``device`` (from host arrays or tensors)."""
+        return Documents(torch.as_tensor(self.ids, device=device),
+                         torch.as_tensor(self.positions, device=device))
 
     def allowed(self, q_positions: torch.Tensor, k_positions: torch.Tensor,
                 causal: bool = True) -> torch.Tensor:
@@ -62,12 +55,13 @@ class Documents:
             same = same & (k_positions[None, :] <= q_positions[:, None])
         return same.unsqueeze(1)
 
-    def shares_a_document(self, last_key: int, first_query: int) -> bool:
-        """Whether a query at or after ``first_query`` can see a key at or before
-        ``last_key`` (< ``first_query``) in any row: ids never decrease, so only when the
-        document of ``last_key`` runs on to ``first_query``. Read on the host: call it on
-        a CPU copy."""
-        return bool((self.ids[:, last_key] == self.ids[:, first_query]).any())
+
+def shares_a_document(ids, last_key: int, first_query: int) -> bool:
+    """Whether, in any row of ``ids`` ((B, T), never decreasing along a row), a query at or
+    after ``first_query`` can see a key at or before ``last_key`` (< ``first_query``):
+    only when the document of ``last_key`` runs on to ``first_query``. ``ids`` is a host
+    array (numpy): deciding reads nothing from a device."""
+    return bool((ids[:, last_key] == ids[:, first_query]).any())
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -38,8 +38,9 @@ class DocumentContext:
 
     def set(self, documents: Documents | None, first_sample: int, rows: int, device) -> None:
         """This rank's sequences of the batch (global samples ``first_sample ..``), whose
-        forwards compute ``rows`` sequences each; ``None``: whole sequences, one
-        document each (no masking)."""
+        forwards compute ``rows`` sequences each, as host arrays (kept for decisions
+        that must not read the device) and copied to ``device``; ``None``: whole
+        sequences, one document each (no masking)."""
         self._host = documents
         self._device = None if documents is None else documents.to(device)
         self._first, self._rows = first_sample, rows
@@ -59,7 +60,7 @@ class DocumentContext:
         return self._device.rows(self._offset(), self._rows)
 
     def current_on_host(self) -> Documents | None:
-        """The same on the CPU, for decisions that must not wait for the device."""
+        """The same as host arrays, for decisions that must not wait for the device."""
         if self._host is None:
             return None
         return self._host.rows(self._offset(), self._rows)

@@ -13,12 +13,13 @@ documents of the tokens it computes without a message.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from meshwise.comm.devices import host_to_device
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import rank_slice
-from meshwise.layout.documents import Documents
+from meshwise.data.packing import documents_from_starts
 from meshwise.mesh import Mesh
 from meshwise.models.documents import DocumentContext
 from meshwise.models.dropout import DropoutContext
@@ -49,7 +50,7 @@ class StepBatches:
         inputs, targets = host_to_device(both, both.dtype, self.device).split(rows)
         if self.documents is not None:
             starts = rank_slice(batch.starts, dp_rank, dp)
-            self.documents.set(Documents.from_starts(starts), dp_rank * rows, rows // num,
+            self.documents.set(documents_from_starts(starts), dp_rank * rows, rows // num,
                                self.device)
         self.dropout.at(step, dp_rank * rows)
         return [(self.sequence.mine(x), self.sequence.mine(y))
@@ -62,7 +63,7 @@ class StepBatches:
         batch = self.source.batch(0, 1, seed, "val")
         prompt = batch.tokens[0, :length]
         if batch.starts is not None:
-            begins = torch.nonzero(batch.starts[0, :len(prompt)]).flatten()
+            begins = np.flatnonzero(batch.starts[0, :len(prompt)])
             prompt = prompt[int(begins[-1]) if len(begins) else 0:]
         if self.documents is not None:
             self.documents.set(None, 0, 0, self.device)

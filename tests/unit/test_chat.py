@@ -77,11 +77,11 @@ def test_rows_pack_whole_conversations_and_label_their_assistant_tokens(tmp_path
     labels[10:35] = 1  # the end of conversation 0 and the start of conversation 1
     batch = rows.batch(np.array([0, 3]), tokens, labels, "assistant", document_mask=True)
     assert batch.tokens.shape == (2, 64) and batch.tokens[1, 5:].eq(0).all()
-    label = batch.labels[0].numpy()  # target t is token t + 1
+    label = batch.labels[0]  # target t is token t + 1
     assert label[9:29].all() and not label[29]  # token 30 starts conversation 1: no target
     assert label[30:34].all() and not label[34:].any()
-    assert np.flatnonzero(batch.starts[0].numpy()).tolist() == [0, 30, 50]
-    assert np.flatnonzero(batch.starts[1].numpy()).tolist() == [0, 5]  # padding: its own
+    assert np.flatnonzero(batch.starts[0]).tolist() == [0, 30, 50]
+    assert np.flatnonzero(batch.starts[1]).tolist() == [0, 5]  # padding: its own
     every = rows.batch(np.array([0]), tokens, labels, "all", document_mask=False)
     assert every.starts is None and every.num_labelled == 50 - 2
 
