@@ -1,9 +1,11 @@
 """``meshwise data prepare`` and ``meshwise data train-tokenizer``.
 
-``prepare`` encodes text into a token file (``meshwise.data.corpus``) that
-``meshwise train --data FILE.bin`` reads; ``train-tokenizer`` learns a
-byte-level BPE (``meshwise.data.bpe``) whose ``tokenizer.json`` both ``prepare``
-and ``train`` take as ``--tokenizer``. Bad input exits 2 with one line.
+``prepare`` encodes documents (text files, or the records of JSON lines,
+Parquet, CSV or ``datasets`` sources: ``meshwise.data.readers``) into a token
+file (``meshwise.data.corpus``) that ``meshwise train --data FILE.bin`` reads;
+``train-tokenizer`` learns a byte-level BPE (``meshwise.data.bpe``) whose
+``tokenizer.json`` both ``prepare`` and ``train`` take as ``--tokenizer``. Bad
+input exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from meshwise.cli import launch
 from meshwise.data.corpus import plan_pieces, read_piece
 from meshwise.data.files import available_cpus
-from meshwise.cli import launch
+from meshwise.data.readers import (DATA_FORMATS, DataFile, ReadOptions, RecordCounts,
+                                   data_files, file_documents)
 from meshwise.data.token_files import _ours, exclusive_build, sidecar_path
 from meshwise.data.tokenizer import ByteTokenizer
 
-TEXT_INPUT = "a text file or a folder of text files"
+TEXT_INPUT = ("a text, JSON lines, Parquet or CSV file, a folder of them, or a datasets "
+              "save_to_disk folder")
 
 
 def add_data_arguments(parser) -> None:
@@ -29,10 +34,11 @@ def add_data_arguments(parser) -> None:
     commands = parser.add_subparsers(dest="data_command", required=True)
     prepare = _text_command(
         commands, "prepare", "tokenize text into a token file for --data",
-        "Tokenize a text file, or every text file under a folder (sorted; binary files "
-        "skipped), into FILE.bin and its sidecar FILE.bin.meshwise.json, in parallel "
-        "processes. Documents (files) are joined by the tokenizer's end-of-text token; "
-        "byte-level joins them with a newline.")
+        "Tokenize a file, or every file under a folder (sorted; binary files skipped), into "
+        "FILE.bin and its sidecar FILE.bin.meshwise.json, in parallel processes. A text "
+        "file is one document; each record of a JSON lines (.jsonl), Parquet, CSV or "
+        "datasets save_to_disk source is one (its --text-field). Documents are joined by "
+        "the tokenizer's end-of-text token; byte-level joins them with a newline.")
     prepare.add_argument("--out", required=True, metavar="FILE.bin",
                          help="the token file to write (replaced atomically if meshwise wrote it)")
     prepare.add_argument("--tokenizer", metavar="PATH",
@@ -55,10 +61,34 @@ def add_data_arguments(parser) -> None:
 
 
 def _text_command(commands, name: str, help_text: str, description: str):
-    """A subcommand whose first argument is the text to read."""
+    """A subcommand whose first argument is the data to read, and how records are read."""
     command = commands.add_parser(name, help=help_text, description=description)
     command.add_argument("input", metavar="INPUT", help=TEXT_INPUT)
+    add_read_arguments(command)
     return command
+
+
+def add_read_arguments(parser) -> None:
+    """``--text-field``, ``--data-format`` and ``--skip-bad-records``, as ``train`` has them."""
+    from meshwise.cli.train_flags import TRAIN_FLAGS
+
+    defaults = ReadOptions()
+    for flag, _, field, kind, help_text in TRAIN_FLAGS:
+        if not hasattr(defaults, field):
+            continue
+        if kind is bool:
+            parser.add_argument(flag, dest=field, action="store_true", help=help_text)
+        else:
+            default = getattr(defaults, field)
+            parser.add_argument(flag, dest=field, type=kind, default=default,
+                                help=f"{help_text} (default: {default})")
+
+
+def read_options(args) -> ReadOptions:
+    if args.data_format not in DATA_FORMATS:
+        raise ValueError(f"--data-format {args.data_format!r} is not valid; valid: "
+                         f"{', '.join(DATA_FORMATS)}")
+    return ReadOptions(args.text_field, args.data_format, args.skip_bad_records)
 
 
 def run_data(args) -> int:
@@ -84,16 +114,14 @@ def run_data(args) -> int:
     return 0
 
 
-def _input_files(text: str) -> tuple[Path, list[Path]]:
-    from meshwise.data.dataset import text_files
-
+def _input_files(text: str, options: ReadOptions) -> tuple[Path, list[DataFile]]:
     path = Path(text).expanduser()
     if not path.exists():
         what = "is a symbolic link to nothing" if path.is_symlink() else "does not exist"
         raise ValueError(f"INPUT {text} {what}; expected {TEXT_INPUT}")
     if path.is_file() and path.suffix == ".bin":
         raise ValueError(f"INPUT {text} is a .bin (already tokens?); expected {TEXT_INPUT}")
-    return path, text_files(path.resolve())
+    return path, data_files(path.resolve(), options.data_format)
 
 
 def _check_out(out: Path) -> None:
@@ -109,46 +137,59 @@ def _check_out(out: Path) -> None:
 
 
 def _prepare(args) -> str:
-    from meshwise.data.dataset import build_with_progress
+    from meshwise.data.sources import build_with_progress
     from meshwise.data.tokenizer import load_tokenizer
 
-    path, files = _input_files(args.input)
+    options = read_options(args)
+    path, files = _input_files(args.input, options)
     out = Path(args.out).expanduser()
     _check_out(out)
     tokenizer = load_tokenizer(args.tokenizer)
     try:
         with exclusive_build(out):
-            stats = build_with_progress(out, files, tokenizer, str(path.resolve()), args.workers)
+            stats = build_with_progress(out, files, tokenizer, str(path.resolve()), args.workers,
+                                        options)
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
-    skipped = f" ({stats['skipped']} binary skipped)" if stats["skipped"] else ""
+    skipped = f", {stats['skipped']} binary skipped" if stats["skipped"] else ""
+    bad = stats["records"].summary()
     workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
-    return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens from "
-            f"{stats['files']:,} files{skipped} in {stats['seconds']:.1f} s "
-            f"({stats['content_bytes'] / 1e6 / stats['seconds']:.1f} MB/s, {workers}); "
-            f"tokenizer {tokenizer.describe()}")
+    return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens, "
+            f"{stats['documents']:,} documents from {stats['files']:,} files{skipped} in "
+            f"{stats['seconds']:.1f} s ({stats['content_bytes'] / 1e6 / stats['seconds']:.1f} "
+            f"MB/s, {workers}); tokenizer {tokenizer.describe()}{'; ' + bad if bad else ''}")
 
 
-def _texts(files: list[Path], stats: dict) -> Iterator[str]:
-    """The text of every document, in pieces of a few hundred KiB (cut after a newline)."""
-    pieces, counts = plan_pieces(files, ByteTokenizer())
-    stats.update(counts)
-    for piece in pieces:
-        yield read_piece(piece).decode("utf-8", errors="replace")
+def _texts(files: list[DataFile], options: ReadOptions, stats: dict) -> Iterator[str]:
+    """The text of every document: text files in pieces of a few hundred KiB (cut after a
+    newline), records whole. ``stats``: ``files``, ``characters``, ``records``."""
+    counts = stats["records"] = RecordCounts()
+    for file in files:
+        if file.format in ("text", "binary"):
+            pieces, found = plan_pieces([file.path], ByteTokenizer())
+            texts = (read_piece(piece).decode("utf-8", errors="replace") for piece in pieces)
+        else:
+            found = {"files": 1}
+            texts = file_documents(file, options.text_field, options.skip_bad_records, counts)
+        stats["files"] += found["files"]
+        for text in texts:
+            stats["characters"] += len(text)
+            yield text
 
 
 def _train_tokenizer(args) -> str:
     from meshwise.data.bpe import check_vocab_size, save_tokenizer, train_bpe
 
     check_vocab_size(args.vocab_size)
-    path, files = _input_files(args.input)
+    options = read_options(args)
+    path, files = _input_files(args.input, options)
     out = Path(args.out).expanduser()
     if out.is_dir():
         out = out / "tokenizer.json"
-    start, stats = time.perf_counter(), {}
-    texts = _texts(files, stats)
-    first = next(texts, None)  # plans every piece: the counts are known from here
-    if not stats["content_bytes"]:
+    start, stats = time.perf_counter(), {"files": 0, "characters": 0}
+    texts = (text for text in _texts(files, options, stats) if text)
+    first = next(texts, None)
+    if first is None:
         raise ValueError(f"INPUT {args.input} holds no text (empty, or only binary files); "
                          f"expected {TEXT_INPUT}")
     tokenizer = train_bpe(itertools.chain([first], texts), args.vocab_size,
@@ -160,5 +201,7 @@ def _train_tokenizer(args) -> str:
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     short = "" if size == args.vocab_size else (
         f"; asked {args.vocab_size:,}, but the text has no more pairs seen twice")
+    bad = stats["records"].summary()
     return (f"wrote {out}: byte-level BPE, vocab {size:,}{short}; from {stats['files']:,} files "
-            f"({stats['content_bytes'] / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s")
+            f"({stats['characters'] / 1e6:.1f} M characters) in "
+            f"{time.perf_counter() - start:.1f} s{'; ' + bad if bad else ''}")

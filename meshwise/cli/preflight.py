@@ -8,6 +8,7 @@ the job with one line and exit status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -20,10 +21,12 @@ from meshwise.data.batches import BatchSource
 from meshwise.data.chat_files import resolve_chat_data
 from meshwise.data.chat_templates import load_template
 from meshwise.data.dataset import TokenDataset, read_meta, recorded_tokenizer, resolve_data
+from meshwise.data.readers import ReadOptions
 from meshwise.data.tokenizer import ByteTokenizer, check_vocab_fits, load_tokenizer
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
 from meshwise.train.loggers import missing_extra, parse_log_to
+from meshwise.train.lr_schedule import resumed_start
 
 log = logging.getLogger("meshwise")
 
@@ -57,7 +60,7 @@ def prepare(cfg: TrainConfig) -> Path:
     check_init_from(cfg)
     path = prepare_data(cfg)
     dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
-                           token_dtype=cfg.data.token_dtype)  # checks
+                           token_dtype=cfg.data.token_dtype, data_order=cfg.data.data_order)
     check_batches(cfg, dataset)
     num_params = capacity.parameter_count(cfg, dataset.vocab_size)
     capacity.check_memory(cfg, num_params, dataset.vocab_size, device)
@@ -70,6 +73,8 @@ def prepare(cfg: TrainConfig) -> Path:
     if start is not None:
         ckpt = resume.open_verified(start, cfg.model.sizes(dataset.vocab_size))
         check_same_tokenizer(ckpt.meta.get("config", {}), cfg)
+        cfg.optim.schedule_start = resumed_start(dataclasses.asdict(cfg.optim),
+                                                 ckpt.meta["config"]["optim"], ckpt.step)
     check_start(cfg, start, ckpt, capacity.checkpoint_bytes(cfg, num_params))
     return path
 
@@ -102,14 +107,16 @@ def prepare_data(cfg: TrainConfig) -> Path:
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
     if tokenizer is not None:
         check_vocab_fits(tokenizer, cfg.model.vocab_size)
+    options = ReadOptions(d.text_field, d.data_format, d.skip_bad_records)
     if d.format == "chat" and not str(d.path or "").endswith(".bin"):
         if d.path is None:
             raise ValueError("--format chat needs --data: chat records with 'messages'")
         template = load_template(d.chat_template, tokenizer and tokenizer.path)
-        path = resolve_chat_data(d.path, d.cache_dir, tokenizer or ByteTokenizer(), template)
+        path = resolve_chat_data(d.path, d.cache_dir, tokenizer or ByteTokenizer(), template,
+                                 options)
     else:
         path = resolve_data(d.path, d.cache_dir, tokenizer, num_workers=available_cpus(),
-                            token_dtype=d.token_dtype)
+                            token_dtype=d.token_dtype, options=options)
     tokenizer = tokenizer or recorded_tokenizer(path, d.token_dtype)
     if tokenizer is not None and tokenizer.path is not None:
         d.tokenizer, d.tokenizer_digest = tokenizer.path, tokenizer.digest

@@ -17,9 +17,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from meshwise.data.order import DATA_ORDERS
+from meshwise.data.readers import DATA_FORMATS
 from meshwise.train.config import (ACTIVATION_CHECKPOINTING, DEVICES, DTYPES,
                                    GRAD_REDUCE_DTYPES, MODEL_PRESETS,
-                                   ON_NAN, SCHEDULES, TrainConfig)
+                                   ON_NAN, SCHEDULES as PIPELINE_SCHEDULES, TrainConfig,
+                                   flag_name)
+from meshwise.train.lr_schedule import DECAY_SHAPES, SCHEDULES
 
 # (flag, config section, field, type, help). The help's default is added from
 # ``TrainConfig()`` (or ``DEFAULT_TEXT``), so the dataclasses are the one source.
@@ -34,7 +38,7 @@ TRAIN_FLAGS = [
      "sequence parallelism (with --tp > 1): the sequence split across the tp ranks between "
      "their layers (norms, dropout, residuals), 1/tp of those activations per rank"),
     ("--schedule", "parallel", "schedule", str,
-     f"pipeline schedule: {', '.join(SCHEDULES)}; zb-h1, zbv and dualpipev split each "
+     f"pipeline schedule: {', '.join(PIPELINE_SCHEDULES)}; zb-h1, zbv and dualpipev split each "
      "backward into the input gradient (B) and the weight gradients (W, deferred into "
      "bubbles)"),
     ("--virtual-stages", "parallel", "virtual_stages", int,
@@ -78,8 +82,21 @@ TRAIN_FLAGS = [
     ("--seq-len", "data", "seq_len", int, "tokens per sequence"),
     ("--batch-size", "data", "batch_size", int,
      "global sequences per optimizer step, whatever the layout"),
-    ("--data", "data", "path", str, "a text file, a folder of text files, or a .bin token file "
-     "(meshwise data prepare)"),
+    ("--data", "data", "path", str, "a text, JSON lines (.jsonl), Parquet or CSV file, a folder "
+     "of them, a datasets save_to_disk folder, or a .bin token file (meshwise data prepare); "
+     "each text file, and each record, is one document"),
+    ("--text-field", "data", "text_field", str,
+     "the field (JSON lines) or column (Parquet, CSV, datasets) holding each record's text"),
+    ("--data-format", "data", "data_format", str,
+     f"{', '.join(DATA_FORMATS)}: auto tells each file by its name (.jsonl, .parquet, .csv, "
+     ".json) and first bytes, and refuses to read a file that looks like JSON lines as text"),
+    ("--skip-bad-records", "data", "skip_bad_records", bool,
+     "skip a malformed JSON line, or a record without text in the field, and count them, "
+     "instead of stopping at the first"),
+    ("--data-order", "data", "data_order", str,
+     f"{' or '.join(DATA_ORDERS)}: random windows drawn with replacement, or epochs (every "
+     "token of the train split once per epoch, windows shuffled per epoch by --seed); both "
+     "resume exactly on any layout"),
     ("--token-dtype", "data", "token_dtype", str,
      "uint16 or uint32: the ids of a .bin without meshwise's sidecar, when its contents do "
      "not settle it (a .bin meshwise wrote says so itself)"),
@@ -117,7 +134,21 @@ TRAIN_FLAGS = [
     ("--steps", "optim", "steps", int, "optimizer steps"),
     ("--lr", "optim", "lr", float, "peak learning rate"),
     ("--warmup-steps", "optim", "warmup_steps", int,
-     "linear warmup steps before cosine decay"),
+     "linear warmup steps before the schedule"),
+    ("--lr-schedule", "optim", "lr_schedule", str,
+     f"{', '.join(SCHEDULES)} after the warmup: cosine decay to --min-lr-ratio x --lr at the "
+     "last step; wsd (warmup-stable-decay) holds --lr until the last --decay-steps; "
+     "constant holds it"),
+    ("--decay-steps", "optim", "decay_steps", int,
+     "wsd: the steps of the final decay"),
+    ("--decay-shape", "optim", "decay_shape", str,
+     f"wsd: the decay's curve, {', '.join(DECAY_SHAPES)} (sqrt: 1 - sqrt of the progress)"),
+    ("--min-lr-ratio", "optim", "min_lr_ratio", float,
+     "where cosine and wsd end, as a share of --lr"),
+    ("--lr-restart", "optim", "lr_restart", bool,
+     "resuming with another schedule (--steps, --lr, --lr-schedule, ...) than the "
+     "checkpoint's: start it afresh at the step resumed, warmup included, instead of "
+     "refusing"),
     ("--weight-decay", "optim", "weight_decay", float,
      "AdamW weight decay on matrices"),
     ("--clip", "optim", "clip", float, "max global gradient norm; 0 turns clipping off"),
@@ -221,6 +252,7 @@ DEFAULT_TEXT = {
     "save_every": "only at the end", "keep_last": "keep all",
     "token_dtype": "the sidecar's; without one, uint16 unless the file could be uint32",
     "chat_template": "tokenizer; or the one a .bin was prepared with", "document_mask": "off",
+    "decay_steps": "the last fifth of the steps", "skip_bad_records": "off", "lr_restart": "off",
     "ranks_per_node": "torchrun's LOCAL_WORLD_SIZE; locally, every rank on one node",
 }
 BY_FIELD = {field: (flag, section, kind) for flag, section, field, kind, _ in TRAIN_FLAGS}
@@ -359,6 +391,15 @@ def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
         found.append("--topk-ramp-steps has no effect without --compress topk:FRACTION")
     if o.on_nan != "skip" and "max_skipped_steps" in origins:
         found.append("--max-skipped-steps has no effect without --on-nan skip")
+    wsd_only = [f for f in ("decay_steps", "decay_shape") if f in origins]
+    if o.lr_schedule != "wsd" and wsd_only:
+        found.append(f"{flag_name(wsd_only[0])} has no effect without --lr-schedule wsd")
+    if o.lr_schedule == "constant" and "min_lr_ratio" in origins:
+        found.append("--min-lr-ratio has no effect with --lr-schedule constant")
+    read = [f for f in ("text_field", "data_format", "skip_bad_records") if f in origins]
+    if read and d.path is not None and str(d.path).endswith(".bin"):
+        found.append(f"{flag_name(read[0])} has no effect on a .bin: its records were read "
+                     "when it was prepared")
     if d.sample_tokens > d.seq_len:
         found.append(f"--sample-tokens {d.sample_tokens} exceeds --seq-len {d.seq_len}: past "
                      f"that, each token sees only the last {d.seq_len} tokens")

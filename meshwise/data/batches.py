@@ -6,9 +6,9 @@ under document masking the documents its end-of-text tokens separate. A chat
 token file (``meshwise.data.chat_files``) gives rows packed from whole
 conversations (``meshwise.data.packing.PackedRows``), labelled on the
 assistant's tokens (``loss_on="assistant"``) or on all (``"all"``), the
-conversations' starts under document masking. Its rows are drawn like the
-windows: global batch ``step`` from ``numpy.random.default_rng([seed, step,
-split])``, the last rows held out for validation.
+conversations' starts under document masking. Its rows are drawn in the order
+the windows of text are (``--data-order``, ``meshwise.data.order``): a row is
+an item as a window is; the last rows are held out for validation.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from meshwise.data.chat_files import open_chat_file, record_location
 from meshwise.data.dataset import SPLITS, VAL_MIN_SEQUENCES, TokenDataset
+from meshwise.data.order import epoch_position, window_offsets
 from meshwise.data.packing import (LONG_CONVERSATIONS, LOSS_ON, Batch, PackedRows,
                                    separator_starts)
 from meshwise.data.token_files import read_meta
@@ -69,7 +70,7 @@ class BatchSource:
         rows, chat = self.rows, self.chat
         if rows.truncated and long_conversations == "refuse":
             number = rows.too_long
-            where = record_location(chat.source, int(chat.records[number]))
+            where = record_location(chat.source, int(chat.records[number]), chat.data_format)
             raise ValueError(f"{where}: the conversation has {chat.lengths[number]} tokens, "
                              f"more than --seq-len {self.dataset.seq_len} + 1; valid: --seq-len "
                              f"{chat.lengths.max() - 1} or more, or --long-conversations "
@@ -79,6 +80,14 @@ class BatchSource:
             raise ValueError(f"the chat data {chat.source} packs into {len(rows)} rows of "
                              f"--seq-len {self.dataset.seq_len} + 1 tokens; it needs more than "
                              f"{self.num_val} ({self.num_val} held out for validation)")
+
+    def epoch_position(self, step: int, batch_size: int) -> dict:
+        """Where ``--data-order epochs`` is after global batch ``step`` (of windows, or of
+        rows for chat data)."""
+        if self.rows is None:
+            return epoch_position(step, batch_size, self.dataset.num_train_tokens,
+                                  self.dataset.seq_len)
+        return epoch_position(step, batch_size, len(self.rows) - self.num_val + 1, 1)
 
     def summary(self) -> str:
         """What packing did to the conversations ("" for text)."""
@@ -102,7 +111,9 @@ class BatchSource:
             return Batch(torch.from_numpy(tokens), None, starts)
         lo, hi = (0, len(self.rows) - self.num_val) if split == "train" else \
             (len(self.rows) - self.num_val, len(self.rows))
-        rng = np.random.default_rng([seed, step, SPLITS[split]])
-        rows = rng.integers(lo, hi, size=batch_size)
+        order = self.dataset.data_order if split == "train" else "random-windows"
+        # Rows are items as windows are: windows of one token at a stride of one over
+        # hi - lo + 1 "tokens" are the indices 0 .. hi - lo - 1.
+        rows = lo + window_offsets(order, step, batch_size, seed, SPLITS[split], hi - lo + 1, 1)
         return self.rows.batch(rows, self._tokens, self.chat.labels, self.loss_on,
                                self.document_mask)

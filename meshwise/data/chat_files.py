@@ -29,7 +29,7 @@ import numpy as np
 from meshwise.data.chat import conversation, render
 from meshwise.data.chat_templates import ChatTemplate
 from meshwise.data.progress import Progress
-from meshwise.data.readers import iter_records
+from meshwise.data.readers import ReadOptions, iter_records
 from meshwise.data.records import DataFormatError, RecordCounts
 from meshwise.data.token_files import (TOKEN_DTYPES, _atomic_write, _write_meta,
                                        dtype_for_vocab)
@@ -50,15 +50,15 @@ def conversations_path(path: str | os.PathLike) -> Path:
 
 
 def _conversations(source: Path, tokenizer: Tokenizer, template: ChatTemplate,
-                   skip_bad_records: bool, counts: RecordCounts):
+                   options: ReadOptions, counts: RecordCounts):
     """``(record number, ids, assistant mask)`` of every good chat record."""
-    for number, (location, record) in enumerate(iter_records(source, "auto",
-                                                             skip_bad_records, counts)):
+    records = iter_records(source, options.data_format, options.skip_bad_records, counts)
+    for number, (location, record) in enumerate(records):
         try:
             ids, assistant = render(template, tokenizer, conversation(location, record),
                                     location)
         except DataFormatError as exc:
-            if not skip_bad_records:
+            if not options.skip_bad_records:
                 raise DataFormatError(f"{exc}; --skip-bad-records skips such records") from None
             counts.records -= 1
             counts.skip(str(exc))
@@ -67,7 +67,7 @@ def _conversations(source: Path, tokenizer: Tokenizer, template: ChatTemplate,
 
 
 def build_chat_file(dest: Path, source: Path, tokenizer: Tokenizer, template: ChatTemplate,
-                    skip_bad_records: bool = False) -> dict:
+                    options: ReadOptions = ReadOptions()) -> dict:
     """Render and encode every chat record of ``source`` into ``dest`` (with its labels,
     conversations and sidecar), atomically. Returns the counts: ``conversations``,
     ``num_tokens``, ``assistant_tokens``, ``skipped`` (a summary), ``dtype``, ``seconds``."""
@@ -84,7 +84,7 @@ def build_chat_file(dest: Path, source: Path, tokenizer: Tokenizer, template: Ch
         num_tokens = done = 0
         with os.fdopen(fd, "wb") as labels:
             for number, ids, assistant in _conversations(source, tokenizer, template,
-                                                         skip_bad_records, counts):
+                                                         options, counts):
                 starts.append((num_tokens, number))
                 labels.write(assistant.astype(np.uint8).tobytes())
                 num_tokens += len(ids)
@@ -104,6 +104,7 @@ def build_chat_file(dest: Path, source: Path, tokenizer: Tokenizer, template: Ch
                            "vocab_size": tokenizer.vocab_size, "max_token": None,
                            "source": str(source), "dtype": dtype,
                            "tokenizer": tokenizer.identity(),
+                           "data_format": options.data_format,
                            "chat": {"template": template.name,
                                     "template_digest": template.digest,
                                     "conversations": len(starts),
@@ -129,6 +130,7 @@ class ChatFile:
     records: np.ndarray
     num_tokens: int
     source: str
+    data_format: str = "auto"
 
     @property
     def lengths(self) -> np.ndarray:
@@ -153,29 +155,30 @@ def open_chat_file(path: str | os.PathLike, meta: dict) -> ChatFile | None:
                          "tokens (written by another run?); prepare it again")
     labels = np.memmap(labels_file, dtype=np.uint8, mode="r")
     return ChatFile(labels, index[:, 0].copy(), index[:, 1].copy(), num_tokens,
-                    meta.get("source", str(path)))
+                    meta.get("source", str(path)), meta.get("data_format", "auto"))
 
 
 def resolve_chat_data(path: str | os.PathLike, cache_dir: str | os.PathLike | None,
                       tokenizer: Tokenizer, template: ChatTemplate,
-                      skip_bad_records: bool = False) -> Path:
+                      options: ReadOptions = ReadOptions()) -> Path:
     """The chat token file of the records under ``path``, rendered with ``template`` and
     encoded with ``tokenizer``, built once and cached (the key: the files' sizes and
     times, the tokenizer's and the template's digests)."""
-    from meshwise.data.dataset import _cached, _hash_key, default_cache_dir
+    from meshwise.data.sources import _cached, _hash_key, default_cache_dir
 
     source = Path(path).expanduser().resolve()
     if not source.exists():
         raise ValueError(f"data path {str(path)!r} does not exist; expected chat records "
                          "(JSON lines, Parquet, a datasets folder) with 'messages'")
     files = [source] if source.is_file() else sorted(f for f in source.rglob("*") if f.is_file())
-    key = _hash_key([str(source), "chat", tokenizer.digest, template.digest, skip_bad_records]
+    key = _hash_key([str(source), "chat", tokenizer.digest, template.digest,
+                     options.data_format, options.skip_bad_records]
                     + [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     dest = cache / f"{source.stem or 'chat'}-chat-{key}.bin"
 
     def build() -> Path:
-        stats = build_chat_file(dest, source, tokenizer, template, skip_bad_records)
+        stats = build_chat_file(dest, source, tokenizer, template, options)
         logger.info("built chat data %s: %d conversations, %d tokens (%d assistant) in %.1f s%s",
                     dest, stats["conversations"], stats["num_tokens"],
                     stats["assistant_tokens"], stats["seconds"],
@@ -186,11 +189,11 @@ def resolve_chat_data(path: str | os.PathLike, cache_dir: str | os.PathLike | No
     return _cached(dest, build)
 
 
-def record_location(source: str, number: int) -> str:
+def record_location(source: str, number: int, data_format: str = "auto") -> str:
     """Where record ``number`` (from 0) of ``source`` is (``chat.jsonl:18``), read again;
     ``record N of SOURCE`` when the source cannot be read."""
     try:
-        for i, (location, _) in enumerate(iter_records(source, "auto", True)):
+        for i, (location, _) in enumerate(iter_records(source, data_format, True)):
             if i == number:
                 return str(location)
     except (OSError, ValueError):

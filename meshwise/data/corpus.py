@@ -1,42 +1,51 @@
-"""Token files built from text: documents encoded by worker processes, written in order.
+"""Token files built from documents: encoded by worker processes, written in order.
 
-A corpus is a sorted list of documents, one per text file (a file with a NUL
-byte in its first 8 KiB is binary and skipped). Documents are joined by the
-tokenizer's ``separator``. A document longer than ``PIECE_BYTES`` is cut into
-pieces just after line breaks where the tokenizer gives the same tokens cut as
-whole (checked at each cut), when it ``splits_at_lines``; pieces are grouped
-into tasks of about ``TASK_BYTES`` for the workers. Results are written
-in task order, so the file holds exactly the tokens of encoding every document
-whole, whatever the number of workers.
+A corpus is a sorted list of sources (``meshwise.data.readers``): a text file
+is one document, every record of a JSON-lines, Parquet, CSV or ``datasets``
+source is one (its text field). Documents are joined by the tokenizer's
+``separator``. The work is cut into items, grouped into tasks of about
+``TASK_BYTES`` for the workers (``meshwise.data.workers``):
 
-Workers are forked where the platform allows it: they start in milliseconds
-(a spawned one would import torch through the package first) and find the
-tokenizer by its path, each parsing it once.
+- a text file longer than ``PIECE_BYTES`` is cut into pieces just after line
+  breaks where the tokenizer gives the same tokens cut as whole (checked at
+  each cut), when it ``splits_at_lines``;
+- a JSON-lines file is cut into byte ranges of whole lines, each read and
+  parsed by the worker that encodes it (line numbers are counted only for a
+  message);
+- a columnar source is read here, a batch of rows at a time, and its texts go
+  to the workers (``Texts``): memory holds the batches in flight, never the file.
+
+Each task comes back as one array, its documents joined by separators, and is
+written in task order, so the file holds exactly the tokens of encoding every
+document whole, whatever the number of workers. Workers find the tokenizer by
+its path, each parsing it once.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import multiprocessing
 import os
-import signal
 import time
-from collections import deque
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from meshwise.data import tables
 from meshwise.data.files import SNIFF_BYTES
-from meshwise.data.token_files import (ACCEPTED, TOKEN_DTYPES, _atomic_write,
-                                  _write_meta, dtype_for_vocab)
+from meshwise.data.readers import DataFile, ReadOptions, RecordCounts
+from meshwise.data.records import jsonl_documents, jsonl_ranges
+from meshwise.data.token_files import (ACCEPTED, TOKEN_DTYPES, _atomic_write, _write_meta,
+                                       dtype_for_vocab)
 from meshwise.data.tokenizer import Tokenizer, load_tokenizer
+from meshwise.data.workers import ordered_results
 
 logger = logging.getLogger("meshwise")
 
-PIECE_BYTES = 1 << 18  # a long document is cut about every 256 KiB
+PIECE_BYTES = 1 << 18  # a long document, or a JSON-lines file, is cut about every 256 KiB
 TASK_BYTES = 1 << 20  # what one worker encodes per round trip
 _CUT_WINDOW = 1 << 16  # bytes searched at a time for a cut
 _CONTEXT = 256  # bytes either side of a candidate cut that are encoded to check it
@@ -45,16 +54,43 @@ _MAX_CUT_TRIES = 32  # candidates checked per window before moving on
 
 @dataclass(frozen=True)
 class Piece:
-    """Bytes ``[start, end)`` of the file ``path``; ``first``: its document starts here."""
+    """Bytes ``[start, end)`` of the file ``path``: of a text document (``first``: it
+    starts here), or whole lines of a JSON-lines file (``records``: each a document)."""
 
     path: str
     start: int
     end: int
     first: bool
+    records: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
 
 
-def plan_pieces(files: list[Path], tokenizer: Tokenizer) -> tuple[list[Piece], dict]:
-    """Every document's pieces, in order, and counts: ``files``, ``skipped``, ``content_bytes``."""
+@dataclass(frozen=True)
+class Texts:
+    """Documents read here (rows of a columnar source); ``size``: the bytes of the
+    source they stand for (progress)."""
+
+    texts: tuple[str, ...]
+    size: int
+
+
+@dataclass
+class Encoded:
+    """A task's tokens, its documents joined by separators; ``starts``: whether its
+    first item starts a document (a separator goes before it, unless it is the first)."""
+
+    tokens: np.ndarray
+    starts: bool
+    documents: int
+    counts: RecordCounts = field(default_factory=RecordCounts)
+
+
+def plan_pieces(files: Iterable[Path], tokenizer: Tokenizer) -> tuple[list[Piece], dict]:
+    """Every text document's pieces, in order, and counts: ``files``, ``skipped``
+    (binary), ``content_bytes``."""
     pieces: list[Piece] = []
     stats = {"files": 0, "skipped": 0, "content_bytes": 0}
     for path in files:
@@ -105,23 +141,99 @@ def _first_clean_cut(window: bytes, tokenizer: Tokenizer) -> int | None:
     return None
 
 
-def _tasks(pieces: list[Piece]) -> list[list[Piece]]:
-    """Consecutive pieces grouped into tasks of about ``TASK_BYTES``."""
-    tasks, current, size = [], [], 0
-    for piece in pieces:
-        current.append(piece)
-        size += piece.end - piece.start
+def source_bytes(file: DataFile) -> int:
+    """The bytes of a source on disk (a ``save_to_disk`` folder: its files')."""
+    if file.path.is_dir():
+        return sum(p.stat().st_size for p in file.path.rglob("*") if p.is_file())
+    return file.path.stat().st_size
+
+
+def plan_items(files: list[DataFile], tokenizer: Tokenizer, options: ReadOptions,
+               counts: RecordCounts) -> tuple[Iterator[Piece | Texts], dict]:
+    """The work, in document order (columnar sources are read as it is consumed), and
+    counts: ``files``, ``skipped`` (binary), ``content_bytes``."""
+    stats = {"files": 0, "skipped": 0, "content_bytes": 0}
+    parts: list[Iterable[Piece | Texts]] = []
+    for file in files:
+        if file.format in ("text", "binary"):
+            pieces, found = plan_pieces([file.path], tokenizer)
+            for key in stats:
+                stats[key] += found[key]
+            parts.append(pieces)
+            continue
+        size = source_bytes(file)
+        stats["files"] += 1
+        stats["content_bytes"] += size
+        if file.format == "jsonl":
+            parts.append([Piece(str(file.path), start, end, True, records=True)
+                          for start, end in jsonl_ranges(file.path, size, PIECE_BYTES)])
+        else:
+            parts.append(_read_texts(file, size, options, counts))
+    return itertools.chain.from_iterable(parts), stats
+
+
+def _read_texts(file: DataFile, size: int, options: ReadOptions,
+                counts: RecordCounts) -> Iterator[Texts]:
+    """A columnar source's documents, read here in batches of about ``PIECE_BYTES``;
+    each stands for the source's bytes in proportion to its rows, where their number
+    is known."""
+    rows = tables.row_count(file.path, file.format)
+    mine = RecordCounts()
+    batch: list[str] = []
+    batch_chars = done = 0
+    documents = tables.documents(file.path, file.format, options.text_field,
+                                 options.skip_bad_records, mine)
+    for text in itertools.chain(documents, [None]):
+        if text is not None:
+            batch.append(text)
+            batch_chars += len(text)
+        if batch and (text is None or batch_chars >= PIECE_BYTES):
+            read = size * (mine.records + mine.skipped) // rows if rows else done + batch_chars
+            reached = size if text is None else min(read, size)
+            yield Texts(tuple(batch), max(reached - done, 0))
+            done = max(reached, done)
+            batch, batch_chars = [], 0
+    counts.merge(mine)
+
+
+def _tasks(items: Iterable[Piece | Texts]) -> Iterator[list[Piece | Texts]]:
+    """Consecutive items grouped into tasks of about ``TASK_BYTES``."""
+    current, size = [], 0
+    for item in items:
+        current.append(item)
+        size += item.size if isinstance(item, Piece) else sum(map(len, item.texts))
         if size >= TASK_BYTES:
-            tasks.append(current)
+            yield current
             current, size = [], 0
-    return tasks + [current] if current else tasks
+    if current:
+        yield current
 
 
-def _encode_task(tokenizer_path: str | None, dtype: str, task: list[Piece]) -> list[np.ndarray]:
-    """Token ids of each piece of ``task`` (runs in a worker, or in-process)."""
-    data = [read_piece(piece) for piece in task]
+def encode_task(tokenizer_path: str | None, dtype: str, options: ReadOptions,
+                task: list[Piece | Texts]) -> Encoded:
+    """The tokens of ``task``'s documents, joined by separators (runs in a worker, or
+    in-process)."""
+    counts = RecordCounts()
+    parts: list[tuple[bool, bytes | str]] = []
+    for item in task:
+        if isinstance(item, Texts):
+            parts += [(True, text) for text in item.texts]
+        elif item.records:
+            parts += [(True, text) for text in jsonl_documents(
+                Path(item.path), item.start, item.end, options.text_field,
+                options.skip_bad_records, counts, first_line=None)]
+        else:
+            parts.append((item.first, read_piece(item)))
     tokenizer = load_tokenizer(tokenizer_path)  # cached: parsed once per process
-    return [ids.astype(TOKEN_DTYPES[dtype]) for ids in tokenizer.encode_documents(data)]
+    separator = np.asarray(tokenizer.separator, TOKEN_DTYPES[dtype])
+    arrays = []
+    for i, ((starts, _), ids) in enumerate(zip(parts, tokenizer.encode_documents(
+            [data for _, data in parts]))):
+        if starts and i:
+            arrays.append(separator)
+        arrays.append(ids.astype(TOKEN_DTYPES[dtype]))
+    tokens = np.concatenate(arrays) if arrays else np.empty(0, TOKEN_DTYPES[dtype])
+    return Encoded(tokens, bool(parts) and parts[0][0], sum(s for s, _ in parts), counts)
 
 
 def read_piece(piece: Piece) -> bytes:
@@ -131,89 +243,54 @@ def read_piece(piece: Piece) -> bytes:
         return f.read(piece.end - piece.start)
 
 
-def _worker_init() -> None:
-    # Ctrl-C reaches the whole process group: the parent stops the pool.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _encoded(tokenizer: Tokenizer, dtype: str, tasks: list[list[Piece]],
-             num_workers: int) -> Iterator[list[np.ndarray]]:
-    """Each task's token arrays, in task order; at most 2 tasks per worker in flight.
-
-    Only a small job is encoded in this process: a tokenizer busy in native code
-    cannot be interrupted, so anything longer runs in workers, and Ctrl-C or
-    SIGTERM here ends them at once (their work is lost anyway).
-    """
-    if len(tasks) <= 1 and sum(p.end - p.start for t in tasks for p in t) <= TASK_BYTES:
-        for task in tasks:
-            yield _encode_task(tokenizer.path, dtype, task)
-        return
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    pool = ProcessPoolExecutor(num_workers, mp_context=context, initializer=_worker_init)
-    finished = False
-    try:
-        todo = iter(tasks)
-        pending = deque(pool.submit(_encode_task, tokenizer.path, dtype, task)
-                        for _, task in zip(range(2 * num_workers), todo))
-        while pending:
-            result = pending.popleft().result()
-            task = next(todo, None)
-            if task is not None:
-                pending.append(pool.submit(_encode_task, tokenizer.path, dtype, task))
-            yield result
-        finished = True
-    finally:
-        if not finished:  # interrupted, or a task failed: do not wait for the others
-            _stop_workers(pool)
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """Kill the pool's worker processes (the executor has no public way before 3.14)."""
-    kill = getattr(pool, "kill_workers", None)
-    if kill is not None:
-        kill()
-        return
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        process.kill()
-
-
-def build_token_file(dest: Path, files: list[Path], tokenizer: Tokenizer, source: str,
-                     num_workers: int = 1,
-                     progress: Callable[[int, int, int], None] | None = None) -> dict:
-    """Encode ``files`` into the token file ``dest`` and its sidecar, atomically.
+def build_token_file(dest: Path, files: list[DataFile | Path], tokenizer: Tokenizer,
+                     source: str, num_workers: int = 1,
+                     progress: Callable[[int, int, int], None] | None = None,
+                     options: ReadOptions = ReadOptions()) -> dict:
+    """Encode ``files`` (a plain ``Path`` is a text file) into the token file ``dest``
+    and its sidecar, atomically.
 
     ``progress(done_bytes, total_bytes, num_tokens)`` is called after each task.
-    Returns the counts (``files``, ``skipped``, ``content_bytes``, ``num_tokens``,
-    ``dtype``, ``seconds``). Raises ValueError when there is no text to encode.
+    Returns the counts (``files``, ``skipped``, ``content_bytes``, ``documents``,
+    ``num_tokens``, ``dtype``, ``seconds``, ``records``: a ``RecordCounts``). Raises
+    ValueError when there is nothing to encode, or for bad records (unless
+    ``options.skip_bad_records``).
     """
     if num_workers < 1:
         raise ValueError(f"--workers must be >= 1, got {num_workers}")
     start = time.perf_counter()
-    pieces, stats = plan_pieces(files, tokenizer)
+    files = [f if isinstance(f, DataFile) else DataFile(Path(f), "text") for f in files]
+    counts = RecordCounts()
+    items, stats = plan_items(files, tokenizer, options, counts)
     if stats["content_bytes"] == 0:
         raise ValueError(f"data path {source!r} holds no text (empty corpus or only binary "
                          f"files); expected {ACCEPTED}")
     dtype = stats["dtype"] = dtype_for_vocab(tokenizer.vocab_size)
     separator = np.asarray(tokenizer.separator, TOKEN_DTYPES[dtype]).tobytes()
-    tasks = _tasks(pieces)
+    tasks = _tasks(items)
+    small = stats["content_bytes"] <= TASK_BYTES
+    stats["documents"] = 0
 
     def chunks() -> Iterator[bytes]:
         done = num_tokens = 0
-        for task, arrays in zip(tasks, _encoded(tokenizer, dtype, tasks, num_workers)):
-            for piece, ids in zip(task, arrays):
-                if piece.first and piece is not pieces[0]:
-                    yield separator
-                    num_tokens += len(tokenizer.separator)
-                yield ids.tobytes()
-                num_tokens += len(ids)
-                done += piece.end - piece.start
+        encode = partial(encode_task, tokenizer.path, dtype, options)
+        for task, encoded in ordered_results(encode, tasks, num_workers, in_process=small):
+            if encoded.starts and stats["documents"]:
+                yield separator
+                num_tokens += len(tokenizer.separator)
+            yield encoded.tokens.tobytes()
+            num_tokens += len(encoded.tokens)
+            stats["documents"] += encoded.documents
+            counts.merge(encoded.counts)
+            done += sum(item.size for item in task)
             if progress is not None:
                 progress(done, stats["content_bytes"], num_tokens)
 
     def finish(tmp: Path) -> None:
         stats["num_tokens"] = tmp.stat().st_size // TOKEN_DTYPES[dtype].itemsize
+        if not stats["num_tokens"]:
+            raise ValueError(f"data path {source!r} holds no text: {stats['documents']} "
+                             f"documents, all empty{_skipped(counts)}")
         # The sidecar goes first: a .bin present in a cache always has one.
         _write_meta(dest, {"num_tokens": stats["num_tokens"], "vocab_size": tokenizer.vocab_size,
                            "max_token": None, "source": source, "dtype": dtype,
@@ -222,4 +299,9 @@ def build_token_file(dest: Path, files: list[Path], tokenizer: Tokenizer, source
     dest.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(dest, chunks(), before_replace=finish)
     stats["seconds"] = time.perf_counter() - start
+    stats["records"] = counts
     return stats
+
+
+def _skipped(counts: RecordCounts) -> str:
+    return f"; {counts.summary()}" if counts.skipped else ""

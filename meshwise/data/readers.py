@@ -69,6 +69,16 @@ NOT_DATA = (".gz", ".zst", ".bz2", ".xz", ".zip", ".arrow")  # named, not read a
 
 
 @dataclass(frozen=True)
+class ReadOptions:
+    """How records become documents: ``--text-field``, ``--data-format``,
+    ``--skip-bad-records``."""
+
+    text_field: str = "text"
+    data_format: str = "auto"
+    skip_bad_records: bool = False
+
+
+@dataclass(frozen=True)
 class DataFile:
     """One file (or ``save_to_disk`` folder) of the data, and its format."""
 

@@ -79,18 +79,34 @@ def _check_column(path: Path, names: list[str], column: str | None) -> None:
 
 def _parquet_batches(path: Path, column: str | None) -> Iterator[dict]:
     parquet = require("pyarrow.parquet", f"reading the Parquet file {path}")
-    try:
-        file = parquet.ParquetFile(path, buffer_size=_READ_BUFFER, pre_buffer=False)
-    except Exception as exc:  # pyarrow raises ArrowInvalid and others for a bad file
-        raise DataFormatError(f"{path}: not a readable Parquet file "
-                              f"({' '.join(str(exc).split())[:120]})") from None
+    file = _parquet_file(parquet, path)
     _check_column(path, file.schema_arrow.names, column)
     columns = None if column is None else [column]
     for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=columns):
         yield batch.to_pydict()
 
 
-def _saved_batches(path: Path, column: str | None) -> Iterator[dict]:
+def row_count(path: Path, data_format: str) -> int | None:
+    """Rows of a Parquet file or a saved dataset (None for a streamed CSV or JSON)."""
+    if data_format == "parquet":
+        parquet = require("pyarrow.parquet", f"reading the Parquet file {path}")
+        return _parquet_file(parquet, path).metadata.num_rows
+    if data_format == "hf-disk":
+        return len(_saved(path))
+    return None
+
+
+def _parquet_file(parquet, path: Path):
+    try:
+        return parquet.ParquetFile(path, buffer_size=_READ_BUFFER, pre_buffer=False)
+    except Exception as exc:  # pyarrow raises ArrowInvalid and others for a bad file
+        raise DataFormatError(f"{path}: not a readable Parquet file "
+                              f"({' '.join(str(exc).split())[:120]})") from None
+
+
+def _saved(path: Path):
+    """The dataset ``save_to_disk`` wrote to ``path`` (a DatasetDict's train split, or
+    its only one)."""
     datasets = require("datasets", f"reading the saved dataset {path}")
     saved = datasets.load_from_disk(str(path))
     if isinstance(saved, datasets.DatasetDict):
@@ -100,6 +116,11 @@ def _saved_batches(path: Path, column: str | None) -> Iterator[dict]:
                                   f"{', '.join(splits)} and no 'train'; valid: --data "
                                   f"{path / splits[0]} (one split's folder)")
         saved = saved["train" if "train" in saved else splits[0]]
+    return saved
+
+
+def _saved_batches(path: Path, column: str | None) -> Iterator[dict]:
+    saved = _saved(path)
     _check_column(path, list(saved.column_names), column)
     if column is not None:
         saved = saved.select_columns([column])

@@ -41,7 +41,8 @@ WRITTEN_BY = "meshwise"
 SIDECAR_SUFFIX = ".meshwise.json"  # corpus.bin -> corpus.bin.meshwise.json
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_DTYPE = TOKEN_DTYPES["uint16"]  # the default, and the only one before sidecars said
-ACCEPTED = "a text file, a folder of text files, or a .bin of token ids (uint16 or uint32)"
+ACCEPTED = ("a text, JSON lines, Parquet or CSV file, a folder of them, a datasets "
+            "save_to_disk folder, or a .bin of token ids (uint16 or uint32)")
 
 
 def dtype_for_vocab(vocab_size: int) -> str:

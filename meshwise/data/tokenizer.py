@@ -53,8 +53,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
-    def encode_documents(self, documents: Sequence[bytes]) -> list[np.ndarray]:
-        """Token ids of each document, given as the bytes of a text file."""
+    def encode_documents(self, documents: Sequence[bytes | str]) -> list[np.ndarray]:
+        """Token ids of each document, given as the bytes of a text file or as a string."""
         raise NotImplementedError
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -115,8 +115,9 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_documents(self, documents: Sequence[bytes]) -> list[np.ndarray]:
-        return [np.frombuffer(data, np.uint8) for data in documents]  # bytes as they are
+    def encode_documents(self, documents: Sequence[bytes | str]) -> list[np.ndarray]:
+        return [np.frombuffer(data.encode() if isinstance(data, str) else data, np.uint8)
+                for data in documents]  # bytes as they are
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -148,12 +149,13 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_documents(self, documents: Sequence[bytes]) -> list[np.ndarray]:
+    def encode_documents(self, documents: Sequence[bytes | str]) -> list[np.ndarray]:
         """Each document's bytes read as UTF-8 (invalid bytes become U+FFFD), encoded.
 
         ``encode_batch_fast`` skips the offsets ``encode`` computes: about 3x faster.
         """
-        texts = [data.decode("utf-8", errors="replace") for data in documents]
+        texts = [data if isinstance(data, str) else data.decode("utf-8", errors="replace")
+                 for data in documents]
         with serial_tokenizers():
             try:
                 encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)

@@ -17,10 +17,13 @@ from meshwise.comm.algorithms import ALGORITHMS, Topology, hierarchical_problem
 from meshwise.comm.compression import COMPRESS_WARMUP_STEPS, TOPK_RAMP_STEPS, parse_compress
 from meshwise.comm.devices import DEVICES
 from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON
+from meshwise.data.order import DATA_ORDERS
+from meshwise.data.readers import DATA_FORMATS
 from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
 from meshwise.pipeline.schedules import SCHEDULE_KINDS, validate_schedule_config
 from meshwise.train.loggers import parse_log_to
+from meshwise.train.lr_schedule import check_schedule
 from meshwise.train.profiling import parse_steps
 # The model section and its presets, part of this module's interface.
 from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
@@ -85,6 +88,12 @@ class OptimConfig:
     beta2: float = 0.95
     on_nan: str = "stop"
     max_skipped_steps: int = 3  # with on_nan "skip": stop after more in a row
+    lr_schedule: str = "cosine"  # meshwise.train.lr_schedule: cosine, wsd, constant
+    decay_steps: int | None = None  # wsd: the decay's steps; None: the last 20%
+    decay_shape: str = "linear"  # wsd: linear, sqrt, cosine
+    min_lr_ratio: float = 0.1  # where cosine and wsd decay to, as a share of lr
+    lr_restart: bool = False  # resuming under another schedule: start it at the step resumed
+    schedule_start: int = 0  # set before launch: the step the schedule starts at
 
 
 @dataclass
@@ -94,6 +103,10 @@ class DataConfig:
     tokenizer: str | None = None  # a tokenizer.json; None: byte-level
     tokenizer_digest: str | None = None  # set by ``prepare``: what a checkpoint records
     token_dtype: str | None = None  # of a .bin without our sidecar; None: the sidecar's
+    text_field: str = "text"  # records' text (meshwise.data.readers)
+    data_format: str = "auto"
+    skip_bad_records: bool = False
+    data_order: str = "random-windows"  # meshwise.data.order: random-windows, epochs
     seq_len: int = 128
     batch_size: int = 16
     grad_accum: int = 1
@@ -216,6 +229,9 @@ class TrainConfig:
         _choice("--dtype", self.runtime.dtype, DTYPES)
         _choice("--grad-reduce-dtype", self.runtime.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
         _choice("--on-nan", o.on_nan, ON_NAN)
+        _choice("--data-format", d.data_format, DATA_FORMATS)
+        _choice("--data-order", d.data_order, DATA_ORDERS)
+        check_schedule(o)
         _choice("--activation-checkpointing", self.runtime.activation_checkpointing,
                 ACTIVATION_CHECKPOINTING)
         parse_log_to(self.runtime.log_to)
@@ -320,7 +336,6 @@ class TrainConfig:
             raise ValueError(
                 f"--batch-size {d.batch_size} is not divisible by dp x grad-accum x "
                 f"micro-batches = {p.dp} x {d.grad_accum} x {p.num_micro_batches} = {per_step}")
-
 
     def _validate_sequence(self) -> None:
         """--cp and --sp: what splits the sequence, and what it must be a multiple of."""

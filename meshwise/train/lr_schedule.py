@@ -1,8 +1,33 @@
-"""The learning rate of each step (a pure function of the step)."""
+"""The learning rate of each step: a pure function of the step, and of the settings
+a checkpoint records.
+
+Three schedules (``SCHEDULES``), each after a linear warmup from 0:
+
+- ``cosine``: decay to ``min_lr_ratio * lr`` at the last step (Loshchilov & Hutter
+  2017, without restarts).
+- ``wsd``: warmup-stable-decay (Hu et al. 2024, MiniCPM; as torchtitan's
+  ``lr_scheduler``): the peak until the last ``decay_steps`` steps, then down to
+  ``min_lr_ratio * lr`` along ``decay_shape`` (linear; sqrt: 1 - sqrt(progress),
+  Hägele et al. 2024; or a cosine half-period). Its stable phase does not depend
+  on the total, so a run can be made longer before its decay starts.
+- ``constant``: the peak after warmup.
+
+``start`` is the step a schedule begins at: 0, unless a resumed run started a new
+schedule there (``--lr-restart``). Resuming checks that the schedule continues the
+one the checkpoint was trained under (``continues``): the same learning rate at
+every step already taken, so a changed ``--steps`` is never silently re-stretched.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+import numpy as np
+
+SCHEDULES = ("cosine", "wsd", "constant")
+DECAY_SHAPES = ("linear", "sqrt", "cosine")
+WSD_DECAY_FRACTION = 0.2  # decay steps when not given: the last 20% (Hägele et al. 2024)
 
 
 def lr_at(step: int, max_lr: float, warmup_steps: int, total_steps: int,
@@ -11,10 +36,116 @@ def lr_at(step: int, max_lr: float, warmup_steps: int, total_steps: int,
 
     ``step`` is 1-based (the step about to be taken).
     """
-    min_lr = max_lr * min_lr_ratio
-    if warmup_steps > 0 and step <= warmup_steps:
-        return max_lr * step / warmup_steps
-    if total_steps <= warmup_steps:
-        return max_lr
-    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+    return LRSchedule("cosine", max_lr, warmup_steps, total_steps,
+                      min_lr_ratio=min_lr_ratio).lr(step)
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """A learning-rate schedule; ``lr(step)`` for the 1-based step about to be taken."""
+
+    kind: str
+    max_lr: float
+    warmup_steps: int
+    total_steps: int
+    decay_steps: int | None = None  # wsd; None: WSD_DECAY_FRACTION of the steps
+    decay_shape: str = "linear"
+    min_lr_ratio: float = 0.1
+    start: int = 0
+
+    @classmethod
+    def of(cls, optim: dict, start: int | None = None) -> "LRSchedule":
+        """The schedule of an ``optim`` config section (a checkpoint's, or this run's);
+        keys a checkpoint written before schedules existed lacks take their defaults."""
+        return cls(optim.get("lr_schedule", "cosine"), optim["lr"], optim["warmup_steps"],
+                   optim["steps"], optim.get("decay_steps"),
+                   optim.get("decay_shape", "linear"), optim.get("min_lr_ratio", 0.1),
+                   optim.get("schedule_start", 0) if start is None else start)
+
+    @property
+    def wsd_decay_steps(self) -> int:
+        if self.decay_steps is not None:
+            return self.decay_steps
+        return max(1, round(WSD_DECAY_FRACTION * (self.total_steps - self.start)))
+
+    def lr(self, step: int) -> float:
+        return float(self.lrs(np.asarray([step]))[0])
+
+    def lrs(self, steps: np.ndarray) -> np.ndarray:
+        """The learning rate at each step of ``steps`` (1-based), as float64."""
+        t = np.asarray(steps, dtype=np.float64) - self.start  # steps into this schedule
+        total = self.total_steps - self.start
+        floor = self.max_lr * self.min_lr_ratio
+        if self.kind == "constant" or (self.kind == "cosine" and total <= self.warmup_steps):
+            after = np.full_like(t, self.max_lr)
+        elif self.kind == "cosine":
+            progress = np.clip((t - self.warmup_steps) / (total - self.warmup_steps), 0.0, 1.0)
+            after = floor + 0.5 * (1 + np.cos(math.pi * progress)) * (self.max_lr - floor)
+        else:
+            decay = self.wsd_decay_steps
+            progress = np.clip((t - (total - decay)) / decay, 0.0, 1.0)
+            after = floor + _decayed(progress, self.decay_shape) * (self.max_lr - floor)
+        if self.warmup_steps <= 0:
+            return after
+        return np.where(t <= self.warmup_steps, self.max_lr * t / self.warmup_steps, after)
+
+    def continues(self, before: "LRSchedule", steps_taken: int) -> bool:
+        """Whether this schedule is ``before`` as far as it went: the same start, and the
+        same learning rate at each step it took (to float round-off)."""
+        if self.start != before.start:
+            return False
+        steps = np.arange(self.start + 1, steps_taken + 1)
+        return bool(np.allclose(self.lrs(steps), before.lrs(steps), rtol=1e-12, atol=0.0))
+
+    def describe(self) -> str:
+        text = f"--lr-schedule {self.kind} --lr {self.max_lr:g} --warmup-steps " \
+               f"{self.warmup_steps} --steps {self.total_steps}"
+        if self.kind == "wsd":
+            text += f" --decay-steps {self.wsd_decay_steps} --decay-shape {self.decay_shape}"
+        if self.kind != "constant" and self.min_lr_ratio != 0.1:
+            text += f" --min-lr-ratio {self.min_lr_ratio:g}"
+        return text + (f" (started at step {self.start})" if self.start else "")
+
+
+def check_schedule(optim) -> None:
+    """``--lr-schedule``, ``--decay-steps``, ``--decay-shape``, ``--min-lr-ratio`` of an
+    ``OptimConfig``: ``ValueError`` naming the first bad value and the valid ones."""
+    for flag, value, valid in (("--lr-schedule", optim.lr_schedule, SCHEDULES),
+                               ("--decay-shape", optim.decay_shape, DECAY_SHAPES)):
+        if value not in valid:
+            raise ValueError(f"{flag} {value!r} is not valid; valid: {', '.join(valid)}")
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise ValueError(f"--min-lr-ratio {optim.min_lr_ratio} is not valid; valid: 0 to 1 "
+                         "(a share of --lr)")
+    room = optim.steps - optim.warmup_steps
+    if optim.decay_steps is not None and not 1 <= optim.decay_steps <= max(room, 1):
+        raise ValueError(f"--decay-steps {optim.decay_steps} is not valid with --steps "
+                         f"{optim.steps} --warmup-steps {optim.warmup_steps}; valid: 1 to "
+                         f"{max(room, 1)}")
+
+
+def resumed_start(optim: dict, saved: dict, step: int) -> int:
+    """The step this run's schedule starts at when it resumes a checkpoint of ``step``
+    whose ``optim`` settings were ``saved``: the checkpoint's start when the schedule
+    continues it, ``step`` with ``lr_restart``; else ``ValueError`` saying how to go on."""
+    before = LRSchedule.of(saved)
+    now = LRSchedule.of(optim, start=before.start)
+    if now.continues(before, step):
+        return before.start
+    if optim.get("lr_restart"):
+        return step
+    return_to = before.describe().replace(f" (started at step {before.start})", "")
+    raise ValueError(f"--resume: this run's {now.describe()} gives other learning rates "
+                     f"at steps {before.start + 1} to {step}, which the checkpoint took under "
+                     f"{before.describe()}: resuming would re-stretch its schedule; valid: "
+                     f"resume with {return_to}, or add --lr-restart to start this schedule "
+                     f"afresh at step {step}")
+
+
+def _decayed(progress: np.ndarray, shape: str) -> np.ndarray:
+    """The share of the way from the floor to the peak left at ``progress`` in [0, 1]."""
+    if shape == "sqrt":
+        return 1 - np.sqrt(progress)
+    if shape == "cosine":
+        return 0.5 * (1 + np.cos(math.pi * progress))
+    return 1 - progress

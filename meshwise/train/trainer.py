@@ -50,7 +50,7 @@ from meshwise.train.fingerprint import check_same_job
 from meshwise.train.grad_comm import GradCommStats, grad_compressor, grad_reducer
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.init_from import initial_values
-from meshwise.train.lr_schedule import lr_at
+from meshwise.train.lr_schedule import LRSchedule
 from meshwise.train.memory import PeakMemory
 from meshwise.train.metrics import MetricsLog, RankValues
 from meshwise.train.sampling import end_sample
@@ -92,7 +92,7 @@ class Trainer:
         ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
         d, p = cfg.data, cfg.parallel
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size,
-                                 token_dtype=d.token_dtype)
+                                 token_dtype=d.token_dtype, data_order=d.data_order)
         self.dropout = DropoutContext(d.seed)
         self.dropout.tp_rank = self.mesh.tp_rank
         self.dropout.sequence = sequence_shard(self.mesh, p.sp)  # masks of the tokens held
@@ -117,6 +117,7 @@ class Trainer:
                                        self.dropout)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        self.lr_schedule = LRSchedule.of(dataclasses.asdict(o))
         named_params = self.pm.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
         init = self.family.init and partial(self.family.init, self.model_cfg)
@@ -217,7 +218,7 @@ class Trainer:
         start = time.perf_counter()
         counters = self.mesh.world.counters
         grad_bytes_before = counters.bytes_sent["grad"]
-        lr = lr_at(step, self.cfg.optim.lr, self.cfg.optim.warmup_steps, self.cfg.optim.steps)
+        lr = self.lr_schedule.lr(step)
         fault = self.fault if self.fault and self.fault.at(self.mesh.rank, step) else None
         if fault:
             fault.before_step(self.mesh, self.device)
@@ -265,6 +266,8 @@ class Trainer:
             "peak_rss_bytes": int(combined["peak_rss_bytes"]),
             "peak_mem_bytes": int(combined["peak_mem_bytes"]),
         }
+        if self.cfg.data.data_order == "epochs":
+            record.update(self.batches.source.epoch_position(step, self.cfg.data.batch_size))
         record.update(self.comm_stats.record(combined))
         self.observer.record(record, combined)
         if self.cfg.parallel.zero == 3:

@@ -11,6 +11,7 @@ from meshwise.data.chat_files import build_chat_file, open_chat_file
 from meshwise.data.chat_templates import load_template
 from meshwise.data.dataset import TokenDataset, read_meta
 from meshwise.data.packing import PackedRows
+from meshwise.data.readers import ReadOptions
 from meshwise.data.records import DataFormatError
 from meshwise.data.tokenizer import ByteTokenizer, load_tokenizer
 from tests.chat_data import conversations, hf_conversation, save_chat_tokenizer, write_chat_jsonl
@@ -63,7 +64,7 @@ def test_bad_records_name_their_line(tmp_path):
         build_chat_file(tmp_path / "chat.bin", path, ByteTokenizer(),
                         load_template("chatml", None))
     stats = build_chat_file(tmp_path / "chat.bin", path, ByteTokenizer(),
-                            load_template("chatml", None), skip_bad_records=True)
+                            load_template("chatml", None), ReadOptions(skip_bad_records=True))
     assert stats["conversations"] == 2 and "1 bad record skipped" in stats["skipped"]
 
 
