@@ -8,8 +8,12 @@ renders, tokenizes and masks a conversation, without meshwise."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+
+import torch
+import torch.nn.functional as F
 
 # ChatML, with the assistant's content and end-of-turn inside a generation block.
 TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -58,11 +62,45 @@ def save_chat_tokenizer(folder, vocab_size: int = 299):
     return folder
 
 
-def hf_conversation(folder, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """transformers' tokens of the rendered conversation and its assistant mask."""
+@functools.lru_cache(maxsize=2)
+def hf_tokenizer(folder: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def hf_conversation(folder, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """transformers' tokens of the rendered conversation and its assistant mask."""
+    out = hf_tokenizer(str(folder)).apply_chat_template(messages, tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
     return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def hf_reference(hf_dir, rows: torch.Tensor, chats, alone: bool = False) -> float:
+    """Mean cross-entropy over the assistant tokens of ``rows``: each row's conversations
+    found by transformers' own rendering, their labels its assistant masks; the logits
+    of transformers' Llama over the whole row (``alone``: over each conversation)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64).eval()
+    rendered = [hf_conversation(hf_dir, messages) for messages in chats]
+    total, count = 0.0, 0
+    for row in rows.tolist():
+        at, pieces = 0, []
+        while at < len(row):
+            found = [r for r in rendered if row[at:at + len(r[0])] == r[0]]
+            if not found:
+                assert not any(row[at:]), "a row is whole conversations, then padding (0)"
+                break
+            pieces.append((at, *found[0]))
+            at += len(found[0][0])
+        with torch.no_grad():
+            whole = None if alone else model(torch.tensor([row])).logits[0]
+            for start, ids, mask in pieces:
+                logits = (model(torch.tensor([ids])).logits[0] if alone
+                          else whole[start:start + len(ids)])
+                labelled = torch.tensor(mask[1:], dtype=torch.bool)  # targets: tokens 1..
+                total += F.cross_entropy(logits[:-1][labelled], torch.tensor(ids[1:])[labelled],
+                                         reduction="sum").item()
+                count += int(labelled.sum())
+    return total / count

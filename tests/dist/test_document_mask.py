@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.chat_data import hf_conversation, save_chat_tokenizer, write_chat_jsonl
+from tests.chat_data import hf_reference, save_chat_tokenizer, write_chat_jsonl
 from tests.hf_llama import save_hf_llama
 
 pytestmark = pytest.mark.timeout(240)
@@ -145,36 +145,6 @@ def chat(tmp_path_factory):
     build_chat_file(root / "chat.bin", root / "chat.jsonl", tokenizer,
                     load_template(None, tokenizer.path))
     return hf_dir, str(root / "chat.bin"), chats
-
-
-def hf_reference(hf_dir, rows: torch.Tensor, chats, alone: bool = False) -> float:
-    """Mean cross-entropy over the assistant tokens of ``rows``: each row's conversations
-    found by transformers' own rendering, their labels its assistant masks; the logits
-    of transformers' Llama over the whole row (``alone``: over each conversation)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64).eval()
-    rendered = [hf_conversation(hf_dir, messages) for messages in chats]
-    total, count = 0.0, 0
-    for row in rows.tolist():
-        at, pieces = 0, []
-        while at < len(row):
-            found = [r for r in rendered if row[at:at + len(r[0])] == r[0]]
-            if not found:
-                assert not any(row[at:]), "a row is whole conversations, then padding (0)"
-                break
-            pieces.append((at, *found[0]))
-            at += len(found[0][0])
-        with torch.no_grad():
-            whole = None if alone else model(torch.tensor([row])).logits[0]
-            for start, ids, mask in pieces:
-                logits = (model(torch.tensor([ids])).logits[0] if alone
-                          else whole[start:start + len(ids)])
-                labelled = torch.tensor(mask[1:], dtype=torch.bool)  # targets: tokens 1..
-                total += F.cross_entropy(logits[:-1][labelled], torch.tensor(ids[1:])[labelled],
-                                         reduction="sum").item()
-                count += int(labelled.sum())
-    return total / count
 
 
 def _sft_batch(chat_bin: str, seq_len: int, seed: int) -> torch.Tensor:

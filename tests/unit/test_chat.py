@@ -14,7 +14,8 @@ from meshwise.data.packing import PackedRows
 from meshwise.data.readers import ReadOptions
 from meshwise.data.records import DataFormatError
 from meshwise.data.tokenizer import ByteTokenizer, load_tokenizer
-from tests.chat_data import conversations, hf_conversation, save_chat_tokenizer, write_chat_jsonl
+from tests.chat_data import (conversations, hf_conversation, hf_tokenizer, save_chat_tokenizer,
+                             write_chat_jsonl)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,10 @@ def test_tokens_and_assistant_labels_are_transformers(chat_tokenizer):
         want_ids, want_mask = hf_conversation(chat_tokenizer, messages)
         assert ids.tolist() == want_ids
         assert assistant.astype(int).tolist() == want_mask
-    prompt, end = generation_prompt(template, tokenizer, conversations(1)[0][:1])
+    question = conversations(2)[1][:1]
+    prompt, end = generation_prompt(template, tokenizer, question)
+    assert prompt == hf_tokenizer(str(chat_tokenizer)).apply_chat_template(
+        question, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n") and end == "<|im_end|>"
 
 
