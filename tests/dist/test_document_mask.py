@@ -1,6 +1,7 @@
 """Document masks and supervised fine-tuning on gloo ranks, against independent references.
 
-- ``--document-mask``: the trainer's first loss on tp 2 (+ sp), pp 2 and cp 2
+- ``--document-mask``: the trainer's first loss on tp 2 (+ sp), pp 2 (with activation
+  checkpointing: a recompute reads its own micro-batch's documents) and cp 2
   (Llama: rotary positions; GPT: learned ones) equals a loss computed by hand
   from the plain single-process model run on each document of the batch alone,
   from position 0 (float64), and the next steps agree with one process;
@@ -28,7 +29,9 @@ LLAMA = dict(preset="llama-tiny", n_layer=2, d_model=64, n_head=4, n_kv_head=2,
 GPT = dict(preset="tiny", n_layer=2, d_model=32, n_head=4)
 LAYOUTS = {
     "llama tp2 sp": (LLAMA, dict(tp=2, sp=True)),
-    "llama pp2": (LLAMA, dict(pp=2)),
+    # one row per micro-batch, recomputed in the backward: each its own documents
+    "llama pp2 checkpointing": (LLAMA, dict(pp=2, micro_batches=4,
+                                            activation_checkpointing="full")),
     "llama cp2": (LLAMA, dict(cp=2)),
     "gpt cp2 tp2 sp": (GPT, dict(cp=2, tp=2, sp=True)),
 }
@@ -66,7 +69,7 @@ def _config(model: dict, layout: dict, data_path: str, steps: int, **data):
     cfg.optim.steps, cfg.optim.warmup_steps, cfg.optim.lr = steps, 1, 3e-3
     cfg.runtime.device, cfg.runtime.quiet = "cpu", True
     for key, value in layout.items():
-        setattr(cfg.parallel, key, value)
+        setattr(cfg.runtime if hasattr(cfg.runtime, key) else cfg.parallel, key, value)
     return cfg
 
 
@@ -120,7 +123,7 @@ def _one_process(dist_pools, model: dict, data_path: str) -> tuple[list[float], 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_document_masked_training_equals_each_document_alone(dist_pools, documents, name):
     model, layout = LAYOUTS[name]
-    world = int(np.prod([layout.get(axis, 1) for axis in ("tp", "pp", "cp")]))
+    world = int(np.prod([layout.get(axis, 1) for axis in ("dp", "tp", "pp", "cp")]))
     got = dist_pools.run(world, _train, _config(model, layout, documents, 2,
                                                 document_mask=True), documents)[0]
     assert got[0] == pytest.approx(_each_document_alone(model, documents), rel=1e-5), name
