@@ -138,7 +138,7 @@ def check_batches(cfg: TrainConfig, dataset: TokenDataset) -> None:
         chat = read_meta(dataset.path, d.token_dtype)["chat"]
         d.format, d.chat_template = "chat", chat["template"]
         d.chat_template_digest = chat["template_digest"]
-        log.info("chat data: %s (template %s)", source.summary(), chat["template"])
+        log.info("chat data (template %s): %s", chat["template"], source.summary())
         if source.rows.truncated:
             log.warning("warning: %s conversations longer than --seq-len %d + 1 tokens are "
                         "truncated (--long-conversations refuse stops instead)",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from meshwise.apply.documents import apply_document_mask
 from meshwise.comm.devices import host_to_device
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import rank_slice
@@ -36,6 +37,12 @@ class StepBatches:
         self.source, self.mesh, self.sequence = source, mesh, sequence
         self.dropout, self.device = dropout, device
         self.documents = DocumentContext(dropout) if source.document_mask else None
+
+    def mask_documents_of(self, chunks) -> None:
+        """Under document masking, hand the model's positions and attention the documents
+        (``meshwise.apply.documents``)."""
+        if self.documents is not None:
+            apply_document_mask(chunks, self.documents)
 
     def take(self, step: int, batch_size: int, seed: int, num: int,
              split: str = "train") -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:

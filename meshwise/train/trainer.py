@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
-from meshwise.apply.documents import apply_document_mask
 from meshwise.comm import ops, ranges
 from meshwise.comm.devices import rank_device
 from meshwise.data.batches import BatchSource
@@ -111,8 +110,7 @@ class Trainer:
             self.family, self.model_cfg = ModelFamily.own(model, plan, init_of), None
             self.pm = build_model(self.cfg, self.family, None, self.mesh, self.dropout, None)
             self.model_shape = own_model_shape(self.pm, self.data.vocab_size)
-        if self.batches.documents is not None:
-            apply_document_mask(self.pm.chunks, self.batches.documents)
+        self.batches.mask_documents_of(self.pm.chunks)  # with --document-mask
         apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing,
                                        self.dropout)
         o = cfg.optim
@@ -186,6 +184,8 @@ class Trainer:
         if self.is_logging_rank:
             self.metrics.note(self.metrics.summary(val_loss))
             self.metrics.note(self.observer.summary())
+            if self.batches.source.summary():  # chat data: packing, and what it truncated
+                self.metrics.note(f"data: {self.batches.source.summary()}")
             if sample is not None:
                 prompt, continuation = sample
                 self.metrics.note(f"sample (prompt in [brackets]):\n[{printable(prompt)}]"

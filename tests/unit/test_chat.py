@@ -114,3 +114,19 @@ def test_document_masks_need_an_end_of_text_token(tmp_path):
     with pytest.raises(ValueError, match="--document-mask: .* byte-level, its documents joined "
                                          "by newlines"):
         BatchSource(TokenDataset(path, 32), document_mask=True)
+
+
+def test_epochs_read_every_training_row_once(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    write_chat_jsonl(path, 60)
+    build_chat_file(tmp_path / "chat.bin", path, ByteTokenizer(), load_template("chatml", None))
+    source = BatchSource(TokenDataset(tmp_path / "chat.bin", 255, data_order="epochs"))
+    train_rows = len(source.rows) - source.num_val
+    width = source.rows.width
+    first = [tuple(row) for step in range(1, train_rows + 1)
+             for row in source.batch(step, 1, seed=3).tokens.tolist()]
+    wanted = {tuple(np.pad(source._tokens[s:s + n], (0, width - n)).tolist())
+              for s, n in zip(source.rows.row_start[:train_rows], source.rows.row_len)}
+    assert len(set(first)) == train_rows and set(first) == wanted
+    assert source.epoch_position(train_rows, 1) == {"epoch": 1, "epoch_windows": train_rows,
+                                                    "windows_per_epoch": train_rows}
