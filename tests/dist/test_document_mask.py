@@ -33,6 +33,7 @@ LAYOUTS = {
     "llama pp2 checkpointing": (LLAMA, dict(pp=2, micro_batches=4,
                                             activation_checkpointing="full")),
     "llama cp2": (LLAMA, dict(cp=2)),
+    "llama dp2 zero3": (LLAMA, dict(dp=2, zero=3)),  # each dp rank its rows' documents
     "gpt cp2 tp2 sp": (GPT, dict(cp=2, tp=2, sp=True)),
 }
 
