@@ -6,14 +6,15 @@ Two measurements, on the same packed sequences (documents of random lengths,
 * ``attention``: one attention layer's forward and backward (grouped-query
   heads as llama-small has them) in three forms: ``causal``, plain causal
   attention over the whole packed sequence (what runs without
-  ``--document-mask``: attention across documents); ``sdpa_mask``, what
-  meshwise runs: ``F.scaled_dot_product_attention`` with the additive
-  block-diagonal causal mask (one kernel per layer, the (B, T, T) mask made once
-  per forward); ``varlen``, each document attended on its own (a causal SDPA
-  per document, the tensors split along the sequence: what flash-attention's
-  varlen kernels do in one launch on a GPU), which skips the work across
-  documents but launches one kernel per document. Each form's median over
-  ``--rounds`` (alternating order) and its ratio to ``causal``;
+  ``--document-mask``: attention across documents); ``sdpa_mask``,
+  ``F.scaled_dot_product_attention`` with the additive block-diagonal causal
+  mask (one kernel, all of the (T, T) work, the (B, T, T) mask made once per
+  forward: what meshwise runs with dropout); ``varlen``, what meshwise runs
+  otherwise (``meshwise.models.attention.documents_attention``): each document
+  attended on its own, a causal SDPA per document on the tensors split along
+  the sequence (what flash attention's varlen kernels do in one launch on a
+  GPU), no work across documents, one kernel per document. Each form's median
+  over ``--rounds`` (alternating order) and its ratio to ``causal``;
 * ``step``: ``meshwise train``'s step on one process (``--model llama-small``,
   the trainer built as the CLI builds it), with and without
   ``--document-mask``, on a token file of those documents; and at ``--cp 2``,
@@ -90,16 +91,12 @@ def _attention_forms(batch: int, seq_len: int, mean_doc: int):
 
     def sdpa_mask():
         context.set(documents, 0, batch, "cpu")  # a new forward: the mask is made again
-        masked(q, k, v).backward(dout)
+        mask = context.attention_mask(seq_len, q.dtype)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).backward(dout)
 
     def varlen():
-        rows = []
-        for b in range(batch):
-            parts = zip(*(t[b].split(lengths[b], dim=1) for t in (q, k, v)))
-            rows.append(torch.cat([F.scaled_dot_product_attention(
-                qd[None], kd[None], vd[None], is_causal=True, enable_gqa=True)
-                for qd, kd, vd in parts], dim=2))
-        torch.cat(rows).backward(dout)
+        context.set(documents, 0, batch, "cpu")  # the lengths are found again
+        masked(q, k, v).backward(dout)
 
     return {"causal": causal, "sdpa_mask": sdpa_mask, "varlen": varlen}, sum(map(len, lengths))
 

@@ -17,7 +17,9 @@ Neither holds parameters, so swapping them changes no name a checkpoint knows.
 Both read the sequences' documents when they are given a ``DocumentContext``
 (``documents``, set from outside by ``meshwise.apply.documents``): positions
 then count from each document's first token and attention stays inside each
-document (``meshwise.layout.documents``).
+document (``meshwise.layout.documents``): each document attended on its own
+(``documents_attention``), or with dropout, whose keep-masks are keyed by
+position in the whole sequence, under a block-diagonal mask.
 """
 
 from __future__ import annotations
@@ -68,15 +70,16 @@ class ScaledDotProductAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal: bool = True) -> torch.Tensor:
         check_heads(q.shape[1], k.shape[1])
-        mask = None
-        if self.documents is not None and causal and q.shape[2] == k.shape[2]:
-            mask = self.documents.attention_mask(q.shape[2], q.dtype)  # (B, 1, T, T) or None
-        if self.training and self.p:
+        dropout = self.training and self.p
+        documents = self.documents is not None and causal and q.shape[2] == k.shape[2]
+        lengths = self.documents.lengths() if documents and not dropout else None
+        if lengths is not None:
+            return documents_attention(q, k, v, lengths)
+        mask = self.documents.attention_mask(q.shape[2], q.dtype) if documents else None
+        if dropout:
             return self._with_dropout(q, k, v, causal, mask)
-        grouped = k.shape[1] != q.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                              is_causal=causal and mask is None,
-                                              enable_gqa=grouped)  # (B, H, Tq, d)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                              enable_gqa=k.shape[1] != q.shape[1])  # (B,H,Tq,d)
 
     def _with_dropout(self, q, k, v, causal: bool, mask=None) -> torch.Tensor:
         """The weights formed explicitly, dropped per (sample, head), then applied.
@@ -97,6 +100,22 @@ class ScaledDotProductAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}" if self.p else ""
+
+
+def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        lengths: list[list[int]]) -> torch.Tensor:
+    """Causal attention inside each document, each computed on its own (what
+    flash attention's varlen kernels do in one launch): no work across documents,
+    no (T, T) mask. ``lengths``: each row's document lengths, in order (host
+    integers, summing to T); q (B, H, T, d), k and v (B, G, T, d)."""
+    grouped = k.shape[1] != q.shape[1]
+    rows = []
+    for b, row in enumerate(lengths):
+        parts = zip(q[b].split(row, dim=1), k[b].split(row, dim=1), v[b].split(row, dim=1))
+        rows.append(torch.cat([F.scaled_dot_product_attention(
+            qd[None], kd[None], vd[None], is_causal=True, enable_gqa=grouped)[0]
+            for qd, kd, vd in parts], dim=1))  # (H, T, d)
+    return torch.stack(rows)  # (B, H, T, d)
 
 
 def check_heads(n_head: int, n_kv_head: int) -> None:

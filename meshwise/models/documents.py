@@ -13,6 +13,7 @@ micro-batch's documents, not the last forward's.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from meshwise.layout.documents import Documents, additive_mask
@@ -31,7 +32,7 @@ class DocumentContext:
         self.where = where
         self._device = self._host = None
         self._first = self._rows = 0
-        self._mask_key = self._mask = None
+        self._mask_key = self._mask = self._lengths_key = self._lengths = None
 
     def __deepcopy__(self, memo):
         return self
@@ -44,7 +45,7 @@ class DocumentContext:
         self._host = documents
         self._device = None if documents is None else documents.to(device)
         self._first, self._rows = first_sample, rows
-        self._mask_key = self._mask = None
+        self._mask_key = self._mask = self._lengths_key = self._lengths = None
 
     def _offset(self) -> int:
         offset = self.where.first_sample - self._first
@@ -65,9 +66,23 @@ class DocumentContext:
             return None
         return self._host.rows(self._offset(), self._rows)
 
+    def lengths(self) -> list[list[int]] | None:
+        """Each current sequence's document lengths, in order (host integers), or None;
+        made once per forward."""
+        documents = self.current_on_host()
+        if documents is None:
+            return None
+        key = ("lengths", self.where.first_sample)
+        if self._lengths_key != key:
+            self._lengths = [np.diff(np.append(np.flatnonzero(np.diff(row, prepend=-1)),
+                                               len(row))).tolist() for row in documents.ids]
+            self._lengths_key = key
+        return self._lengths
+
     def attention_mask(self, length: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """(B, 1, T, T) additive mask of the current forward's whole sequences: made once
-        per forward and dtype, shared by every layer."""
+        """(B, 1, T, T) additive mask of the current forward's whole sequences (for
+        attention with dropout): made once per forward and dtype, shared by every
+        layer."""
         documents = self.current()
         if documents is None:
             return None

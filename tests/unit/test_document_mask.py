@@ -131,14 +131,19 @@ def test_ring_with_documents_equals_each_document_alone(cp, fused, monkeypatch):
         assert skipped
 
 
-def test_sdpa_module_with_documents_equals_each_document_alone():
+@pytest.mark.parametrize("path", ["each document", "mask (dropout's)"])
+def test_sdpa_module_with_documents_equals_each_document_alone(path):
     from meshwise.models.attention import ScaledDotProductAttention
 
     q, k, v, dout = _inputs()
-    sdpa = ScaledDotProductAttention()
-    sdpa.documents = _context()
+    context = _context()
+    sdpa = ScaledDotProductAttention(0.0, "attn", context.where)
+    sdpa.documents = context
     q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
-    out = sdpa(q_, k_, v_)
+    if path == "each document":
+        out = sdpa(q_, k_, v_)
+    else:  # the weights formed explicitly, as with dropout (p = 0: every weight kept)
+        out = sdpa._with_dropout(q_, k_, v_, True, context.attention_mask(T, q.dtype))
     out.backward(dout)
     want = _each_document_alone(q, k, v, dout)
     for got, expected in zip((out.detach(), q_.grad, k_.grad, v_.grad), want):
