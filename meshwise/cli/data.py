@@ -161,13 +161,14 @@ def _prepare(args) -> str:
                                         options)
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
-    skipped = f", {stats['skipped']} binary skipped" if stats["skipped"] else ""
+    skipped = f" ({stats['skipped']} binary skipped)" if stats["skipped"] else ""
     bad = stats["records"].summary()
     workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
-    return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens, "
-            f"{stats['documents']:,} documents from {stats['files']:,} files{skipped} in "
-            f"{stats['seconds']:.1f} s ({stats['content_bytes'] / 1e6 / stats['seconds']:.1f} "
-            f"MB/s, {workers}); tokenizer {tokenizer.describe()}{'; ' + bad if bad else ''}")
+    return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens from "
+            f"{stats['files']:,} files{skipped} in {stats['seconds']:.1f} s "
+            f"({stats['content_bytes'] / 1e6 / stats['seconds']:.1f} MB/s, {workers}); "
+            f"tokenizer {tokenizer.describe()}; {stats['documents']:,} documents"
+            f"{'; ' + bad if bad else ''}")
 
 
 def _prepare_chat(args, options: ReadOptions, path: Path, out: Path, tokenizer) -> str:
@@ -189,18 +190,19 @@ def _prepare_chat(args, options: ReadOptions, path: Path, out: Path, tokenizer) 
 
 def _texts(files: list[DataFile], options: ReadOptions, stats: dict) -> Iterator[str]:
     """The text of every document: text files in pieces of a few hundred KiB (cut after a
-    newline), records whole. ``stats``: ``files``, ``characters``, ``records``."""
+    newline), records whole. ``stats``: ``files``, ``text_bytes`` (UTF-8), ``records``."""
     counts = stats["records"] = RecordCounts()
     for file in files:
         if file.format in ("text", "binary"):
             pieces, found = plan_pieces([file.path], ByteTokenizer())
-            texts = (read_piece(piece).decode("utf-8", errors="replace") for piece in pieces)
-        else:
-            found = {"files": 1}
-            texts = file_documents(file, options.text_field, options.skip_bad_records, counts)
-        stats["files"] += found["files"]
-        for text in texts:
-            stats["characters"] += len(text)
+            stats["files"] += found["files"]
+            stats["text_bytes"] += found["content_bytes"]
+            for piece in pieces:
+                yield read_piece(piece).decode("utf-8", errors="replace")
+            continue
+        stats["files"] += 1
+        for text in file_documents(file, options.text_field, options.skip_bad_records, counts):
+            stats["text_bytes"] += len(text.encode())
             yield text
 
 
@@ -213,7 +215,7 @@ def _train_tokenizer(args) -> str:
     out = Path(args.out).expanduser()
     if out.is_dir():
         out = out / "tokenizer.json"
-    start, stats = time.perf_counter(), {"files": 0, "characters": 0}
+    start, stats = time.perf_counter(), {"files": 0, "text_bytes": 0}
     texts = (text for text in _texts(files, options, stats) if text)
     first = next(texts, None)
     if first is None:
@@ -230,5 +232,5 @@ def _train_tokenizer(args) -> str:
         f"; asked {args.vocab_size:,}, but the text has no more pairs seen twice")
     bad = stats["records"].summary()
     return (f"wrote {out}: byte-level BPE, vocab {size:,}{short}; from {stats['files']:,} files "
-            f"({stats['characters'] / 1e6:.1f} M characters) in "
+            f"({stats['text_bytes'] / 1e6:.1f} MB) in "
             f"{time.perf_counter() - start:.1f} s{'; ' + bad if bad else ''}")

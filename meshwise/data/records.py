@@ -26,16 +26,18 @@ class DataFormatError(ValueError):
 
 @dataclass
 class RecordCounts:
-    """Records read and bad ones skipped (``skip_bad_records``), with the first few named."""
+    """Records read and bad ones skipped (``skip_bad_records``), with the first few named:
+    ``(location, problem)``, a location printed only in ``summary`` (a worker's
+    ``LineLocation`` counts the lines before it then, for three records at most)."""
 
     records: int = 0
     skipped: int = 0
-    skipped_at: list[str] = field(default_factory=list)
+    skipped_at: list[tuple[object, str]] = field(default_factory=list)
 
-    def skip(self, problem: str) -> None:
+    def skip(self, location, problem: str) -> None:
         self.skipped += 1
         if len(self.skipped_at) < MAX_NAMED_SKIPS:
-            self.skipped_at.append(problem)
+            self.skipped_at.append((location, problem))
 
     def merge(self, other: "RecordCounts") -> None:
         self.records += other.records
@@ -43,28 +45,37 @@ class RecordCounts:
         self.skipped_at += other.skipped_at[:MAX_NAMED_SKIPS - len(self.skipped_at)]
 
     def summary(self) -> str:
-        """``""``, or what was skipped: ``2 bad records skipped (a.jsonl:3: ..., ...)``."""
+        """``""``, or what was skipped: ``2 bad records skipped (a.jsonl:3: ...; ...)``."""
         if not self.skipped:
             return ""
+        named = "; ".join(f"{location}: {problem}" for location, problem in self.skipped_at)
+        more = "; ..." if self.skipped > MAX_NAMED_SKIPS else ""
         return (f"{self.skipped:,} bad record{'s' if self.skipped > 1 else ''} skipped "
-                f"({'; '.join(self.skipped_at)}{'; ...' if self.skipped > MAX_NAMED_SKIPS else ''})")
+                f"({named}{more})")
 
 
-def document_text(location, record: dict, text_field: str) -> str:
-    """``record[text_field]``, a string, or ``DataFormatError`` naming what is there
-    (``location`` is printed only then)."""
+def text_problem(record: dict, text_field: str) -> str | None:
+    """Why ``record`` has no text in ``text_field`` (naming the fields it has), or None."""
     value = record.get(text_field)
     if isinstance(value, str):
-        return value
+        return None
     if text_field not in record:
         fields = list(record)
         named = ", ".join(fields[:MAX_NAMED_FIELDS]) + (", ..." if len(fields) > MAX_NAMED_FIELDS
                                                         else "")
-        raise DataFormatError(f"{location}: the record has no field {text_field!r} (its "
-                              f"fields: {named or 'none'}); name the text's field with "
-                              "--text-field")
-    kind = "null" if value is None else type(value).__name__
-    raise DataFormatError(f"{location}: field {text_field!r} is {kind}, not a string")
+        return (f"the record has no field {text_field!r} (its fields: {named or 'none'}); "
+                "name the text's field with --text-field")
+    return f"field {text_field!r} is {'null' if value is None else type(value).__name__}, " \
+           "not a string"
+
+
+def document_text(location, record: dict, text_field: str) -> str:
+    """``record[text_field]``, a string, or ``DataFormatError`` naming the location and
+    what is there."""
+    problem = text_problem(record, text_field)
+    if problem:
+        raise DataFormatError(f"{location}: {problem}")
+    return record[text_field]
 
 
 # ----------------------------------------------------------------- JSON lines
@@ -92,11 +103,11 @@ def jsonl_records(path: Path, start: int = 0, end: int | None = None,
                 if not isinstance(record, dict):
                     raise ValueError(f"a JSON {type(record).__name__}, not an object")
             except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                problem = f"{location}: not a JSON object ({_short(exc)})"
+                problem = f"not a JSON object ({_short(exc)})"
                 if not skip_bad_records:
-                    raise DataFormatError(f"{problem}; --skip-bad-records skips such "
-                                          "lines") from None
-                counts.skip(problem)
+                    raise DataFormatError(f"{location}: {problem}; --skip-bad-records skips "
+                                          "such lines") from None
+                counts.skip(location, problem)
                 continue
             counts.records += 1
             yield location, record
@@ -118,14 +129,14 @@ def jsonl_documents(path: Path, start: int = 0, end: int | None = None,
 def checked_text(location, record: dict, text_field: str, skip_bad_records: bool,
                  counts: RecordCounts) -> str | None:
     """``document_text``, or None for a bad record skipped (and counted as skipped)."""
-    try:
-        return document_text(location, record, text_field)
-    except DataFormatError as exc:
-        if not skip_bad_records:
-            raise
-        counts.records -= 1
-        counts.skip(str(exc))
-        return None
+    problem = text_problem(record, text_field)
+    if problem is None:
+        return record[text_field]
+    if not skip_bad_records:
+        raise DataFormatError(f"{location}: {problem}")
+    counts.records -= 1
+    counts.skip(location, problem)
+    return None
 
 
 class LineLocation:

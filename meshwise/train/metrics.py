@@ -136,6 +136,9 @@ class MetricsLog:
                 f"{record['tokens_per_s']:,.0f} tok/s  ETA {_format_duration(eta)}")
         if "val_loss" in record:
             line += f"  val_loss {record['val_loss']:.4f}"
+        if "epoch" in record:  # --data-order epochs
+            line += (f"  epoch {record['epoch']} "
+                     f"({record['epoch_windows'] / record['windows_per_epoch']:.0%})")
         if self.quiet:
             return
         if self.interactive:

@@ -144,3 +144,23 @@ def test_a_missing_library_names_the_pip_install(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"needs the pyarrow package; install it with: pip "
                                          r"install 'meshwise\[parquet\]'"):
         list(iter_documents(tmp_path / "p.parquet"))
+
+
+def test_skipped_lines_are_counted_and_only_the_first_three_numbered(tmp_path, monkeypatch):
+    from meshwise.data import records
+
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join('{"text": "ok"}\n' if i % 2 else "not json\n" for i in range(100)))
+    counted = []
+    real = records._lines_before
+    monkeypatch.setattr(records, "_lines_before",
+                        lambda *a: counted.append(a) or real(*a))
+    counts = RecordCounts()
+    for start, end in jsonl_ranges(path, path.stat().st_size, target_bytes=100):
+        assert all(t == "ok" for t in jsonl_documents(path, start, end, skip_bad_records=True,
+                                                      counts=counts, first_line=None))
+    assert (counts.records, counts.skipped) == (50, 50) and not counted
+    summary = counts.summary()
+    assert summary.startswith(f"50 bad records skipped ({path}:1: not a JSON object")
+    assert f"{path}:5: not a JSON object" in summary and summary.endswith("; ...)")
+    assert len(counted) == 3  # lines counted for the three named, not for all fifty
