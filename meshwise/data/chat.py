@@ -21,39 +21,35 @@ from meshwise.data.tokenizer import Tokenizer
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def conversation(location, record: dict) -> list[dict]:
-    """The messages of a chat record, checked; ``DataFormatError`` naming ``location``
-    and what is wrong (a missing ``messages``, a message without string content, an
-    unknown role)."""
+def chat_problem(record: dict) -> str | None:
+    """Why ``record`` is not a chat record (a missing ``messages``, a message without
+    string content, an unknown role), or None."""
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         if "messages" not in record:
             fields = ", ".join(list(record)[:MAX_NAMED_FIELDS]) or "none"
-            raise DataFormatError(f"{location}: a chat record needs 'messages' (its fields: "
-                                  f"{fields})")
-        raise DataFormatError(f"{location}: 'messages' must be a non-empty list of "
-                              "{role, content} objects")
+            return f"a chat record needs 'messages' (its fields: {fields})"
+        return "'messages' must be a non-empty list of {role, content} objects"
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise DataFormatError(f"{location}: message {i} is not a {{role, content}} object "
-                                  "with string content")
+            return f"message {i} is not a {{role, content}} object with string content"
         if message.get("role") not in ROLES:
-            raise DataFormatError(f"{location}: message {i} has role {message.get('role')!r}; "
-                                  f"valid: {', '.join(ROLES)}")
-    return messages
+            return f"message {i} has role {message.get('role')!r}; valid: {', '.join(ROLES)}"
+    return None
 
 
-def render(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict],
-           location="the conversation") -> tuple[np.ndarray, np.ndarray]:
+def render(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict]
+           ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids (int64) of the rendered conversation, and whether each is an assistant
-    token (bool)."""
+    token (bool). ``DataFormatError`` (without the record's place) when the template
+    cannot render it or find its assistant tokens."""
     try:
         text, spans = template.assistant_spans(messages)
     except ValueError as exc:
-        raise DataFormatError(f"{location}: {exc}") from None
+        raise DataFormatError(str(exc)) from None
     except Exception as exc:  # the template's own raise_exception, or its bugs
-        raise DataFormatError(f"{location}: the chat template {template.name} cannot render "
-                              f"it: {' '.join(str(exc).split())[:160]}") from None
+        raise DataFormatError(f"the chat template {template.name} cannot render it: "
+                              f"{' '.join(str(exc).split())[:160]}") from None
     ids, ends = tokenizer.encode_with_ends(text)
     assistant = np.zeros(len(ids), dtype=bool)
     for start, end in spans:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshwise.data.chat import conversation, render
+from meshwise.data.chat import chat_problem, render
 from meshwise.data.chat_templates import ChatTemplate
 from meshwise.data.progress import Progress
 from meshwise.data.readers import ReadOptions, iter_records
@@ -54,14 +54,18 @@ def _conversations(source: Path, tokenizer: Tokenizer, template: ChatTemplate,
     """``(record number, ids, assistant mask)`` of every good chat record."""
     records = iter_records(source, options.data_format, options.skip_bad_records, counts)
     for number, (location, record) in enumerate(records):
-        try:
-            ids, assistant = render(template, tokenizer, conversation(location, record),
-                                    location)
-        except DataFormatError as exc:
+        problem = chat_problem(record)
+        if problem is None:
+            try:
+                ids, assistant = render(template, tokenizer, record["messages"])
+            except DataFormatError as exc:
+                problem = str(exc)
+        if problem is not None:
             if not options.skip_bad_records:
-                raise DataFormatError(f"{exc}; --skip-bad-records skips such records") from None
+                raise DataFormatError(f"{location}: {problem}; --skip-bad-records skips such "
+                                      "records")
             counts.records -= 1
-            counts.skip(str(exc))
+            counts.skip(location, problem)
             continue
         yield number, ids, assistant
 

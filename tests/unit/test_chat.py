@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meshwise.data.batches import BatchSource
-from meshwise.data.chat import conversation, generation_prompt, render
+from meshwise.data.chat import chat_problem, generation_prompt, render
 from meshwise.data.chat_files import build_chat_file, open_chat_file
 from meshwise.data.chat_templates import load_template
 from meshwise.data.dataset import TokenDataset, read_meta
@@ -53,12 +53,10 @@ def test_a_template_the_tokenizer_lacks_names_what_is_available(chat_tokenizer, 
 
 
 def test_bad_records_name_their_line(tmp_path):
-    with pytest.raises(DataFormatError, match=r"chat.jsonl:3: message 1 has role 'bot'; valid: "
-                                              "system, user, assistant, tool"):
-        conversation("chat.jsonl:3", {"messages": [{"role": "user", "content": "hi"},
-                                                   {"role": "bot", "content": "hello"}]})
-    with pytest.raises(DataFormatError, match="needs 'messages' \\(its fields: text\\)"):
-        conversation("chat.jsonl:1", {"text": "hi"})
+    assert chat_problem({"messages": [{"role": "user", "content": "hi"},
+                                      {"role": "bot", "content": "hello"}]}) == \
+        "message 1 has role 'bot'; valid: system, user, assistant, tool"
+    assert chat_problem({"text": "hi"}) == "a chat record needs 'messages' (its fields: text)"
     path = tmp_path / "chat.jsonl"
     write_chat_jsonl(path, 3)
     lines = path.read_text().splitlines()
