@@ -69,6 +69,17 @@ def hf_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
+def chat_model_and_data(root, count: int = 40):
+    """A random HF Llama in ``root / "hf"`` with the chat tokenizer beside it (its
+    ``tokenizer.json`` the default ``--tokenizer`` of ``--init-from``), and ``count``
+    conversations in ``root / "chat.jsonl"``: ``(hf_dir, conversations)``."""
+    from tests.hf_llama import save_hf_llama
+
+    hf_dir = save_chat_tokenizer(root / "hf")
+    save_hf_llama(hf_dir, max_position_embeddings=256)
+    return hf_dir, write_chat_jsonl(root / "chat.jsonl", count=count)
+
+
 def hf_conversation(folder, messages: list[dict]) -> tuple[list[int], list[int]]:
     """transformers' tokens of the rendered conversation and its assistant mask."""
     out = hf_tokenizer(str(folder)).apply_chat_template(messages, tokenize=True, return_dict=True,

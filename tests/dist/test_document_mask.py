@@ -18,8 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.chat_data import hf_reference, save_chat_tokenizer, write_chat_jsonl
-from tests.hf_llama import save_hf_llama
+from tests.chat_data import chat_model_and_data, hf_reference
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -142,9 +141,7 @@ def chat(tmp_path_factory):
     from meshwise.data.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("sft")
-    hf_dir = save_chat_tokenizer(root / "hf")
-    save_hf_llama(hf_dir, max_position_embeddings=256)
-    chats = write_chat_jsonl(root / "chat.jsonl", count=40)
+    hf_dir, chats = chat_model_and_data(root)
     tokenizer = load_tokenizer(hf_dir)
     build_chat_file(root / "chat.bin", root / "chat.jsonl", tokenizer,
                     load_template(None, tokenizer.path))

@@ -6,9 +6,8 @@ import re
 
 import pytest
 
-from tests.chat_data import hf_reference, save_chat_tokenizer, write_chat_jsonl
+from tests.chat_data import chat_model_and_data, hf_reference
 from tests.e2e.conftest import read_metrics, run_cli, run_main
-from tests.hf_llama import save_hf_llama
 
 pytest.importorskip("transformers")
 
@@ -16,10 +15,7 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat-cli")
-    hf_dir = save_chat_tokenizer(root / "hf")
-    save_hf_llama(hf_dir, max_position_embeddings=256)
-    chats = write_chat_jsonl(root / "chat.jsonl", count=40)
-    return root, hf_dir, chats
+    return (root, *chat_model_and_data(root))
 
 
 @pytest.mark.timeout(300)
@@ -63,6 +59,8 @@ def test_bad_chat_input_is_refused_before_any_rank_starts(sft, tmp_path, corpus)
         (chat + ["--tokenizer", hf_dir, "--long-conversations", "refuse"],
          "chat.jsonl:1: the conversation has"),
         (["--data", corpus, "--document-mask"], "--document-mask: .* byte-level"),
+        (["--data", root / "chat.jsonl"], r"chat.jsonl:1: the record has no field 'text' \(its "
+                                          r"fields: messages\); .* or --format chat"),
     ]:
         result = run_main("train", *args, cwd=tmp_path)
         assert result.returncode == 2, (args, result.stderr)
