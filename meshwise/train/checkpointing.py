@@ -23,6 +23,7 @@ from meshwise.checkpoint.lineage import Lineage
 from meshwise.checkpoint.save_dir import SaveDir
 from meshwise.checkpoint.store import Checkpoint
 from meshwise.mesh import Mesh
+from meshwise.train.lr_schedule import resumed_start
 
 log = logging.getLogger("meshwise")
 
@@ -77,6 +78,11 @@ class RunCheckpointer:
     def load(self, path: str) -> int:
         """Restore from ``path``; return the step it was saved at."""
         ckpt = Checkpoint(path)  # verified before the ranks started (``check_resume``)
+        # The schedule must go on as the checkpoint's did (the CLI checked it before
+        # spawning; a Trainer of one's own learns it here, failing rather than stretching).
+        optim = self.cfg.optim
+        optim.schedule_start = resumed_start(dataclasses.asdict(optim),
+                                             ckpt.meta["config"]["optim"], ckpt.step)
         self.lineage = Lineage.of(ckpt.meta).resumed_by(self.cfg.checkpoint.run_id, ckpt.step)
         self.resumed_from = Path(path)
         saved = {**LAYOUT_DEFAULTS, **ckpt.meta["layout"]}  # saved before cp and sp existed

@@ -115,7 +115,6 @@ class Trainer:
                                        self.dropout)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        self.lr_schedule = LRSchedule.of(dataclasses.asdict(o))
         named_params = self.pm.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
         init = self.family.init and partial(self.family.init, self.model_cfg)
@@ -145,6 +144,7 @@ class Trainer:
         self.reports_loss = self.pm.holds_last_stage and self.mesh.tp_rank == 0
         self.is_logging_rank = self.mesh.rank == 0
         self.start_step = self.checkpointer.load(resume) if resume else 0
+        self.lr_schedule = LRSchedule.of(dataclasses.asdict(o))  # its start: the load's
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
                                   o.steps, cfg.runtime.log_every, resume_step=self.start_step,
                                   quiet=cfg.runtime.quiet)
