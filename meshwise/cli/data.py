@@ -47,6 +47,14 @@ def add_data_arguments(parser) -> None:
     prepare.add_argument("--workers", type=int, default=available_cpus(), metavar="N",
                          help="processes encoding in parallel (default: the CPUs available, "
                               f"{available_cpus()} here)")
+    prepare.add_argument("--format", choices=("text", "chat"), default="text",
+                         help="chat: each record's 'messages' ([{role, content}, ...]) rendered "
+                              "with --chat-template, one conversation each, with the assistant's "
+                              "tokens marked in FILE.bin.labels for --loss-on (default: text)")
+    prepare.add_argument("--chat-template", metavar="NAME", default=None,
+                         help="with --format chat: tokenizer (its tokenizer_config.json's "
+                              "chat_template), tokenizer:NAME, chatml (built in) or a .jinja "
+                              "file (default: tokenizer)")
     train = _text_command(
         commands, "train-tokenizer", "train a byte-level BPE tokenizer on local text",
         "Learn a byte-level BPE (GPT-2's scheme, <|endoftext|> as id 0) from a text file or "
@@ -145,6 +153,8 @@ def _prepare(args) -> str:
     out = Path(args.out).expanduser()
     _check_out(out)
     tokenizer = load_tokenizer(args.tokenizer)
+    if args.format == "chat":
+        return _prepare_chat(args, options, path, out, tokenizer)
     try:
         with exclusive_build(out):
             stats = build_with_progress(out, files, tokenizer, str(path.resolve()), args.workers,
@@ -159,6 +169,23 @@ def _prepare(args) -> str:
             f"({stats['content_bytes'] / 1e6 / stats['seconds']:.1f} MB/s, {workers}); "
             f"tokenizer {tokenizer.describe()}; {stats['documents']:,} documents"
             f"{'; ' + bad if bad else ''}")
+
+
+def _prepare_chat(args, options: ReadOptions, path: Path, out: Path, tokenizer) -> str:
+    """``data prepare --format chat``: rendered conversations and their labels."""
+    from meshwise.data.chat_files import build_chat_file
+    from meshwise.data.chat_templates import load_template
+
+    template = load_template(args.chat_template, tokenizer.path)
+    try:
+        with exclusive_build(out):
+            stats = build_chat_file(out, path.resolve(), tokenizer, template, options)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+    return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens, "
+            f"{stats['conversations']:,} conversations ({stats['assistant_tokens']:,} "
+            f"assistant tokens) in {stats['seconds']:.1f} s; template {template.name}; "
+            f"tokenizer {tokenizer.describe()}{'; ' + stats['skipped'] if stats['skipped'] else ''}")
 
 
 def _texts(files: list[DataFile], options: ReadOptions, stats: dict) -> Iterator[str]:

@@ -17,9 +17,12 @@ from meshwise.cli import capacity, launch
 from meshwise.cli.checkpoint_dir import check_start
 from meshwise.comm import devices
 from meshwise.data.files import available_cpus
-from meshwise.data.dataset import TokenDataset, recorded_tokenizer, resolve_data
+from meshwise.data.batches import BatchSource
+from meshwise.data.chat_files import resolve_chat_data
+from meshwise.data.chat_templates import load_template
+from meshwise.data.dataset import TokenDataset, read_meta, recorded_tokenizer, resolve_data
 from meshwise.data.readers import ReadOptions
-from meshwise.data.tokenizer import check_vocab_fits, load_tokenizer
+from meshwise.data.tokenizer import ByteTokenizer, check_vocab_fits, load_tokenizer
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
 from meshwise.train.loggers import missing_extra, parse_log_to
@@ -58,6 +61,7 @@ def prepare(cfg: TrainConfig) -> Path:
     path = prepare_data(cfg)
     dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
                            token_dtype=cfg.data.token_dtype, data_order=cfg.data.data_order)
+    check_batches(cfg, dataset)
     num_params = capacity.parameter_count(cfg, dataset.vocab_size)
     capacity.check_memory(cfg, num_params, dataset.vocab_size, device)
     c = cfg.checkpoint
@@ -103,15 +107,42 @@ def prepare_data(cfg: TrainConfig) -> Path:
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
     if tokenizer is not None:
         check_vocab_fits(tokenizer, cfg.model.vocab_size)
-    path = resolve_data(d.path, d.cache_dir, tokenizer, num_workers=available_cpus(),
-                        token_dtype=d.token_dtype,
-                        options=ReadOptions(d.text_field, d.data_format, d.skip_bad_records))
+    options = ReadOptions(d.text_field, d.data_format, d.skip_bad_records)
+    if d.format == "chat" and not str(d.path or "").endswith(".bin"):
+        if d.path is None:
+            raise ValueError("--format chat needs --data: chat records with 'messages'")
+        template = load_template(d.chat_template, tokenizer and tokenizer.path)
+        path = resolve_chat_data(d.path, d.cache_dir, tokenizer or ByteTokenizer(), template,
+                                 options)
+    else:
+        path = resolve_data(d.path, d.cache_dir, tokenizer, num_workers=available_cpus(),
+                            token_dtype=d.token_dtype, options=options)
     tokenizer = tokenizer or recorded_tokenizer(path, d.token_dtype)
     if tokenizer is not None and tokenizer.path is not None:
         d.tokenizer, d.tokenizer_digest = tokenizer.path, tokenizer.digest
         cfg.model.vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
         log.info("tokenizer: %s", tokenizer.describe())
     return path
+
+
+def check_batches(cfg: TrainConfig, dataset: TokenDataset) -> None:
+    """What the data holds against ``--format``, ``--document-mask``, ``--loss-on`` and
+    ``--long-conversations`` (chat data: its template goes into the configuration, so
+    checkpoints and ``meshwise generate --chat`` know it); says what packing did."""
+    d = cfg.data
+    source = BatchSource(dataset, d.document_mask, d.loss_on, d.long_conversations)
+    if source.chat is None and d.format == "chat":
+        raise ValueError(f"--format chat: --data {d.path} holds no chat records (prepare them "
+                         "with meshwise data prepare --format chat)")
+    if source.chat is not None:
+        chat = read_meta(dataset.path, d.token_dtype)["chat"]
+        d.format, d.chat_template = "chat", chat["template"]
+        d.chat_template_digest = chat["template_digest"]
+        log.info("chat data (template %s): %s", chat["template"], source.summary())
+        if source.rows.truncated:
+            log.warning("warning: %s conversations longer than --seq-len %d + 1 tokens are "
+                        "truncated (--long-conversations refuse stops instead)",
+                        f"{source.rows.truncated:,}", d.seq_len)
 
 
 def check_same_tokenizer(saved: dict, cfg: TrainConfig) -> None:

@@ -105,6 +105,26 @@ TRAIN_FLAGS = [
     ("--tokenizer", "data", "tokenizer", str,
      "a Hugging Face tokenizer.json (or a folder holding one): encodes text --data, sets "
      "the vocabulary, decodes samples; a .bin must have been prepared with it"),
+    ("--format", "data", "format", str,
+     "text, or chat: --data holds chat records ({\"messages\": [{\"role\", \"content\"}, "
+     "...]}) rendered with --chat-template into packed rows of whole conversations (a .bin "
+     "prepared with --format chat says so itself)"),
+    ("--chat-template", "data", "chat_template", str,
+     "with --format chat: tokenizer (the chat_template of the tokenizer's "
+     "tokenizer_config.json), tokenizer:NAME (one of its named templates), chatml (built "
+     "in), or a .jinja file"),
+    ("--loss-on", "data", "loss_on", str,
+     "chat data: assistant (the loss only on the tokens of assistant messages) or all "
+     "(every token but each conversation's first); the loss is the mean over the global "
+     "batch's labelled tokens"),
+    ("--long-conversations", "data", "long_conversations", str,
+     "chat data: a conversation longer than --seq-len + 1 tokens is cut to its first "
+     "--seq-len + 1 (truncate, counted at the start) or stops the run before it starts "
+     "(refuse)"),
+    ("--document-mask", "data", "document_mask", bool,
+     "attention only within each document of a packed sequence, positions counted from "
+     "each document's start (documents: separated by the tokenizer's end-of-text token; "
+     "chat data: conversations); any layout"),
     ("--eval-every", "data", "eval_every", int,
      "validation loss every N steps; 0: only at the end"),
     ("--eval-batches", "data", "eval_batches", int, "global batches per evaluation"),
@@ -231,6 +251,7 @@ DEFAULT_TEXT = {
     "profile_steps": "none", "profile_dir": "LOG_DIR/profile",
     "save_every": "only at the end", "keep_last": "keep all",
     "token_dtype": "the sidecar's; without one, uint16 unless the file could be uint32",
+    "chat_template": "tokenizer; or the one a .bin was prepared with", "document_mask": "off",
     "decay_steps": "the last fifth of the steps", "skip_bad_records": "off", "lr_restart": "off",
     "ranks_per_node": "torchrun's LOCAL_WORLD_SIZE; locally, every rank on one node",
 }
@@ -382,6 +403,9 @@ def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
     if d.sample_tokens > d.seq_len:
         found.append(f"--sample-tokens {d.sample_tokens} exceeds --seq-len {d.seq_len}: past "
                      f"that, each token sees only the last {d.seq_len} tokens")
+    for name in ("loss_on", "long_conversations", "chat_template"):
+        if d.format != "chat" and name in origins and not str(d.path).endswith(".bin"):
+            found.append(f"{BY_FIELD[name][0]} has no effect without --format chat")
     if d.eval_every == 0 and "eval_batches" in origins:
         found.append("--eval-batches applies to the one evaluation at the end "
                      "(--eval-every 0)")

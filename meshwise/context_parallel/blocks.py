@@ -14,7 +14,10 @@ FlashAttention does across tiles, Dao et al. 2022). Each block needs:
 
 Queries are (B, H, Lq, d); keys and values (B, G, Lk, d) with G dividing H
 (grouped-query attention: never repeated here). ``causal`` masks key j for
-query i when j > i (blocks of equal, aligned positions only).
+query i when j > i (blocks of equal, aligned positions only); ``mask`` (B, 1,
+Lq, Lk) bool, in its place, says which keys each query sees (document
+masking, ``meshwise.layout.documents``): a query that sees none of the block's
+keys gets a zero output and a log-sum-exp of -inf, so merging ignores it.
 
 On the CPU with no dropout the block runs as PyTorch's fused flash-attention
 kernel for the CPU, which takes grouped heads as they are and whose memory is
@@ -26,6 +29,8 @@ PyTorch operations over ``KV_TILE`` keys at a time keep the memory O(Lq x tile).
 from __future__ import annotations
 
 import torch
+
+from meshwise.layout.documents import additive_mask
 
 KV_TILE = 1024  # keys per tile in the plain formulation: (B, H, Lq, KV_TILE) scores at once
 
@@ -41,23 +46,30 @@ def _fused(q: torch.Tensor, keep) -> bool:
     return keep is None and q.device.type == "cpu"
 
 
-def block_forward(q, k, v, causal: bool, scale: float, keep=None):
+def block_forward(q, k, v, causal: bool, scale: float, keep=None, mask=None):
     """``(out, lse)``: out (B, H, Lq, d) in q's dtype, lse (B, H, Lq) accumulated."""
     if _fused(q, keep):
+        extra = {} if mask is None else {"attn_mask": additive_mask(mask, q.dtype)}
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-        return out, lse.to(accumulation_dtype(q.dtype))
-    return _plain_forward(q, k, v, causal, scale, keep)
+            q, k, v, 0.0, causal and mask is None, scale=scale, **extra)
+        lse = lse.to(accumulation_dtype(q.dtype))
+        if mask is not None:  # the kernel gives rows without a key a log-sum-exp of 0
+            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+        return out, lse
+    return _plain_forward(q, k, v, causal, scale, keep, mask)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None,
+                   mask=None):
     """``(dq, dk, dv)`` of this block, in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
     if _fused(q, keep):
+        extra = {} if mask is None else {"attn_mask": additive_mask(mask, q.dtype)}
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(acc), 0.0, causal, scale=scale)  # any strides
+            dout, q, k, v, out, lse.to(acc), 0.0, causal and mask is None, scale=scale,
+            **extra)  # any strides
         return dq.to(acc), dk.to(acc), dv.to(acc)
-    return _plain_backward(dout, q, k, v, out, lse, causal, scale, keep)
+    return _plain_backward(dout, q, k, v, out, lse, causal, scale, keep, mask)
 
 
 # ---------------------------------------------------------------- plain formulation
@@ -66,17 +78,21 @@ def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.reshape(B, groups, H // groups, L, d)  # (B, G, H / G, L, d)
 
 
-def _scores(qg, k_tile, start: int, causal: bool, scale: float) -> torch.Tensor:
-    """(B, G, H / G, Lq, tile) scores of keys ``start ..`` with the causal mask applied."""
+def _scores(qg, k_tile, start: int, causal: bool, scale: float, mask=None) -> torch.Tensor:
+    """(B, G, H / G, Lq, tile) scores of keys ``start ..`` with the causal mask (or
+    ``mask``'s columns of the tile) applied."""
     s = (qg @ k_tile.unsqueeze(2).transpose(-2, -1)) * scale
-    if causal:
+    if mask is not None:
+        tile = mask[..., start:start + k_tile.shape[2]].unsqueeze(2)  # (B, 1, 1, Lq, tile)
+        s = s.masked_fill(~tile, float("-inf"))
+    elif causal:
         rows = torch.arange(qg.shape[3], device=qg.device)[:, None]
         cols = torch.arange(start, start + k_tile.shape[2], device=qg.device)[None, :]
         s = s.masked_fill(cols > rows, float("-inf"))
     return s
 
 
-def _plain_forward(q, k, v, causal: bool, scale: float, keep):
+def _plain_forward(q, k, v, causal: bool, scale: float, keep, mask=None):
     acc = accumulation_dtype(q.dtype)
     groups = k.shape[1]
     qg = _grouped(q.to(acc), groups)                      # (B, G, R, Lq, d)
@@ -84,7 +100,7 @@ def _plain_forward(q, k, v, causal: bool, scale: float, keep):
     lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     for start in range(0, k.shape[2], KV_TILE):
         end = min(start + KV_TILE, k.shape[2])
-        s = _scores(qg, k[:, :, start:end].to(acc), start, causal, scale)
+        s = _scores(qg, k[:, :, start:end].to(acc), start, causal, scale, mask)
         m = s.amax(-1)                                    # (B, G, R, Lq)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with no key here
         p = torch.exp(s - m.unsqueeze(-1))
@@ -111,7 +127,7 @@ def merge(out, lse, o, o_scale, o_lse) -> None:
     lse.copy_(new)
 
 
-def _plain_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep):
+def _plain_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep, mask=None):
     acc = accumulation_dtype(q.dtype)
     groups = k.shape[1]
     qg = _grouped(q.to(acc), groups)                      # (B, G, R, Lq, d)
@@ -124,7 +140,7 @@ def _plain_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep):
     for start in range(0, k.shape[2], KV_TILE):
         end = min(start + KV_TILE, k.shape[2])
         k_tile, v_tile = k[:, :, start:end].to(acc), v[:, :, start:end].to(acc)
-        p = torch.exp(_scores(qg, k_tile, start, causal, scale) - lse_g)  # (B, G, R, Lq, t)
+        p = torch.exp(_scores(qg, k_tile, start, causal, scale, mask) - lse_g)  # (B,G,R,Lq,t)
         dp = dog @ v_tile.unsqueeze(2).transpose(-2, -1)
         if keep is not None:
             mask = _grouped(keep(start, end), groups).to(acc)

@@ -11,7 +11,8 @@ from meshwise.models.attention import Positions
 class ZigzagPositions(Positions):
     """Global positions of the two zigzag chunks this cp rank holds of each sequence
     (``meshwise.layout.sequence``): learned positions and rotary angles are
-    looked up at them."""
+    looked up at them (under document masking, at their places in their
+    documents)."""
 
     def __init__(self, cp_rank: int, cp_size: int):
         super().__init__()
@@ -19,9 +20,11 @@ class ZigzagPositions(Positions):
 
     @classmethod
     def from_positions(cls, module: Positions, cp_group) -> "ZigzagPositions":
-        return cls(cp_group.rank, cp_group.size)
+        swapped = cls(cp_group.rank, cp_group.size)
+        swapped.documents = module.documents
+        return swapped
 
-    def forward(self, start: int, length: int, device) -> torch.Tensor:
+    def held(self, start: int, length: int, device) -> torch.Tensor:
         if start:
             raise ValueError("a context-parallel forward holds chunks of whole sequences "
                              "from position 0; decoding after a KV cache runs at cp 1")

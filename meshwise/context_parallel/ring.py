@@ -17,6 +17,14 @@ half a block on every rank (Megatron-LM's and Llama 3's load balancing):
 - keys from a later rank (``src > r``): only the second query chunk
   (``2N - 1 - r``) sees them, and sees both chunks whole.
 
+Under document masking (``meshwise.layout.documents``) each block's mask
+comes from the documents of its query and key positions, which every rank
+knows for the whole sequence (it holds the whole global batch): nothing more
+travels with the keys. After step 0 a block's keys all lie before its queries,
+so when the document of its last key does not run on to its first query in
+any sequence, no query sees any of its keys and the block is skipped (decided
+on the host, from a CPU copy of the documents: no device read).
+
 The backward sends the keys and values around again, each with the gradient
 dK/dV accumulated for it so far; after N steps every gradient is back at its
 owner. Grouped-query attention passes only the key/value heads. Every
@@ -34,6 +42,7 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.context_parallel import blocks
+from meshwise.layout.documents import shares_a_document
 from meshwise.layout.sequence import zigzag_positions
 from meshwise.models.attention import check_heads
 
@@ -66,43 +75,80 @@ def _block(step: int, src: int, rank: int, length: int) -> tuple[slice, slice, b
     return slice(half, None), slice(None), False
 
 
-def ring_forward(q, k, v, ring, scale: float, keep_for=None):
+class RingBlocks:
+    """Each ring step's block: (query rows, key columns, causal, mask), or None for a
+    block no query sees anything of. ``documents`` (of this forward's whole sequences,
+    on the device) and ``on_host`` (their ids as a host array): document masking;
+    None: plain causal attention."""
+
+    def __init__(self, rank: int, size: int, length: int, documents=None, on_host=None):
+        self.rank, self.size, self.length = rank, size, length
+        self.documents, self.on_host = documents, on_host
+
+    def __call__(self, step: int, src: int):
+        rows, cols, causal = _block(step, src, self.rank, self.length)
+        if self.documents is None:
+            return rows, cols, causal, None
+        if step and not shares_a_document(self.on_host, *self._edge(src)):
+            return None  # every key of the block belongs to documents its queries left
+        device = self.documents.ids.device
+        q_pos = zigzag_positions(self.length, self.rank, self.size, device)[rows]
+        k_pos = zigzag_positions(self.length, src, self.size, device)[cols]
+        return rows, cols, causal, self.documents.allowed(q_pos, k_pos, causal)  # (B,1,Lq,Lk)
+
+    def _edge(self, src: int) -> tuple[int, int]:
+        """(last key, first query) of a block after step 0, in global positions: its keys
+        all lie before its queries (see ``_block``)."""
+        chunk = self.length // 2
+        if src < self.rank:
+            return (src + 1) * chunk - 1, self.rank * chunk
+        return (2 * self.size - src) * chunk - 1, (2 * self.size - 1 - self.rank) * chunk
+
+
+def ring_forward(q, k, v, ring, scale: float, keep_for=None, blocks_of=None):
     """``(out, lse)`` of this rank's queries over the whole sequence.
 
     ``keep_for(src, rows, cols)``: the dropout keep-mask function of a block
-    (``blocks`` takes ``keep(start, end)`` over its key columns), or None."""
+    (``blocks`` takes ``keep(start, end)`` over its key columns), or None.
+    ``blocks_of``: a ``RingBlocks`` (default: plain causal attention)."""
     acc = blocks.accumulation_dtype(q.dtype)
+    blocks_of = blocks_of or RingBlocks(ring.rank, ring.size, q.shape[2])
     kv = torch.stack([k, v])  # (2, B, G, L, d): one message per step
     out = lse = None
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
-        rows, cols, causal = _block(step, src, ring.rank, q.shape[2])
-        keep = keep_for(src, rows, cols) if keep_for else None
-        o, o_lse = blocks.block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                        causal, scale, keep)
+        block = blocks_of(step, src)
+        if block is not None:
+            rows, cols, causal, mask = block
+            keep = keep_for(src, rows, cols) if keep_for else None
+            o, o_lse = blocks.block_forward(q[:, :, rows], kv[0][:, :, cols],
+                                            kv[1][:, :, cols], causal, scale, keep, mask)
         if step == 0:  # its own block: every query sees its first key there
             out, lse = o.to(acc), o_lse
-        else:
+        elif block is not None:
             blocks.merge(out[:, :, rows], lse[:, :, rows], o.to(acc), o_lse, o_lse)
         if step < ring.size - 1:
             (kv,) = ring.exchange([kv])
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, ring, scale: float, keep_for=None):
+def ring_backward(dout, q, k, v, out, lse, ring, scale: float, keep_for=None, blocks_of=None):
     """``(dq, dk, dv)``: dq of this rank's queries, dk/dv of its keys and values."""
+    blocks_of = blocks_of or RingBlocks(ring.rank, ring.size, q.shape[2])
     kv = torch.stack([k, v])  # (2, B, G, L, d)
     dq = dkv = None           # dkv: the gradient of the keys held now, travelling with them
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
-        rows, cols, causal = _block(step, src, ring.rank, q.shape[2])
-        keep = keep_for(src, rows, cols) if keep_for else None
-        dq_b, dk_b, dv_b = blocks.block_backward(
-            dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-            out[:, :, rows], lse[:, :, rows], causal, scale, keep)
+        block = blocks_of(step, src)
+        if block is not None:
+            rows, cols, causal, mask = block
+            keep = keep_for(src, rows, cols) if keep_for else None
+            dq_b, dk_b, dv_b = blocks.block_backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                out[:, :, rows], lse[:, :, rows], causal, scale, keep, mask)
         if step == 0:  # its own block covers every query, key and value
             dq, dkv = dq_b, torch.stack([dk_b, dv_b])  # (2, B, G, L, d)
-        else:
+        elif block is not None:
             dq[:, :, rows] += dq_b
             dkv[0][:, :, cols] += dk_b
             dkv[1][:, :, cols] += dv_b
@@ -115,17 +161,18 @@ def ring_backward(dout, q, k, v, out, lse, ring, scale: float, keep_for=None):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, scale, keep_for):
-        out, lse = ring_forward(q, k, v, ring, scale, keep_for)
-        ctx.ring, ctx.scale, ctx.keep_for = ring, scale, keep_for
+    def forward(ctx, q, k, v, ring, scale, keep_for, blocks_of):
+        out, lse = ring_forward(q, k, v, ring, scale, keep_for, blocks_of)
+        ctx.ring, ctx.scale, ctx.keep_for, ctx.blocks_of = ring, scale, keep_for, blocks_of
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.scale, ctx.keep_for)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.scale, ctx.keep_for,
+                                   ctx.blocks_of)
+        return dq, dk, dv, None, None, None, None
 
 
 class RingAttention(nn.Module):
@@ -133,7 +180,10 @@ class RingAttention(nn.Module):
     queries over every rank's keys (``ring_attention`` style of a plan).
 
     Dropout on the attention weights (``p``) draws the masks one process draws:
-    keyed by sample, head and the (query, key) pair's global positions."""
+    keyed by sample, head and the (query, key) pair's global positions. With
+    ``documents`` (a ``DocumentContext``) attention stays inside each document."""
+
+    documents = None
 
     def __init__(self, cp_group: ops.Group, p: float = 0.0, site: str = "", dropout=None):
         super().__init__()
@@ -141,7 +191,9 @@ class RingAttention(nn.Module):
 
     @classmethod
     def from_sdpa(cls, module, cp_group: ops.Group) -> "RingAttention":
-        return cls(cp_group, module.p, module.site, module.dropout)
+        ring = cls(cp_group, module.p, module.site, module.dropout)
+        ring.documents = module.documents
+        return ring
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal: bool = True) -> torch.Tensor:
@@ -152,7 +204,16 @@ class RingAttention(nn.Module):
         check_heads(q.shape[1], k.shape[1])
         keep_for = self._keep_for(q) if self.training and self.p else None
         scale = 1.0 / math.sqrt(q.shape[-1])
-        return _RingAttention.apply(q, k, v, GroupRing(self.cp_group), scale, keep_for)
+        blocks_of = RingBlocks(self.cp_group.rank, self.cp_group.size, q.shape[2],
+                               *self._documents())
+        return _RingAttention.apply(q, k, v, GroupRing(self.cp_group), scale, keep_for,
+                                    blocks_of)
+
+    def _documents(self) -> tuple:
+        """This forward's documents, on the device and on the host (or none)."""
+        if self.documents is None or self.documents.current() is None:
+            return None, None
+        return self.documents.current(), self.documents.current_on_host().ids
 
     def _keep_for(self, q: torch.Tensor):
         """The keep-mask of a block: its weights' global (query, key) positions. The

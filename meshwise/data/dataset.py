@@ -133,9 +133,14 @@ class TokenDataset:
         Inputs are ``batch[:, :-1]`` and targets ``batch[:, 1:]``. Only the chosen
         windows are read from the memmap.
         """
+        return torch.from_numpy(self.global_windows(step, batch_size, seed, split))
+
+    def global_windows(self, step: int, batch_size: int, seed: int,
+                       split: str = "train") -> np.ndarray:
+        """``global_batch`` as a host array (int64)."""
         starts = self.window_starts(step, batch_size, seed, split)
         window = self.seq_len + 1
         rows = np.empty((batch_size, window), dtype=np.int64)  # (B, T + 1)
         for row, start in enumerate(starts):
             rows[row] = self._tokens[start : start + window]
-        return torch.from_numpy(rows)
+        return rows

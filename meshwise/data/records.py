@@ -63,8 +63,9 @@ def text_problem(record: dict, text_field: str) -> str | None:
         fields = list(record)
         named = ", ".join(fields[:MAX_NAMED_FIELDS]) + (", ..." if len(fields) > MAX_NAMED_FIELDS
                                                         else "")
+        chat = ", or --format chat for chat records" if "messages" in record else ""
         return (f"the record has no field {text_field!r} (its fields: {named or 'none'}); "
-                "name the text's field with --text-field")
+                f"name the text's field with --text-field{chat}")
     return f"field {text_field!r} is {'null' if value is None else type(value).__name__}, " \
            "not a string"
 

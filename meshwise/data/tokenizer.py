@@ -48,6 +48,7 @@ class Tokenizer:
     vocab_size: int
     digest: str
     separator: tuple[int, ...]
+    end_of_text: int | None = None  # the separator when it is an end-of-text token
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -57,6 +58,11 @@ class Tokenizer:
         raise NotImplementedError
 
     def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def encode_with_ends(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of ``text`` (int64) and where each token ends in it (the character
+        offset after its last character), to tell which part of a text a token is of."""
         raise NotImplementedError
 
     def cuts_cleanly(self, left: bytes, right: bytes) -> bool:
@@ -91,7 +97,8 @@ class Tokenizer:
     def identity(self) -> dict:
         """What a token file's sidecar records about the tokenizer that wrote it."""
         return {"kind": self.kind, "path": self.path, "digest": self.digest,
-                "vocab_size": self.vocab_size, "separator": list(self.separator)}
+                "vocab_size": self.vocab_size, "separator": list(self.separator),
+                "end_of_text": self.end_of_text}
 
 
 class ByteTokenizer(Tokenizer):
@@ -115,6 +122,11 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def encode_with_ends(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+        widths = [len(c.encode("utf-8")) for c in text]  # each character's bytes end with it
+        return ids, np.repeat(np.arange(1, len(text) + 1), widths)
+
     def describe(self) -> str:
         return "byte-level (vocab 256)"
 
@@ -132,6 +144,7 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = max(vocab.values()) + 1  # ids may have holes: size by the largest
         eot = next((vocab[name] for name in END_OF_TEXT if name in vocab), None)
         self.separator = (eot,) if eot is not None else tuple(self.encode("\n"))
+        self.end_of_text = eot
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -153,6 +166,11 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def encode_with_ends(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        ends = np.asarray([end for _, end in encoding.offsets], dtype=np.int64)
+        return np.asarray(encoding.ids, dtype=np.int64), ends
 
 
 @contextlib.contextmanager

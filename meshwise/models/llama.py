@@ -125,12 +125,15 @@ class Rotary:
         self._inv_freq: dict[str, torch.Tensor] = {}
 
     def __call__(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, ...]:
-        """``positions``: (T,) global positions of the tokens; returns (T, hd) each."""
+        """``positions``: (T,) positions of the tokens, or (B, T) per sequence (inside
+        each document under document masking); returns (T, hd) each, or (B, 1, T, hd)."""
         key = str(positions.device)
         if key not in self._inv_freq:
             self._inv_freq[key] = rope_inverse_frequencies(self.cfg).to(positions.device)
-        angles = positions.float()[:, None] * self._inv_freq[key][None, :]  # (T, hd / 2)
-        angles = torch.cat([angles, angles], dim=-1)  # (T, hd): both halves rotate alike
+        angles = positions.float()[..., None] * self._inv_freq[key]  # (..., T, hd / 2)
+        angles = torch.cat([angles, angles], dim=-1)  # (..., T, hd): both halves rotate alike
+        if angles.dim() == 3:
+            angles = angles.unsqueeze(1)  # (B, 1, T, hd): the same for every head
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -142,7 +145,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin  # (B, h, T, hd) with (T, hd)
+    return x * cos + rotate_half(x) * sin  # (B, h, T, hd) with (T, hd) or (B, 1, T, hd)
 
 
 # ---------------------------------------------------------------- layers
@@ -201,12 +204,12 @@ class Attention(nn.Module):
         mask = window_mask(T, k.shape[2], self.window, q.device)
         if mask is None:
             y = self.sdpa(q, k, v, causal)  # (B, nh, T, hd)
-        elif type(self.sdpa) is ScaledDotProductAttention:
+        elif type(self.sdpa) is ScaledDotProductAttention and self.sdpa.documents is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                enable_gqa=k.shape[1] != q.shape[1])
         else:
-            raise ValueError("a sliding window does not run under context parallelism (--cp); "
-                             "valid: --cp 1, or --seq-len <= the window")
+            raise ValueError("a sliding window does not run under context parallelism (--cp) "
+                             "or document masking; valid: --seq-len <= the window")
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 

@@ -14,6 +14,8 @@ import sys
 import torch
 
 from meshwise.checkpoint.store import open_checkpoint
+from meshwise.data.chat import generation_prompt
+from meshwise.data.chat_templates import ChatTemplate, load_template
 from meshwise.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from meshwise.models.kv_cache import LayerCache
 from meshwise.serve.model import load_model
@@ -21,14 +23,17 @@ from meshwise.serve.model import load_model
 
 def continue_prompt(checkpoint: str | os.PathLike, prompt_text: str, max_new_tokens: int,
                     temperature: float = 0.8, top_k: int = 0, seed: int = 0,
-                    tokenizer_path: str | None = None) -> str:
+                    tokenizer_path: str | None = None, chat: bool = False,
+                    chat_template: str | None = None) -> str:
     """The text ``checkpoint``'s model generates after ``prompt_text``, encoded and
     decoded with the tokenizer it was trained with (``tokenizer_path``: a copy of
-    it, when it has moved)."""
+    it, when it has moved). ``chat``: ``prompt_text`` is a user's message, rendered
+    with the chat template the model was fine-tuned with (or ``chat_template``), and
+    the answer is the assistant's message, up to its end-of-turn marker."""
     ckpt = open_checkpoint(checkpoint)
     model = load_model(ckpt)
-    tokenizer = checkpoint_tokenizer(ckpt.meta.get("config", {}).get("data", {}),
-                                     tokenizer_path)
+    data = ckpt.meta.get("config", {}).get("data", {})
+    tokenizer = checkpoint_tokenizer(data, tokenizer_path)
     vocab_size = model.cfg.vocab_size
     if tokenizer.kind == ByteTokenizer.kind and vocab_size != tokenizer.vocab_size:
         raise ValueError(f"the checkpoint's vocabulary has {vocab_size} tokens and it names no "
@@ -37,12 +42,33 @@ def continue_prompt(checkpoint: str | os.PathLike, prompt_text: str, max_new_tok
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"--tokenizer {tokenizer.describe()} has more tokens than the "
                          f"checkpoint's vocabulary of {vocab_size}")
-    prompt = tokenizer.encode(prompt_text)
+    prompt, end = tokenizer.encode(prompt_text), None
+    if chat:
+        template = chat_template_of(data, chat_template, tokenizer)
+        prompt, end = generation_prompt(template, tokenizer,
+                                        [{"role": "user", "content": prompt_text}])
     if not prompt or len(prompt) >= model.cfg.block_size:
         raise ValueError(f"--prompt is {len(prompt)} tokens; the model's context holds 1 to "
                          f"{model.cfg.block_size - 1}")
-    tokens = generate(model, prompt, max_new_tokens, temperature, top_k, seed)
-    return tokenizer.decode_continuation(prompt, tokens)
+
+    def ended(tokens: list[int]) -> bool:
+        return bool(end) and end in tokenizer.decode_continuation(prompt, tokens)
+
+    tokens = generate(model, prompt, max_new_tokens, temperature, top_k, seed, stop=ended)
+    text = tokenizer.decode_continuation(prompt, tokens)
+    return text.split(end)[0] if end else text
+
+
+def chat_template_of(data: dict, name: str | None, tokenizer: Tokenizer) -> ChatTemplate:
+    """The chat template ``--chat-template`` names, else the one the checkpoint's data was
+    rendered with (the same by digest), else the tokenizer's own."""
+    recorded, digest = data.get("chat_template"), data.get("chat_template_digest")
+    template = load_template(name or recorded, tokenizer.path)
+    if name is None and digest and template.digest != digest:
+        raise ValueError(f"the chat template {template.name} changed since the model was "
+                         f"fine-tuned with it (digest {template.digest}, then {digest}); pass "
+                         "--chat-template to the one it was trained with")
+    return template
 
 
 def checkpoint_tokenizer(data: dict, flag: str | None) -> Tokenizer:
@@ -76,8 +102,9 @@ def checkpoint_tokenizer(data: dict, flag: str | None) -> Tokenizer:
 
 @torch.no_grad()
 def generate(model, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 0, seed: int = 0) -> list[int]:
-    """New tokens after ``prompt`` (stops when the model's context is full)."""
+             top_k: int = 0, seed: int = 0, stop=None) -> list[int]:
+    """New tokens after ``prompt`` (stops when the model's context is full, or when
+    ``stop(tokens so far)`` says so)."""
     gen = torch.Generator().manual_seed(seed)
     cache = [LayerCache() for _ in range(model.cfg.n_layer)]
     inputs = torch.tensor([prompt])  # (1, P)
@@ -87,6 +114,8 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float =
         logits = model(inputs, cache=cache)[0, -1].float()  # (V,)
         token = _pick(logits, temperature, top_k, gen)
         out.append(token)
+        if stop is not None and stop(out):
+            return out
         inputs = torch.tensor([[token]])  # (1, 1): the cache holds the rest
     if budget < max_new_tokens:
         print(f"meshwise generate: stopped after {budget} tokens: the model's context of "

@@ -16,6 +16,7 @@ from meshwise.apply.activation_checkpointing import MODES as ACTIVATION_CHECKPOI
 from meshwise.comm.algorithms import ALGORITHMS, Topology, hierarchical_problem
 from meshwise.comm.compression import COMPRESS_WARMUP_STEPS, TOPK_RAMP_STEPS, parse_compress
 from meshwise.comm.devices import DEVICES
+from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON
 from meshwise.data.order import DATA_ORDERS
 from meshwise.data.readers import DATA_FORMATS
 from meshwise.mesh import ParallelDims
@@ -33,6 +34,7 @@ DTYPES = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 ON_NAN = ("stop", "skip")
 TOKEN_DTYPES = ("uint16", "uint32")
+DATA_KINDS = ("text", "chat")
 # A collective's timeout: below a second even connecting fails; gloo and NCCL keep it
 # in milliseconds, and a year is longer than any step should wait.
 TIMEOUT_RANGE_S = (1.0, 365 * 24 * 3600.0)
@@ -112,6 +114,13 @@ class DataConfig:
     eval_every: int = 0
     eval_batches: int = 4
     sample_tokens: int = 0
+    # supervised fine-tuning on chat records, and packing (meshwise.data.batches)
+    format: str = "text"  # text, or chat: records of messages rendered by a chat template
+    chat_template: str | None = None  # None: the tokenizer's own; or a built-in or a file
+    chat_template_digest: str | None = None  # set by ``prepare``: what a checkpoint records
+    loss_on: str = "assistant"  # chat data: the targets in the loss (assistant or all)
+    long_conversations: str = "truncate"  # a conversation longer than a row: truncate/refuse
+    document_mask: bool = False  # attention and positions inside each document
 
 
 @dataclass
@@ -207,6 +216,9 @@ class TrainConfig:
                              f"valid: up to {MAX_VOCAB_SIZE} (uint32)")
         if d.token_dtype is not None:
             _choice("--token-dtype", d.token_dtype, TOKEN_DTYPES)
+        _choice("--format", d.format, DATA_KINDS)
+        _choice("--loss-on", d.loss_on, LOSS_ON)
+        _choice("--long-conversations", d.long_conversations, LONG_CONVERSATIONS)
         for flag, beta in (("--beta1", o.beta1), ("--beta2", o.beta2), ("--dropout", m.dropout)):
             if not 0 <= beta < 1:
                 raise ValueError(f"{flag} must be in [0, 1), got {beta}")
@@ -292,6 +304,11 @@ class TrainConfig:
             raise ValueError(f"--seq-len {d.seq_len} exceeds the model's context of "
                              f"{m.block_size} tokens (preset {m.preset}); use --seq-len <= "
                              f"{m.block_size}")
+        window = getattr(m, "sliding_window", None)
+        if d.document_mask and window and window < d.seq_len:
+            raise ValueError(f"--document-mask with the model's sliding window of {window} "
+                             "tokens: the two masks are not combined; valid: --seq-len "
+                             f"{window} or less, or no --document-mask")
 
     def _validate_layout(self, own_model: bool = False) -> None:
         p, m, d = self.parallel, self.model.resolved(), self.data

@@ -19,7 +19,9 @@ def end_sample(trainer, num_tokens: int, prompt_len: int = 32,
 
     Returns the prompt and the continuation, decoded."""
     trainer.model.eval()
-    prompt = trainer.data.global_batch(0, 1, trainer.cfg.data.seed, "val")[0, :prompt_len]
+    # Under document masking only the prompt's last document: what its last token sees.
+    prompt = trainer.batches.sample_prompt(trainer.cfg.data.seed, prompt_len)
+    prompt_len = len(prompt)
     tokens = prompt.to(trainer.device).unsqueeze(0)  # (1, T)
     gen = torch.Generator().manual_seed(trainer.cfg.data.seed)
     for _ in range(num_tokens):

@@ -4,10 +4,11 @@ One optimizer step, top to bottom (``train_step``):
   1. the learning rate for this step;
   2. global batch ``step`` (the same on every rank), this dp rank's contiguous
      slice of it, cut into ``grad_accum`` micro-batches, each cut along the
-     sequence into this cp rank's tokens;
+     sequence into this cp rank's tokens (``meshwise.train.batches``);
   3. forward and backward of each micro-batch, its summed token loss divided by
-     the tokens of the GLOBAL batch, so gradients are those of the global mean
-     whatever the split (DESIGN section 1); gradient sync only on the last one;
+     the labelled tokens of the GLOBAL batch (all of them without a loss mask),
+     so gradients are those of the global mean whatever the split (DESIGN
+     section 1); gradient sync only on the last one;
   4. the global gradient norm, the clipping coefficient, the optimizer step;
   5. metrics reduced over every rank, written by rank 0.
 """
@@ -27,9 +28,9 @@ from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops, ranges
-from meshwise.comm.devices import host_to_device, rank_device
-from meshwise.data.dataset import TokenDataset, rank_slice
-from meshwise.data.order import epoch_position
+from meshwise.comm.devices import rank_device
+from meshwise.data.batches import BatchSource
+from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
@@ -39,6 +40,7 @@ from meshwise.models.families import ModelFamily, family
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
 from meshwise.sharding.adamw import AdamWConfig
+from meshwise.train.batches import StepBatches
 from meshwise.train.build import build_engine, build_model, hidden_size, own_model_shape
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
@@ -94,6 +96,9 @@ class Trainer:
         self.dropout.tp_rank = self.mesh.tp_rank
         self.dropout.sequence = sequence_shard(self.mesh, p.sp)  # masks of the tokens held
         self.sequence = SequenceSplit(self.mesh, self.dropout.sequence, p.sequence_divisor)
+        self.batches = StepBatches(BatchSource(self.data, d.document_mask, d.loss_on,
+                                               d.long_conversations),
+                                   self.mesh, self.sequence, self.dropout, self.device)
         if model is None:
             self.model_shape = cfg.model.sizes(self.data.vocab_size)
             self.family = family(self.model_shape["family"])
@@ -105,6 +110,7 @@ class Trainer:
             self.family, self.model_cfg = ModelFamily.own(model, plan, init_of), None
             self.pm = build_model(self.cfg, self.family, None, self.mesh, self.dropout, None)
             self.model_shape = own_model_shape(self.pm, self.data.vocab_size)
+        self.batches.mask_documents_of(self.pm.chunks)  # with --document-mask
         apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing,
                                        self.dropout)
         o = cfg.optim
@@ -178,6 +184,8 @@ class Trainer:
         if self.is_logging_rank:
             self.metrics.note(self.metrics.summary(val_loss))
             self.metrics.note(self.observer.summary())
+            if self.batches.source.summary():  # chat data: packing, and what it truncated
+                self.metrics.note(f"data: {self.batches.source.summary()}")
             if sample is not None:
                 prompt, continuation = sample
                 self.metrics.note(f"sample (prompt in [brackets]):\n[{printable(prompt)}]"
@@ -218,7 +226,8 @@ class Trainer:
 
         with self.observer.phase("forward_backward"):
             self.engine.zero_grad()
-            loss_part = self._forward_backward(self._micro_batches(step, "train"), step)
+            micro_batches, labelled = self._micro_batches(step, "train")
+            loss_part = self._forward_backward(micro_batches, step, labelled)
         if fault and fault.kind == "nan":  # this rank's loss of the step is not a number
             loss_part = loss_part + float("nan")
         with self.observer.phase("grad_sync"):
@@ -249,7 +258,8 @@ class Trainer:
             self.skipped_in_a_row = 0
         record = {
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-            "tokens": self.global_tokens, "step_time_s": step_time_s,
+            "tokens": self.global_tokens, "labelled_tokens": labelled,
+            "step_time_s": step_time_s,
             "tokens_per_s": self.global_tokens / step_time_s,
             "grad_sync_bytes": int(combined["grad_sync_bytes"]),
             "model_state_bytes": int(combined["model_state_bytes"]),
@@ -257,8 +267,7 @@ class Trainer:
             "peak_mem_bytes": int(combined["peak_mem_bytes"]),
         }
         if self.cfg.data.data_order == "epochs":
-            record.update(epoch_position(step, self.cfg.data.batch_size,
-                                         self.data.num_train_tokens, self.cfg.data.seq_len))
+            record.update(self.batches.source.epoch_position(step, self.cfg.data.batch_size))
         record.update(self.comm_stats.record(combined))
         self.observer.record(record, combined)
         if self.cfg.parallel.zero == 3:
@@ -286,24 +295,18 @@ class Trainer:
 
     # ------------------------------------------------------------- helpers
     def _micro_batches(self, step: int, split: str, num: int | None = None):
-        """This dp rank's contiguous slice of global batch ``step``, cut into micro-batches,
-        each this cp rank's tokens (inputs and their targets cut alike)."""
-        d, p = self.cfg.data, self.cfg.parallel
-        batch = self.data.global_batch(step, d.batch_size, d.seed, split)  # (B, T+1)
-        local = host_to_device(rank_slice(batch, self.mesh.dp_rank, self.mesh.dims.dp),
-                               batch.dtype, self.device)
-        num = num or d.grad_accum * p.num_micro_batches
-        return [(self.sequence.mine(mb[:, :-1]), self.sequence.mine(mb[:, 1:]))
-                for mb in local.chunk(num)]
+        """This rank's micro-batches of global batch ``step`` and its labelled tokens."""
+        d = self.cfg.data
+        num = num or d.grad_accum * self.cfg.parallel.num_micro_batches
+        return self.batches.take(step, d.batch_size, d.seed, num, split)
 
-    def _forward_backward(self, micro_batches, step: int) -> torch.Tensor:
-        """Run every micro-batch; return this rank's share of the global mean loss
-        (0-dim, on the device: reading it would wait for every micro-batch).
-
-        Gradients sync over dp only during the last accumulation round.
+    def _forward_backward(self, micro_batches, step: int, labelled: int) -> torch.Tensor:
+        """Run every micro-batch; return this rank's share of the global mean loss over the
+        ``labelled`` targets (0-dim, on the device: reading it would wait for every
+        micro-batch). Gradients sync over dp only during the last accumulation round.
         """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        scale = 1.0 / self.global_tokens
+        scale = 1.0 / max(labelled, 1)  # a batch without labels: no loss, no gradient
         rows = micro_batches[0][0].shape[0]
         first = self.mesh.dp_rank * rows * len(micro_batches)  # of this rank's slice
         if self.pipeline is not None:
@@ -362,17 +365,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean token loss over ``eval_batches`` held-out global batches."""
+        """Mean labelled-token loss over ``eval_batches`` held-out global batches."""
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        labelled = 0
         for i in range(self.cfg.data.eval_batches):
-            for inputs, targets in self._micro_batches(i + 1, "val", num=1):
-                loss = self._forward(inputs, targets)
-                if loss is not None and self.reports_loss:
-                    total += loss.detach()
+            [(inputs, targets)], count = self._micro_batches(i + 1, "val", num=1)
+            labelled += count
+            loss = self._forward(inputs, targets)
+            if loss is not None and self.reports_loss:
+                total += loss.detach()
         self.model.train()
         sums = self._reduce([total], op="sum")
-        return sums[0] / (self.cfg.data.eval_batches * self.global_tokens)
+        return sums[0] / max(labelled, 1)
 
     def _forward(self, inputs, targets=None):
         """Forward only: the loss sum (or full logits) where the last stage is, else None."""

@@ -31,13 +31,23 @@ LAYOUTS = {
     "dp2-int8-ring": dict(dp=2, compress="int8", allreduce="ring"),
     "dp2-powersgd-zero2": dict(dp=2, compress="powersgd:2", zero=2, compress_warmup_steps=0),
     "dp2-topk-tree": dict(dp=2, compress="topk:0.1", allreduce="tree", compress_warmup_steps=0),
+    # document masks: the ring's skipped blocks are decided from host arrays
+    "cp2-document-mask": dict(cp=2, document_mask=True),
+    "dp2-pp2-document-mask": dict(dp=2, pp=2, micro_batches=2, document_mask=True),
 }
 
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
+    from meshwise.data.token_files import _write_meta
+
     path = tmp_path_factory.mktemp("syncs") / "tokens.bin"
     np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16).tofile(path)
+    # Id 0 ends a document (for the document masks): as a tokenizer's end-of-text token.
+    _write_meta(path, {"num_tokens": 20_000, "vocab_size": 256, "max_token": None,
+                       "source": str(path), "dtype": "uint16",
+                       "tokenizer": {"kind": "tokenizer.json", "digest": "syncs",
+                                     "separator": [0], "end_of_text": 0}})
     return str(path)
 
 
@@ -52,7 +62,8 @@ def _reads_in_one_step(layout: dict, data_path: str) -> list[str]:
     cfg.data.path, cfg.data.seq_len, cfg.data.batch_size = data_path, 16, 8
     cfg.optim.steps, cfg.runtime.device, cfg.runtime.quiet = 3, "cpu", True
     for key, value in layout.items():
-        section = next(s for s in (cfg.comm, cfg.model, cfg.parallel) if hasattr(s, key))
+        section = next(s for s in (cfg.comm, cfg.model, cfg.parallel, cfg.data)
+                       if hasattr(s, key))
         setattr(section, key, value)
     trainer = Trainer(cfg.validate(), data_path)
     trainer.train_step(1)

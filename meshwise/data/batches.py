@@ -1,0 +1,119 @@
+"""Global batches with what they carry: labels for the loss, document starts for masking.
+
+``BatchSource`` wraps a ``TokenDataset``. A token file of text gives the
+dataset's windows (``TokenDataset.global_batch``), every target labelled, and
+under document masking the documents its end-of-text tokens separate. A chat
+token file (``meshwise.data.chat_files``) gives rows packed from whole
+conversations (``meshwise.data.packing.PackedRows``), labelled on the
+assistant's tokens (``loss_on="assistant"``) or on all (``"all"``), the
+conversations' starts under document masking. Its rows are drawn in the order
+the windows of text are (``--data-order``, ``meshwise.data.order``): a row is
+an item as a window is; the last rows are held out for validation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from meshwise.data.chat_files import open_chat_file, record_location
+from meshwise.data.dataset import SPLITS, VAL_MIN_SEQUENCES, TokenDataset
+from meshwise.data.order import epoch_position, window_offsets
+from meshwise.data.packing import (LONG_CONVERSATIONS, LOSS_ON, Batch, PackedRows,
+                                   separator_starts)
+from meshwise.data.token_files import read_meta
+
+logger = logging.getLogger("meshwise")
+
+
+def document_separator(meta: dict, source) -> int:
+    """The end-of-text id that separates a text token file's documents; ValueError
+    when its separator is not one (byte-level and newline-joined files)."""
+    tokenizer = meta.get("tokenizer") or {}
+    end_of_text = tokenizer.get("end_of_text")
+    if end_of_text is None:
+        what = ("byte-level, its documents joined by newlines"
+                if tokenizer.get("kind", "byte-level") == "byte-level" or not tokenizer
+                else f"by {tokenizer.get('path')}, which has no end-of-text token")
+        raise ValueError(f"--document-mask: {source} was tokenized {what}, which also occur "
+                         "inside documents; valid: --tokenizer with an end-of-text token "
+                         "(<|endoftext|>, <|end_of_text|>, </s>, <eos>), or chat data "
+                         "(--format chat)")
+    return int(end_of_text)
+
+
+class BatchSource:
+    """Global batches of ``dataset`` (a ``TokenDataset``) with their labels and, with
+    ``document_mask``, their document starts. ValueError for data the settings cannot
+    serve (documents without an end-of-text token, a conversation too long to
+    ``refuse``, too few rows)."""
+
+    def __init__(self, dataset: TokenDataset, document_mask: bool = False,
+                 loss_on: str = "assistant", long_conversations: str = "truncate"):
+        if loss_on not in LOSS_ON or long_conversations not in LONG_CONVERSATIONS:
+            raise ValueError(f"loss_on {loss_on!r} / long_conversations "
+                             f"{long_conversations!r}; valid: {LOSS_ON} / {LONG_CONVERSATIONS}")
+        self.dataset, self.document_mask, self.loss_on = dataset, document_mask, loss_on
+        meta = read_meta(dataset.path, dataset.dtype.name)
+        self.chat = open_chat_file(dataset.path, meta)
+        self.rows = self.separator = None
+        if self.chat is not None:
+            self._tokens = np.memmap(dataset.path, dtype=dataset.dtype, mode="r")
+            self.rows = PackedRows(self.chat.starts, self.chat.num_tokens, dataset.seq_len + 1)
+            self._check_rows(long_conversations)
+        elif document_mask:
+            self.separator = document_separator(meta, dataset.path)
+
+    def _check_rows(self, long_conversations: str) -> None:
+        rows, chat = self.rows, self.chat
+        if rows.truncated and long_conversations == "refuse":
+            number = rows.too_long
+            where = record_location(chat.source, int(chat.records[number]), chat.data_format)
+            raise ValueError(f"{where}: the conversation has {chat.lengths[number]} tokens, "
+                             f"more than --seq-len {self.dataset.seq_len} + 1; valid: --seq-len "
+                             f"{chat.lengths.max() - 1} or more, or --long-conversations "
+                             "truncate")
+        self.num_val = max(int(len(rows) * self.dataset.val_fraction), VAL_MIN_SEQUENCES)
+        if len(rows) <= self.num_val:
+            raise ValueError(f"the chat data {chat.source} packs into {len(rows)} rows of "
+                             f"--seq-len {self.dataset.seq_len} + 1 tokens; it needs more than "
+                             f"{self.num_val} ({self.num_val} held out for validation)")
+
+    def epoch_position(self, step: int, batch_size: int) -> dict:
+        """Where ``--data-order epochs`` is after global batch ``step`` (of windows, or of
+        rows for chat data)."""
+        if self.rows is None:
+            return epoch_position(step, batch_size, self.dataset.num_train_tokens,
+                                  self.dataset.seq_len)
+        return epoch_position(step, batch_size, len(self.rows) - self.num_val + 1, 1)
+
+    def summary(self) -> str:
+        """What packing did to the conversations ("" for text)."""
+        if self.rows is None:
+            return ""
+        rows = self.rows
+        text = (f"{len(self.chat.starts):,} conversations packed into {len(rows):,} rows of "
+                f"{rows.width} tokens ({rows.padding_share:.1%} padding)")
+        if rows.truncated:
+            text += (f"; {rows.truncated:,} longer than --seq-len + 1 truncated "
+                     f"({rows.dropped_tokens:,} tokens dropped)")
+        return text
+
+    def batch(self, step: int, batch_size: int, seed: int, split: str = "train") -> Batch:
+        """Global batch ``step``: the same on every rank, whatever the layout."""
+        if self.rows is None:
+            tokens = self.dataset.global_windows(step, batch_size, seed, split)  # (B, T + 1)
+            starts = None
+            if self.separator is not None:
+                starts = separator_starts(tokens[:, :-1], self.separator)
+            return Batch(torch.from_numpy(tokens), None, starts)
+        lo, hi = (0, len(self.rows) - self.num_val) if split == "train" else \
+            (len(self.rows) - self.num_val, len(self.rows))
+        order = self.dataset.data_order if split == "train" else "random-windows"
+        # Rows are items as windows are: windows of one token at a stride of one over
+        # hi - lo + 1 "tokens" are the indices 0 .. hi - lo - 1.
+        rows = lo + window_offsets(order, step, batch_size, seed, SPLITS[split], hi - lo + 1, 1)
+        return self.rows.batch(rows, self._tokens, self.chat.labels, self.loss_on,
+                               self.document_mask)

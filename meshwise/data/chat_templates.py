@@ -1,0 +1,173 @@
+"""Chat templates: a conversation (a list of ``{role, content}``) rendered as text.
+
+A template is a Jinja2 program, as Hugging Face ships them: the tokenizer's own
+(``chat_template`` in the ``tokenizer_config.json`` beside its
+``tokenizer.json``, a string or a list of named templates, or a
+``chat_template.jinja`` file there), a built-in one by name (``BUILT_IN``:
+``chatml``, the format of OpenAI's ChatML that Qwen and many fine-tunes use),
+or a ``.jinja`` file. It renders in a sandbox set up as transformers sets up
+``apply_chat_template``'s (``trim_blocks``, ``lstrip_blocks``, ``tojson``,
+``raise_exception``, ``strftime_now``, the tokenizer's ``bos_token`` and
+``eos_token``), so a conversation renders to the same text here and there; a
+``{% generation %}`` block renders its body.
+
+``ChatTemplate.assistant_spans`` finds, in the rendered conversation, the text
+each assistant message adds after its generation prompt (its content and the
+template's end-of-turn marker): the labels of supervised fine-tuning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt "
+          "%}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+BUILT_IN = {"chatml": CHATML}
+TOKENIZER_OWN = "tokenizer"  # --chat-template's default: the tokenizer's own template
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A template's source and what it renders with. ``name``: what ``--chat-template``
+    names it by (``tokenizer``, ``tokenizer:NAME``, a built-in name, a file path)."""
+
+    name: str
+    source: str
+    special: dict = field(default_factory=dict, hash=False)  # bos_token, eos_token, ...
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return _compiled(self.source).render(messages=messages,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **self.special)
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The whole conversation rendered, and the ``[start, end)`` character spans of
+        its assistant messages: from the end of the conversation before the message
+        rendered with the generation prompt, to the end of the conversation up to and
+        including it. ValueError when the template does not render a conversation's
+        beginning as the beginning of the whole (its spans could not be found)."""
+        text = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[:i + 1])
+            if not (upto.startswith(prompt) and text.startswith(upto)):
+                raise ValueError(f"the chat template {self.name} renders the conversation up "
+                                 f"to message {i} differently inside the whole conversation, "
+                                 "so its assistant tokens cannot be found; valid: "
+                                 "--chat-template chatml, or a template that renders each "
+                                 "message the same whatever follows it")
+            spans.append((len(prompt), len(upto)))
+        return text, spans
+
+
+@lru_cache(maxsize=8)
+def _compiled(source: str):
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %} ... {% endgeneration %}``: its body, as rendered."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template does not parse: {exc.message} (line "
+                         f"{exc.lineno})") from None
+
+
+def _tokenizer_config(tokenizer_path: str | None) -> tuple[Path | None, dict]:
+    """The folder of a ``tokenizer.json`` and its ``tokenizer_config.json`` (or {})."""
+    if tokenizer_path is None:
+        return None, {}
+    folder = Path(tokenizer_path)
+    folder = folder if folder.is_dir() else folder.parent
+    config = folder / "tokenizer_config.json"
+    try:
+        loaded = json.loads(config.read_text()) if config.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config}: not a readable JSON file ({exc})") from None
+    return folder, loaded if isinstance(loaded, dict) else {}
+
+
+def _special_tokens(config: dict) -> dict:
+    """The tokenizer's special tokens by name, as templates read them (strings)."""
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def tokenizer_templates(tokenizer_path: str | None) -> dict[str, str]:
+    """The tokenizer's own templates by name (``default`` for a single one)."""
+    folder, config = _tokenizer_config(tokenizer_path)
+    own = config.get("chat_template")
+    if isinstance(own, str):
+        return {"default": own}
+    if isinstance(own, list):
+        return {item["name"]: item["template"] for item in own
+                if isinstance(item, dict) and "name" in item and "template" in item}
+    if folder is not None and (folder / "chat_template.jinja").is_file():
+        return {"default": (folder / "chat_template.jinja").read_text()}
+    return {}
+
+
+def load_template(name: str | None, tokenizer_path: str | None) -> ChatTemplate:
+    """The template ``--chat-template NAME`` names: ``tokenizer`` (or None: the
+    tokenizer's own), one of its named templates (``tokenizer:tool_use`` or just
+    ``tool_use``), a built-in (``chatml``) or a ``.jinja`` file. ValueError naming what
+    is available when the tokenizer lacks it."""
+    name = name or TOKENIZER_OWN
+    _, config = _tokenizer_config(tokenizer_path)
+    special = _special_tokens(config)
+    own = tokenizer_templates(tokenizer_path)
+    key = name.removeprefix(TOKENIZER_OWN + ":") if name != TOKENIZER_OWN else "default"
+    if key in own:
+        return ChatTemplate(name, own[key], special)
+    if name in BUILT_IN:
+        return ChatTemplate(name, BUILT_IN[name], special)
+    if name.endswith(".jinja") and Path(name).is_file():
+        return ChatTemplate(str(Path(name).resolve()), Path(name).read_text(), special)
+    whose = f"the tokenizer {tokenizer_path}" if tokenizer_path else "byte-level text"
+    available = [f"{TOKENIZER_OWN}:{n}" if n != "default" else TOKENIZER_OWN for n in own]
+    available += list(BUILT_IN) + ["a .jinja file"]
+    lacks = "has no chat template" if not own else f"has no template {name!r}"
+    raise ValueError(f"--chat-template {name}: {whose} {lacks}; available: "
+                     f"{', '.join(available)}")

@@ -1,0 +1,71 @@
+"""Documents packed into sequences: which document each token belongs to (pure).
+
+A packed sequence holds several documents, or pieces of them, one after
+another. Under document masking each token attends only to the tokens of its
+own document up to itself (block-diagonal causal attention) and its position
+counts from its document's first token, so every document is computed as if
+it were alone (Megatron-LM's ``--reset-attention-mask --reset-position-ids``,
+torchtitan's document mask; Krell et al. 2021, "Efficient sequence packing
+without cross-contamination").
+
+``Documents`` holds, for whole sequences, each token's document (ids that
+never decrease along a row) and its position inside it. Attention masks are
+asked for by global positions (``allowed``), so a context-parallel rank, which
+holds some chunks of every sequence (``meshwise.layout.sequence``), asks for
+the (query, key) pairs it computes and gets what one process would use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Documents of ``B`` whole sequences of ``T`` tokens.
+
+    ``ids``: (B, T) int64, the same for the tokens of one document, increasing
+    from one document to the next; ``positions``: (B, T) int64, each token's
+    place in its document (0 at its first token). Tensors on a device, or host
+    arrays (``meshwise.data.packing.documents_from_starts`` makes them from
+    where documents start).
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+
+    def rows(self, first: int, count: int) -> "Documents":
+        """Rows ``[first, first + count)`` (the sequences one forward computes)."""
+        return Documents(self.ids[first:first + count], self.positions[first:first + count])
+
+    def to(self, device) -> "Documents":
+        """As tensors on ``device`` (from host arrays or tensors)."""
+        return Documents(torch.as_tensor(self.ids, device=device),
+                         torch.as_tensor(self.positions, device=device))
+
+    def allowed(self, q_positions: torch.Tensor, k_positions: torch.Tensor,
+                causal: bool = True) -> torch.Tensor:
+        """(B, 1, Lq, Lk) bool: which keys each query may see, by global positions
+        ``q_positions`` (Lq,) and ``k_positions`` (Lk,): those of its own document, and
+        with ``causal`` none after it. Dim 1 broadcasts over the heads."""
+        same = self.ids[:, q_positions, None] == self.ids[:, None, k_positions]  # (B, Lq, Lk)
+        if causal:
+            same = same & (k_positions[None, :] <= q_positions[:, None])
+        return same.unsqueeze(1)
+
+
+def shares_a_document(ids, last_key: int, first_query: int) -> bool:
+    """Whether, in any row of ``ids`` ((B, T), never decreasing along a row), a query at or
+    after ``first_query`` can see a key at or before ``last_key`` (< ``first_query``):
+    only when the document of ``last_key`` runs on to ``first_query``. ``ids`` is a host
+    array (numpy): deciding reads nothing from a device."""
+    return bool((ids[:, last_key] == ids[:, first_query]).any())
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` as an additive mask of ``dtype``: 0 where allowed, -inf elsewhere
+    (what fused attention kernels take; a row with no key allowed gives zeros)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf"))
