@@ -25,7 +25,8 @@ from meshwise.cli import launch
 from meshwise.cli.auto_layout import choose_layout
 from meshwise.cli.checkpoint_dir import held_save_dir, record_start
 from meshwise.cli.preflight import prepare
-from meshwise.cli.train_flags import config_from_args, effective_config, noop_warnings
+from meshwise.cli.train_flags import config_from_args, effective_config
+from meshwise.cli.unused_settings import noop_warnings
 from meshwise.comm import devices
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import apply_init_from

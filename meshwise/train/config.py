@@ -21,15 +21,15 @@ from meshwise.data.order import DATA_ORDERS
 from meshwise.data.readers import DATA_FORMATS
 from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
-from meshwise.pipeline.schedules import SCHEDULE_KINDS, validate_schedule_config
+from meshwise.pipeline.schedules import SCHEDULE_KINDS
 from meshwise.train.loggers import parse_log_to
+from meshwise.train.layout_rules import ZERO_STAGES, check_layout
 from meshwise.train.lr_schedule import check_schedule
 from meshwise.train.profiling import parse_steps
 # The model section and its presets, part of this module's interface.
 from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
 
 SCHEDULES = SCHEDULE_KINDS
-ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 ON_NAN = ("stop", "skip")
@@ -238,7 +238,7 @@ class TrainConfig:
         parse_steps(self.runtime.profile_steps)
         if not own_model:
             self._validate_model()
-        self._validate_layout(own_model)
+        check_layout(self, own_model)
         self._validate_checkpoint()
         self._validate_comm()
         return self
@@ -309,85 +309,6 @@ class TrainConfig:
             raise ValueError(f"--document-mask with the model's sliding window of {window} "
                              "tokens: the two masks are not combined; valid: --seq-len "
                              f"{window} or less, or no --document-mask")
-
-    def _validate_layout(self, own_model: bool = False) -> None:
-        p, m, d = self.parallel, self.model.resolved(), self.data
-        if p.tp > 1 and not own_model:
-            fam = family(self.model.family)
-            fam.check_tp(fam.make_config(self.model.sizes(max(m.vocab_size, 1))), p.tp)
-        if p.pp == 1:
-            if p.virtual_stages != 1:
-                raise ValueError(f"--virtual-stages {p.virtual_stages} needs --pp > 1")
-            if p.micro_batches > 1:
-                raise ValueError(f"--micro-batches {p.micro_batches} needs --pp > 1; without a "
-                                 "pipeline use --grad-accum")
-        else:
-            validate_schedule_config(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-            chunks = p.pp * p.virtual_stages
-            if m.n_layer % chunks and not own_model:
-                raise ValueError(f"--n-layer {m.n_layer} does not split into pp x virtual-stages "
-                                 f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks")
-        self._validate_sequence()
-        if p.reshard_after_forward and p.zero != 3:
-            raise ValueError(f"--reshard-after-forward needs --zero 3 (got --zero {p.zero}): it "
-                             "picks when ZeRO-3 units are gathered; valid: --zero 3")
-        per_step = p.dp * d.grad_accum * p.num_micro_batches
-        if d.batch_size % per_step:
-            raise ValueError(
-                f"--batch-size {d.batch_size} is not divisible by dp x grad-accum x "
-                f"micro-batches = {p.dp} x {d.grad_accum} x {p.num_micro_batches} = {per_step}")
-
-    def _validate_sequence(self) -> None:
-        """--cp and --sp: what splits the sequence, and what it must be a multiple of."""
-        p, d = self.parallel, self.data
-        if p.sp and p.tp == 1:
-            raise ValueError("--sp splits the sequence across the tp ranks between their layers "
-                             "and needs --tp > 1; valid: --sp with --tp 2 or more, or no --sp")
-        if p.cp > 1 and not family(self.model.family).plan(
-                family(self.model.family).make_config(self.model.sizes(256))).ring_capable:
-            raise ValueError(f"--cp {p.cp}: the attention of --model {self.model.preset} cannot "
-                             "run as a ring; valid: --cp 1")
-        divisor = p.sequence_divisor
-        if d.seq_len % divisor:
-            what = (f"2 x cp = {2 * p.cp} load-balanced chunks" if p.cp > 1 else "")
-            if p.sp:
-                what += (" whose tokens split" if what else "slices") + f" across tp = {p.tp}"
-            lower = d.seq_len // divisor * divisor
-            near = " or ".join(str(n) for n in (lower, lower + divisor) if n > 0)
-            raise ValueError(f"--seq-len {d.seq_len} does not split into {what}; valid: a "
-                             f"multiple of {divisor}, e.g. --seq-len {near}")
-
-
-# Which ZeRO stages combine with which axes. The README's table is generated from
-# this, and tests/unit/test_config.py checks both that they are equal and that each
-# listed combination validates (and runs: tests/e2e/test_layouts.py). Under a
-# pipeline, ZeRO-2 keeps each stage's full gradients over the step's micro-batches and
-# reduce-scatters once; ZeRO-3 gathers a stage's units once per step (or per
-# micro-batch with --reshard-after-forward); tied embeddings get buffers of their own
-# so that their shards line up across the first and the last stage.
-COMPOSITIONS = [
-    # (axes, example flags, ZeRO stages)
-    ("dp", "--dp 2", ZERO_STAGES),
-    ("dp x tp", "--dp 2 --tp 2", ZERO_STAGES),
-    ("dp x tp + sp", "--dp 2 --tp 2 --sp", ZERO_STAGES),
-    ("tp x pp", "--tp 2 --pp 2", ZERO_STAGES),
-    ("dp x pp", "--dp 2 --pp 2", ZERO_STAGES),
-    ("dp x tp x pp", "--dp 2 --tp 2 --pp 2", ZERO_STAGES),
-    ("dp x pp, zero bubble", "--dp 2 --pp 2 --schedule zbv --virtual-stages 2 --micro-batches 4",
-     ZERO_STAGES),
-    ("dp x cp", "--dp 2 --cp 2", ZERO_STAGES),
-    ("cp x tp + sp", "--cp 2 --tp 2 --sp", ZERO_STAGES),
-    ("cp x pp", "--cp 2 --pp 2", ZERO_STAGES),
-    ("dp x cp x tp x pp", "--dp 2 --cp 2 --tp 2 --pp 2 --sp", ZERO_STAGES),
-]
-
-
-def composition_table() -> str:
-    """The Markdown table of supported layouts (as in the README)."""
-    rows = ["| layout | example | ZeRO stages |", "| --- | --- | --- |"]
-    for axes, example, stages in COMPOSITIONS:
-        rows.append(f"| {axes} | `{example}` | {', '.join(map(str, stages))} |")
-    return "\n".join(rows)
 
 
 def flag_name(field: str) -> str:

@@ -5,7 +5,8 @@ import pytest
 
 from meshwise.cli.main import build_parser
 from meshwise.cli.train import train_config
-from meshwise.train.config import COMPOSITIONS, TrainConfig, composition_table
+from meshwise.train.config import TrainConfig
+from meshwise.train.layout_rules import COMPOSITIONS, composition_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -129,7 +130,7 @@ def _nothing():
 
 
 def test_options_without_effect_are_named():
-    from meshwise.cli.train_flags import noop_warnings
+    from meshwise.cli.unused_settings import noop_warnings
 
     cfg, origins = train_config(build_parser().parse_args(
         ["train", "--schedule", "gpipe", "--zero", "3", "--grad-reduce-dtype", "bf16",

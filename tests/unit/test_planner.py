@@ -213,7 +213,7 @@ def test_the_probes_measure_positive_rates():
 
 def test_layout_auto_warns_of_nothing_it_set_itself(tmp_path):
     from meshwise.cli.train import train_config
-    from meshwise.cli.train_flags import noop_warnings
+    from meshwise.cli.unused_settings import noop_warnings
 
     flags = ["train", "--layout", "auto", "--dp", "2", *SMALL, "--cache-dir", str(tmp_path)]
     cfg, origins = train_config(build_parser().parse_args(flags))
