@@ -98,13 +98,8 @@ def _run_config():
 def _training_run(values: dict) -> dict:
     """The fixed memory of a rank and AdamW's cost, from one real run measured outside."""
     from meshwise.planner.devices import cpu_profile
-    from meshwise.planner.layout import Layout
-    from meshwise.planner.memory import peak_memory
-    from meshwise.planner.search import settings_of
-    from meshwise.planner.shapes import model_shape
-    from meshwise.planner.step_time import step_time
-
     from meshwise.planner.probes import OthersShare
+    from meshwise.planner.shapes import model_shape
 
     share = OthersShare()
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,12 +114,26 @@ def _training_run(values: dict) -> dict:
     # the run's own CPU, as on an idle machine: other jobs' share taken out of its clock
     available = 1.0 - share.measured()
     cfg = _run_config()
+    shape = model_shape(cfg)
+    optimizer = available * statistics.median(r["time_breakdown"]["optimizer"]
+                                              for r in records[1:])
+    ranks_per_core = max(1.0, RUN_WORLD / (cpu_profile(values).cores or 1))
+    return {"overhead_bytes": runtime_memory(records[-1]["peak_rss_bytes"], values),
+            "optimizer_s_per_param": optimizer / ranks_per_core / shape.num_params}
+
+
+def runtime_memory(peak_rss_bytes: float, values: dict) -> float:
+    """A rank's fixed memory (libraries, allocator, buffers): the peak RSS of the run of
+    ``RUN_FLAGS``, measured outside, less what the planner predicts for its model."""
+    from meshwise.planner.devices import cpu_profile
+    from meshwise.planner.layout import Layout
+    from meshwise.planner.memory import peak_memory
+    from meshwise.planner.search import settings_of
+    from meshwise.planner.shapes import model_shape
+    from meshwise.planner.step_time import step_time
+
+    cfg = _run_config()
     shape, layout = model_shape(cfg), Layout.of(cfg)
     device = cpu_profile({**values, "overhead_bytes": 0})
     _, flights = step_time(shape, layout, settings_of(cfg), device)
-    model_bytes = peak_memory(shape, layout, settings_of(cfg), flights, 0.0).total
-    optimizer = available * statistics.median(r["time_breakdown"]["optimizer"]
-                                              for r in records[1:])
-    share = max(1.0, RUN_WORLD / (device.cores or 1))
-    return {"overhead_bytes": records[-1]["peak_rss_bytes"] - model_bytes,
-            "optimizer_s_per_param": optimizer / share / shape.num_params}
+    return peak_rss_bytes - peak_memory(shape, layout, settings_of(cfg), flights, 0.0).total
