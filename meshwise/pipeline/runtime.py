@@ -17,8 +17,11 @@ locally: no message, same bookkeeping.
 A schedule with W actions splits its backwards: every linear layer of the
 chunks defers its weight gradient to a ``WeightGradStore``
 (``meshwise.tensor_parallel.weight_grads``); B computes the input gradient and
-the other parameters' gradients, W the deferred ones. A B without a W of its
-own runs its weight pass right after it.
+the other parameters' gradients, W the deferred ones. Where nothing runs
+between a micro-batch's B and its W on this rank (no message to send first, no
+other compute: stage 0 of ZB-H1, a B without a W of its own) the split buys
+nothing, so that backward runs whole: no layer keeps its input and output
+gradient for a later pass, and there is one pass instead of two.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class PipelineRuntime:
                 self._last_b[a.chunk] = a
             if a.kind == "W" or (a.kind == "B" and not self._split(a)):
                 self._last_weights[a.chunk] = a
+        self._whole = self._whole_backwards() if self.weight_grads is not None else set()
         # Called with a micro-batch's index before each of its forwards (the trainer
         # tells the model which samples it computes, for dropout).
         self.before_forward = None
@@ -82,6 +86,23 @@ class PipelineRuntime:
 
     def _split(self, a: Action) -> bool:
         return self.schedule.splits_backward(self.rank, a.micro_batch, a.chunk)
+
+    def _whole_backwards(self) -> set:
+        """``(chunk, micro_batch)`` whose weight pass follows its B with nothing between
+        (or is part of it) under the same gradient sync: their layers never defer."""
+        whole = set()
+        for i, b in enumerate(self.steps):
+            if not isinstance(b, Action) or b.kind != "B":
+                continue
+            w = b
+            if self._split(b):
+                w = self.steps[i + 1] if i + 1 < len(self.steps) else None
+                if not (isinstance(w, Action) and w.kind == "W"
+                        and (w.chunk, w.micro_batch) == (b.chunk, b.micro_batch)):
+                    continue
+            if (self._last_b[b.chunk] == b) == (self._last_weights[b.chunk] == w):
+                whole.add((b.chunk, b.micro_batch))
+        return whole
 
     @property
     def compute_s(self) -> float:
@@ -129,8 +150,8 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------ compute
     def _capturing(self, a: Action):
-        """Linear layers defer their weight gradients (a schedule with W actions)."""
-        if self.weight_grads is None:
+        """Linear layers defer their weight gradients (a split backward's F and B)."""
+        if self.weight_grads is None or (a.chunk, a.micro_batch) in self._whole:
             return contextlib.nullcontext()
         return self.weight_grads.capturing((a.chunk, a.micro_batch))
 
@@ -190,8 +211,8 @@ class PipelineRuntime:
                 # ``out`` may hold no data any more (released after its send): only
                 # its graph is used, and its shape still matches ``grad``.
                 torch.autograd.backward(out, grad)
-        if self.weight_grads is not None and not self._split(a):
-            self._weights(a)  # a whole backward: its weight pass now
+        if self.weight_grads is not None and not self._split(a) and key not in self._whole:
+            self._weights(a)  # no W of its own, another sync than B's: the weights now
         if stage > 0:
             # An input the chunk did not use gets no gradient; its sender still waits for one.
             grad_in = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -202,6 +223,8 @@ class PipelineRuntime:
 
     def _weights(self, a: Action) -> None:
         """The weight pass of ``a``'s micro-batch and chunk (a W, or a whole B's)."""
+        if (a.chunk, a.micro_batch) in self._whole:
+            return  # its B computed the weight gradients already
         with self._syncing(a, self._last_weights):
             self.weight_grads.run((a.chunk, a.micro_batch))
 

@@ -23,6 +23,7 @@ from meshwise.mesh import Mesh, ParallelDims
 import meshwise.pipeline.mailbox as mailbox_module
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
+from meshwise.tensor_parallel.weight_grads import WeightGradStore
 from tests.dist.pool import RankError
 
 DT = torch.float64
@@ -167,6 +168,23 @@ def _check_parity(kind, num_virtual, num_micro_batches, edges, own_loss, checkpo
     return sorted(set(seen), key=str)
 
 
+def _deferred_micro_batches(kind, num_virtual, num_micro_batches):
+    """Parity as above; the (chunk, micro_batch) whose linear layers deferred a weight
+    gradient on this rank."""
+    deferred, put = set(), WeightGradStore.put
+
+    def counting_put(store, key, *rest):
+        deferred.add(key)
+        put(store, key, *rest)
+
+    WeightGradStore.put = counting_put
+    try:
+        _check_parity(kind, num_virtual, num_micro_batches, "3d-fp64", False)
+    finally:
+        WeightGradStore.put = put
+    return sorted(deferred)
+
+
 def _check_forward_only(edges, kind="interleaved-1f1b"):
     """Evaluation and generation: a new sequence length at every call."""
     mesh = Mesh.build(ParallelDims(pp=torch.distributed.get_world_size()))
@@ -269,7 +287,7 @@ def test_runtime_matches_one_process_on_4_ranks(dist_pools, kind, num_virtual,
 
 
 @pytest.mark.parametrize("kind, num_virtual, num_micro_batches, checkpointing", [
-    ("zb-h1", 1, 4, False), ("zbv", 2, 4, False), ("dualpipev", 2, 4, False),
+    ("zbv", 2, 4, False), ("dualpipev", 2, 4, False),
     ("zbv", 2, 3, True), ("zb-h1", 1, 2, True)])
 def test_split_backward_schedules_match_one_process_on_2_ranks(
         dist_pools, kind, num_virtual, num_micro_batches, checkpointing):
@@ -283,6 +301,15 @@ def test_split_backward_schedules_match_one_process_on_4_ranks(
         dist_pools, kind, num_virtual, num_micro_batches, checkpointing):
     dist_pools.run(4, _check_parity, kind, num_virtual, num_micro_batches, "3d-fp64", False,
                    checkpointing)
+
+
+def test_a_weight_pass_straight_after_its_backward_runs_whole(dist_pools):
+    """zb-h1's first stage runs each W right after its B, so its backwards run whole
+    (nothing kept for a later pass); the last stage sends its B's gradient first, and
+    defers every weight gradient. Both match one process."""
+    deferred = dist_pools.run(2, _deferred_micro_batches, "zb-h1", 1, 4)
+    assert deferred[0] == []
+    assert deferred[1] == [(0, m) for m in range(4)]
 
 
 def test_v_shaped_stages_exchange_bf16_and_own_loss(dist_pools):
