@@ -181,3 +181,12 @@ def test_the_rank_that_failed_first_is_blamed_not_its_peers():
     assert blame([peer]) is peer
     assert describe(peer) == ("rank 0: lost its connection to another rank (Connection closed "
                               "by peer): that rank ended first, and its own output says why")
+
+
+def test_two_jobs_preparing_one_step_get_temporaries_of_their_own(tmp_path):
+    """Two jobs saving the same step never write into one unfinished directory (a
+    manifest hashed over a shared temporary once held the other job's tensors)."""
+    first, second = SaveDir(tmp_path, "run-a"), SaveDir(tmp_path, "run-b")
+    assert first.prepare(1, 1024) == "" and second.prepare(1, 1024) == ""
+    assert first.temp_dir(1) != second.temp_dir(1)
+    assert first.temp_dir(1).is_dir() and second.temp_dir(1).is_dir()

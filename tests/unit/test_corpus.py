@@ -11,7 +11,8 @@ import pytest
 from meshwise.data import corpus, files as data_files
 from meshwise.data.bpe import save_tokenizer, train_bpe
 from meshwise.data.dataset import TokenDataset, read_meta, resolve_data, sidecar_path
-from meshwise.data.token_files import _write_meta, check_tokenizer
+from meshwise.data.token_files import (_atomic_write, _write_meta, check_tokenizer,
+                                       exclusive_build)
 from meshwise.data.tokenizer import load_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -176,3 +177,16 @@ def test_token_files_get_the_usual_permissions(tmp_path):
         os.umask(saved)
     assert out.stat().st_mode & 0o777 == 0o644
     assert sidecar_path(out).stat().st_mode & 0o777 == 0o644
+
+
+def test_a_build_first_removes_what_a_killed_builder_of_that_file_left(tmp_path):
+    """A builder killed between writing and renaming leaves a hidden temporary; the next
+    build of that file removes it (and no other file's), and leaves no lock behind."""
+    dest = tmp_path / "corpus.bin"
+    stale, others = tmp_path / ".corpus.bin.k3j2.tmp", tmp_path / ".other.bin.k3j2.tmp"
+    stale.write_bytes(b"half")
+    others.write_bytes(b"half")
+    with exclusive_build(dest):
+        _atomic_write(dest, [b"\x01\x00"])
+    assert dest.read_bytes() == b"\x01\x00"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.bin.k3j2.tmp", "corpus.bin"]
