@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from meshwise.layout.init import on_meta
 from meshwise.layout.plan import ParallelPlan
 from meshwise.tensor_parallel.layers import padded_vocab_size
 
@@ -143,7 +144,7 @@ def _shrunk(model: nn.Module, split, tp_size: int) -> nn.Module:
         if style in ("shard_norm", "position_embedding"):  # the same shape on every rank
             continue
         bias = getattr(module, "bias", None) is not None
-        with torch.device("meta"):
+        with on_meta():
             if style == "colwise":
                 new = nn.Linear(module.in_features, module.out_features // tp_size, bias)
             elif style == "rowwise":

@@ -190,7 +190,8 @@ class ParallelModel:
 def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: int = 0,
                 pp_size: int = 1, virtual_stages: int = 1, vocab_size: int | None = None,
                 sequence_parallel: bool = False, cp_group=None,
-                stage_map: str = "loop", *, mesh=None, tie_group=None) -> ParallelModel:
+                stage_map: str = "loop", *, mesh=None, tie_group=None,
+                check_forward: bool = True) -> ParallelModel:
     """This rank's ``ParallelModel`` of ``model`` (which is consumed: chunks reuse it).
 
     ``mesh``: a ``meshwise.Mesh``, which gives the groups and pipeline position
@@ -209,6 +210,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
     ``vocab_size``: read from the modules the plan splits over the vocabulary; a
     value given must agree. The plan is checked against the model first
     (``meshwise.apply.checks``): a mistake is a ``ValueError`` naming the module.
+    ``check_forward``: that check includes the model's forward on meta copies of a
+    tp shard and of each pipeline stage (a second or two per process: running
+    meta tensors imports torch's compiler); the trainer skips it for the families
+    meshwise ships, whose plans its tests run on every layout.
     """
     if mesh is not None:
         tp_group = mesh.tp if mesh.dims.tp > 1 else None
@@ -227,7 +232,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
         raise ValueError(f"{type(model).__name__}'s plan names no ring_attention: its "
                          "attention cannot run under context parallelism")
     vocab_size, own, problem = _check(model, plan, tp_size_of(tp_group), num_stages,
-                                      vocab_size)
+                                      vocab_size, check_forward)
     stages = [stage_index(pp_rank, v, pp_size, stage_map)
               for v in range(virtual_stages)]
     chunks = [_cut(model, plan, s, num_stages) for s in stages]
@@ -245,7 +250,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
 
 
 def _check(model: nn.Module, plan: ParallelPlan, tp_size: int, num_stages: int,
-           vocab_size: int | None):
+           vocab_size: int | None, forward: bool):
     """The plan against the model (before anything is cut): the vocabulary, and each
     parameter's own initialisation (or why there is none)."""
     check_names(model, plan)
@@ -253,8 +258,9 @@ def _check(model: nn.Module, plan: ParallelPlan, tp_size: int, num_stages: int,
     if tp_size > 1:
         check_divisible(split, tp_size)
     vocab_size = vocab_from_modules(split, vocab_size)
-    check_forward(model, split, tp_size, num_stages,
-                  lambda m, stage, n: _cut(m, plan, stage, n))
+    if forward:
+        check_forward(model, split, tp_size, num_stages,
+                      lambda m, stage, n: _cut(m, plan, stage, n))
     try:
         return vocab_size, default_inits(model), ""
     except ValueError as exc:

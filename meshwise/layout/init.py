@@ -13,6 +13,7 @@ the piece plus a block whatever the tensor's size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -103,3 +104,29 @@ def init_module(model: torch.nn.Module, init_of, seed: int, logical_name=lambda 
     for name, param in model.named_parameters():  # a tied parameter appears once
         logical = logical_name(name)
         param.copy_(full_init(init_of(logical), seed, logical, param.shape, param.dtype))
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Modules built inside hold shapes only, on the meta device, and ``torch.nn.init``
+    does nothing to them: their values come from this module later. (Initialising a
+    meta tensor imports torch's compiler, a second or more in every process.) The
+    init functions are swapped process-wide while inside: build on one thread."""
+    from torch.nn import init
+
+    saved = {name: getattr(init, name) for name in dir(init)
+             if name.endswith("_") and not name.startswith("_")
+             and callable(getattr(init, name))}
+    try:
+        for name in saved:
+            setattr(init, name, _unchanged)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+
+
+def _unchanged(tensor, *args, **kwargs):
+    return tensor
+

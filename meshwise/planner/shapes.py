@@ -11,7 +11,6 @@ one-layer model costs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -77,31 +76,13 @@ def parameter_count(cfg: TrainConfig, vocab_size: int) -> int:
     return _shape(tuple(sorted((k, _hashable(v)) for k, v in sizes.items()))).num_params
 
 
-@contextlib.contextmanager
-def _without_initialisation():
-    """Modules built on the meta device skip ``torch.nn.init``: only shapes are read, and
-    initialising meta tensors imports torch's compiler (seconds)."""
-    from torch.nn import init
-
-    saved = {name: getattr(init, name) for name in dir(init)
-             if name.endswith("_") and not name.startswith("_")}
-    try:
-        for name in saved:
-            setattr(init, name, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(init, name, fn)
-
-
 def _hashable(value):
     return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
 
 @functools.lru_cache(maxsize=64)
 def _shape(items: tuple) -> ModelShape:
-    import torch
-
+    from meshwise.layout.init import on_meta
     from meshwise.models.families import family
 
     sizes = {k: dict(v) if isinstance(v, tuple) else v for k, v in items}
@@ -109,7 +90,7 @@ def _shape(items: tuple) -> ModelShape:
     full = fam.make_config(sizes)
     one = fam.make_config({**sizes, "n_layer": 1})
     plan = fam.plan(one)
-    with torch.device("meta"), _without_initialisation():
+    with on_meta():
         model = fam.build(one, None)
     layers = getattr(model, plan.layers)
     (layer_key, layer), = layers.items()

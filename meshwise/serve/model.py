@@ -11,6 +11,7 @@ import torch
 from meshwise.apply.parallelize import set_param
 from meshwise.checkpoint.state import model_tensors
 from meshwise.checkpoint.store import Checkpoint, CheckpointError
+from meshwise.layout.init import on_meta
 from meshwise.models.families import family
 
 
@@ -28,7 +29,7 @@ def model_config(ckpt: Checkpoint):
 def load_model(ckpt: Checkpoint) -> torch.nn.Module:
     """The single-process model holding the checkpoint's parameters (evaluation mode)."""
     fam, cfg = family(model_family(ckpt)), model_config(ckpt)
-    with torch.device("meta"):
+    with on_meta():
         model = fam.build(cfg, None)
     tensors = model_tensors(ckpt)
     names = [name for name, _ in model.named_parameters()]  # a tie appears once

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from meshwise.apply.parallelize import ParallelModel, parallelize
+from meshwise.layout.init import on_meta
 from meshwise.mesh import Mesh
-from meshwise.models.families import ModelFamily
+from meshwise.models.families import FAMILIES, ModelFamily
 from meshwise.pipeline.schedules import STAGE_MAP_OF
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
@@ -27,13 +28,14 @@ def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh, dr
     """This rank's part of the model: pipeline chunks with tensor-parallel layers (and
     sequence parallelism), context-parallel positions and attention, on meta."""
     p = cfg.parallel
-    with torch.device("meta"):
+    with on_meta():
         model = family.build(model_cfg, dropout)
     return parallelize(model, family.plan(model_cfg), tp_group=mesh.tp if p.tp > 1 else None,
                        pp_rank=mesh.pp_rank, pp_size=p.pp, virtual_stages=p.virtual_stages,
                        vocab_size=vocab_size, sequence_parallel=p.sp, cp_group=mesh.cp,
                        stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop",
-                       tie_group=mesh.embed)
+                       tie_group=mesh.embed,
+                       check_forward=FAMILIES.get(family.name) is not family)
 
 
 def precision_of(cfg: TrainConfig) -> Precision:

@@ -34,7 +34,7 @@ from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
-from meshwise.layout.init import Init
+from meshwise.layout.init import Init, on_meta
 from meshwise.layout.plan import ParallelPlan
 from meshwise.models.families import ModelFamily, family
 from meshwise.pipeline.runtime import PipelineRuntime
@@ -155,7 +155,7 @@ class Trainer:
 
     def _observer(self) -> RunObserver:
         """FLOPs come from the whole model's shapes (built on the meta device)."""
-        with torch.device("meta"):
+        with on_meta():
             whole = self.family.build(self.model_cfg, None)
         layers = list(getattr(whole, self.pm.plan.layers).values())
         d_model = None if self.model_cfg else hidden_size(layers[0])
