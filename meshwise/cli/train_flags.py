@@ -203,6 +203,10 @@ TRAIN_FLAGS = [
      "A-B: record steps A to B (1-based) with torch.profiler on every rank, one Chrome "
      "trace per rank with meshwise's named ranges"),
     ("--profile-dir", "runtime", "profile_dir", str, "where the profiler's traces go"),
+    ("--peak-tflops", "runtime", "peak_tflops", float,
+     "one device's peak TFLOP/s that MFU is measured against (a GPU meshwise has no data "
+     "sheet for, or to skip the CPU's start-up measurement); 0: the GPU's data sheet, or a "
+     "matrix multiply measured at start-up"),
     ("--check-replicas-every", "runtime", "check_replicas_every", int,
      "every N steps, check that tp-replicated parameters (norms, biases, positions) are "
      "equal on every tp rank, under any ZeRO stage; 0: never"),

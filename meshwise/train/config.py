@@ -153,6 +153,7 @@ class RuntimeConfig:
     project: str = "meshwise"
     profile_steps: str | None = None  # "A-B"
     profile_dir: str | None = None  # set before launch: LOG_DIR/profile
+    peak_tflops: float = 0.0  # one device's peak for MFU; 0: data sheet (GPU) or measured
 
 
 @dataclass
@@ -236,6 +237,7 @@ class TrainConfig:
                 ACTIVATION_CHECKPOINTING)
         parse_log_to(self.runtime.log_to)
         parse_steps(self.runtime.profile_steps)
+        _non_negative(peak_tflops=self.runtime.peak_tflops)
         if not own_model:
             self._validate_model()
         check_layout(self, own_model)

@@ -43,11 +43,7 @@ class RunObserver:
         recomputed = cfg.runtime.activation_checkpointing == "full"
         self.model_flops, self.hardware_flops = flops.flops_per_token(
             whole_model, layers, len(layers), d_model, cfg.data.seq_len, recomputed)
-        ops.barrier(mesh.world)  # every rank measures at once, sharing the cores as in training
-        peak, self.peak_source = flops.device_peak(device, DTYPES[cfg.runtime.dtype])
-        total = torch.tensor([peak], dtype=torch.float64, device=device)
-        ops.all_reduce(total, mesh.world, category="metrics")
-        self.peak_flops = total.item()
+        self.peak_flops, self.peak_source = self._peak(cfg.runtime)
         self._watches = {name: Stopwatch(device) for name in PHASES}
         self._counters = mesh.world.counters
         self._waits = self._wait_totals()
@@ -62,6 +58,16 @@ class RunObserver:
             if not r.log_dir:  # a TrainConfig made in Python, not through meshwise train
                 name_the_run(r, cfg.checkpoint.save)
             self.loggers = ExperimentLog(names, r.log_dir, r.run_name, r.project, config_dict)
+
+    def _peak(self, runtime) -> tuple[float, str]:
+        """The world's peak FLOP/s and where it comes from."""
+        if runtime.peak_tflops:
+            return runtime.peak_tflops * 1e12 * self.mesh.world.size, "--peak-tflops"
+        ops.barrier(self.mesh.world)  # every rank measures at once, sharing the cores
+        peak, source = flops.device_peak(self.device, DTYPES[runtime.dtype])
+        total = torch.tensor([peak], dtype=torch.float64, device=self.device)
+        ops.all_reduce(total, self.mesh.world, category="metrics")
+        return total.item(), source
 
     # ---------------------------------------------------------------- a step
     def start_step(self, step: int) -> None:

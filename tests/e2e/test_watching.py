@@ -118,6 +118,7 @@ def test_pipeline_actions_are_named_in_the_trace(tmp_path, corpus):
     (["--log-to", "neptune"], "--log-to 'neptune' is not valid; valid: tensorboard, wandb, "
                               "mlflow"),
     (["--profile-steps", "5-2"], "--profile-steps '5-2' is not a range of steps"),
+    (["--peak-tflops", "-1"], "--peak-tflops must be a finite number >= 0, got -1.0"),
 ])
 def test_bad_watching_flags_exit_2(tmp_path, corpus, flags, message):
     result = run_main("train", "--data", corpus, *SMALL, *flags, cwd=tmp_path)
@@ -137,12 +138,16 @@ def test_a_missing_logger_library_exits_2_with_the_pip_command(tmp_path, corpus,
 
 
 def test_plot_draws_two_runs_and_refuses_other_files(tmp_path, corpus):
-    for name in ("dp1", "dp2"):
+    for name, peak, source in (("dp1", 0, "a matrix multiply measured at start-up"),
+                               ("dp2", 0.5, "--peak-tflops")):
         result = run_cli("train", "--data", corpus, "--steps", 4, "--dp", name[-1], *SMALL,
                          "--metrics", tmp_path / f"{name}.jsonl", "--eval-every", 2,
-                         cwd=tmp_path)
+                         "--peak-tflops", peak, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
-    assert len(read_metrics(tmp_path / "dp2.jsonl")) == 4
+        assert f"TFLOP/s over {name[-1]} ranks, {source})" in result.stdout
+    given = read_metrics(tmp_path / "dp2.jsonl")
+    assert len(given) == 4  # MFU against the peak given: 0.5 TFLOP/s per rank
+    assert all(abs(r["mfu"] - r["tflops"] / (2 * 0.5)) < 1e-9 for r in given)
     out = tmp_path / "curves.png"
     result = run_main("plot", tmp_path / "dp1.jsonl", tmp_path / "dp2.jsonl", "--out", out,
                       "--x", "tokens", cwd=tmp_path)
