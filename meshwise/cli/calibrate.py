@@ -13,7 +13,10 @@ Three kinds of measurement, each of what the cost model rates:
   fixed memory is its peak RSS less what the planner predicts for the model,
   and AdamW's cost per parameter is the trainer's own optimizer phase (gradient
   norm, clipping and the update together), the share of the CPU other jobs took
-  meanwhile taken out of its clock.
+  meanwhile taken out of its clock;
+- in a fresh process, the resident memory a first backward from a given
+  gradient adds (PyTorch loads its symbolic-shape code then): what a pipeline
+  rank before the last stage holds beyond a data-parallel rank.
 
 The results go to ``CACHE/planner-calibration.json``.
 """
@@ -47,6 +50,7 @@ def calibrate(cache_dir: str | None = None) -> str:
     values = local_probes()
     values["all_reduce"], values["links"] = _comm()
     values.update(_training_run(values))
+    values["given_gradient_bytes"] = given_gradient_memory()
     values["when"] = time.strftime("%Y-%m-%d %H:%M")
     path = save_calibration(values, Path(cache_dir) if cache_dir else None)
     mm = values["matmul_flops"]
@@ -60,7 +64,9 @@ def calibrate(cache_dir: str | None = None) -> str:
         f"{values['op_overhead_s'] * 1e6:.1f} us, AdamW {values['optimizer_s_per_param'] * 1e9:.1f}"
         " ns per parameter",
         f"all-reduce: {ar}",
-        f"runtime memory per rank {values['overhead_bytes'] / 2**20:.0f} MiB",
+        f"runtime memory per rank {values['overhead_bytes'] / 2**20:.0f} MiB, "
+        f"+{values['given_gradient_bytes'] / 2**20:.0f} MiB on a rank that runs a backward "
+        "from a given gradient",
         f"stored in {path} ({time.perf_counter() - start:.0f} s)"])
 
 
@@ -137,3 +143,27 @@ def runtime_memory(peak_rss_bytes: float, values: dict) -> float:
     device = cpu_profile({**values, "overhead_bytes": 0})
     _, flights = step_time(shape, layout, settings_of(cfg), device)
     return peak_rss_bytes - peak_memory(shape, layout, settings_of(cfg), flights, 0.0).total
+
+
+_GIVEN_GRADIENT = """
+import torch
+def rss():
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) * 1024
+x = torch.ones(4, requires_grad=True)
+y = x * 2
+before = rss()
+torch.autograd.backward(y, torch.ones(4))
+print(rss() - before)
+"""
+
+
+def given_gradient_memory() -> float:
+    """The resident bytes a fresh process gains on its first backward from a given
+    gradient (``torch.autograd.backward(y, grad)``), as the OS counts them."""
+    done = subprocess.run([sys.executable, "-c", _GIVEN_GRADIENT], capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise ValueError(f"--calibrate: measuring a backward failed: {done.stderr[-500:]}")
+    return float(done.stdout.split()[-1])
+

@@ -47,7 +47,10 @@ class DeviceProfile:
     ``inter``: across nodes), per message of a ring step; ``collective_factor``:
     how much slower than a ring over those links each collective runs
     (measured on gloo, 1 for NCCL); ``overhead_bytes``: what a rank's process
-    holds besides the model (runtime, libraries, communication buffers)."""
+    holds besides the model (runtime, libraries, communication buffers);
+    ``given_gradient_bytes``: what it gains on its first backward from a given
+    gradient (a pipeline stage before the last, a W pass), when PyTorch loads its
+    symbolic-shape code (host memory: 0 where device memory is predicted)."""
 
     name: str
     memory_bytes: float
@@ -68,6 +71,7 @@ class DeviceProfile:
     # all-gather run as all-reduces (meshwise.comm.policy on gloo)
     all_reduce: dict[int, LinkCost] = field(default_factory=dict)
     collectives_as_all_reduce: bool = False
+    given_gradient_bytes: float = 0.0
     optimizer_s_per_param: float = 0.0  # AdamW over one owned parameter (0: memory-bound)
     # a family's measured layer time over the roofline's (CPU: --calibrate; GPU: 1)
     layer_time_factor: dict[str, float] = field(default_factory=dict)
@@ -109,7 +113,7 @@ CPU_DEFAULTS = {
     "matmul_flops": {"fp32": 88e9, "bf16": 200e9}, "attention_efficiency": 0.4,
     "memory_bandwidth": 22e9, "op_overhead_s": 3.5e-6,
     "links": {"intra": {"alpha_s": 170e-6, "beta_s_per_byte": 1 / 5.8e9}},
-    "overhead_bytes": 270 * 2**20, "collective_factor": {},
+    "overhead_bytes": 270 * 2**20, "given_gradient_bytes": 33 * 2**20, "collective_factor": {},
     "all_reduce": {"2": {"alpha_s": 390e-6, "beta_s_per_byte": 1 / 1.2e9},
                    "4": {"alpha_s": 1.9e-3, "beta_s_per_byte": 1 / 0.4e9}},
     "optimizer_s_per_param": 27e-9, "layer_time_factor": {"gpt": 1.0, "llama": 1.3},
@@ -152,7 +156,8 @@ def cpu_profile(calibration: dict | None, cores: int | None = None) -> DevicePro
         collective_factor=values["collective_factor"], memory_per_node=True,
         all_reduce={int(size): LinkCost(c["alpha_s"], c["beta_s_per_byte"])
                     for size, c in values["all_reduce"].items()},
-        collectives_as_all_reduce=True, optimizer_s_per_param=values["optimizer_s_per_param"],
+        collectives_as_all_reduce=True, given_gradient_bytes=values["given_gradient_bytes"],
+        optimizer_s_per_param=values["optimizer_s_per_param"],
         layer_time_factor=values.get("layer_time_factor", {}))
 
 

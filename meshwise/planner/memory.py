@@ -16,7 +16,9 @@ What a rank holds at its peak (the first backward after the most forwards):
   once, which the pipeline simulator counts for each schedule;
 - the last stage's logits and loss, the pipeline's messages in flight;
 - the runtime's fixed overhead (libraries, allocator, communication buffers),
-  measured once per device (``meshwise.planner.devices``).
+  measured once per device (``meshwise.planner.devices``), and on a rank that
+  runs a backward from a given gradient (every pipeline rank but a last stage
+  alone, all of them under a split backward) what PyTorch loads for that.
 """
 
 from __future__ import annotations
@@ -123,19 +125,30 @@ def activation_bytes_per_token(shape: ModelShape, layout: Layout, dtype: str) ->
 
 
 def peak_memory(shape: ModelShape, layout: Layout, settings: Settings, in_flight: list[int],
-                overhead_bytes: float) -> MemoryBreakdown:
+                overhead_bytes: float, given_gradient_bytes: float = 0.0) -> MemoryBreakdown:
     """The worst rank's peak. ``in_flight[r]``: (micro-batch, chunk) activations pipeline
-    rank r keeps at most at once (the simulator's count; ``[1]`` without a pipeline)."""
+    rank r keeps at most at once (the simulator's count; ``[1]`` without a pipeline);
+    ``overhead_bytes``, ``given_gradient_bytes``: the device profile's."""
     worst, seen = None, set()
     for rank in range(layout.pp):
         role = (rank == 0, rank == layout.pp - 1, in_flight[rank])
         if role in seen:
             continue  # the same memory as a rank already counted
         seen.add(role)
-        b = _rank_memory(shape, layout, settings, rank, in_flight[rank], overhead_bytes)
+        overhead = overhead_bytes + given_gradient_bytes * _backward_from_gradient(layout, rank)
+        b = _rank_memory(shape, layout, settings, rank, in_flight[rank], overhead)
         if worst is None or b.total > worst.total:
             worst = b
     return worst
+
+
+def _backward_from_gradient(layout: Layout, rank: int) -> bool:
+    """Whether pipeline ``rank`` runs a backward from a received gradient (a chunk before
+    the last stage) or a W pass (a split backward's weight gradients)."""
+    if layout.pp == 1:
+        return False
+    split = layout.schedule in ("zb-h1", "zbv", "dualpipev")
+    return split or layout.virtual_stages > 1 or rank < layout.pp - 1
 
 
 def _rank_memory(shape, layout: Layout, st: Settings, rank: int, in_flight: int,

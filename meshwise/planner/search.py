@@ -63,7 +63,8 @@ def predict(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfi
     """Predicted memory and time of one layout (any layout, valid or not); ``pipe``: its
     pipeline part, when already timed (it does not depend on the ZeRO stage)."""
     time, flights = step_time(shape, layout, st, device, pipe)
-    memory = peak_memory(shape, layout, st, flights, device.overhead_bytes)
+    memory = peak_memory(shape, layout, st, flights, device.overhead_bytes,
+                         device.given_gradient_bytes)
     tokens = st.batch_size * st.seq_len / time.step
     peak = device.peak_flops.get(st.dtype) or device.matmul_rate(st.dtype)
     mfu = shape.model_flops_per_token(st.seq_len) * tokens / (layout.world_size * peak)
