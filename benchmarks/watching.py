@@ -12,7 +12,9 @@
    GPT (``meshwise.models.gpt.GPT``, ``torch.optim.AdamW``, the same batches'
    shapes, one process) is timed too, and its rate put against the peak
    meshwise reported (``tflops / mfu`` of its metrics): the two MFUs should
-   agree, since both count the model's FLOPs the same way.
+   agree, since both count the model's FLOPs the same way. The two alternate,
+   ``--rounds`` pairs, since on a shared machine one run of each can differ by
+   20% on its own.
 
 The last line is one JSON object.
 
@@ -94,17 +96,23 @@ def plain_loop_rate(steps: int, warmup: int) -> float:
 
 
 def mfu_check(args, folder: Path) -> dict:
-    _, records = _run(folder, 3 * args.steps, "--dp", "1")
-    kept = records[args.steps // 2:]
-    mfu = statistics.median(r["mfu"] for r in kept)
-    peak = statistics.median(r["tflops"] / r["mfu"] for r in kept) * 1e12
-    flops_per_token = statistics.median(r["tflops"] * 1e12 * r["step_time_s"] / r["tokens"]
-                                        for r in kept)
-    torch.set_num_threads(os.cpu_count() or 1)
-    rate = plain_loop_rate(3 * args.steps, args.steps // 2)
-    plain = rate * flops_per_token / peak
+    """``--rounds`` alternating pairs (meshwise, then the plain loop), so that the
+    machine's drift hits both; medians, and the median of each pair's ratio."""
+    threads = torch.get_num_threads()
+    mfus, plains = [], []
+    for _ in range(args.rounds):
+        _, records = _run(folder, 3 * args.steps, "--dp", "1")
+        kept = records[args.steps // 2:]
+        peak = statistics.median(r["tflops"] / r["mfu"] for r in kept) * 1e12
+        flops_per_token = statistics.median(r["tflops"] * 1e12 * r["step_time_s"] / r["tokens"]
+                                            for r in kept)
+        mfus.append(statistics.median(r["mfu"] for r in kept))
+        torch.set_num_threads(os.cpu_count() or 1)  # as the one rank of --dp 1 runs
+        plains.append(plain_loop_rate(3 * args.steps, args.steps // 2) * flops_per_token / peak)
+        torch.set_num_threads(threads)
+    mfu, plain = statistics.median(mfus), statistics.median(plains)
     return {"meshwise_mfu": mfu, "plain_loop_mfu": plain, "meshwise_vs_plain": mfu / plain,
-            "peak_tflops": peak / 1e12}
+            "paired_ratios": [m / p for m, p in zip(mfus, plains)], "peak_tflops": peak / 1e12}
 
 
 def main() -> None:
