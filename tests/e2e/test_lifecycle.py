@@ -90,8 +90,9 @@ def test_ranks_die_with_a_killed_launcher(tmp_path, corpus):
     assert _wait_gone(ranks, 10) < 10
 
 
-def _start_ranks(tmp_path, corpus, num_ranks, *flags):
-    """A long run on ``num_ranks`` ranks, once they train: (launcher, rank pids)."""
+def _start_ranks(tmp_path, corpus, num_ranks, *flags, steps_done: int = 2):
+    """A long run on ``num_ranks`` ranks, once they have trained ``steps_done`` steps:
+    (launcher, rank pids)."""
     env = dict(os.environ, MESHWISE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.Popen(
@@ -101,7 +102,7 @@ def _start_ranks(tmp_path, corpus, num_ranks, *flags):
         start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until every rank trains
-        if metrics.exists() and len(read_metrics(metrics)) >= 2:
+        if metrics.exists() and len(read_metrics(metrics)) >= steps_done:
             ranks = _ranks(proc.pid)
             if len(ranks) == num_ranks:
                 return proc, ranks
@@ -118,7 +119,9 @@ def _peak_kib(pid: int) -> int:
 
 
 def test_a_single_rank_killed_like_by_the_oom_killer_is_named_with_its_peak(tmp_path, corpus):
-    proc, ranks = _start_ranks(tmp_path, corpus, 1)  # one rank: still a child of the launcher
+    # One rank: still a child of the launcher. The launcher samples the rank's VmHWM every
+    # 0.1 s and the rank resets it each step, so give it some steps' samples first.
+    proc, ranks = _start_ranks(tmp_path, corpus, 1, steps_done=20)
     peak_gib = _peak_kib(ranks[0]) / 2**20
     err, took = _signal_and_wait(proc, ranks[0], signal.SIGKILL, timeout=30)
     assert proc.returncode == 1, err
