@@ -56,6 +56,7 @@ from meshwise.pipeline.placement import place_messages
 from meshwise.pipeline.zero_bubble import dualpipev_order, zb_h1_order, zbv_order
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # kinds with W actions (a split backward)
 # Chunks per rank a kind runs (None: any V >= 2) and its stage map.
 _CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": None, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
 STAGE_MAP_OF = {"zbv": "v", "dualpipev": "v"}

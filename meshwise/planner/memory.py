@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshwise.pipeline.schedules import SPLIT_BACKWARD
 from meshwise.planner.layout import Layout
 from meshwise.planner.shapes import ModelShape
 
@@ -147,8 +148,8 @@ def _backward_from_gradient(layout: Layout, rank: int) -> bool:
     the last stage) or a W pass (a split backward's weight gradients)."""
     if layout.pp == 1:
         return False
-    split = layout.schedule in ("zb-h1", "zbv", "dualpipev")
-    return split or layout.virtual_stages > 1 or rank < layout.pp - 1
+    return (layout.schedule in SPLIT_BACKWARD or layout.virtual_stages > 1
+            or rank < layout.pp - 1)
 
 
 def _rank_memory(shape, layout: Layout, st: Settings, rank: int, in_flight: int,

@@ -6,8 +6,9 @@ import json
 import pytest
 
 from meshwise.pipeline.actions import stage_index, stage_owner
-from meshwise.pipeline.schedules import (ScheduleError, build_schedule, from_compute_orders,
-                                         parse_action, validate_schedule_config)
+from meshwise.pipeline.schedules import (SCHEDULE_KINDS, SPLIT_BACKWARD, ScheduleError,
+                                         build_schedule, from_compute_orders, parse_action,
+                                         validate_schedule_config)
 from meshwise.pipeline.simulator import reference_bubble, render_text, simulate
 from meshwise.pipeline.validate import validate
 
@@ -31,6 +32,12 @@ def test_every_split_schedule_runs_with_blocking_and_eager_sends(kind, V):
             for rank in range(S):
                 weights = [a for a in schedule.compute_actions(rank) if a.kind == "W"]
                 assert len(weights) <= M * V
+
+
+def test_split_backward_names_the_kinds_with_weight_passes():
+    V = {"interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}
+    split = [k for k in SCHEDULE_KINDS if build_schedule(k, 2, 4, V.get(k, 1)).has_weight_actions]
+    assert tuple(split) == SPLIT_BACKWARD
 
 
 def test_zb_h1_postpones_the_first_rank_weight_passes():
