@@ -10,7 +10,8 @@ rank and torchrun does the supervising.
 
 Ranks never outlive their launcher: each asks the kernel for SIGKILL when its
 parent dies (Linux ``PR_SET_PDEATHSIG``), so even ``kill -9`` of the launcher
-ends them. Under torchrun the parent is torchrun's agent, and a rank does the
+ends them. Out of memory, the kernel should kill a rank rather than the
+launcher that reports it: local ranks raise their ``oom_score_adj``. Under torchrun the parent is torchrun's agent, and a rank does the
 same as soon as it starts (``die_with_parent``). SIGTERM and Ctrl-C stop the
 ranks the same way: SIGTERM, then after ``STOP_GRACE_S`` SIGKILL for what is
 still there (a stopped or hung rank), and only then the launcher reports them
@@ -42,6 +43,9 @@ log = logging.getLogger("meshwise")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _PR_SET_PDEATHSIG = 1
+# Added to a local rank's oom_score_adj, so that out of memory the kernel kills a rank
+# and not the launcher, which is what names the rank and its peak memory then.
+RANK_OOM_SCORE_ADJ = 300
 
 
 class RankInterrupted(Exception):
@@ -104,6 +108,18 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def prefer_for_oom_kill() -> None:
+    """Raise this process's ``oom_score_adj`` by ``RANK_OOM_SCORE_ADJ`` (Linux; raising
+    it needs no privilege; elsewhere nothing)."""
+    try:
+        with open("/proc/self/oom_score_adj") as f:
+            current = int(f.read())
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(min(1000, current + RANK_OOM_SCORE_ADJ)))
+    except (OSError, ValueError):
+        pass
+
+
 def die_with_torchrun() -> None:
     """Under torchrun, end this rank when its agent dies, even by ``kill -9``.
 
@@ -119,6 +135,7 @@ def die_with_torchrun() -> None:
 def _spawned_child(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple,
                    device: str, timeout_s: float, parent_pid: int) -> None:
     die_with_parent(parent_pid)
+    prefer_for_oom_kill()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler is not the rank's
     # The tokenizers library disables its threads in a forked child, with a warning
     # on first use; say so up front instead.
