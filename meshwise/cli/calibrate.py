@@ -147,14 +147,12 @@ def runtime_memory(peak_rss_bytes: float, values: dict) -> float:
 
 _GIVEN_GRADIENT = """
 import torch
-def rss():
-    with open("/proc/self/status") as f:
-        return int(f.read().split("VmRSS:")[1].split()[0]) * 1024
+from meshwise.train.memory import status_kib
 x = torch.ones(4, requires_grad=True)
 y = x * 2
-before = rss()
+before = status_kib("VmRSS")
 torch.autograd.backward(y, torch.ones(4))
-print(rss() - before)
+print((status_kib("VmRSS") - before) * 1024)
 """
 
 
