@@ -4,11 +4,12 @@ For each model, every layout ``meshwise plan`` lists for the world (each
 factorisation into dp x cp x tp x pp, with and without ``--sp``, each ZeRO
 stage; under a pipeline 1F1B with 2 x pp micro-batches where the batch allows;
 no accumulation, no recomputation), plus each other schedule on one pipeline
-layout and selective and full checkpointing on two others, runs as its own
-``meshwise train`` job. Measured from outside, as every memory benchmark here
+layout and selective and full checkpointing on two others, runs as two
+``meshwise train`` jobs. Measured from outside, as every memory benchmark here
 measures: the worst rank's peak resident set over the whole run (start-up
 included; ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns freed memory),
-and the median step time after the first step. Predicted: ``meshwise plan
+and, in a second job without that setting (it costs about 40% more time per
+step on this machine), the median step time after the first step. Predicted: ``meshwise plan
 --explain`` of the same layout, with the machine's calibration
 (``meshwise plan --calibrate``, run first when none is stored).
 
@@ -29,7 +30,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from meshwise.cli.calibrate import train_records  # noqa: E402
 from meshwise.cli.main import build_parser  # noqa: E402
 from meshwise.cli.plan import model_config  # noqa: E402
 from meshwise.planner.devices import load_calibration  # noqa: E402
@@ -83,23 +84,19 @@ def layouts_to_run(request) -> list[Layout]:
 
 
 def measure(model_flags: list[str], layout: Layout, steps: int, cache: str) -> dict:
-    """One ``meshwise train`` job: the worst rank's peak RSS, the median step time, and the
-    share of the machine's CPU that other processes took while it ran (other jobs)."""
+    """Two ``meshwise train`` jobs of the layout: the worst rank's peak RSS from one,
+    the median step time from the other, run as users run (``train_records``); and the
+    share of the machine's CPU that other processes took while the second ran."""
+    flags = [*model_flags, *SEQUENCE, *layout.flags().split(), "--steps", str(steps),
+             "--eval-batches", "1", "--warmup-steps", "1", "--device", "cpu", "-q"]
+    env = dict(os.environ, MESHWISE_CACHE=cache)
+    env.pop("MESHWISE_COMM_CHECK", None)
+    memory = train_records(flags, live_peak=True, env=env)
     share = OthersShare()
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = Path(tmp) / "m.jsonl"
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MESHWISE_CACHE=cache)
-        env.pop("MESHWISE_COMM_CHECK", None)
-        cmd = [sys.executable, "-m", "meshwise", "train", *model_flags, *SEQUENCE,
-               *layout.flags().split(), "--steps", str(steps), "--eval-batches", "1",
-               "--warmup-steps", "1", "--device", "cpu", "--metrics", str(metrics), "-q"]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)}\n{done.stderr[-2000:]}")
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    timed = train_records(flags, live_peak=False, env=env)
     others = share.measured()
-    times = [r["step_time_s"] for r in records[1:]]
-    return {"peak_rss_bytes": records[-1]["peak_rss_bytes"],
+    times = [r["step_time_s"] for r in timed[1:]]
+    return {"peak_rss_bytes": memory[-1]["peak_rss_bytes"],
             "step_time_s": statistics.median(times),
             "spread": (max(times) - min(times)) / statistics.median(times),
             "others_cpu_share": others}
@@ -123,8 +120,16 @@ def run_models(names: list[str], args, cache: str, saved: dict | None = None) ->
                                           row["measured"]))
                 print_row(name, rows[name][-1])
         return [summarize(name, rows[name]) for name in names if rows[name]]
-    queues = {name: sorted(layouts_to_run(r), key=lambda l: l.zero) for name, r in
-              requests.items()}
+    kept = json.loads(Path(args.out).read_text())["models"] if args.resume and Path(
+        args.out).exists() else {}
+    for name in names:  # --resume: what an earlier run of the same --out measured
+        for row in kept.get(name, []):
+            rows[name].append(compare(requests[name], Layout.parse(row["layout"]),
+                                      row["measured"]))
+            print_row(name, rows[name][-1])
+    done = {name: {r["layout"] for r in rows[name]} for name in names}
+    queues = {name: [l for l in sorted(layouts_to_run(r), key=lambda l: l.zero)
+                     if l.flags() not in done[name]] for name, r in requests.items()}
     while any(queues.values()):
         for name in names:
             if queues[name]:
@@ -182,7 +187,10 @@ def print_row(name: str, row: dict) -> None:
 def summarize(name: str, rows: list[dict]) -> dict:
     mem = [abs(r["mem_err"]) for r in rows]
     tim = [abs(r["time_err"]) for r in rows]
-    predicted_best = min(rows, key=lambda r: r["pred_s"])
+    # the planner's own order (search._rank_key): predicted speed to three digits, ties
+    # to the layout using less memory, then to the shorter command line
+    predicted_best = min(rows, key=lambda r: (float(f"{r['pred_s']:.3g}"),
+                                              round(r["pred_mem"] / MIB), len(r["layout"])))
     # measured step time on the CPU the job had, as on an idle machine (see ``compare``)
     measured = sorted(rows, key=lambda r: r["meas_s"] * (1 - r["measured"]["others_cpu_share"]))
     rank = measured.index(predicted_best) + 1
@@ -213,6 +221,8 @@ def main(argv=None) -> None:
                    help="where the measurements are kept (default: %(default)s)")
     p.add_argument("--from", dest="saved", default=None, metavar="FILE",
                    help="predict again for the measurements of an earlier --out, running nothing")
+    p.add_argument("--resume", action="store_true",
+                   help="keep what an earlier run of the same --out measured; run the rest")
     p.add_argument("--gpus-only", action="store_true",
                    help="only the published GPU results and the planning time")
     args = p.parse_args(argv)
@@ -230,7 +240,7 @@ def main(argv=None) -> None:
     summaries = []
     if not args.gpus_only:
         saved = json.loads(Path(args.saved).read_text()) if args.saved else None
-        if not args.saved and Path(args.out).exists():
+        if not args.saved and not args.resume and Path(args.out).exists():
             Path(args.out).unlink()  # a new run
         summaries = run_models(args.models.split(","), args, cache, saved)
     print(json.dumps({"world": args.world, "models": summaries, "published": gpus,

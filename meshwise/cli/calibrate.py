@@ -1,22 +1,27 @@
 """``meshwise plan --calibrate``: measure this machine once and store it for ``--device cpu``.
 
-Three kinds of measurement, each of what the cost model rates:
+Four kinds of measurement, each of what the cost model rates:
 
 - probes on one thread in this process (``meshwise.planner.probes``): matmul
   FLOP/s per dtype, attention's efficiency, memory bandwidth, an op's dispatch;
 - the all-reduce's and a link's alpha-beta on 2 and 4 local gloo ranks
   (``meshwise.comm.allreducer.probe``, as ``bench comm``'s adaptive algorithm
-  measures them);
-- one short ``meshwise train`` run of a small GPT on 2 ranks, measured from
+  measures them), and how far those ranks drift apart between collectives
+  (``meshwise.planner.probes.rank_drift``);
+- two short ``meshwise train`` runs of a small GPT on 2 ranks, measured from
   outside as every benchmark is (peak RSS of the worst rank, with
-  ``MALLOC_MMAP_THRESHOLD_=65536``; each step's optimizer time): the runtime's
+  ``MALLOC_MMAP_THRESHOLD_=65536``; each step's optimizer time, in the second
+  run without that setting, as users run): the runtime's
   fixed memory is its peak RSS less what the planner predicts for the model,
   and AdamW's cost per parameter is the trainer's own optimizer phase (gradient
   norm, clipping and the update together), the share of the CPU other jobs took
   meanwhile taken out of its clock;
-- in a fresh process, the resident memory a first backward from a given
+- in fresh processes, the resident memory a first backward from a given
   gradient adds (PyTorch loads its symbolic-shape code then): what a pipeline
-  rank before the last stage holds beyond a data-parallel rank.
+  rank before the last stage holds beyond a data-parallel rank; and what a first
+  checkpointed backward adds (``torch.utils.checkpoint`` loads the compiler's
+  front end, the symbolic-shape code with it): what a rank holds more under
+  activation checkpointing.
 
 The results go to ``CACHE/planner-calibration.json``.
 """
@@ -48,9 +53,10 @@ def calibrate(cache_dir: str | None = None) -> str:
 
     start = time.perf_counter()
     values = local_probes()
-    values["all_reduce"], values["links"] = _comm()
+    values["all_reduce"], values["drift"], values["links"] = _comm()
     values.update(_training_run(values))
     values["given_gradient_bytes"] = given_gradient_memory()
+    values["checkpointing_bytes"] = checkpointing_memory()
     values["when"] = time.strftime("%Y-%m-%d %H:%M")
     path = save_calibration(values, Path(cache_dir) if cache_dir else None)
     mm = values["matmul_flops"]
@@ -63,22 +69,25 @@ def calibrate(cache_dir: str | None = None) -> str:
         f"memory {values['memory_bandwidth'] / 1e9:.1f} GB/s, op dispatch "
         f"{values['op_overhead_s'] * 1e6:.1f} us, AdamW {values['optimizer_s_per_param'] * 1e9:.1f}"
         " ns per parameter",
-        f"all-reduce: {ar}",
+        f"all-reduce: {ar}; after 1 s of compute a collective waits for drifting peers "
+        + ", ".join(f"{k * 1e3:.0f} ms ({size} ranks)" for size, k in values["drift"].items())
+        + " (as the square root of the compute)",
         f"runtime memory per rank {values['overhead_bytes'] / 2**20:.0f} MiB, "
         f"+{values['given_gradient_bytes'] / 2**20:.0f} MiB on a rank that runs a backward "
-        "from a given gradient",
+        f"from a given gradient, +{values['checkpointing_bytes'] / 2**20:.0f} MiB with "
+        "activation checkpointing",
         f"stored in {path} ({time.perf_counter() - start:.0f} s)"])
 
 
-def _comm() -> tuple[dict, dict]:
-    all_reduce, link = {}, None
+def _comm() -> tuple[dict, dict, dict]:
+    all_reduce, drift, link = {}, {}, None
     for world in (2, 4):
         with tempfile.TemporaryDirectory() as out:
             launch.launch(_probe_rank, (out,), world, "cpu", 120.0)
             result = json.loads((Path(out) / "probe.json").read_text())
-        all_reduce[str(world)] = result["all_reduce"]
+        all_reduce[str(world)], drift[str(world)] = result["all_reduce"], result["drift"]
         link = link or result["link"]
-    return all_reduce, {"intra": link}
+    return all_reduce, drift, {"intra": link}
 
 
 def _probe_rank(out: str) -> None:
@@ -102,30 +111,44 @@ def _run_config():
 
 
 def _training_run(values: dict) -> dict:
-    """The fixed memory of a rank and AdamW's cost, from one real run measured outside."""
+    """The fixed memory of a rank and AdamW's cost, from two real runs measured outside:
+    memory with ``MALLOC_MMAP_THRESHOLD_`` (freed memory returned, so the peak is what is
+    live), time without it (as users run: fresh pages for every large tensor would make
+    the optimizer's temporaries cost more than they do)."""
     from meshwise.planner.devices import cpu_profile
     from meshwise.planner.probes import OthersShare
     from meshwise.planner.shapes import model_shape
 
+    memory = train_records(RUN_FLAGS, live_peak=True)
     share = OthersShare()
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = Path(tmp) / "m.jsonl"
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        done = subprocess.run([sys.executable, "-m", "meshwise", "train", *RUN_FLAGS,
-                               "--metrics", str(metrics)], env=env, capture_output=True,
-                              text=True)
-        if done.returncode:
-            raise ValueError(f"--calibrate: the measuring run failed: {done.stderr[-500:]}")
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    timed = train_records(RUN_FLAGS, live_peak=False)
     # the run's own CPU, as on an idle machine: other jobs' share taken out of its clock
     available = 1.0 - share.measured()
     cfg = _run_config()
     shape = model_shape(cfg)
     optimizer = available * statistics.median(r["time_breakdown"]["optimizer"]
-                                              for r in records[1:])
+                                              for r in timed[1:])
     ranks_per_core = max(1.0, RUN_WORLD / (cpu_profile(values).cores or 1))
-    return {"overhead_bytes": runtime_memory(records[-1]["peak_rss_bytes"], values),
+    return {"overhead_bytes": runtime_memory(memory[-1]["peak_rss_bytes"], values),
             "optimizer_s_per_param": optimizer / ranks_per_core / shape.num_params}
+
+
+def train_records(flags: list[str], live_peak: bool, env: dict | None = None) -> list[dict]:
+    """The metrics records of one ``meshwise train FLAGS`` job. ``live_peak``: with
+    ``MALLOC_MMAP_THRESHOLD_=65536``, so that glibc returns what is freed and the peak RSS
+    is the live bytes' (a memory measurement); else without it, as users run (a timing:
+    that setting makes every large tensor fresh pages, about 40% more time per step)."""
+    env = dict(os.environ if env is None else env)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if live_peak:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        cmd = [sys.executable, "-m", "meshwise", "train", *flags, "--metrics", str(metrics)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def runtime_memory(peak_rss_bytes: float, values: dict) -> float:
@@ -145,23 +168,46 @@ def runtime_memory(peak_rss_bytes: float, values: dict) -> float:
     return peak_rss_bytes - peak_memory(shape, layout, settings_of(cfg), flights, 0.0).total
 
 
-_GIVEN_GRADIENT = """
+# Two things a rank does that make PyTorch load code it had not loaded yet, each run in a
+# fresh process after a plain backward (what every rank runs anyway).
+_PLAIN_BACKWARD = """
 import torch
 from meshwise.train.memory import status_kib
 x = torch.ones(4, requires_grad=True)
-y = x * 2
+(x * 2).sum().backward()
 before = status_kib("VmRSS")
+"""
+_GIVEN_GRADIENT = _PLAIN_BACKWARD + """
+y = x * 2
 torch.autograd.backward(y, torch.ones(4))
+print((status_kib("VmRSS") - before) * 1024)
+"""
+_CHECKPOINTED = _PLAIN_BACKWARD + """
+from torch import nn
+from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
+blocks = nn.ModuleList([nn.Linear(4, 4)])
+apply_activation_checkpointing(blocks, "full")
+blocks[0](x).sum().backward()
 print((status_kib("VmRSS") - before) * 1024)
 """
 
 
 def given_gradient_memory() -> float:
     """The resident bytes a fresh process gains on its first backward from a given
-    gradient (``torch.autograd.backward(y, grad)``), as the OS counts them."""
-    done = subprocess.run([sys.executable, "-c", _GIVEN_GRADIENT], capture_output=True,
-                          text=True)
-    if done.returncode:
-        raise ValueError(f"--calibrate: measuring a backward failed: {done.stderr[-500:]}")
-    return float(done.stdout.split()[-1])
+    gradient (``torch.autograd.backward(y, grad)``: PyTorch's symbolic-shape code), as
+    the OS counts them."""
+    return _gained(_GIVEN_GRADIENT, "a backward from a given gradient")
 
+
+def checkpointing_memory() -> float:
+    """The resident bytes a fresh process gains on its first checkpointed backward
+    (``torch.utils.checkpoint`` loads the compiler's front end, the symbolic-shape code
+    with it), as the OS counts them."""
+    return _gained(_CHECKPOINTED, "a checkpointed backward")
+
+
+def _gained(script: str, what: str) -> float:
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    if done.returncode:
+        raise ValueError(f"--calibrate: measuring {what} failed: {done.stderr[-500:]}")
+    return float(done.stdout.split()[-1])

@@ -124,7 +124,9 @@ def ring_forward(q, k, v, ring, scale: float, keep_for=None, blocks_of=None):
             o, o_lse = blocks.block_forward(q[:, :, rows], kv[0][:, :, cols],
                                             kv[1][:, :, cols], causal, scale, keep, mask)
         if step == 0:  # its own block: every query sees its first key there
-            out, lse = o.to(acc), o_lse
+            # copies that the merges below may change: the kernel's own outputs are
+            # what selective checkpointing keeps, to hand back unchanged in the recompute
+            out, lse = o.to(acc, copy=True), o_lse.clone()
         elif block is not None:
             blocks.merge(out[:, :, rows], lse[:, :, rows], o.to(acc), o_lse, o_lse)
         if step < ring.size - 1:

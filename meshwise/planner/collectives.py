@@ -1,5 +1,9 @@
 """What one collective costs over a link model (Hockney's alpha-beta per message).
 
+A collective is also a meeting: each rank waits there for peers whose compute since
+the last one ran slower (``sync_wait_s``), which a probe of back-to-back calls
+never sees and a CPU shared with other work shows most.
+
 A ring over ``p`` ranks moves a tensor of ``n`` bytes in ``p - 1`` steps of
 ``n / p`` (reduce-scatter, all-gather) or ``2 (p - 1)`` (all-reduce; Thakur
 et al. 2005), each step ``alpha + (n / p) beta`` on the slowest link the ring
@@ -38,3 +42,13 @@ def collective_s(device: DeviceProfile, kind: str, nbytes: float, size: int, lin
 def p2p_s(device: DeviceProfile, nbytes: float, link: str) -> float:
     """One message of ``nbytes`` between two ranks."""
     return device.link(link).time(nbytes) if nbytes > 0 else 0.0
+
+
+def sync_wait_s(device: DeviceProfile, size: int, syncs: float, compute_s: float) -> float:
+    """What a rank waits at ``syncs`` blocking collectives of a group of ``size`` ranks,
+    spread evenly over ``compute_s`` seconds of its compute, for peers that drifted behind
+    since the last one: ``drift x sqrt(compute between two)`` each, so ``drift x
+    sqrt(syncs x compute_s)`` in all (``DeviceProfile.drift``)."""
+    if size <= 1 or syncs <= 0 or compute_s <= 0:
+        return 0.0
+    return device.drift_at(size) * (syncs * compute_s) ** 0.5

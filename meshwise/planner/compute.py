@@ -12,17 +12,20 @@ a forward (``full``) or its element-wise part (``selective``) to ``B``.
 
 Tensor parallelism adds two all-reduces of the layer's activations to each
 forward and backward (Megatron-LM; with ``--sp`` an all-gather and a
-reduce-scatter of the same volume, and the backward's re-gather of the column
-layers' inputs); context parallelism passes key/value blocks around the ring
-``cp - 1`` times (their gradients too in the backward), hidden behind attention
-where the device overlaps communication.
+reduce-scatter in their place, and the backward's re-gather of the column
+layers' inputs; a recompute repeats the forward's up to the last one it needs),
+and at each a wait for the other tp ranks (``sync_wait_s``); context
+parallelism passes key/value blocks around the ring ``cp - 1`` times (their
+gradients too in the backward, and again in a recompute), hidden behind
+attention where the device overlaps communication, else exposed with a wait for
+the ring's neighbours at each exchange.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshwise.planner.collectives import collective_s, link_kind, p2p_s
+from meshwise.planner.collectives import collective_s, link_kind, p2p_s, sync_wait_s
 from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import DTYPE_BYTES, Settings, activation_bytes_per_token
@@ -74,6 +77,7 @@ def action_costs(shape: ModelShape, layout: Layout, st: Settings, device: Device
                                                 else 0.0)
     weights = matmul
     factor = device.layer_time_factor.get(shape.family, 1.0)
+    layer_compute = factor * (forward + backward + weights)
     f, b, w = (layers * factor * x for x in (forward, backward, weights))
     if first:
         f += n * shape.d_model * a * 2 / device.memory_bandwidth
@@ -82,33 +86,47 @@ def action_costs(shape: ModelShape, layout: Layout, st: Settings, device: Device
         head = 2.0 * n * shape.d_model * vocab / rate
         loss = n * vocab * 4 * 6 / device.memory_bandwidth  # log-softmax and its gradient
         f, b, w = f + head + loss / 2, b + head + loss / 2, w + head
-    tp = layers * _tp_per_layer(shape, layout, st, device, n)
-    cp = layers * _cp_per_layer(shape, layout, st, device, n, attention)
+    tp = layers * _tp_per_layer(shape, layout, st, device, n, layer_compute)
+    cp = layers * _cp_per_layer(shape, layout, st, device, n, attention, layer_compute)
     return ActionCosts(f, b, w, tp, cp)
 
 
-def _tp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n: int) -> float:
-    """Exposed tp communication of one layer, forward and backward."""
+def _tp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n: int,
+                  layer_compute: float) -> float:
+    """Exposed tp communication of one layer, forward and backward, and the waits for the
+    other tp ranks at each of its collectives (``layer_compute``: the layer's seconds)."""
     if layout.tp == 1:
         return 0.0
     nbytes = n * shape.d_model * DTYPE_BYTES[st.dtype]
     link = link_kind(1, layout.tp, device.ranks_per_node)
-    one = collective_s(device, "all_reduce", nbytes, layout.tp, link)
-    total = 4 * one  # two in the forward, two in the backward
-    if layout.sp:  # the column layers' inputs gathered again in the backward
-        total += 2 * collective_s(device, "all_gather", nbytes, layout.tp, link)
-    return total
+    recompute = layout.activation_checkpointing != "none"
+    if layout.sp:
+        # forward: a gather before each pair of column layers, a reduce-scatter after each
+        # row layer; backward: their transposes, and the column layers' inputs gathered
+        # again; a recompute repeats the forward up to the MLP's gather (its input is the
+        # last thing the backward needs, so the recompute stops there)
+        counts = {"all_gather": 6 + 2 * recompute, "reduce_scatter": 4 + recompute}
+    else:  # after each row layer, and its transpose before each pair of column layers
+        counts = {"all_reduce": 4 + recompute}
+    moved = sum(k * collective_s(device, kind, nbytes, layout.tp, link)
+                for kind, k in counts.items())
+    return moved + sync_wait_s(device, layout.tp, sum(counts.values()), layer_compute)
 
 
 def _cp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n: int,
-                  attention: float) -> float:
-    """Exposed ring-attention communication of one layer, forward and backward."""
+                  attention: float, layer_compute: float) -> float:
+    """Exposed ring-attention communication of one layer, forward and backward, and the
+    waits for the ring's neighbours at each exchange where it is not hidden."""
     if layout.cp == 1:
         return 0.0
     kv = n * 2 * shape.kv_width // layout.tp * DTYPE_BYTES[st.dtype]
     link = link_kind(layout.tp, layout.cp, device.ranks_per_node)
     ring = (layout.cp - 1) * p2p_s(device, kv, link)
-    total = ring + 2 * ring  # keys and values; in the backward their gradients too
+    recompute = layout.activation_checkpointing != "none"
+    # keys and values around the ring; in the backward their gradients too; a recompute
+    # passes the keys and values around again
+    total = ring * (3 + recompute)
     if device.overlap:
         return max(0.0, total - 3.5 * attention)
-    return total
+    exchanges = (layout.cp - 1) * (2 + recompute) + 1  # the keys' gradients come home
+    return total + sync_wait_s(device, layout.cp, exchanges, layer_compute)

@@ -50,7 +50,9 @@ class DeviceProfile:
     holds besides the model (runtime, libraries, communication buffers);
     ``given_gradient_bytes``: what it gains on its first backward from a given
     gradient (a pipeline stage before the last, a W pass), when PyTorch loads its
-    symbolic-shape code (host memory: 0 where device memory is predicted)."""
+    symbolic-shape code (host memory: 0 where device memory is predicted);
+    ``checkpointing_bytes``: what it gains on its first checkpointed backward, when
+    ``torch.utils.checkpoint`` loads the compiler's front end (host memory too)."""
 
     name: str
     memory_bytes: float
@@ -72,15 +74,27 @@ class DeviceProfile:
     all_reduce: dict[int, LinkCost] = field(default_factory=dict)
     collectives_as_all_reduce: bool = False
     given_gradient_bytes: float = 0.0
+    checkpointing_bytes: float = 0.0  # what a first checkpointed backward loads (host memory)
     optimizer_s_per_param: float = 0.0  # AdamW over one owned parameter (0: memory-bound)
     # a family's measured layer time over the roofline's (CPU: --calibrate; GPU: 1)
     layer_time_factor: dict[str, float] = field(default_factory=dict)
+    # by group size: seconds a rank waits at a blocking collective for peers that computed
+    # slower since the last one, per square root of the seconds of that compute
+    # (--calibrate's rank_drift; 0 on GPUs, whose kernels keep a steadier pace than a
+    # shared CPU's and whose collectives overlap compute)
+    drift: dict[int, float] = field(default_factory=dict)
 
     def matmul_rate(self, dtype: str) -> float:
         return self.matmul_flops[dtype]
 
     def link(self, kind: str) -> LinkCost:
         return self.links.get(kind) or self.links["intra"]
+
+    def drift_at(self, size: int) -> float:
+        """The drift of a group of ``size`` ranks: the one measured at that size, else at
+        the largest measured below it (0 with none)."""
+        below = [n for n in self.drift if n <= size]
+        return self.drift[max(below)] if size > 1 and below else 0.0
 
 
 def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, hbm_tbs: float,
@@ -113,10 +127,12 @@ CPU_DEFAULTS = {
     "matmul_flops": {"fp32": 88e9, "bf16": 200e9}, "attention_efficiency": 0.4,
     "memory_bandwidth": 22e9, "op_overhead_s": 3.5e-6,
     "links": {"intra": {"alpha_s": 170e-6, "beta_s_per_byte": 1 / 5.8e9}},
-    "overhead_bytes": 270 * 2**20, "given_gradient_bytes": 33 * 2**20, "collective_factor": {},
+    "overhead_bytes": 270 * 2**20, "given_gradient_bytes": 33 * 2**20,
+    "checkpointing_bytes": 76 * 2**20, "collective_factor": {},
     "all_reduce": {"2": {"alpha_s": 390e-6, "beta_s_per_byte": 1 / 1.2e9},
                    "4": {"alpha_s": 1.9e-3, "beta_s_per_byte": 1 / 0.4e9}},
     "optimizer_s_per_param": 27e-9, "layer_time_factor": {"gpt": 1.0, "llama": 1.3},
+    "drift": {"2": 0.02, "4": 0.04},
 }
 
 
@@ -157,8 +173,10 @@ def cpu_profile(calibration: dict | None, cores: int | None = None) -> DevicePro
         all_reduce={int(size): LinkCost(c["alpha_s"], c["beta_s_per_byte"])
                     for size, c in values["all_reduce"].items()},
         collectives_as_all_reduce=True, given_gradient_bytes=values["given_gradient_bytes"],
+        checkpointing_bytes=values["checkpointing_bytes"],
         optimizer_s_per_param=values["optimizer_s_per_param"],
-        layer_time_factor=values.get("layer_time_factor", {}))
+        layer_time_factor=values.get("layer_time_factor", {}),
+        drift={int(size): k for size, k in values["drift"].items()})
 
 
 def machine_memory_bytes() -> float:

@@ -18,7 +18,8 @@ What a rank holds at its peak (the first backward after the most forwards):
 - the runtime's fixed overhead (libraries, allocator, communication buffers),
   measured once per device (``meshwise.planner.devices``), and on a rank that
   runs a backward from a given gradient (every pipeline rank but a last stage
-  alone, all of them under a split backward) what PyTorch loads for that.
+  alone, all of them under a split backward) what PyTorch loads for that; under
+  activation checkpointing what ``torch.utils.checkpoint`` loads (more).
 """
 
 from __future__ import annotations
@@ -126,17 +127,21 @@ def activation_bytes_per_token(shape: ModelShape, layout: Layout, dtype: str) ->
 
 
 def peak_memory(shape: ModelShape, layout: Layout, settings: Settings, in_flight: list[int],
-                overhead_bytes: float, given_gradient_bytes: float = 0.0) -> MemoryBreakdown:
+                overhead_bytes: float, given_gradient_bytes: float = 0.0,
+                checkpointing_bytes: float = 0.0) -> MemoryBreakdown:
     """The worst rank's peak. ``in_flight[r]``: (micro-batch, chunk) activations pipeline
     rank r keeps at most at once (the simulator's count; ``[1]`` without a pipeline);
-    ``overhead_bytes``, ``given_gradient_bytes``: the device profile's."""
+    ``overhead_bytes``, ``given_gradient_bytes``, ``checkpointing_bytes``: the device
+    profile's (what checkpointing loads includes what a given gradient does)."""
     worst, seen = None, set()
     for rank in range(layout.pp):
         role = (rank == 0, rank == layout.pp - 1, in_flight[rank])
         if role in seen:
             continue  # the same memory as a rank already counted
         seen.add(role)
-        overhead = overhead_bytes + given_gradient_bytes * _backward_from_gradient(layout, rank)
+        loaded = max(given_gradient_bytes * _backward_from_gradient(layout, rank),
+                     checkpointing_bytes * (layout.activation_checkpointing != "none"))
+        overhead = overhead_bytes + loaded
         b = _rank_memory(shape, layout, settings, rank, in_flight[rank], overhead)
         if worst is None or b.total > worst.total:
             worst = b

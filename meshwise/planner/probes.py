@@ -17,7 +17,8 @@ other work on the machine does not count), the least of several runs:
   over the roofline's time for it with the values above (eager PyTorch's small kernels,
   copies and autograd bookkeeping, which no single probe sees);
 - ``comm_probe``: on every rank of a group, ``meshwise.comm.allreducer.probe``'s
-  alpha-beta of a point-to-point link and of the native all-reduce.
+  alpha-beta of a point-to-point link and of the native all-reduce, and how far
+  the ranks drift apart between two collectives (``rank_drift``).
 """
 
 from __future__ import annotations
@@ -186,8 +187,9 @@ def _children_cpu_s() -> float:
 
 
 def comm_probe() -> dict:
-    """On every rank of the world: alpha-beta of a link and of the native all-reduce,
-    the same on every rank (a collective)."""
+    """On every rank of the world: alpha-beta of a link and of the native all-reduce
+    (``bench comm``'s probe), and how far the ranks drift apart between collectives
+    (``rank_drift``), the same on every rank (a collective)."""
     from meshwise.comm import ops
 
     group = ops.world_group(timeout_s=120.0)
@@ -197,4 +199,40 @@ def comm_probe() -> dict:
     return {"size": group.size,
             "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte},
             "all_reduce": {"alpha_s": model.native.alpha_s,
-                           "beta_s_per_byte": model.native.beta_s_per_byte}}
+                           "beta_s_per_byte": model.native.beta_s_per_byte},
+            "drift": rank_drift(group)}
+
+
+def rank_drift(group, repeats: int = 40) -> float:
+    """What a rank waits at a collective for peers whose compute since the last one ran
+    slower, in seconds per square root of the seconds of that compute (independent noise
+    in each rank's time grows as its square root; a probe of back-to-back collectives, as
+    ``bench comm``'s, never sees it).
+
+    Each call all-reduces a small tensor after a layer's worth of matmuls (about 20 ms)
+    that each rank runs at its own pace; a call's wait is its time less the quickest
+    call's. The slowest rank's mean wait, over the root of the mean compute."""
+    from meshwise.comm import ops
+    from meshwise.comm.devices import synchronize
+
+    weights = torch.randn(512, 512, device=group.device)
+    waits, computes = [], []
+    ops.barrier(group)
+    for call in range(repeats + 1):
+        start = time.perf_counter()
+        y = weights
+        for _ in range(8):
+            y = weights @ y
+        x = y[0, :64] * 1.0
+        synchronize(group.device)
+        reached = time.perf_counter()
+        ops.all_reduce(x, group, category="probe")
+        synchronize(group.device)
+        if call:  # the first call sets up the connection's buffers
+            computes.append(reached - start)
+            waits.append(time.perf_counter() - reached)
+    quickest = min(waits)
+    drift = (sum(waits) / len(waits) - quickest) / (sum(computes) / len(computes)) ** 0.5
+    agreed = torch.tensor([drift], dtype=torch.float64, device=group.device)
+    ops.all_reduce(agreed, group, op="max", category="probe")
+    return agreed.item()

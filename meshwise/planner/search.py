@@ -64,11 +64,20 @@ def predict(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfi
     pipeline part, when already timed (it does not depend on the ZeRO stage)."""
     time, flights = step_time(shape, layout, st, device, pipe)
     memory = peak_memory(shape, layout, st, flights, device.overhead_bytes,
-                         device.given_gradient_bytes)
+                         device.given_gradient_bytes, device.checkpointing_bytes)
     tokens = st.batch_size * st.seq_len / time.step
     peak = device.peak_flops.get(st.dtype) or device.matmul_rate(st.dtype)
-    mfu = shape.model_flops_per_token(st.seq_len) * tokens / (layout.world_size * peak)
+    mfu = shape.model_flops_per_token(st.seq_len) * tokens / (_peak_units(device, layout) * peak)
     return Prediction(layout, memory, time, tokens, mfu, memory.total <= memory_limit)
+
+
+def _peak_units(device: DeviceProfile, layout: Layout) -> int:
+    """What the job's peak is made of, in units of ``peak_flops``: a device per rank, or
+    on a CPU (whose peak is one thread's) the threads its ranks run, at most its cores."""
+    world = layout.world_size
+    if device.cores is None:
+        return world
+    return min(device.cores, world * max(1, device.cores // world))
 
 
 def memory_limit(device: DeviceProfile, world: int) -> float:

@@ -4,12 +4,14 @@
   (``meshwise.planner.compute``);
 - the pipeline from ``meshwise.pipeline.simulator``, timed with those per-action
   costs and the activations' transfer time between stages as its p2p latency:
-  the bubble is what the simulated step takes beyond the ranks' own work; the
-  simulator also counts the micro-batches each rank keeps (memory);
+  the bubble is what the simulated step takes beyond the ranks' own work, and
+  the waits at each receive for a peer that drifted behind; the simulator also
+  counts the micro-batches each rank keeps (memory);
 - the gradient collectives over dp x cp by ZeRO stage (Rajbhandari et al. 2019:
   stage 0-1 all-reduce, 2 reduce-scatter, 3 adds the parameters' all-gathers, per
   micro-step without a pipeline), hidden behind the backward where the device
-  overlaps communication, exposed where it does not (gloo on CPU cores);
+  overlaps communication, exposed where it does not (gloo on CPU cores), with
+  the waits for drifting peers there (``collectives.sync_wait_s``);
 - AdamW over the parameters a rank owns, and the gradient norm.
 
 On a CPU whose cores are fewer than its ranks, ranks share the cores: the
@@ -22,7 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from meshwise.planner.collectives import collective_s, link_kind, p2p_s
+from meshwise.planner.collectives import collective_s, link_kind, p2p_s, sync_wait_s
 from meshwise.planner.compute import ActionCosts, action_costs, micro_batch_tokens
 from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.layout import Layout
@@ -146,6 +148,12 @@ def pipeline(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProf
     # Ranks sharing cores: a pipeline's idle ranks leave theirs to the others.
     shared = m * (worst.compute * share + worst.tp + worst.cp)
     seconds = max(sim_step * scale * layout.grad_accum, shared)
+    # Each chunk's forward waits for its input and its backward for its gradient, from
+    # another rank but on the first and last stage: meetings with a peer that may have
+    # drifted behind, which the simulator's exact costs do not see.
+    stages = layout.pp * layout.virtual_stages
+    receives = 2 * m * layout.virtual_stages * (stages - 1) / stages
+    seconds += sync_wait_s(device, 2, receives, m * worst.compute * share)
     return Pipeline(worst, m, share, seconds, list(flights), ranks, exact)
 
 
@@ -204,6 +212,7 @@ def _dp_exposed(shape, layout: Layout, st: Settings, device: DeviceProfile, rank
         return collective_s(device, kind, nbytes, n, link)
 
     z, micro = layout.zero, layout.grad_accum
+    syncs = 1  # the step's reduction waits for every rank's last gradient
     if z == 0:
         total = coll("all_reduce", grad_bytes)
     elif z == 1:
@@ -211,13 +220,16 @@ def _dp_exposed(shape, layout: Layout, st: Settings, device: DeviceProfile, rank
     elif z == 2:
         reduces = micro if layout.pp == 1 else 1
         total = reduces * coll("reduce_scatter", grad_bytes) + coll("all_gather", params * a)
+        syncs = reduces
     else:
         per = 1 if layout.pp > 1 else micro
         gathers = 1 if layout.pp > 1 else 2
         total = per * (gathers * coll("all_gather", params * a)
                        + coll("reduce_scatter", grad_bytes))
+        # a gather per layer in the forward and again in the backward, without a pipeline
+        syncs = 1 if layout.pp > 1 else per * 2 * (shape.n_layer + 1)
     if not device.overlap:
-        return total
+        return total + sync_wait_s(device, n, syncs, backward_s * (1.5 if syncs > 1 else 1.0))
     # Hidden behind the backward (and ZeRO-3's gathers behind the forward too), but the
     # last bucket's reduction waits for the last gradient.
     tail = coll("all_reduce", min(grad_bytes, st.bucket_mb * 2**20))

@@ -81,6 +81,8 @@ LAYOUTS = {
     "llama cp2 tp2 sp zero2 checkpointing": (LLAMA, dict(cp=2, tp=2, sp=True, zero=2,
                                                           activation_checkpointing="full")),
     "gpt cp2": (GPT, dict(cp=2)),
+    # selective checkpointing keeps the ring's block outputs, which the ring then merges
+    "gpt cp2 selective checkpointing": (GPT, dict(cp=2, activation_checkpointing="selective")),
     "gpt cp2 dropout": ({**GPT, "dropout": 0.1}, dict(cp=2)),
     "gpt tp2 sp pp2 dropout checkpointing": ({**GPT, "dropout": 0.1},
                                              dict(tp=2, sp=True, pp=2,

@@ -218,3 +218,44 @@ def test_layout_auto_warns_of_nothing_it_set_itself(tmp_path):
     flags = ["train", "--layout", "auto", "--dp", "2", *SMALL, "--cache-dir", str(tmp_path)]
     cfg, origins = train_config(build_parser().parse_args(flags))
     assert noop_warnings(cfg, origins) == []
+
+
+def _tp_seconds(device, *flags) -> float:
+    from dataclasses import replace as _replace
+
+    from meshwise.planner.compute import action_costs
+    from meshwise.planner.memory import Settings
+
+    cfg = config(*SMALL)
+    layout = _replace(Layout(), tp=2, **dict(flags))
+    return action_costs(model_shape(cfg), layout, Settings(128, 8), device, 4, False,
+                        False).tp
+
+
+def test_tp_collectives_are_counted_as_gloo_runs_them():
+    # On gloo meshwise runs every gather and reduce-scatter as an all-reduce: --sp's 6
+    # gathers and 4 reduce-scatters per layer cost 10 all-reduces, against 4 without it;
+    # a recompute repeats one all-reduce (or two gathers and a reduce-scatter).
+    from dataclasses import replace as _replace
+
+    device = _replace(device_profile("cpu"), drift={})
+    plain = _tp_seconds(device)
+    assert _tp_seconds(device, ("sp", True)) == pytest.approx(10 / 4 * plain)
+    assert _tp_seconds(device, ("activation_checkpointing", "full")) == pytest.approx(
+        5 / 4 * plain)
+    assert _tp_seconds(device, ("sp", True), ("activation_checkpointing", "selective")) == \
+        pytest.approx(13 / 4 * plain)
+
+
+def test_each_collective_waits_for_drifting_peers():
+    from dataclasses import replace as _replace
+
+    from meshwise.planner.collectives import sync_wait_s
+
+    device = _replace(device_profile("cpu"), drift={2: 0.02, 4: 0.05})
+    assert device.drift_at(1) == 0 and device.drift_at(3) == 0.02 and device.drift_at(8) == 0.05
+    # four collectives over 0.4 s: 0.02 x sqrt(0.1) each
+    assert sync_wait_s(device, 2, 4, 0.4) == pytest.approx(4 * 0.02 * 0.1 ** 0.5)
+    assert sync_wait_s(device, 1, 4, 0.4) == 0
+    still = _replace(device, drift={})
+    assert _tp_seconds(device) > _tp_seconds(still) > 0
