@@ -8,14 +8,15 @@ Four kinds of measurement, each of what the cost model rates:
   (``meshwise.comm.allreducer.probe``, as ``bench comm``'s adaptive algorithm
   measures them), and how far those ranks drift apart between collectives
   (``meshwise.planner.probes.rank_drift``);
-- two short ``meshwise train`` runs of a small GPT on 2 ranks, measured from
+- short ``meshwise train`` runs of a small GPT on 2 ranks, measured from
   outside as every benchmark is (peak RSS of the worst rank, with
-  ``MALLOC_MMAP_THRESHOLD_=65536``; each step's optimizer time, in the second
-  run without that setting, as users run): the runtime's
+  ``MALLOC_MMAP_THRESHOLD_=65536``; each step's optimizer time, in two more
+  runs without that setting, as users run, at two model sizes): the runtime's
   fixed memory is its peak RSS less what the planner predicts for the model,
-  and AdamW's cost per parameter is the trainer's own optimizer phase (gradient
-  norm, clipping and the update together), the share of the CPU other jobs took
-  meanwhile taken out of its clock;
+  and the optimizer's cost, a fixed part and a part per parameter, is the
+  trainer's own optimizer phase (gradient norm, clipping and the update
+  together), the share of the CPU other jobs took meanwhile taken out of its
+  clock;
 - in fresh processes, the resident memory a first backward from a given
   gradient adds (PyTorch loads its symbolic-shape code then): what a pipeline
   rank before the last stage holds beyond a data-parallel rank; and what a first
@@ -67,7 +68,8 @@ def calibrate(cache_dir: str | None = None) -> str:
         f"matmul fp32 {mm['fp32'] / 1e9:.1f} GFLOP/s, bf16 {mm['bf16'] / 1e9:.1f} GFLOP/s "
         f"(one thread); attention at {values['attention_efficiency']:.2f} of it",
         f"memory {values['memory_bandwidth'] / 1e9:.1f} GB/s, op dispatch "
-        f"{values['op_overhead_s'] * 1e6:.1f} us, AdamW {values['optimizer_s_per_param'] * 1e9:.1f}"
+        f"{values['op_overhead_s'] * 1e6:.1f} us, optimizer step "
+        f"{values['optimizer_fixed_s'] * 1e3:.1f} ms + {values['optimizer_s_per_param'] * 1e9:.1f}"
         " ns per parameter",
         f"all-reduce: {ar}; after 1 s of compute a collective waits for drifting peers "
         + ", ".join(f"{k * 1e3:.0f} ms ({size} ranks)" for size, k in values["drift"].items())
@@ -98,8 +100,8 @@ def _probe_rank(out: str) -> None:
         (Path(out) / "probe.json").write_text(json.dumps(result))
 
 
-def _run_config():
-    """The configuration ``meshwise train RUN_FLAGS`` runs."""
+def _run_config(flags: list[str] = RUN_FLAGS):
+    """The configuration ``meshwise train FLAGS`` runs."""
     import argparse
 
     from meshwise.cli.train_flags import add_train_arguments, config_from_args
@@ -107,30 +109,40 @@ def _run_config():
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     parser.add_argument("-q", action="store_true")
-    return config_from_args(parser.parse_args(RUN_FLAGS))[0].validate()
+    return config_from_args(parser.parse_args(flags))[0].validate()
 
 
 def _training_run(values: dict) -> dict:
-    """The fixed memory of a rank and AdamW's cost, from two real runs measured outside:
+    """The fixed memory of a rank and AdamW's cost, from real runs measured outside:
     memory with ``MALLOC_MMAP_THRESHOLD_`` (freed memory returned, so the peak is what is
-    live), time without it (as users run: fresh pages for every large tensor would make
-    the optimizer's temporaries cost more than they do)."""
+    live), time without it, as users run, at two model sizes (the optimizer phase has a
+    part that does not grow with the parameters: the norm's and the step's fixed calls)."""
     from meshwise.planner.devices import cpu_profile
+
+    memory = train_records(RUN_FLAGS, live_peak=True)
+    ranks_per_core = max(1.0, RUN_WORLD / (cpu_profile(values).cores or 1))
+    (small, t_small), (large, t_large) = (_optimizer_phase(flags) for flags in
+                                          (RUN_FLAGS, [*RUN_FLAGS, *LARGER]))
+    per_param = max(t_large - t_small, 0.0) / (large - small) / ranks_per_core
+    return {"overhead_bytes": runtime_memory(memory[-1]["peak_rss_bytes"], values),
+            "optimizer_s_per_param": per_param,
+            "optimizer_fixed_s": max(t_small / ranks_per_core - per_param * small, 0.0)}
+
+
+LARGER = ["--d-model", "512", "--n-head", "8"]  # the second size: about four times the parameters
+
+
+def _optimizer_phase(flags: list[str]) -> tuple[int, float]:
+    """(parameters, median seconds of the trainer's optimizer phase) of a run of ``flags``,
+    the share of the CPU other jobs took meanwhile taken out of its clock."""
     from meshwise.planner.probes import OthersShare
     from meshwise.planner.shapes import model_shape
 
-    memory = train_records(RUN_FLAGS, live_peak=True)
     share = OthersShare()
-    timed = train_records(RUN_FLAGS, live_peak=False)
-    # the run's own CPU, as on an idle machine: other jobs' share taken out of its clock
+    timed = train_records(flags, live_peak=False)
     available = 1.0 - share.measured()
-    cfg = _run_config()
-    shape = model_shape(cfg)
-    optimizer = available * statistics.median(r["time_breakdown"]["optimizer"]
-                                              for r in timed[1:])
-    ranks_per_core = max(1.0, RUN_WORLD / (cpu_profile(values).cores or 1))
-    return {"overhead_bytes": runtime_memory(memory[-1]["peak_rss_bytes"], values),
-            "optimizer_s_per_param": optimizer / ranks_per_core / shape.num_params}
+    seconds = available * statistics.median(r["time_breakdown"]["optimizer"] for r in timed[1:])
+    return model_shape(_run_config(flags)).num_params, seconds
 
 
 def train_records(flags: list[str], live_peak: bool, env: dict | None = None) -> list[dict]:

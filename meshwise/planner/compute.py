@@ -110,7 +110,8 @@ def _tp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n:
         counts = {"all_reduce": 4 + recompute}
     moved = sum(k * collective_s(device, kind, nbytes, layout.tp, link)
                 for kind, k in counts.items())
-    return moved + sync_wait_s(device, layout.tp, sum(counts.values()), layer_compute)
+    return moved + sync_wait_s(device, layout.tp, sum(counts.values()), layer_compute,
+                               layout.world_size)
 
 
 def _cp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n: int,
@@ -129,4 +130,5 @@ def _cp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n:
     if device.overlap:
         return max(0.0, total - 3.5 * attention)
     exchanges = (layout.cp - 1) * (2 + recompute) + 1  # the keys' gradients come home
-    return total + sync_wait_s(device, layout.cp, exchanges, layer_compute)
+    return total + sync_wait_s(device, layout.cp, exchanges, layer_compute,
+                               layout.world_size)

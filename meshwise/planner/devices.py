@@ -76,6 +76,7 @@ class DeviceProfile:
     given_gradient_bytes: float = 0.0
     checkpointing_bytes: float = 0.0  # what a first checkpointed backward loads (host memory)
     optimizer_s_per_param: float = 0.0  # AdamW over one owned parameter (0: memory-bound)
+    optimizer_fixed_s: float = 0.0  # the optimizer phase's part that no parameter adds to
     # a family's measured layer time over the roofline's (CPU: --calibrate; GPU: 1)
     layer_time_factor: dict[str, float] = field(default_factory=dict)
     # by group size: seconds a rank waits at a blocking collective for peers that computed
@@ -90,11 +91,13 @@ class DeviceProfile:
     def link(self, kind: str) -> LinkCost:
         return self.links.get(kind) or self.links["intra"]
 
-    def drift_at(self, size: int) -> float:
-        """The drift of a group of ``size`` ranks: the one measured at that size, else at
-        the largest measured below it (0 with none)."""
+    def drift_at(self, size: int) -> tuple[float, int]:
+        """The drift measured with the most ranks up to ``size``, and how many that was
+        ((0, 1) with none)."""
         below = [n for n in self.drift if n <= size]
-        return self.drift[max(below)] if size > 1 and below else 0.0
+        if size <= 1 or not below:
+            return 0.0, 1
+        return self.drift[max(below)], max(below)
 
 
 def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, hbm_tbs: float,
@@ -131,7 +134,8 @@ CPU_DEFAULTS = {
     "checkpointing_bytes": 76 * 2**20, "collective_factor": {},
     "all_reduce": {"2": {"alpha_s": 390e-6, "beta_s_per_byte": 1 / 1.2e9},
                    "4": {"alpha_s": 1.9e-3, "beta_s_per_byte": 1 / 0.4e9}},
-    "optimizer_s_per_param": 27e-9, "layer_time_factor": {"gpt": 1.0, "llama": 1.3},
+    "optimizer_s_per_param": 5e-9, "optimizer_fixed_s": 0.015,
+    "layer_time_factor": {"gpt": 1.0, "llama": 1.3},
     "drift": {"2": 0.02, "4": 0.04},
 }
 
@@ -175,6 +179,7 @@ def cpu_profile(calibration: dict | None, cores: int | None = None) -> DevicePro
         collectives_as_all_reduce=True, given_gradient_bytes=values["given_gradient_bytes"],
         checkpointing_bytes=values["checkpointing_bytes"],
         optimizer_s_per_param=values["optimizer_s_per_param"],
+        optimizer_fixed_s=values.get("optimizer_fixed_s", 0.0),
         layer_time_factor=values.get("layer_time_factor", {}),
         drift={int(size): k for size, k in values["drift"].items()})
 

@@ -153,7 +153,8 @@ def pipeline(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProf
     # drifted behind, which the simulator's exact costs do not see.
     stages = layout.pp * layout.virtual_stages
     receives = 2 * m * layout.virtual_stages * (stages - 1) / stages
-    seconds += sync_wait_s(device, 2, receives, m * worst.compute * share)
+    seconds += sync_wait_s(device, 2, receives, m * worst.compute * share,
+                           layout.world_size)
     return Pipeline(worst, m, share, seconds, list(flights), ranks, exact)
 
 
@@ -229,7 +230,8 @@ def _dp_exposed(shape, layout: Layout, st: Settings, device: DeviceProfile, rank
         # a gather per layer in the forward and again in the backward, without a pipeline
         syncs = 1 if layout.pp > 1 else per * 2 * (shape.n_layer + 1)
     if not device.overlap:
-        return total + sync_wait_s(device, n, syncs, backward_s * (1.5 if syncs > 1 else 1.0))
+        window = backward_s * (1.5 if syncs > 1 else 1.0)
+        return total + sync_wait_s(device, n, syncs, window, layout.world_size)
     # Hidden behind the backward (and ZeRO-3's gathers behind the forward too), but the
     # last bucket's reduction waits for the last gradient.
     tail = coll("all_reduce", min(grad_bytes, st.bucket_mb * 2**20))
@@ -242,7 +244,7 @@ def _optimizer_s(layout: Layout, st: Settings, device: DeviceProfile, ranks) -> 
     params = max(sum(r) for r in ranks)
     owned = params if layout.zero == 0 else params / (layout.dp * layout.cp)
     if device.optimizer_s_per_param:
-        return owned * device.optimizer_s_per_param
+        return device.optimizer_fixed_s + owned * device.optimizer_s_per_param
     # parameters, gradients and both moments read, three of them written (fp32), a bf16
     # copy of the parameters written too
     touched = owned * (7 * 4 + (2 if st.dtype == "bf16" else 0)) + params * 4

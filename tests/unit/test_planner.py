@@ -253,9 +253,14 @@ def test_each_collective_waits_for_drifting_peers():
     from meshwise.planner.collectives import sync_wait_s
 
     device = _replace(device_profile("cpu"), drift={2: 0.02, 4: 0.05})
-    assert device.drift_at(1) == 0 and device.drift_at(3) == 0.02 and device.drift_at(8) == 0.05
+    assert device.drift_at(1) == (0, 1) and device.drift_at(3) == (0.02, 2)
+    assert device.drift_at(8) == (0.05, 4)
     # four collectives over 0.4 s: 0.02 x sqrt(0.1) each
-    assert sync_wait_s(device, 2, 4, 0.4) == pytest.approx(4 * 0.02 * 0.1 ** 0.5)
-    assert sync_wait_s(device, 1, 4, 0.4) == 0
+    assert sync_wait_s(device, 2, 4, 0.4, 2) == pytest.approx(4 * 0.02 * 0.1 ** 0.5)
+    assert sync_wait_s(device, 1, 4, 0.4, 2) == 0
+    # a pair of a 4-rank job on a CPU: the 4 ranks sharing the cores set the drift, and a
+    # pair waits for the later of 2, not of 4 (expected maxima of normals: 0.564, 1.029)
+    assert sync_wait_s(device, 2, 4, 0.4, 4) == pytest.approx(
+        4 * 0.05 * 0.5642 / 1.0294 * 0.1 ** 0.5, rel=1e-3)
     still = _replace(device, drift={})
     assert _tp_seconds(device) > _tp_seconds(still) > 0
