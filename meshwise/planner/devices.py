@@ -127,16 +127,16 @@ GPU_PROFILES = {
 # This kind of machine (2 x86 cores, torch 2.13 CPU, gloo), measured by --calibrate on it
 # (medians of three calibrations): used until a machine's own calibration is stored.
 CPU_DEFAULTS = {
-    "matmul_flops": {"fp32": 88e9, "bf16": 200e9}, "attention_efficiency": 0.4,
-    "memory_bandwidth": 22e9, "op_overhead_s": 3.5e-6,
-    "links": {"intra": {"alpha_s": 170e-6, "beta_s_per_byte": 1 / 5.8e9}},
-    "overhead_bytes": 270 * 2**20, "given_gradient_bytes": 33 * 2**20,
-    "checkpointing_bytes": 76 * 2**20, "collective_factor": {},
-    "all_reduce": {"2": {"alpha_s": 390e-6, "beta_s_per_byte": 1 / 1.2e9},
-                   "4": {"alpha_s": 1.9e-3, "beta_s_per_byte": 1 / 0.4e9}},
-    "optimizer_s_per_param": 5e-9, "optimizer_fixed_s": 0.015,
-    "layer_time_factor": {"gpt": 1.0, "llama": 1.3},
-    "drift": {"2": 0.02, "4": 0.04},
+    "matmul_flops": {"fp32": 89e9, "bf16": 203e9}, "attention_efficiency": 0.41,
+    "memory_bandwidth": 19e9, "op_overhead_s": 4.9e-6,
+    "links": {"intra": {"alpha_s": 280e-6, "beta_s_per_byte": 1 / 2.6e9}},
+    "overhead_bytes": 199 * 2**20, "given_gradient_bytes": 35 * 2**20,
+    "checkpointing_bytes": 77 * 2**20, "collective_factor": {},
+    "all_reduce": {"2": {"alpha_s": 410e-6, "beta_s_per_byte": 1 / 1.23e9},
+                   "4": {"alpha_s": 1.54e-3, "beta_s_per_byte": 1 / 0.56e9}},
+    "optimizer_s_per_param": 6.8e-9, "optimizer_fixed_s": 0.0079,
+    "layer_time_factor": {"gpt": 1.10, "llama": 1.05},
+    "drift": {"2": 0.023, "4": 0.080},
 }
 
 

@@ -204,3 +204,17 @@ def test_compressed_reduce_scatter_owner_gets_its_chunk(dist_pools, k, algorithm
     for rank, (outs, *_rest) in enumerate(results):
         chunk = slice(rank * size, (rank + 1) * size)
         torch.testing.assert_close(sum(outs) + held[chunk], total_in[chunk], atol=tol, rtol=0)
+
+
+# ------------------------------------------------------------------ the planner's probe
+def _drift(k: int):
+    from meshwise.planner.probes import rank_drift
+
+    group = _group(k)
+    return None if group is None else rank_drift(group, repeats=6)
+
+
+def test_the_drift_probe_agrees_on_every_rank(dist_pools):
+    # what --calibrate stores: one value per group, the slowest rank's, the same everywhere
+    drifts = dist_pools.run(WORLD, _drift, 3)[:3]
+    assert len(set(drifts)) == 1 and 0 <= drifts[0] < 1.0, drifts
