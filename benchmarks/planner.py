@@ -18,7 +18,10 @@ errors; per model: the largest errors, how many layouts are within 15%
 (memory) and 30% (time), and whether the predicted best layout is among the
 two measured fastest. A layout whose step times spread more than 30% (another
 job on the machine) is run again, up to ``--repeats`` times, keeping the
-quietest run. The last line is one JSON object.
+quietest run. One timing cannot order layouts a few percent apart on a shared
+machine, so the fastest few and the planner's best two are then timed again in
+turns, ``--contest-rounds`` rounds (``planner_contest``), and the predicted
+best's rank is taken from the contest's medians. The last line is one JSON object.
 
     python benchmarks/planner.py [--world 4] [--models gpt,llama] [--steps 5]
 """
@@ -28,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -43,15 +45,15 @@ from meshwise.cli.plan import model_config  # noqa: E402
 from meshwise.planner.devices import load_calibration  # noqa: E402
 from meshwise.planner.layout import Layout  # noqa: E402
 from meshwise.planner.plan import plan_request  # noqa: E402
-from meshwise.planner.probes import OthersShare  # noqa: E402
 from meshwise.planner.search import Space  # noqa: E402
+from benchmarks.planner_contest import (SEQUENCE, contestants, idle_s, job_env,  # noqa: E402
+                                        job_flags, ranking, run_contest, timed_job)
 from benchmarks.planner_published import planning_time, published  # noqa: E402
 
 MODELS = {
     "gpt": ["--model", "small", "--n-layer", "8"],
     "llama": ["--model", "llama-small", "--n-layer", "8"],
 }
-SEQUENCE = ["--seq-len", "256", "--batch-size", "8"]
 MIB = 2**20
 
 
@@ -85,21 +87,12 @@ def layouts_to_run(request) -> list[Layout]:
 
 def measure(model_flags: list[str], layout: Layout, steps: int, cache: str) -> dict:
     """Two ``meshwise train`` jobs of the layout: the worst rank's peak RSS from one,
-    the median step time from the other, run as users run (``train_records``); and the
-    share of the machine's CPU that other processes took while the second ran."""
-    flags = [*model_flags, *SEQUENCE, *layout.flags().split(), "--steps", str(steps),
-             "--eval-batches", "1", "--warmup-steps", "1", "--device", "cpu", "-q"]
-    env = dict(os.environ, MESHWISE_CACHE=cache)
-    env.pop("MESHWISE_COMM_CHECK", None)
-    memory = train_records(flags, live_peak=True, env=env)
-    share = OthersShare()
-    timed = train_records(flags, live_peak=False, env=env)
-    others = share.measured()
-    times = [r["step_time_s"] for r in timed[1:]]
+    the median step time from the other, run as users run (``timed_job``), with the
+    share of the machine's CPU that other processes took while it ran."""
+    flags = job_flags(model_flags, layout.flags(), steps)
+    memory = train_records(flags, live_peak=True, env=job_env(cache))
     return {"peak_rss_bytes": memory[-1]["peak_rss_bytes"],
-            "step_time_s": statistics.median(times),
-            "spread": (max(times) - min(times)) / statistics.median(times),
-            "others_cpu_share": others}
+            **timed_job(model_flags, layout.flags(), steps, cache)}
 
 
 def request_for(name: str, args, cache: str):
@@ -110,27 +103,22 @@ def request_for(name: str, args, cache: str):
 
 def run_models(names: list[str], args, cache: str, saved: dict | None = None) -> list[dict]:
     """Every model's layouts, taken in turns (a model's ZeRO-0 layouts first), so that a
-    run cut short has measured a bit of everything; with ``saved``, predict only."""
+    run cut short has measured a bit of everything, then each model's contest of its
+    fastest layouts (``planner_contest``); with ``saved``, predict only."""
     requests = {name: request_for(name, args, cache) for name in names}
     rows = {name: [] for name in names}
-    if saved is not None:
-        for name in names:
-            for row in saved["models"].get(name, []):
-                rows[name].append(compare(requests[name], Layout.parse(row["layout"]),
-                                          row["measured"]))
-                print_row(name, rows[name][-1])
-        return [summarize(name, rows[name]) for name in names if rows[name]]
-    kept = json.loads(Path(args.out).read_text())["models"] if args.resume and Path(
-        args.out).exists() else {}
-    for name in names:  # --resume: what an earlier run of the same --out measured
-        for row in kept.get(name, []):
+    kept = saved
+    if kept is None and args.resume and Path(args.out).exists():
+        kept = json.loads(Path(args.out).read_text())  # what an earlier run measured
+    for name in names:
+        for row in (kept or {}).get("models", {}).get(name, []):
             rows[name].append(compare(requests[name], Layout.parse(row["layout"]),
                                       row["measured"]))
             print_row(name, rows[name][-1])
     done = {name: {r["layout"] for r in rows[name]} for name in names}
     queues = {name: [l for l in sorted(layouts_to_run(r), key=lambda l: l.zero)
                      if l.flags() not in done[name]] for name, r in requests.items()}
-    while any(queues.values()):
+    while saved is None and any(queues.values()):
         for name in names:
             if queues[name]:
                 layout = queues[name].pop(0)
@@ -138,7 +126,14 @@ def run_models(names: list[str], args, cache: str, saved: dict | None = None) ->
                 rows[name].append(compare(requests[name], layout, measured))
                 print_row(name, rows[name][-1])
                 _keep(args.out, name, rows[name])  # as it goes: a run cut short keeps it
-    return [summarize(name, rows[name]) for name in names]
+    contests = dict((kept or {}).get("contests", {}))
+    for name in names:
+        if saved is None and args.contest_rounds and rows[name]:
+            layouts = contestants(rows[name], [r["layout"] for r in predicted_order(rows[name])])
+            contests[name] = run_contest(MODELS[name], layouts, args.contest_rounds,
+                                         args.steps, cache, contests.get(name))
+            _keep(args.out, name, rows[name], contests[name])
+    return [summarize(name, rows[name], contests.get(name)) for name in names if rows[name]]
 
 
 def measure_quietest(model_flags, layout: Layout, args, cache: str) -> dict:
@@ -154,9 +149,11 @@ def measure_quietest(model_flags, layout: Layout, args, cache: str) -> dict:
     return best
 
 
-def _keep(path: str, name: str, rows: list[dict]) -> None:
+def _keep(path: str, name: str, rows: list[dict], contest: dict | None = None) -> None:
     kept = json.loads(Path(path).read_text()) if Path(path).exists() else {"models": {}}
     kept["models"][name] = [{"layout": r["layout"], "measured": r["measured"]} for r in rows]
+    if contest is not None:
+        kept.setdefault("contests", {})[name] = contest
     Path(path).write_text(json.dumps(kept, indent=1))
 
 
@@ -184,27 +181,41 @@ def print_row(name: str, row: dict) -> None:
           f"{row['pred_s']:.2f} s)", flush=True)
 
 
-def summarize(name: str, rows: list[dict]) -> dict:
+def predicted_order(rows: list[dict]) -> list[dict]:
+    """The planner's own order (``search._rank_key``): predicted speed to three digits,
+    ties to the layout using less memory, then to the shorter command line."""
+    return sorted(rows, key=lambda r: (float(f"{r['pred_s']:.3g}"), round(r["pred_mem"] / MIB),
+                                       len(r["layout"])))
+
+
+def summarize(name: str, rows: list[dict], contest: dict | None = None) -> dict:
+    """The errors, and where the predicted best layout ranks: in the contest's medians
+    where it ran in the contest, else among the single timings."""
     mem = [abs(r["mem_err"]) for r in rows]
     tim = [abs(r["time_err"]) for r in rows]
-    # the planner's own order (search._rank_key): predicted speed to three digits, ties
-    # to the layout using less memory, then to the shorter command line
-    predicted_best = min(rows, key=lambda r: (float(f"{r['pred_s']:.3g}"),
-                                              round(r["pred_mem"] / MIB), len(r["layout"])))
-    # measured step time on the CPU the job had, as on an idle machine (see ``compare``)
-    measured = sorted(rows, key=lambda r: r["meas_s"] * (1 - r["measured"]["others_cpu_share"]))
-    rank = measured.index(predicted_best) + 1
+    predicted_best = predicted_order(rows)[0]["layout"]
+    single = [r["layout"] for r in sorted(rows, key=lambda r: idle_s(r["measured"]))]
     out = {"model": name, "layouts": len(rows), "max_mem_err": max(mem),
            "mem_within_15": sum(e <= 0.15 for e in mem), "max_time_err": max(tim),
            "median_time_err": statistics.median(tim),
-           "time_within_30": sum(e <= 0.30 for e in tim),
-           "predicted_best": predicted_best["layout"], "its_measured_rank": rank,
-           "measured_best": [r["layout"] for r in measured[:2]], "rows": rows}
+           "time_within_30": sum(e <= 0.30 for e in tim), "predicted_best": predicted_best,
+           "single_run_rank": single.index(predicted_best) + 1, "rows": rows}
+    order, ranked_by = single, "single timings"
+    if contest and predicted_best in contest:
+        ranked = ranking(contest)
+        order = [layout for layout, _, _ in ranked]
+        ranked_by = f"contest medians over {min(len(v) for v in contest.values())} rounds"
+        out["contest"] = [{"layout": l, "median_s": t, "iqr": q} for l, t, q in ranked]
+        for l, t, q in ranked:
+            print(f"  contest {name}: {l:<66} median {t:6.3f} s (IQR {100 * q:.0f}%)")
+    out.update(its_measured_rank=order.index(predicted_best) + 1, ranked_by=ranked_by,
+               measured_best=order[:2])
     print(f"{name}: {len(rows)} layouts; memory within 15%: {out['mem_within_15']}/{len(rows)} "
           f"(largest error {100 * out['max_mem_err']:.1f}%); step time within 30%: "
           f"{out['time_within_30']}/{len(rows)} (largest {100 * out['max_time_err']:.1f}%, "
-          f"median {100 * out['median_time_err']:.1f}%); predicted best {predicted_best['layout']}"
-          f" is measured #{rank} (measured best: {measured[0]['layout']})", flush=True)
+          f"median {100 * out['median_time_err']:.1f}%); predicted best {predicted_best}"
+          f" is measured #{out['its_measured_rank']} by {ranked_by} (measured best: "
+          f"{order[0]})", flush=True)
     return out
 
 
@@ -215,6 +226,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5, help="steps per job (the first is not timed)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of a noisy layout at most (default: 1)")
+    p.add_argument("--contest-rounds", type=int, default=5,
+                   help="rounds of the contest of the fastest layouts (0: none; default: 5)")
     p.add_argument("--cache-dir", default=None,
                    help="default: $MESHWISE_CACHE or ~/.cache/meshwise")
     p.add_argument("--out", default="planner-measured.json",
