@@ -296,7 +296,8 @@ def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0,
 
 def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
               recvs: list[tuple[torch.Tensor, int, int]], group: Group,
-              category: str = "p2p", wait_sends: bool = True) -> list[Handle]:
+              category: str = "p2p", wait_sends: bool = True,
+              recv_handles: list | None = None) -> list[Handle]:
     """Post several sends and receives together: ``(tensor, group_rank, tag)`` each.
 
     Posting them at once (rather than one blocking call after another) is what
@@ -305,6 +306,10 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
     receives complete; with ``wait_sends=False`` the sends may still be in
     flight: one ``Handle`` per send, in order (each keeps its tensor alive until
     waited for), or none where the backend completed the whole batch as one.
+    With ``recv_handles`` (a list) the receives are not waited for: one ``Handle``
+    per receive is appended to it, to wait for before its tensor is read (where
+    the backend made the batch one work, NCCL, every receive gets that work's
+    handle: wait for it once, ``if not handle.done``).
     """
     ops, keep, send_entries, recv_entries = [], [], [], []
     for tensor, dst, tag in sends:
@@ -323,11 +328,20 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
     what = f"point-to-point batch on group {group.name} (peers {peers})"
     ctx = context()
     if len(works) != len(sends) + len(recvs):  # one coalesced work for the whole batch (NCCL)
-        Handle(works, group.counters, category, what=what, entries=send_entries + recv_entries,
-               context=ctx, device=group.device).wait()
+        whole = Handle(works, group.counters, category, keep=keep, what=what,
+                       entries=send_entries + recv_entries, context=ctx, device=group.device)
+        if recv_handles is not None and recvs:
+            recv_handles += [whole] * len(recvs)
+        else:
+            whole.wait()
         return []
-    Handle(works[len(sends):], group.counters, category, what=what, entries=recv_entries,
-           context=ctx, device=group.device).wait()
+    if recv_handles is None:
+        Handle(works[len(sends):], group.counters, category, what=what, entries=recv_entries,
+               context=ctx, device=group.device).wait()
+    else:
+        recv_handles += [Handle(work, group.counters, category, what=what, entries=[entry],
+                                context=ctx, device=group.device)
+                         for work, entry in zip(works[len(sends):], recv_entries)]
     send_handles = [Handle(work, group.counters, category, keep=tensor, what=what,
                            entries=[entry], context=ctx, device=group.device)
                     for work, tensor, entry in zip(works[:len(sends)], keep, send_entries)]

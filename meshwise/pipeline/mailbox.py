@@ -3,11 +3,15 @@
 The runtime hands each batch of communication actions (``Schedule`` steps that
 are tuples) to :meth:`Mailbox.post`, which posts it with one ``batch_isend_irecv``
 (``meshwise.pipeline.p2p.Channels``) and files the received tensors by
-``(chunk, micro_batch)``. Only the receives are waited for: a sender computes
-on while its message travels, which is what reaches the schedule's simulated
-bubble. Sends are waited for, and their activations freed, at the latest in the
-next batch (torch's pipelining waits at the same point): a runtime that waits
-for them at once is proven deadlock-free, so waiting later is too.
+``(chunk, micro_batch)``. A sender computes on while its message travels, and
+a receive is waited for only when the compute action that reads it is next
+(:meth:`Mailbox.wait_for`), as torch's pipelining does: a batch's gradient may
+be on its way while a forward that does not need it runs, which is what
+reaches the schedule's simulated bubble. Sends are waited for, and their
+activations freed, at the latest in the next batch (torch's pipelining waits at
+the same point). A runtime that waits for every message at once is proven
+deadlock-free, and waiting later only lets each rank reach each post sooner, so
+this one is too.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch
 
 from meshwise.pipeline.actions import Action, Schedule
 from meshwise.pipeline.p2p import Channels, Incoming, Outgoing, release_storage
+
+_RECEIVES = {"F": "RECV_F", "B": "RECV_B"}  # what each compute action reads
 
 
 class Mailbox:
@@ -30,6 +36,7 @@ class Mailbox:
         self.activations: dict = {}  # (chunk, mb) -> a received input of that chunk's F
         self.gradients: dict = {}  # (chunk, mb) -> a received gradient of that chunk's output
         self.to_send: dict = {}  # (chunk, mb) -> the input gradient its B made, for SEND_B
+        self.arriving: dict = {}  # (kind, chunk, mb) -> the receive's handle, not waited for
         self._in_flight: list = []
 
     def _tag(self, backward: bool, receiver_stage: int, micro_batch: int) -> int:
@@ -57,11 +64,14 @@ class Mailbox:
                 backward = a.kind == "RECV_B"
                 src = stage + 1 if backward else stage - 1
                 recvs.append(Incoming(a.peer, self._tag(backward, stage, mb), src, stage, backward))
-        received, handles = self.channels.exchange(sends, recvs, self.device)
+        recv_handles: list = []
+        received, handles = self.channels.exchange(sends, recvs, self.device, recv_handles)
         receivers = [a for a in batch if a.kind in ("RECV_F", "RECV_B")]
-        for a, tensor in zip(receivers, received, strict=True):
+        for a, tensor, handle in zip(receivers, received, recv_handles, strict=True):
             inbox = self.gradients if a.kind == "RECV_B" else self.activations
             inbox[(a.chunk, a.micro_batch)] = tensor
+            if handle is not None:
+                self.arriving[(a.kind, a.chunk, a.micro_batch)] = handle
         # A send listed before a receive from the same peer is waited for now: messages
         # are placed in meeting-time order, so that peer has posted its end already and
         # waiting costs at most the transfer (1F1B's steady state frees each output as
@@ -76,6 +86,17 @@ class Mailbox:
         self._in_flight += now
         self.finish_sends()
         self._in_flight = later
+
+    def waits_for(self, a: Action) -> bool:
+        """Whether compute action ``a`` reads a receive still on its way."""
+        return (_RECEIVES.get(a.kind), a.chunk, a.micro_batch) in self.arriving
+
+    def wait_for(self, a: Action) -> None:
+        """Wait for the receive that compute action ``a`` reads (an F its input, a B its
+        output's gradient), if it is still on its way."""
+        handle = self.arriving.pop((_RECEIVES.get(a.kind), a.chunk, a.micro_batch), None)
+        if handle is not None and not handle.done:  # NCCL: one handle for a whole batch
+            handle.wait()
 
     def finish_sends(self) -> None:
         """Wait for the sends in flight; free the activations they carried."""

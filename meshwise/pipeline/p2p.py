@@ -78,11 +78,15 @@ class Channels:
         self._meta_tag_base = meta_tag_base
         self.headers_sent = self.headers_received = 0
 
-    def exchange(self, sends: list[Outgoing], recvs: list[Incoming], device: torch.device
+    def exchange(self, sends: list[Outgoing], recvs: list[Incoming], device: torch.device,
+                 recv_handles: list | None = None
                  ) -> tuple[list[torch.Tensor], list[list[ops.Handle]]]:
         """Post one batch; return the received tensors (in ``recvs`` order) once they
         have all arrived, and per send the handles still in flight (its header's and its
-        own; none where the backend completed the batch as a whole)."""
+        own; none where the backend completed the batch as a whole). With
+        ``recv_handles`` (a list), a receive whose header is known is not waited for:
+        its ``Handle`` (or ``None``, where it has arrived) is appended in ``recvs``
+        order, to wait for before the tensor is read."""
         messages = [self._with_header(send) for send in sends]
         outgoing = [item for items in messages for item in items]
         received: list[torch.Tensor] = []
@@ -98,9 +102,13 @@ class Channels:
                     posts.append((header, r.peer, self._meta_tag_base + r.dst))
                     break
                 posts.append((meta.empty(device), r.peer, r.tag))
+            lazy = recv_handles is not None and header is None
             handles += ops.batch_p2p(outgoing if first else [], posts, self.group,
-                                     category="p2p", wait_sends=False)
+                                     category="p2p", wait_sends=False,
+                                     recv_handles=recv_handles if lazy else None)
             first = False
+            if recv_handles is not None and not lazy:
+                recv_handles += [None] * (len(posts) - 1)  # arrived; the header is not one
             if header is not None:
                 posts.pop()
                 waiting = recvs[len(received) + len(posts)]

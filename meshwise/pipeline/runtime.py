@@ -2,9 +2,11 @@
 
 The schedule (``meshwise.pipeline.schedules``) is a list of actions per rank;
 this runtime walks its own list top to bottom. A run of consecutive messages is
-one batch posted with ``batch_isend_irecv`` (``meshwise.pipeline.mailbox``) and
-its receives waited for before the next compute action: the schedule's
-validator proves that order deadlock-free. Messages carry their shape and dtype
+one batch posted with ``batch_isend_irecv`` (``meshwise.pipeline.mailbox``); a
+receive is waited for just before the compute action that reads it (timed as
+``p2p``). The schedule's validator proves the order deadlock-free when every
+receive is waited for at once, and waiting later only lets each rank reach each
+post sooner. Messages carry their shape and dtype
 (``meshwise.pipeline.p2p``), so the stages may be any modules.
 
 Per micro-batch and chunk it keeps the input (a leaf that will receive the
@@ -142,10 +144,14 @@ class PipelineRuntime:
                     with ranges.named("pipeline/p2p"), self.clock.measure("p2p"):
                         self.mail.post(step, self._outputs)
                     continue
+                if self.mail.waits_for(step):  # its input is still on its way
+                    with ranges.named("pipeline/p2p"), self.clock.measure("p2p"):
+                        self.mail.wait_for(step)
                 with ranges.named(f"pipeline/{step}"), self.clock.measure(str(step)):
                     {"F": self._forward, "B": self._backward, "W": self._weights}[step.kind](step)
             self.mail.finish_sends()
-        assert not self._outputs and not self._inputs, "activations left after the step"
+        assert not (self._outputs or self._inputs or self.mail.arriving), \
+            "activations left after the step"
         return self._loss
 
     # ------------------------------------------------------------ compute

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import ctypes
 import os
+import time
 
 import pytest
 import torch
@@ -209,6 +210,48 @@ def _check_forward_only(edges, kind="interleaved-1f1b"):
             assert logits is None and loss is None
 
 
+class LateGradient(torch.autograd.Function):
+    """The identity, whose first backward takes ``delay_s`` longer: a peer behind."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, delay_s):
+        ctx.delay_s = delay_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        LateGradient.calls += 1
+        if LateGradient.calls == 1:
+            time.sleep(ctx.delay_s)
+        return grad, None
+
+
+def _waits_around_a_late_gradient(delay_s):
+    """ZB-V on 2 ranks, M = 4: rank 0 posts the receive of micro-batch 0's gradient
+    (from stage 1 on rank 1, late by ``delay_s``), then runs micro-batch 3's forward,
+    which does not read it, then micro-batch 0's backward, which does. Rank 0's
+    waits before each of the two, in seconds."""
+    mesh = Mesh.build(ParallelDims(pp=2))
+    schedule = build_schedule("zbv", 2, 4, 2)
+    stages = _stages(4, "3d-fp64")
+    LateGradient.calls = 0  # a pool's worker runs many tests
+    stages[1].insert(0, Lambda(lambda x: LateGradient.apply(x, delay_s)))
+    runtime = PipelineRuntime(_my_chunks(stages, mesh.pp_rank, 2, 2, schedule), schedule,
+                              mesh.pp, NoSyncEngine(), loss_fn=loss_fn)
+    runtime.run(_batch(4), 1.0)
+    times = runtime.action_times()
+    labels = [label for label, _, _ in times]
+
+    def wait_before(label):
+        i = labels.index(label)
+        _, start, end = times[i - 1]
+        return end - start if labels[i - 1] == "p2p" else 0.0
+
+    return wait_before("F3.0"), wait_before("B0.0")
+
+
 def _wrong_shape():
     """Micro-batch 1 is shorter than micro-batch 0: stage 0 must say so, not hang."""
     mesh = Mesh.build(ParallelDims(pp=2))
@@ -310,6 +353,13 @@ def test_a_weight_pass_straight_after_its_backward_runs_whole(dist_pools):
     deferred = dist_pools.run(2, _deferred_micro_batches, "zb-h1", 1, 4)
     assert deferred[0] == []
     assert deferred[1] == [(0, m) for m in range(4)]
+
+
+def test_a_forward_does_not_wait_for_a_gradient_it_does_not_read(dist_pools):
+    """A receive is waited for by the action that reads it, not where it is posted:
+    a late gradient holds up its backward, not the forward scheduled before it."""
+    forward_wait, backward_wait = dist_pools.run(2, _waits_around_a_late_gradient, 0.5)[0]
+    assert forward_wait < 0.25 and backward_wait > 0.25, (forward_wait, backward_wait)
 
 
 def test_v_shaped_stages_exchange_bf16_and_own_loss(dist_pools):
