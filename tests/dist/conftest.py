@@ -1,0 +1,10 @@
+import pytest
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _pools_end_with_the_package(dist_pools):
+    """The rank pools end with the last test here. Every test builds its own mesh and
+    each gloo group keeps a thread polling its sockets: by the end a rank holds hundreds,
+    which would take a share of the CPU from every test after these."""
+    yield
+    dist_pools.close()
