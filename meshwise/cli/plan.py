@@ -17,7 +17,7 @@ from meshwise.planner.devices import known_devices
 from meshwise.planner.layout import Layout
 from meshwise.planner.report import explain, table
 from meshwise.planner.search import Space
-from meshwise.train.config import DTYPES, ZERO_STAGES, TrainConfig
+from meshwise.train.config import DTYPES, GRAD_REDUCE_DTYPES, ZERO_STAGES, TrainConfig
 
 PROG = "meshwise plan"
 MODEL_FLAGS = [row for row in TRAIN_FLAGS if row[1] == "model" and row[2] != "dropout"]
@@ -45,8 +45,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=TrainConfig().data.batch_size,
                         help="global sequences per optimizer step (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="compute dtype (default: bf16 on a GPU profile, fp32 on cpu)")
-    parser.add_argument("--grad-reduce-dtype", choices=DTYPES, default="fp32",
+                        help="compute dtype (auto, the default: bf16 on a GPU profile, fp32 "
+                             "on cpu)")
+    parser.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="fp32",
                         help="with --dtype bf16: the dtype gradients are summed in "
                              "(default: fp32)")
     parser.add_argument("--bucket-mb", type=float, default=TrainConfig().comm.bucket_mb,
@@ -132,7 +133,8 @@ def model_config(args: argparse.Namespace) -> TrainConfig:
     apply_init_from(cfg, origins)
     cfg.data.seq_len, cfg.data.batch_size = args.seq_len, args.batch_size
     gpu = args.device != "cpu"
-    cfg.runtime.dtype = args.dtype or ("bf16" if gpu else "fp32")
+    cfg.runtime.dtype = (args.dtype if args.dtype not in (None, "auto")
+                         else "bf16" if gpu else "fp32")
     cfg.runtime.grad_reduce_dtype = args.grad_reduce_dtype
     cfg.runtime.device = "cuda" if gpu else "cpu"
     cfg.comm.bucket_mb = args.bucket_mb

@@ -81,8 +81,14 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]
 
 
 def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
-    """``--dp`` when not given: the world / (cp x tp x pp) under torchrun, 2 for the CPU demo."""
+    """``--dtype auto`` for the device; ``--dp`` when not given: the world / (cp x tp x
+    pp) under torchrun, 2 for the CPU demo."""
     p = cfg.parallel
+    if cfg.runtime.dtype == "auto":
+        device = devices.resolve_device(cfg.runtime.device)
+        cfg.runtime.dtype = devices.resolve_dtype("auto", device, gpus_take_bf16)
+        if cfg.runtime.dtype != "fp32":
+            origins["dtype"] = f"auto on {device}"
     if launch.under_torchrun() and not cfg.comm.ranks_per_node and "LOCAL_WORLD_SIZE" in os.environ:
         cfg.comm.ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])  # node grouping
         origins["ranks_per_node"] = "torchrun"
@@ -101,6 +107,13 @@ def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
     if demo and devices.resolve_device(cfg.runtime.device) == "cpu":
         p.dp = 2
         origins["dp"] = "demo"
+
+
+def gpus_take_bf16() -> bool:
+    """Whether the visible GPUs and NCCL take bf16, asked of a child process (the
+    launcher creates no CUDA context)."""
+    facts = devices.gpu_facts()
+    return devices.takes_bf16([gpu["capability"] for gpu in facts["gpus"]], facts["nccl"])
 
 
 def record_config(cfg: TrainConfig, origins: dict[str, str]) -> None:

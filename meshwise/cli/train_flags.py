@@ -178,8 +178,9 @@ TRAIN_FLAGS = [
     ("--device", "runtime", "device", str,
      f"{', '.join(DEVICES)}: auto picks cuda (NCCL) when available, else cpu (gloo)"),
     ("--dtype", "runtime", "dtype", str,
-     f"{' or '.join(DTYPES)}: bf16 is mixed precision: bf16 parameters, activations and "
-     "pipeline messages, fp32 master weights and AdamW state (sharded by ZeRO)"),
+     f"{', '.join(DTYPES)}: bf16 is mixed precision: bf16 parameters, activations and "
+     "pipeline messages, fp32 master weights and AdamW state (sharded by ZeRO); auto "
+     "(the default) is bf16 on CUDA GPUs with bfloat16 (compute capability 8.0+), else fp32"),
     ("--grad-reduce-dtype", "runtime", "grad_reduce_dtype", str,
      f"{' or '.join(GRAD_REDUCE_DTYPES)}: the dtype gradients are accumulated and summed "
      "over dp in (with --dtype bf16; fp32 keeps every micro-step's bits)"),

@@ -24,6 +24,26 @@ def resolve_device(device: str) -> str:
     return device
 
 
+BF16_CAPABILITY = (8, 0)  # CUDA's bfloat16 arithmetic starts with Ampere
+BF16_NCCL = (2, 10)  # the first NCCL that carries bfloat16
+
+
+def resolve_dtype(dtype: str, device: str, bf16_ready) -> str:
+    """``auto`` -> ``bf16`` (bf16 compute, fp32 master weights) on CUDA when
+    ``bf16_ready()`` (``takes_bf16`` of the job's GPUs), else ``fp32``; others as
+    given. ``bf16_ready`` is asked only for ``auto`` on CUDA."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if device == "cuda" and bf16_ready() else "fp32"
+
+
+def takes_bf16(capabilities, nccl) -> bool:
+    """Whether GPUs of these compute capabilities, with this NCCL version (None:
+    no NCCL), compute in bfloat16 and carry it between ranks."""
+    return (all(tuple(c) >= BF16_CAPABILITY for c in capabilities)
+            and (nccl is None or tuple(nccl) >= BF16_NCCL))
+
+
 _GPU_FACTS = """
 import json, torch
 gpus = [{"name": torch.cuda.get_device_name(i), "capability": torch.cuda.get_device_capability(i)}

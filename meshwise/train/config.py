@@ -30,7 +30,7 @@ from meshwise.train.profiling import parse_steps
 from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
 
 SCHEDULES = SCHEDULE_KINDS
-DTYPES = ("fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 ON_NAN = ("stop", "skip")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -139,7 +139,7 @@ class CommConfig:
 @dataclass
 class RuntimeConfig:
     device: str = "auto"
-    dtype: str = "fp32"
+    dtype: str = "auto"  # the launcher resolves it: bf16 on a CUDA device with bf16, else fp32
     grad_reduce_dtype: str = "fp32"  # with --dtype bf16: the dtype gradients are summed in
     metrics: str | None = None
     log_every: int = 10

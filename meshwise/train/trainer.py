@@ -28,7 +28,7 @@ from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops, ranges
-from meshwise.comm.devices import rank_device
+from meshwise.comm.devices import rank_device, resolve_dtype, takes_bf16
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
@@ -82,8 +82,12 @@ class Trainer:
             raise ValueError("a model of one's own needs both model= (a factory) and plan=")
         if model is not None:
             cfg.validate(own_model=True)
-        self.cfg = cfg
         self.device = rank_device(cfg.runtime.device)
+        if cfg.runtime.dtype == "auto":  # the Python API's default; the CLI resolves it
+            dtype = resolve_dtype("auto", self.device.type, lambda: takes_bf16(
+                [torch.cuda.get_device_capability(self.device)], torch.cuda.nccl.version()))
+            cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype))
+        self.cfg = cfg
         check_same_job(cfg, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
                                                        device=self.device))
         self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s,
