@@ -51,30 +51,33 @@ class GradCommStats:
     def __init__(self, counters, reducer: GradReducer | None):
         self.counters, self.reducer = counters, reducer
         self._last = self._now()
+        self._exposed = counters.exposed_s("grad")
 
     def _now(self) -> list[float]:
-        values = [self.counters.exposed_s("grad")]
-        if self.reducer is not None:
-            calls, nbytes = self.reducer.algorithm_stats()
-            values += [self.reducer.raw_bytes, self.reducer.sent_bytes]
-            values += [calls.get(a, 0) for a in REPORTED] + [nbytes.get(a, 0.0) for a in REPORTED]
-        return values
+        if self.reducer is None:
+            return []
+        calls, nbytes = self.reducer.algorithm_stats()
+        return ([self.reducer.raw_bytes, self.reducer.sent_bytes]
+                + [calls.get(a, 0) for a in REPORTED] + [nbytes.get(a, 0.0) for a in REPORTED])
 
     def add_to(self, values) -> None:
-        """This step's numbers, into ``values`` (a ``RankValues``) to be combined."""
+        """This step's counts, into ``values`` (a ``RankValues``) to be combined."""
         now = self._now()
         delta = [a - b for a, b in zip(now, self._last)]
         self._last = now
-        values.add("comm_exposed_s", delta[0], "max")
         if self.reducer is not None:
             names = ["raw_bytes", "sent_bytes"] + [f"calls.{a}" for a in REPORTED] + \
                     [f"bytes.{a}" for a in REPORTED]
-            for name, value in zip(names, delta[1:]):
+            for name, value in zip(names, delta):
                 values.add(name, value, "sum")
 
     def record(self, combined: dict[str, float]) -> dict:
-        """The metrics keys, from the combined numbers."""
-        record = {"comm_exposed_s": combined["comm_exposed_s"]}
+        """The metrics keys, from the combined numbers. ``comm_exposed_s`` is this
+        rank's own, read after the step's host read (on a GPU its CUDA events are
+        complete only then), as the time breakdown is."""
+        exposed = self.counters.exposed_s("grad")
+        record = {"comm_exposed_s": exposed - self._exposed}
+        self._exposed = exposed
         if self.reducer is None:
             return record
         sent = combined["sent_bytes"]

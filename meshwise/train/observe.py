@@ -80,27 +80,23 @@ class RunObserver:
         with ranges.named(name), self._watches[name].measure():
             yield
 
-    def add_to(self, values) -> None:
-        """This rank's phase times and waits, into the step's ``RankValues`` (the
-        logging rank's are kept: one rank's step adds up)."""
-        for name, watch in self._watches.items():
-            values.add(f"phase.{name}", watch.seconds(), "first")
-        waits = self._wait_totals()
-        for axis in AXIS_CATEGORIES:
-            values.add(f"wait.{axis}", waits[axis] - self._waits[axis], "first")
-        self._waits = waits
+    def record(self, record: dict) -> None:
+        """Add FLOP rates and this rank's time breakdown to ``record``.
 
-    def record(self, record: dict, combined: dict[str, float]) -> None:
-        """Add FLOP rates and the time breakdown to ``record``; log it."""
+        Called after the step's host read, which waited for the device: the phase
+        stopwatches (device events on a GPU) are complete, so no phase reads as 0.
+        The breakdown is the logging rank's own: one rank's step adds up."""
         seconds = record["step_time_s"]
         record["tflops"] = self.model_flops * record["tokens"] / seconds / 1e12
         record["mfu"] = record["tflops"] * 1e12 / self.peak_flops
         record["hfu"] = self.hardware_flops * record["tokens"] / seconds / self.peak_flops
-        waits = {axis: combined[f"wait.{axis}"] for axis in AXIS_CATEGORIES}
-        worked = combined["phase.forward_backward"] + combined["phase.grad_sync"]
-        optimizer = combined["phase.optimizer"]
+        phases = {name: watch.seconds() for name, watch in self._watches.items()}
+        totals = self._wait_totals()
+        waits = {axis: totals[axis] - self._waits[axis] for axis in AXIS_CATEGORIES}
+        self._waits = totals
+        worked = phases["forward_backward"] + phases["grad_sync"]
         compute = max(0.0, worked - sum(waits.values()))
-        breakdown = {"compute": compute, **waits, "optimizer": optimizer}
+        breakdown = {"compute": compute, **waits, "optimizer": phases["optimizer"]}
         breakdown["other"] = max(0.0, seconds - sum(breakdown.values()))
         record["time_breakdown"] = breakdown
         self.mfus.append(record["mfu"])

@@ -273,7 +273,7 @@ class Trainer:
         if self.cfg.data.data_order == "epochs":
             record.update(self.batches.source.epoch_position(step, self.cfg.data.batch_size))
         record.update(self.comm_stats.record(combined))
-        self.observer.record(record, combined)
+        self.observer.record(record)
         if self.cfg.parallel.zero == 3:
             # Transient: full parameters gathered at once (unit in use + prefetched).
             record["zero3_peak_gathered_bytes"] = int(combined["gathered"])
@@ -294,7 +294,6 @@ class Trainer:
         values.add("peak_mem_bytes", self.memory.step_peak_bytes(), "max")
         values.add("gathered", getattr(self.engine, "peak_gathered_bytes", 0), "max")  # ZeRO-3
         self.comm_stats.add_to(values)
-        self.observer.add_to(values)
         return values
 
     # ------------------------------------------------------------- helpers
