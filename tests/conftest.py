@@ -1,6 +1,8 @@
 import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dist.pool import Pools
 
@@ -8,6 +10,21 @@ from tests.dist.pool import Pools
 # (``meshwise.comm.strict``); spawned ranks and CLI runs inherit it. A test that
 # measures gloo's own formulation (memory) unsets it for its runs.
 os.environ.setdefault("MESHWISE_COMM_CHECK", "nccl")
+# Processes the tests start import this checkout's meshwise, installed or not.
+ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+# This process's view of the GPUs, taken before any test hides them from its children.
+GPUS = torch.cuda.device_count()
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_gpu_test(request, monkeypatch):
+    """The CPU suite runs on the CPU on a GPU machine too, as in CI: the processes
+    its tests start (CLI runs, rank pools) see no GPU, so ``--device auto`` and
+    ``--dtype auto`` pick what CI picks. Only tests/gpu sees the GPUs."""
+    if GPUS and Path(ROOT, "tests", "gpu") not in Path(str(request.node.path)).parents:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture(scope="session")
