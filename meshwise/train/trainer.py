@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
-from meshwise.comm import ops, ranges
+from meshwise.comm import ops, ranges, strict
 from meshwise.comm.devices import rank_device
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
@@ -327,7 +327,7 @@ class Trainer:
                 with ranges.named("forward"):
                     loss = self.pm.loss(self.model(inputs), targets) * scale
                 with ranges.named("backward"):
-                    loss.backward()
+                    strict.backward(loss)
             total += loss.detach()
         return total
 

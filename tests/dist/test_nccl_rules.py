@@ -83,8 +83,9 @@ def _second_thread():
 def test_a_second_issuing_thread_is_refused(dist_pools):
     for found in dist_pools.run(2, _second_thread):
         assert len(found) == 1
-        assert found[0].startswith("NCCL rule (one issuing thread per group): ")
+        assert found[0].startswith("NCCL rule (one issuing thread per group at a time): ")
         assert "from thread 'helper'" in found[0] and "MainThread" in found[0]
+        assert found[0].count("test_nccl_rules.py") == 2  # both call sites
 
 
 def _wrong_device_and_dtype():
