@@ -273,9 +273,11 @@ class Trainer:
         if self.cfg.parallel.zero == 3:
             # Transient: full parameters gathered at once (unit in use + prefetched).
             record["zero3_peak_gathered_bytes"] = int(combined["gathered"])
-        # Every rank issued the same operations on every group this step, or the
-        # ledger names the rank that did not (a desync is wrong before it hangs).
-        ops.check_ledger(self.cfg.comm.timeout_s)
+        # Every rank issued the same operations on every group, or the ledger names the
+        # rank that did not (a desync is wrong before it hangs): every few steps, and
+        # always before results are written (the last step, a checkpoint).
+        ops.check_ledger(self.cfg.comm.timeout_s, step,
+                         now=step == self.cfg.optim.steps or self.checkpointer.due(step))
         return record
 
     def _step_values(self, loss_part, sq_norm, skip, grad_bytes: float) -> RankValues:
