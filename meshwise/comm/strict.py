@@ -22,8 +22,8 @@ the group or pair, and the call site:
    max/min, none of the bitwise reductions.
 
 The same order of operations on every rank (the fifth rule) is the ledger's
-job (``meshwise.comm.ledger``), checked once per step whether or not this mode
-is on. The mode also makes ``meshwise.comm.policy`` formulate every operation as
+job (``meshwise.comm.ledger``), compared across ranks every few steps whether
+or not this mode is on. The mode also makes ``meshwise.comm.policy`` formulate every operation as
 for NCCL, so CI runs the code paths GPUs run.
 """
 
