@@ -157,7 +157,7 @@ class GroupRules:
         does the first once its thread ended. Within one wait the thread that issued
         stays the one that may, even after it ended."""
         for i, link in enumerate(self.issuers):
-            if (not link.thread.is_alive() if i == 0
+            if (not _alive(link.thread) if i == 0
                     else not _WAITS.active(self.issuers[i - 1].thread, link.token)):
                 del self.issuers[i:]
                 break
@@ -198,6 +198,13 @@ class GroupRules:
 
     def note_unbatched(self, peer: int, works: list, op: str, site: str) -> None:
         self.unbatched.setdefault(peer, []).append((works, op, site))
+
+
+def _alive(thread: threading.Thread) -> bool:
+    try:
+        return thread.is_alive()
+    except RuntimeError:  # newer Pythons raise for a foreign thread (autograd's) once ended
+        return False
 
 
 def _first_issuers(me: threading.Thread, site: str) -> list[_Issuer]:
