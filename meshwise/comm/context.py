@@ -7,10 +7,14 @@ process) and asks it about every operation before issuing it (``begin``).
 
 Settings, from the environment so that they reach every rank of a launch:
 ``MESHWISE_COMM_CHECK=nccl`` (``meshwise.comm.strict``), ``MESHWISE_LEDGER=0``
-(no ledger: no checks across ranks), ``MESHWISE_STALL_S`` (how long an
-operation may be in flight before the watchdog compares ledgers, default 10),
-``MESHWISE_LEDGER_DIR`` (a folder for each rank's ledger as a file kept
-current, set by the local launcher so it can read them after a rank died).
+(no ledger: no checks across ranks), ``MESHWISE_LEDGER_CHECK_EVERY`` (compare
+ledgers every this many steps, default 10: each comparison is a round trip to
+the launch's store on the step's critical path; the ledger records every
+operation whatever it is, so a check still finds the first that differs),
+``MESHWISE_STALL_S`` (how long an operation may be in flight before the
+watchdog compares ledgers, default 10), ``MESHWISE_LEDGER_DIR`` (a folder for
+each rank's ledger as a file kept current, set by the local launcher so it can
+read them after a rank died).
 """
 
 from __future__ import annotations
@@ -26,12 +30,22 @@ from meshwise.comm.watchdog import LedgerExchange, Watchdog
 
 log = logging.getLogger("meshwise")
 LEDGER_ENV = "MESHWISE_LEDGER"
+CHECK_EVERY_ENV = "MESHWISE_LEDGER_CHECK_EVERY"
 STALL_ENV = "MESHWISE_STALL_S"
 LEDGER_DIR_ENV = "MESHWISE_LEDGER_DIR"
 
 
 def ledger_enabled() -> bool:
     return os.environ.get(LEDGER_ENV, "1") != "0"
+
+
+def check_every() -> int:
+    """Steps between two comparisons of the ranks' ledgers."""
+    value = os.environ.get(CHECK_EVERY_ENV, "10")
+    if not (value.isdigit() and int(value) >= 1):
+        raise ValueError(f"{CHECK_EVERY_ENV}={value!r} is not valid; valid: a whole number "
+                         "of steps, 1 or more")
+    return int(value)
 
 
 WATCHDOG_JOIN_S = 10.0  # longer than one tick's store calls; bounded if the store hangs
@@ -104,15 +118,20 @@ class CommContext:
         if store is None:
             return
         self.exchange = LedgerExchange(store, self.rank, self.world_size, self.ledger, out_dir)
+        self.ledger.keep_unchecked()  # what a check names if ranks part between two checks
         thread_exchange = LedgerExchange(store.clone(), self.rank, self.world_size, self.ledger,
                                          out_dir)
         stall_s = float(os.environ.get(STALL_ENV, "10"))
         self.watchdog = Watchdog(thread_exchange, stall_s, timeout_s, reports_timeouts)
         self.watchdog.start()
 
-    def check(self, timeout_s: float) -> str | None:
-        """Compare this step's ledger with every rank's (all ranks call it together)."""
+    def check(self, timeout_s: float, step: int | None = None, now: bool = False
+              ) -> str | None:
+        """Compare this rank's ledger with every rank's (all ranks call it together): at
+        once, or with ``step`` every ``check_every()`` steps unless ``now``."""
         if self.exchange is None:
+            return None
+        if step is not None and not now and step % check_every():
             return None
         return self.exchange.check(timeout_s)
 

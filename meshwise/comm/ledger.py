@@ -15,8 +15,11 @@ every end:
 Per channel a rank keeps a count and a running CRC-32 of the signatures, so two
 ranks agree exactly when their channels' (count, checksum) agree; the entries
 themselves (the last ``capacity``) say where they part (``meshwise.comm.
-diagnose``). With ``path``, the ring of entries is also a file, kept current at
-every operation, so a launcher can read it after the rank died mid-collective.
+diagnose``). While ranks compare ledgers every few steps, the entries since
+they last agreed are kept too (``keep_unchecked``), so the first operation that
+differs is named even when the ring has moved past it. With ``path``, the ring
+of entries is also a file, kept current at every operation, so a launcher can
+read it after the rank died mid-collective.
 
 Pure bookkeeping: nothing here communicates.
 """
@@ -40,6 +43,8 @@ _ISSUING = {os.path.join(_COMM_DIR, f"{name}.py")
             for name in ("ops", "context", "ledger", "strict", "handle")}
 SLOT_BYTES = 320  # one entry in the file: a JSON line, space-padded
 CAPACITY = 256
+# Entries kept between two checks at most: many steps of the busiest layouts.
+UNCHECKED_CAPACITY = 1 << 15
 
 
 def call_site() -> str:
@@ -107,6 +112,8 @@ class Ledger:
         self.rank = rank
         self.entries: deque[Entry] = deque(maxlen=capacity)
         self.channels: dict[str, list[int]] = {}  # channel -> [count, crc]
+        self.last: dict[str, Entry] = {}  # channel -> its latest entry
+        self.unchecked: deque[Entry] | None = None  # since ranks last agreed, if they compare
         self._number = 0
         self._ring = _RingFile(path, capacity) if path else None
 
@@ -118,6 +125,9 @@ class Ledger:
         entry = Entry(self._number, channel, count_crc[0], op, sig, site, time.monotonic(),
                       list(works or []))
         self.entries.append(entry)
+        self.last[channel] = entry
+        if self.unchecked is not None:
+            self.unchecked.append(entry)
         if self._ring is not None:
             self._ring.write(entry)
         return entry
@@ -129,16 +139,33 @@ class Ledger:
 
     def oldest_pending(self) -> Entry | None:
         """The earliest entry still in flight (asks the backend), or None."""
-        return next((e for e in self.entries if not e.completed()), None)
+        # A copy: other threads append while the backend is asked (it releases the GIL).
+        return next((e for e in tuple(self.entries) if not e.completed()), None)
+
+    def keep_unchecked(self, capacity: int = UNCHECKED_CAPACITY) -> None:
+        """From now on keep every entry until ``checked`` (ranks compare ledgers)."""
+        if self.unchecked is None:
+            self.unchecked = deque(maxlen=capacity)
+
+    def checked(self) -> None:
+        """Every rank agreed with this one on everything issued so far."""
+        if self.unchecked is not None:
+            self.unchecked.clear()
 
     def summary(self) -> dict[str, list[int]]:
         """Channel -> [count, crc]: equal between ranks that agree."""
         return {channel: list(value) for channel, value in self.channels.items()}
 
-    def dump(self) -> dict:
-        """Everything a diagnosis needs: this rank's summary and recent entries."""
+    def dump(self, unchecked: bool = False) -> dict:
+        """Everything a diagnosis needs: this rank's summary and recent entries; with
+        ``unchecked``, also every entry since ranks last agreed and each channel's last
+        (where a peer stopped), oldest first."""
+        entries = tuple(self.entries)
+        if unchecked and self.unchecked is not None:
+            by_number = {e.number: e for e in (*self.unchecked, *entries, *self.last.values())}
+            entries = tuple(by_number[n] for n in sorted(by_number))
         return {"rank": self.rank, "channels": self.summary(),
-                "entries": [e.to_dict() for e in self.entries]}
+                "entries": [e.to_dict() for e in entries]}
 
     def write_json(self, directory: str | os.PathLike) -> Path:
         """Write ``dump()`` as ``ledger-rank<r>.json`` under ``directory``."""

@@ -131,10 +131,12 @@ def start_ledger(timeout_s: float | None, out_dir=None) -> None:
     context().start(timeout_s, ends_timeouts, out_dir)
 
 
-def check_ledger(timeout_s: float = 60.0) -> None:
+def check_ledger(timeout_s: float = 60.0, step: int | None = None, now: bool = False) -> None:
     """Every rank: compare what each rank issued on each group since the start; raise
-    ``CollectiveDesync`` naming the rank and both call sites where they differ."""
-    found = context().check(timeout_s)
+    ``CollectiveDesync`` naming the rank and both call sites where they first differ.
+    With ``step``, only every ``MESHWISE_LEDGER_CHECK_EVERY`` steps (the first
+    operation that differs is still the one named), or ``now``."""
+    found = context().check(timeout_s, step, now)
     if found:
         raise CollectiveDesync(found)
 

@@ -10,26 +10,35 @@ the group or pair, and the call site:
    complete before the next transfer with that peer is issued. A receive posted
    before a send on both ends deadlocks on a GPU; here it fails after
    ``MESHWISE_COMM_CHECK_WAIT_S`` (default 5) seconds naming the pair.
-2. *One issuing thread per group*: NCCL communicators are not thread-safe, and
-   two threads cannot keep every rank's order the same.
+2. *One issuing thread per group at a time*: NCCL communicators are not
+   thread-safe, and two threads issuing at once cannot keep every rank's order
+   the same. A thread may issue while the group's issuing thread waits for it
+   inside ``backward`` (on CUDA, autograd's device thread: DDP and FSDP rely on
+   it); a second such thread in the same wait, or any other thread while the
+   issuing one is not waiting, is refused naming both threads and call sites.
 3. *The group's device*: NCCL moves tensors of its device only; a CPU tensor
    handed to a CUDA group is refused (on gloo the group's device is the CPU).
 4. *NCCL's types and operations*: no int16, bool or complex reductions of
    max/min, none of the bitwise reductions.
 
 The same order of operations on every rank (the fifth rule) is the ledger's
-job (``meshwise.comm.ledger``), checked once per step whether or not this mode
-is on. The mode also makes ``meshwise.comm.policy`` formulate every operation as
+job (``meshwise.comm.ledger``), compared across ranks every few steps whether
+or not this mode is on. The mode also makes ``meshwise.comm.policy`` formulate every operation as
 for NCCL, so CI runs the code paths GPUs run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
+
+from meshwise.comm.ledger import call_site
 
 ENV = "MESHWISE_COMM_CHECK"
 WAIT_ENV = "MESHWISE_COMM_CHECK_WAIT_S"
@@ -54,25 +63,123 @@ def wait_s() -> float:
     return float(os.environ.get(WAIT_ENV, "5"))
 
 
+class _Waits:
+    """Which threads wait inside ``backward`` (innermost wait last, each with a token
+    and the call site). Process-wide, as the process's ``CommContext`` is: any thread
+    asks about any other."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._tokens = itertools.count(1)
+        self._stacks: dict[int, tuple[threading.Thread, list[tuple[int, str]]]] = {}
+
+    @contextlib.contextmanager
+    def waiting(self, site: str):
+        me = threading.current_thread()
+        with self.lock:
+            self._stacks.setdefault(me.ident, (me, []))[1].append((next(self._tokens), site))
+        try:
+            yield
+        finally:
+            with self.lock:
+                stack = self._stacks[me.ident][1]
+                stack.pop()  # waits on one thread nest: this one is the innermost
+                if not stack:
+                    del self._stacks[me.ident]
+
+    # The rest is asked with ``lock`` held.
+    def innermost(self, thread: threading.Thread) -> tuple[int, str] | None:
+        entry = self._stacks.get(thread.ident)
+        return entry[1][-1] if entry and entry[0] is thread else None
+
+    def active(self, thread: threading.Thread, token: int) -> bool:
+        entry = self._stacks.get(thread.ident)
+        return bool(entry) and entry[0] is thread and any(t == token for t, _ in entry[1])
+
+    def latest_other(self, me: threading.Thread):
+        """The thread other than ``me`` whose innermost wait began last, and that wait."""
+        others = [(stack[-1], thread) for thread, stack in self._stacks.values()
+                  if thread is not me]
+        return max(others, key=lambda o: o[0][0], default=None)
+
+
+_WAITS = _Waits()
+
+
+def backward(tensors, grad_tensors=None) -> None:
+    """``torch.autograd.backward(tensors, grad_tensors)`` with this thread declared waiting
+    in it (rule 2): on CUDA the engine runs the backward on its device thread, which
+    issues the backward's operations on this thread's groups while this one is blocked.
+    Every backward that may communicate runs through here."""
+    with _WAITS.waiting(call_site()):
+        torch.autograd.backward(tensors, grad_tensors)
+
+
+@dataclass
+class _Issuer:
+    """A thread issuing on a group: the first, or one issuing while the one before it
+    waits in ``backward`` (in the wait ``token``)."""
+
+    thread: threading.Thread
+    site: str  # its latest operation on the group (or where it waits, if it issued none)
+    token: int | None = None
+
+
 class GroupRules:
-    """One group's issuing thread and unbatched transfers still in flight, per peer."""
+    """One group's issuing threads and unbatched transfers still in flight, per peer."""
 
     def __init__(self, name: str):
         self.name = name
-        self.thread: tuple[int, str] | None = None
-        self.first_site = ""
+        self.issuers: list[_Issuer] = []
         self.unbatched: dict[int, list[tuple[list, str, str]]] = {}  # peer -> (works, op, site)
 
     def check_thread(self, site: str) -> None:
-        me = (threading.get_ident(), threading.current_thread().name)
-        if self.thread is None:
-            self.thread, self.first_site = me, site
-        elif self.thread[0] != me[0]:
-            raise NcclRuleError(
-                f"NCCL rule (one issuing thread per group): {site} issues an operation on group "
-                f"{self.name} from thread {me[1]!r}, but thread {self.thread[1]!r} issued its "
-                f"first one ({self.first_site}); NCCL communicators are not thread-safe and two "
-                "threads cannot keep every rank's order the same")
+        """Rule 2: the last issuing thread, or a new one while that one waits in ``backward``."""
+        me = threading.current_thread()
+        with _WAITS.lock:
+            chain = self._current()
+            if not chain:
+                self.issuers = _first_issuers(me, site)
+                return
+            last = chain[-1]
+            if last.thread is me:
+                last.site = site
+                return
+            wait = _WAITS.innermost(last.thread)
+            if wait is not None and all(link.thread is not me for link in chain):
+                chain.append(_Issuer(me, site, wait[0]))
+                return
+            raise NcclRuleError(self._refusal(me, site, chain))
+
+    def _current(self) -> list[_Issuer]:
+        """The issuers still entitled: one whose predecessor's wait ended (the backward
+        returned: it issues nothing more for it) drops out, and every one after it; so
+        does the first once its thread ended. Within one wait the thread that issued
+        stays the one that may, even after it ended."""
+        for i, link in enumerate(self.issuers):
+            if (not _alive(link.thread) if i == 0
+                    else not _WAITS.active(self.issuers[i - 1].thread, link.token)):
+                del self.issuers[i:]
+                break
+        return self.issuers
+
+    def _refusal(self, me: threading.Thread, site: str, chain: list[_Issuer]) -> str:
+        last = chain[-1]
+        head = (f"NCCL rule (one issuing thread per group at a time): {site} issues an "
+                f"operation on group {self.name} from thread {me.name!r}")
+        if any(link.thread is me for link in chain):  # it waits while `last` issues for it
+            why = (f", which waits in a backward ({_WAITS.innermost(me)[1]}) while thread "
+                   f"{last.thread.name!r} issues on the group for it ({last.site})")
+        elif len(chain) > 1:
+            waiter = chain[-2].thread
+            why = (f", while thread {last.thread.name!r} issues on the group ({last.site}) for "
+                   f"thread {waiter.name!r}, which waits in a backward "
+                   f"({_WAITS.innermost(waiter)[1]}): one thread at most may issue for it")
+        else:
+            why = (f", while thread {last.thread.name!r} issues on it too ({last.site}) and "
+                   "does not wait for it in a backward (meshwise.comm.strict.backward)")
+        return (head + why + "; NCCL communicators are not thread-safe and two threads "
+                "issuing at once cannot keep every rank's order the same")
 
     def before_transfer(self, peer: int, op: str, site: str) -> None:
         """Rule 1: wait (at most ``wait_s()``) for unbatched transfers with ``peer``."""
@@ -91,6 +198,25 @@ class GroupRules:
 
     def note_unbatched(self, peer: int, works: list, op: str, site: str) -> None:
         self.unbatched.setdefault(peer, []).append((works, op, site))
+
+
+def _alive(thread: threading.Thread) -> bool:
+    try:
+        return thread.is_alive()
+    except RuntimeError:  # newer Pythons raise for a foreign thread (autograd's) once ended
+        return False
+
+
+def _first_issuers(me: threading.Thread, site: str) -> list[_Issuer]:
+    """A group's first issuer; a thread that is not waiting itself while another waits
+    issues for that one (autograd's device thread reducing a group's first gradients),
+    which stays the group's issuing thread once its backward returns."""
+    if _WAITS.innermost(me) is None:
+        waiter = _WAITS.latest_other(me)
+        if waiter is not None:
+            (token, wait_site), thread = waiter
+            return [_Issuer(thread, wait_site), _Issuer(me, site, token)]
+    return [_Issuer(me, site)]
 
 
 def check_tensors(group_name: str, group_device: torch.device, tensors, site: str,

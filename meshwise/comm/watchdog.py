@@ -4,10 +4,11 @@ The store torch.distributed rendezvoused on (a ``TCPStore``, handed in by
 ``meshwise.comm.ops``) is independent of every process group, so ranks can
 compare their ledgers while a group is stuck or out of step:
 
-- ``LedgerExchange.check``, once per step: every rank publishes its channel
+- ``LedgerExchange.check``, every few steps: every rank publishes its channel
   summary (a count and a checksum per channel) and reads its peers'. Where the
-  ends of a channel disagree, the ranks involved publish their recent entries
-  and each raises the same one-line diagnosis (``meshwise.comm.diagnose``).
+  ends of a channel disagree, the ranks involved publish their entries since
+  they last agreed and each raises the same one-line diagnosis
+  (``meshwise.comm.diagnose``).
 - ``Watchdog``, a thread: when one of this rank's operations has been in
   flight longer than ``stall_s``, it raises an alert in the store; every rank's
   watchdog answers with its entries, and the alerting one diagnoses them. A
@@ -63,9 +64,11 @@ class LedgerExchange:
                                              if self.rank in diagnose.participants(c)}
         bad = [c for c in diagnose.mismatched(summaries) if c in mine]
         if not bad:
+            self.ledger.checked()
             return None
         involved = sorted({p for c in bad for p in diagnose.participants(c)})
-        self.store.set(f"{PREFIX}/dump/{r}/{self.rank}", json.dumps(self.ledger.dump()))
+        self.store.set(f"{PREFIX}/dump/{r}/{self.rank}",
+                       json.dumps(self.ledger.dump(unchecked=True)))
         dumps = self._get_all("dump", r, involved, timeout_s)
         finding = diagnose.explain(dumps, bad, settled=True)
         return self.report(str(finding) if finding else

@@ -33,7 +33,7 @@ import itertools
 
 import torch
 
-from meshwise.comm import ops, ranges
+from meshwise.comm import ops, ranges, strict
 from meshwise.comm.devices import IntervalClock
 from meshwise.pipeline.mailbox import Mailbox
 from meshwise.pipeline.p2p import Channels, Incoming, Outgoing
@@ -209,14 +209,14 @@ class PipelineRuntime:
         out, x = self._outputs.pop(key), self._inputs.pop(key)
         with self._syncing(a, self._last_b), self._capturing(a):
             if stage == self.num_logical - 1:
-                out.backward()
+                strict.backward(out)
             else:
                 grad = self.mail.gradients.pop(key, None)
                 if grad is None:
                     grad = self._handoff_grad.pop((stage, a.micro_batch))
                 # ``out`` may hold no data any more (released after its send): only
                 # its graph is used, and its shape still matches ``grad``.
-                torch.autograd.backward(out, grad)
+                strict.backward(out, grad)
         if self.weight_grads is not None and not self._split(a) and key not in self._whole:
             self._weights(a)  # no W of its own, another sync than B's: the weights now
         if stage > 0:

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from meshwise.comm import strict
+
 
 class WeightGradStore:
     """Weight-gradient work of linear layers, held from a backward (B) until its W runs."""
@@ -89,7 +91,7 @@ class WeightGradStore:
         after B and gathered again) cannot be a root of a backward itself."""
         weights, grads = self._weight_grads(key)
         if weights:
-            torch.autograd.backward(weights, grads)
+            strict.backward(weights, grads)
 
 
 class _LinearWeightLater(torch.autograd.Function):

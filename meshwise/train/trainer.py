@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
-from meshwise.comm import ops, ranges
+from meshwise.comm import ops, ranges, strict
 from meshwise.comm.devices import rank_device, resolve_dtype, takes_bf16
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
@@ -277,9 +277,11 @@ class Trainer:
         if self.cfg.parallel.zero == 3:
             # Transient: full parameters gathered at once (unit in use + prefetched).
             record["zero3_peak_gathered_bytes"] = int(combined["gathered"])
-        # Every rank issued the same operations on every group this step, or the
-        # ledger names the rank that did not (a desync is wrong before it hangs).
-        ops.check_ledger(self.cfg.comm.timeout_s)
+        # Every rank issued the same operations on every group, or the ledger names the
+        # rank that did not (a desync is wrong before it hangs): every few steps, and
+        # always before results are written (the last step, a checkpoint).
+        ops.check_ledger(self.cfg.comm.timeout_s, step,
+                         now=step == self.cfg.optim.steps or self.checkpointer.due(step))
         return record
 
     def _step_values(self, loss_part, sq_norm, skip, grad_bytes: float) -> RankValues:
@@ -330,7 +332,7 @@ class Trainer:
                 with ranges.named("forward"):
                     loss = self.pm.loss(self.model(inputs), targets) * scale
                 with ranges.named("backward"):
-                    loss.backward()
+                    strict.backward(loss)
             total += loss.detach()
         return total
 

@@ -83,8 +83,9 @@ def _second_thread():
 def test_a_second_issuing_thread_is_refused(dist_pools):
     for found in dist_pools.run(2, _second_thread):
         assert len(found) == 1
-        assert found[0].startswith("NCCL rule (one issuing thread per group): ")
+        assert found[0].startswith("NCCL rule (one issuing thread per group at a time): ")
         assert "from thread 'helper'" in found[0] and "MainThread" in found[0]
+        assert found[0].count("test_nccl_rules.py") == 2  # both call sites
 
 
 def _wrong_device_and_dtype():
@@ -121,3 +122,37 @@ def test_the_per_step_check_names_operations_that_differ(dist_pools):
                                         r"\(ranks \[0, 1\]\) at operation #1: .*all_reduce "
                                         r"(sum|max) float32\[3\] at tests/dist/test_nccl_rules"):
         dist_pools.run(2, _mismatched_reduction)
+
+
+def _desync_between_checks():
+    """Checks every 4 steps (and at step 1, asked for now); rank 1 issues a max where
+    rank 0 issues a sum in step 2, and both go on alike."""
+    from meshwise.comm import context
+
+    os.environ[context.CHECK_EVERY_ENV] = "4"
+    group, rounds = _fresh_group("cadence"), []
+    exchange = ops.context().exchange
+    try:
+        for step in range(1, 5):
+            for i in range(3):
+                op = "max" if (step, i, group.rank) == (2, 1, 1) else "sum"
+                ops.all_reduce(torch.ones(3), group, op=op)
+            try:
+                ops.check_ledger(30, step, now=step == 1)
+            except ops.CollectiveDesync as exc:
+                return rounds, str(exc)
+            rounds.append(exchange.round)
+    finally:
+        os.environ.pop(context.CHECK_EVERY_ENV)
+    return rounds, None
+
+
+def test_a_desync_between_two_checks_is_named_at_the_next_at_its_first_operation(dist_pools):
+    # (tests/unit/test_ledger_cadence.py: also once the ring of recent entries moved past it)
+    for rounds, found in dist_pools.run(2, _desync_between_checks, agree=False):
+        assert len(rounds) == 3 and rounds[1:] == [rounds[0]] * 2  # steps 2, 3: no check
+        assert found is not None
+        assert found.startswith("rank 1 diverged on group cadence (ranks [0, 1]) at operation "
+                                "#5: rank 1 issued all_reduce max float32[3] at "
+                                "tests/dist/test_nccl_rules.py")
+        assert "while rank 0 issued all_reduce sum float32[3] at tests/dist/" in found
