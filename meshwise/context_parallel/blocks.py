@@ -12,144 +12,164 @@ FlashAttention does across tiles, Dao et al. 2022). Each block needs:
   backward, Dao et al. 2022, algorithm 4: ``P = exp(S - lse)``,
   ``dS = P (dP - rowsum(dout * out))``).
 
-Queries are (B, H, Lq, d); keys and values (B, G, Lk, d) with G dividing H
-(grouped-query attention: never repeated here). ``causal`` masks key j for
-query i when j > i (blocks of equal, aligned positions only); ``mask`` (B, 1,
-Lq, Lk) bool, in its place, says which keys each query sees (document
-masking, ``meshwise.layout.documents``): a query that sees none of the block's
-keys gets a zero output and a log-sum-exp of -inf, so merging ignores it.
+Queries are (B, H, Lq, d); keys and values (B, G, Lk, d) with G dividing H.
+``causal`` masks key j for query i when j > i (blocks of equal, aligned
+positions only); ``mask`` (B or 1, 1, Lq, Lk) bool, in its place, says which
+keys each query sees (document masking, a sliding window): a query that sees
+none of the block's keys gets a zero output and a log-sum-exp of -inf, so
+merging ignores it.
 
-On the CPU with no dropout the block runs as PyTorch's fused flash-attention
-kernel for the CPU, which takes grouped heads as they are and whose memory is
-O(Lq x tile). Elsewhere, and with dropout (``keep``: the keep-mask of a range of
-key columns, scaled by 1/(1-p), as FlashAttention applies it to P), plain
-PyTorch operations over ``KV_TILE`` keys at a time keep the memory O(Lq x tile).
+With no dropout a block runs as one of PyTorch's fused kernels that return
+their log-sum-exp and whose backward takes a given ``out`` and ``lse``: on the
+CPU its flash-attention kernel for the CPU (grouped heads as they are); on
+CUDA the flash-attention kernel (bf16 / fp16, no mask) or the memory-efficient
+one (fp32, or with a mask as an additive bias; a masked block's backward runs
+in fp32), both given equal head counts: the key/value heads are expanded and
+their gradients summed over each group.
+These are private aten operators, the ones PyTorch's own context parallelism
+calls (``torch.distributed.tensor.experimental``): no public API returns the
+log-sum-exp with a backward that takes it (``flex_attention``'s
+``return_lse`` has no gradient input for it). With dropout (``keep``: the
+keep-mask of a range of key columns, scaled by 1/(1-p), as FlashAttention
+applies it to P), and on other devices, plain PyTorch operations over
+``KV_TILE`` keys at a time (``meshwise.models.tiled_attention``) keep the
+memory O(Lq x tile).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from meshwise.layout.documents import additive_mask
+from meshwise.models.attention_kernels import expand_heads
+from meshwise.models.tiled_attention import (
+    accumulation_dtype,
+    merge,  # noqa: F401 - the ring merges with it
+    tiled_backward,
+    tiled_forward,
+)
 
 KV_TILE = 1024  # keys per tile in the plain formulation: (B, H, Lq, KV_TILE) scores at once
+_FUSED_CUDA = (torch.float16, torch.bfloat16, torch.float32)
+_LSE_ALIGN = 32  # the memory-efficient kernel's log-sum-exp rows are padded to this
+_BIAS_ALIGN = 16  # and the rows of its bias must start at multiples of this many elements
 
 _aten = torch.ops.aten
 
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What outputs, log-sum-exps and gradients are summed in: at least fp32."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _fused(q: torch.Tensor, keep) -> bool:
-    return keep is None and q.device.type == "cpu"
+    if keep is not None:
+        return False
+    return q.device.type == "cpu" or (q.device.type == "cuda" and q.dtype in _FUSED_CUDA)
 
 
 def block_forward(q, k, v, causal: bool, scale: float, keep=None, mask=None):
     """``(out, lse)``: out (B, H, Lq, d) in q's dtype, lse (B, H, Lq) accumulated."""
-    if _fused(q, keep):
-        extra = {} if mask is None else {"attn_mask": additive_mask(mask, q.dtype)}
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal and mask is None, scale=scale, **extra)
-        lse = lse.to(accumulation_dtype(q.dtype))
-        if mask is not None:  # the kernel gives rows without a key a log-sum-exp of 0
-            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
-        return out, lse
-    return _plain_forward(q, k, v, causal, scale, keep, mask)
+    if not _fused(q, keep):
+        return tiled_forward(q, k, v, causal, scale, keep, _columns(mask), KV_TILE)
+    if q.device.type == "cuda":
+        return _cuda_forward(q, k, v, causal, scale, mask)
+    extra = {} if mask is None else {"attn_mask": additive_mask(mask, q.dtype)}
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal and mask is None, scale=scale, **extra)
+    lse = lse.to(accumulation_dtype(q.dtype))
+    if mask is not None:  # the kernel gives rows without a key a log-sum-exp of 0
+        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+    return out, lse
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None,
                    mask=None):
     """``(dq, dk, dv)`` of this block, in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
-    if _fused(q, keep):
-        extra = {} if mask is None else {"attn_mask": additive_mask(mask, q.dtype)}
-        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(acc), 0.0, causal and mask is None, scale=scale,
-            **extra)  # any strides
-        return dq.to(acc), dk.to(acc), dv.to(acc)
-    return _plain_backward(dout, q, k, v, out, lse, causal, scale, keep, mask)
+    if not _fused(q, keep):
+        return tiled_backward(dout, q, k, v, out, lse, causal, scale, keep, _columns(mask),
+                              KV_TILE)
+    if q.device.type == "cuda":
+        return _cuda_backward(dout, q, k, v, out, lse, causal, scale, mask)
+    extra = {} if mask is None else {"attn_mask": additive_mask(mask, q.dtype)}
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.to(acc), 0.0, causal and mask is None, scale=scale,
+        **extra)  # any strides
+    return dq.to(acc), dk.to(acc), dv.to(acc)
 
 
-# ---------------------------------------------------------------- plain formulation
-def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
-    B, H, L, d = x.shape
-    return x.reshape(B, groups, H // groups, L, d)  # (B, G, H / G, L, d)
+def _columns(mask):
+    """``mask`` as the plain formulation asks for it: the columns of a tile of keys."""
+    if mask is None:
+        return None
+    return lambda start, end: mask[..., start:end]
 
 
-def _scores(qg, k_tile, start: int, causal: bool, scale: float, mask=None) -> torch.Tensor:
-    """(B, G, H / G, Lq, tile) scores of keys ``start ..`` with the causal mask (or
-    ``mask``'s columns of the tile) applied."""
-    s = (qg @ k_tile.unsqueeze(2).transpose(-2, -1)) * scale
-    if mask is not None:
-        tile = mask[..., start:start + k_tile.shape[2]].unsqueeze(2)  # (B, 1, 1, Lq, tile)
-        s = s.masked_fill(~tile, float("-inf"))
-    elif causal:
-        rows = torch.arange(qg.shape[3], device=qg.device)[:, None]
-        cols = torch.arange(start, start + k_tile.shape[2], device=qg.device)[None, :]
-        s = s.masked_fill(cols > rows, float("-inf"))
-    return s
+# ---------------------------------------------------------------- CUDA's fused kernels
+def _flash(q: torch.Tensor, mask) -> bool:
+    """Whether the flash kernel serves the block (else the memory-efficient one)."""
+    d = q.shape[-1]
+    return mask is None and q.dtype != torch.float32 and d % 8 == 0 and d <= 256
 
 
-def _plain_forward(q, k, v, causal: bool, scale: float, keep, mask=None):
+def _bias(mask: torch.Tensor, q: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``mask`` as the memory-efficient kernel's additive bias: (B, H, Lq, Lk) in q's
+    dtype, each row starting at a multiple of ``_BIAS_ALIGN`` elements (as SDPA pads
+    a mask for it), broadcast over the heads without a copy."""
+    B, H, Lq = q.shape[:3]
+    padded = math.ceil(num_keys / _BIAS_ALIGN) * _BIAS_ALIGN
+    bias = torch.zeros(*mask.shape[:-1], padded, dtype=q.dtype, device=q.device)
+    bias[..., :num_keys].masked_fill_(~mask, float("-inf"))
+    return bias[..., :num_keys].expand(B, H, Lq, num_keys)
+
+
+def _no_rng() -> torch.Tensor:
+    # The kernels' dropout seed and offset, unread at dropout 0: what their forwards
+    # return then (an empty CPU scalar).
+    return torch.empty((), dtype=torch.long)
+
+
+def _cuda_forward(q, k, v, causal: bool, scale: float, mask):
+    heads = q.shape[1]
+    q, k, v = q.contiguous(), expand_heads(k, heads), expand_heads(v, heads)  # (B, H, L, d)
+    if _flash(q, mask):
+        out, lse = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                            scale=scale)[:2]
+        return out, lse.float()  # (B, H, Lq), natural log
+    bias = None if mask is None else _bias(mask, q, k.shape[2])
+    out, lse = _aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, causal and mask is None, scale=scale)[:2]
+    lse = lse[..., :q.shape[2]].float()  # (B, H, Lq): the rows past Lq are padding
+    if mask is not None:  # rows that see no key of the block: nothing, whatever the kernel
+        seen = mask.any(-1)  # (B or 1, 1, Lq)
+        out = torch.where(seen[..., None], out, torch.zeros((), dtype=out.dtype,
+                                                            device=out.device))
+        lse = lse.masked_fill(~seen, float("-inf"))
+    return out, lse
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask):
     acc = accumulation_dtype(q.dtype)
-    groups = k.shape[1]
-    qg = _grouped(q.to(acc), groups)                      # (B, G, R, Lq, d)
-    out = torch.zeros_like(qg)
-    lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-    for start in range(0, k.shape[2], KV_TILE):
-        end = min(start + KV_TILE, k.shape[2])
-        s = _scores(qg, k[:, :, start:end].to(acc), start, causal, scale, mask)
-        m = s.amax(-1)                                    # (B, G, R, Lq)
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with no key here
-        p = torch.exp(s - m.unsqueeze(-1))
-        tile_lse = m + torch.log(p.sum(-1))               # -inf where no key is seen
-        if keep is not None:
-            p = p * _grouped(keep(start, end), groups).to(acc)
-        o = p @ v[:, :, start:end].to(acc).unsqueeze(2)   # unnormalised, relative to m
-        merge(out, lse, o, m, tile_lse)
-    B, H, Lq, d = q.shape
-    return out.reshape(B, H, Lq, d).to(q.dtype), lse.reshape(B, H, Lq)
+    B, heads, Lq = q.shape[:3]
+    groups, Lk = k.shape[1], k.shape[2]
+    q, dout, out = q.contiguous(), dout.contiguous(), out.contiguous()
+    k, v = expand_heads(k, heads), expand_heads(v, heads)  # (B, H, Lk, d)
+    lse = lse.float().contiguous()
+    if _flash(q, mask):
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, Lq, Lk, 0.0, causal, _no_rng(), _no_rng(),
+            scale=scale)
+    else:
+        if mask is not None and q.dtype != torch.float32:
+            # Under a mask the kernel's bf16 backward gave NaN gradients on an H200
+            # (torch 2.11) where its fp32 backward is exact: the backward runs in fp32.
+            q, k, v, dout, out = (t.float() for t in (q, k, v, dout, out))
+        bias = None if mask is None else _bias(mask, q, Lk)
+        padded = math.ceil(Lq / _LSE_ALIGN) * _LSE_ALIGN
+        lse = F.pad(lse, (0, padded - Lq), value=float("inf"))  # as its forward pads it
+        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, bias, out, lse, _no_rng(), _no_rng(), 0.0,
+            [True, True, True, False], causal and mask is None, scale=scale)
 
-
-def merge(out, lse, o, o_scale, o_lse) -> None:
-    """In place: ``out``/``lse`` become the softmax over their keys and ``o``'s.
-
-    ``out`` is normalised by ``exp(lse)``; ``o`` by ``exp(o_scale)`` (so a
-    normalised block output has ``o_scale == o_lse``). Rows where both sides
-    saw no key stay zero."""
-    new = torch.logaddexp(lse, o_lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    keep_old = torch.exp(lse - safe).unsqueeze(-1)
-    take_new = torch.exp(o_scale - safe).unsqueeze(-1)
-    out.mul_(keep_old).add_(o * take_new)
-    lse.copy_(new)
-
-
-def _plain_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep, mask=None):
-    acc = accumulation_dtype(q.dtype)
-    groups = k.shape[1]
-    qg = _grouped(q.to(acc), groups)                      # (B, G, R, Lq, d)
-    dog = _grouped(dout.to(acc), groups)
-    lse_g = _grouped(lse.to(acc).unsqueeze(-1), groups)   # (B, G, R, Lq, 1)
-    rowdot = (dog * _grouped(out.to(acc), groups)).sum(-1, keepdim=True)  # rowsum(dO * O)
-    dq = torch.zeros_like(qg)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for start in range(0, k.shape[2], KV_TILE):
-        end = min(start + KV_TILE, k.shape[2])
-        k_tile, v_tile = k[:, :, start:end].to(acc), v[:, :, start:end].to(acc)
-        p = torch.exp(_scores(qg, k_tile, start, causal, scale, mask) - lse_g)  # (B,G,R,Lq,t)
-        dp = dog @ v_tile.unsqueeze(2).transpose(-2, -1)
-        if keep is not None:
-            mask = _grouped(keep(start, end), groups).to(acc)
-            dv[:, :, start:end] = ((p * mask).transpose(-2, -1) @ dog).sum(2)
-            dp = dp * mask
-        else:
-            dv[:, :, start:end] = (p.transpose(-2, -1) @ dog).sum(2)
-        ds = p * (dp - rowdot) * scale
-        dq += ds @ k_tile.unsqueeze(2)
-        dk[:, :, start:end] = (ds.transpose(-2, -1) @ qg).sum(2)
-    B, H, Lq, d = q.shape
-    return dq.reshape(B, H, Lq, d), dk, dv
+    def per_group(grad):  # (B, H, Lk, d) -> (B, G, Lk, d): each group's heads summed
+        return grad.to(acc).view(B, groups, heads // groups, Lk, -1).sum(2)
+    return dq.to(acc), per_group(dk), per_group(dv)

@@ -20,10 +20,12 @@ half a block on every rank (Megatron-LM's and Llama 3's load balancing):
 Under document masking (``meshwise.layout.documents``) each block's mask
 comes from the documents of its query and key positions, which every rank
 knows for the whole sequence (it holds the whole global batch): nothing more
-travels with the keys. After step 0 a block's keys all lie before its queries,
-so when the document of its last key does not run on to its first query in
-any sequence, no query sees any of its keys and the block is skipped (decided
-on the host, from a CPU copy of the documents: no device read).
+travels with the keys. A sliding window's mask comes from the positions
+alone. After step 0 a block's keys all lie before its queries, so when the
+document of its last key does not run on to its first query in any sequence,
+or its last key lies a window or more before its first query, no query sees
+any of its keys and the block is skipped (decided on the host, from a CPU
+copy of the documents and the chunks' positions: no device read).
 
 The backward sends the keys and values around again, each with the gradient
 dK/dV accumulated for it so far; after N steps every gradient is back at its
@@ -45,6 +47,7 @@ from meshwise.context_parallel import blocks
 from meshwise.layout.documents import shares_a_document
 from meshwise.layout.sequence import zigzag_positions
 from meshwise.models.attention import check_heads
+from meshwise.models.attention_masks import keys_seen
 
 CATEGORY = "cp"
 
@@ -79,22 +82,33 @@ class RingBlocks:
     """Each ring step's block: (query rows, key columns, causal, mask), or None for a
     block no query sees anything of. ``documents`` (of this forward's whole sequences,
     on the device) and ``on_host`` (their ids as a host array): document masking;
-    None: plain causal attention."""
+    ``window``: a sliding window over global positions (0: none); neither: plain
+    causal attention. ``device``: where the masks are made without documents."""
 
-    def __init__(self, rank: int, size: int, length: int, documents=None, on_host=None):
+    def __init__(self, rank: int, size: int, length: int, documents=None, on_host=None,
+                 window: int = 0, device=None):
         self.rank, self.size, self.length = rank, size, length
-        self.documents, self.on_host = documents, on_host
+        self.documents, self.on_host, self.window = documents, on_host, window
+        self.device = documents.ids.device if documents is not None else device
 
     def __call__(self, step: int, src: int):
         rows, cols, causal = _block(step, src, self.rank, self.length)
-        if self.documents is None:
+        if self.documents is None and not self.window:
             return rows, cols, causal, None
-        if step and not shares_a_document(self.on_host, *self._edge(src)):
-            return None  # every key of the block belongs to documents its queries left
-        device = self.documents.ids.device
-        q_pos = zigzag_positions(self.length, self.rank, self.size, device)[rows]
-        k_pos = zigzag_positions(self.length, src, self.size, device)[cols]
-        return rows, cols, causal, self.documents.allowed(q_pos, k_pos, causal)  # (B,1,Lq,Lk)
+        if step and not self._may_see(src):
+            return None  # every key of the block lies outside its queries' documents or windows
+        q_pos = zigzag_positions(self.length, self.rank, self.size, self.device)[rows]
+        k_pos = zigzag_positions(self.length, src, self.size, self.device)[cols]
+        return rows, cols, causal, keys_seen(q_pos, k_pos, self.window,
+                                             self.documents)  # (B or 1, 1, Lq, Lk)
+
+    def _may_see(self, src: int) -> bool:
+        """Whether any query of a block after step 0 sees any of its keys, decided from
+        the block's edge (its keys all lie before its queries) on the host."""
+        last_key, first_query = self._edge(src)
+        if self.window and first_query - last_key >= self.window:
+            return False
+        return self.documents is None or shares_a_document(self.on_host, last_key, first_query)
 
     def _edge(self, src: int) -> tuple[int, int]:
         """(last key, first query) of a block after step 0, in global positions: its keys
@@ -183,7 +197,8 @@ class RingAttention(nn.Module):
 
     Dropout on the attention weights (``p``) draws the masks one process draws:
     keyed by sample, head and the (query, key) pair's global positions. With
-    ``documents`` (a ``DocumentContext``) attention stays inside each document."""
+    ``documents`` (a ``DocumentContext``) attention stays inside each document, and
+    with a ``window`` inside it."""
 
     documents = None
 
@@ -198,16 +213,19 @@ class RingAttention(nn.Module):
         return ring
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool = True) -> torch.Tensor:
-        """``q``: (B, H, L, d); ``k``, ``v``: (B, G, L, d); L this rank's tokens."""
+                causal: bool = True, window: int = 0) -> torch.Tensor:
+        """``q``: (B, H, L, d); ``k``, ``v``: (B, G, L, d); L this rank's tokens.
+        ``window``: a sliding window over the whole sequence's positions (0: none)."""
         if not causal:
             raise ValueError("ring attention runs over whole causal sequences; decoding with a "
                              "KV cache runs on one process (cp 1)")
         check_heads(q.shape[1], k.shape[1])
         keep_for = self._keep_for(q) if self.training and self.p else None
         scale = 1.0 / math.sqrt(q.shape[-1])
+        if window >= q.shape[2] * self.cp_group.size:
+            window = 0  # it covers every key: plain causal attention
         blocks_of = RingBlocks(self.cp_group.rank, self.cp_group.size, q.shape[2],
-                               *self._documents())
+                               *self._documents(), window=window, device=q.device)
         return _RingAttention.apply(q, k, v, GroupRing(self.cp_group), scale, keep_for,
                                     blocks_of)
 

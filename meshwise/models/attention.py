@@ -10,28 +10,34 @@ context-parallel forms (``meshwise.context_parallel``), instead of assuming
   position embeddings and rotary angles are looked up at them);
 - ``ScaledDotProductAttention``: causal attention of the queries a forward
   holds over the keys of the whole sequence, with grouped-query attention
-  (fewer key/value heads than query heads, never repeated in memory) and
-  keyed attention dropout (``meshwise.models.dropout``).
+  (fewer key/value heads than query heads), a sliding window and keyed
+  attention dropout (``meshwise.models.dropout``), each call run by the
+  kernel ``meshwise.models.attention_kernels`` chooses for it.
 
 Neither holds parameters, so swapping them changes no name a checkpoint knows.
 Both read the sequences' documents when they are given a ``DocumentContext``
 (``documents``, set from outside by ``meshwise.apply.documents``): positions
 then count from each document's first token and attention stays inside each
-document (``meshwise.layout.documents``): each document attended on its own
-(``documents_attention``), or with dropout, whose keep-masks are keyed by
-position in the whole sequence, under a block-diagonal mask.
+document (``meshwise.layout.documents``), with dropout's keep-masks keyed by
+position in the whole sequence.
 """
 
 from __future__ import annotations
 
-import math
+import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from meshwise.models.attention_kernels import (
+    attention,
+    documents_attention,
+    explicit_attention,
+)
 from meshwise.models.documents import DocumentContext
 from meshwise.models.dropout import DropoutContext
+
+__all__ = ["Positions", "ScaledDotProductAttention", "check_heads", "documents_attention"]
 
 
 class Positions(nn.Module):
@@ -55,8 +61,10 @@ class ScaledDotProductAttention(nn.Module):
 
     ``q``: (B, H, Tq, d); ``k``, ``v``: (B, G, Tk, d) with G dividing H (query
     head i reads key/value head i // (H / G), as Ainslie et al. 2023 group
-    them). ``p``: dropout on the attention weights, drawn from ``dropout`` at
-    ``site`` (per sample, head and (query, key) pair).
+    them). ``window``: a sliding window (0: none). ``p``: dropout on the
+    attention weights, drawn from ``dropout`` at ``site`` (per sample, head and
+    (query, key) pair). The kernel is chosen per call
+    (``meshwise.models.attention_kernels``).
     """
 
     documents: DocumentContext | None = None
@@ -68,54 +76,36 @@ class ScaledDotProductAttention(nn.Module):
         self.p, self.site, self.dropout = p, site, dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool = True) -> torch.Tensor:
+                causal: bool = True, window: int = 0) -> torch.Tensor:
         check_heads(q.shape[1], k.shape[1])
-        dropout = self.training and self.p
-        documents = self.documents is not None and causal and q.shape[2] == k.shape[2]
-        lengths = self.documents.lengths() if documents and not dropout else None
-        if lengths is not None:
-            return documents_attention(q, k, v, lengths)
-        mask = self.documents.attention_mask(q.shape[2], q.dtype) if documents else None
-        if dropout:
-            return self._with_dropout(q, k, v, causal, mask)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                              enable_gqa=k.shape[1] != q.shape[1])  # (B,H,Tq,d)
+        whole = causal and q.shape[2] == k.shape[2]
+        documents = self.documents.masks() if self.documents is not None and whole else None
+        keep = self._keep(q, k.shape[2]) if self.training and self.p else None
+        return attention(q, k, v, causal, window, documents, keep)  # (B, H, Tq, d)
 
     def _with_dropout(self, q, k, v, causal: bool, mask=None) -> torch.Tensor:
         """The weights formed explicitly, dropped per (sample, head), then applied.
         ``mask``: an additive (B, 1, Tq, Tk) mask in place of the causal one."""
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)  # (B, H, Tk, d)
-        v = v.repeat_interleave(group, dim=1)
-        t_q, t_k = q.shape[2], k.shape[2]
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
-        if mask is not None:
-            att = att + mask
-        elif causal:
-            mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril()
-            att = att.masked_fill(~mask, float("-inf"))
-        att = torch.softmax(att, dim=-1)
-        keep = self.dropout.mask(self.site, att.shape, self.p, att.device, per_head=True)
-        return (att * keep.to(att.dtype)) @ v  # (B, H, Tq, d)
+        return explicit_attention(q, k, v, causal, self._keep(q, k.shape[2]), mask)
+
+    def _keep(self, q: torch.Tensor, num_keys: int):
+        """The keep-mask of key columns ``start .. end`` (B, H, Tq, end - start), keyed
+        by the weight's place (query, key) in the (Tq, Tk) matrix. A kernel that
+        draws it again in the backward gets this forward's masks, wherever training
+        has moved on since."""
+        context = copy.copy(self.dropout)
+        B, H, t_q = q.shape[:3]
+
+        def keep(start: int, end: int) -> torch.Tensor:
+            rows = torch.arange(t_q, device=q.device)
+            cols = torch.arange(start, end, device=q.device)
+            return context.mask(self.site, torch.Size([B, H, t_q, end - start]), self.p,
+                                q.device, per_head=True,
+                                elements=context.attention_elements(rows, cols, num_keys))
+        return keep
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}" if self.p else ""
-
-
-def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        lengths: list[list[int]]) -> torch.Tensor:
-    """Causal attention inside each document, each computed on its own (what
-    flash attention's varlen kernels do in one launch): no work across documents,
-    no (T, T) mask. ``lengths``: each row's document lengths, in order (host
-    integers, summing to T); q (B, H, T, d), k and v (B, G, T, d)."""
-    grouped = k.shape[1] != q.shape[1]
-    rows = []
-    for b, row in enumerate(lengths):
-        parts = zip(q[b].split(row, dim=1), k[b].split(row, dim=1), v[b].split(row, dim=1))
-        rows.append(torch.cat([F.scaled_dot_product_attention(
-            qd[None], kd[None], vd[None], is_causal=True, enable_gqa=grouped)[0]
-            for qd, kd, vd in parts], dim=1))  # (H, T, d)
-    return torch.stack(rows)  # (B, H, T, d)
 
 
 def check_heads(n_head: int, n_kv_head: int) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from meshwise.layout.documents import Documents, additive_mask
+from meshwise.models.attention_masks import DocumentMask
 from meshwise.models.dropout import DropoutContext
 
 
@@ -33,6 +34,7 @@ class DocumentContext:
         self._device = self._host = None
         self._first = self._rows = 0
         self._mask_key = self._mask = self._lengths_key = self._lengths = None
+        self._masks_key = self._masks = None
 
     def __deepcopy__(self, memo):
         return self
@@ -46,6 +48,7 @@ class DocumentContext:
         self._device = None if documents is None else documents.to(device)
         self._first, self._rows = first_sample, rows
         self._mask_key = self._mask = self._lengths_key = self._lengths = None
+        self._masks_key = self._masks = None
 
     def _offset(self) -> int:
         offset = self.where.first_sample - self._first
@@ -78,6 +81,19 @@ class DocumentContext:
                                                len(row))).tolist() for row in documents.ids]
             self._lengths_key = key
         return self._lengths
+
+    def masks(self) -> DocumentMask | None:
+        """The current forward's documents as attention kernels read them, or None: one
+        ``DocumentMask`` per forward, shared by every layer, so each mask a kernel
+        needs (a flex ``BlockMask``, an additive mask) is made once per forward."""
+        documents = self.current()
+        if documents is None:
+            return None
+        key = self.where.first_sample
+        if self._masks_key != key:
+            self._masks = DocumentMask(documents, self.lengths())
+            self._masks_key = key
+        return self._masks
 
     def attention_mask(self, length: int, dtype: torch.dtype) -> torch.Tensor | None:
         """(B, 1, T, T) additive mask of the current forward's whole sequences (for

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from meshwise.layout.init import ONES, ZEROS, Init, init_module, normal
 from meshwise.layout.plan import ParallelPlan
 from meshwise.models.attention import Positions, ScaledDotProductAttention
+from meshwise.models.attention_masks import window_mask  # noqa: F401 - the window's rule
 from meshwise.models.kv_cache import LayerCache
 
 ROPE_TYPES = ("default", "llama3")
@@ -177,7 +178,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         # Query head i reads key/value head i // (n_head / n_kv_head); a tp shard holds
-        # whole groups, and the key/value heads are never repeated in memory.
+        # whole groups, and the key/value heads reach attention unrepeated (only a
+        # kernel that needs equal head counts repeats them, inside the call).
         self.sdpa = ScaledDotProductAttention()
         self.o_proj = nn.Linear(q, cfg.d_model, bias=False)
 
@@ -201,27 +203,8 @@ class Attention(nn.Module):
             if not causal and T != 1:
                 raise ValueError("with a filled KV cache, feed one token at a time")
             k, v = cache.append(k, v)  # (B, nkv, P + T, hd)
-        mask = window_mask(T, k.shape[2], self.window, q.device)
-        if mask is None:
-            y = self.sdpa(q, k, v, causal)  # (B, nh, T, hd)
-        elif type(self.sdpa) is ScaledDotProductAttention and self.sdpa.documents is None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                               enable_gqa=k.shape[1] != q.shape[1])
-        else:
-            raise ValueError("a sliding window does not run under context parallelism (--cp) "
-                             "or document masking; valid: --seq-len <= the window")
+        y = self.sdpa(q, k, v, causal, window=self.window)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
-
-
-def window_mask(num_queries: int, num_keys: int, window: int, device):
-    """Which keys each query sees under a sliding window (Beltagy et al. 2020, Mistral):
-    itself and the ``window - 1`` before it; None when the window covers every key."""
-    if not window or num_keys <= window:
-        return None
-    first = num_keys - num_queries  # the queries are the last positions
-    i = torch.arange(first, num_keys, device=device)[:, None]  # (T, 1)
-    j = torch.arange(num_keys, device=device)[None, :]  # (1, P + T)
-    return (j <= i) & (i - j < window)  # (T, P + T)
 
 
 class MLP(nn.Module):

@@ -306,11 +306,6 @@ class TrainConfig:
             raise ValueError(f"--seq-len {d.seq_len} exceeds the model's context of "
                              f"{m.block_size} tokens (preset {m.preset}); use --seq-len <= "
                              f"{m.block_size}")
-        window = getattr(m, "sliding_window", None)
-        if d.document_mask and window and window < d.seq_len:
-            raise ValueError(f"--document-mask with the model's sliding window of {window} "
-                             "tokens: the two masks are not combined; valid: --seq-len "
-                             f"{window} or less, or no --document-mask")
 
 
 def flag_name(field: str) -> str:

@@ -80,6 +80,8 @@ LAYOUTS = {
     "llama cp2 pp2": (LLAMA, dict(cp=2, pp=2)),
     "llama cp2 tp2 sp zero2 checkpointing": (LLAMA, dict(cp=2, tp=2, sp=True, zero=2,
                                                           activation_checkpointing="full")),
+    # the window (8 of 32 tokens) masks each ring block by global positions
+    "llama cp2 window": ({**LLAMA, "sliding_window": 8}, dict(cp=2)),
     "gpt cp2": (GPT, dict(cp=2)),
     # selective checkpointing keeps the ring's block outputs, which the ring then merges
     "gpt cp2 selective checkpointing": (GPT, dict(cp=2, activation_checkpointing="selective")),

@@ -32,6 +32,8 @@ LAYOUTS = {
     "llama pp2 checkpointing": (LLAMA, dict(pp=2, micro_batches=4,
                                             activation_checkpointing="full")),
     "llama cp2": (LLAMA, dict(cp=2)),
+    # a sliding window inside each document, over the ring's blocks
+    "llama cp2 window": ({**LLAMA, "sliding_window": 6}, dict(cp=2)),
     "llama dp2 zero3": (LLAMA, dict(dp=2, zero=3)),  # each dp rank its rows' documents
     "gpt cp2 tp2 sp": (GPT, dict(cp=2, tp=2, sp=True)),
 }
