@@ -61,7 +61,7 @@ def test_dtype_auto_is_bf16_on_cuda_and_trains(tmp_path, corpus, family):
                   model=model)
     config = json.loads((tmp_path / f"{family}-auto.jsonl.config.json").read_text())
     assert config["config"]["runtime"]["dtype"] == "bf16"
-    assert [r["loss"] for r in auto] == [r["loss"] for r in bf16]  # the same run
+    _same_curve(bf16, auto, rtol=2e-3)  # the same run, up to CUDA's unordered sums
     assert bf16[-1]["loss"] < bf16[0]["loss"]
     assert abs(bf16[-1]["loss"] - fp32[-1]["loss"]) < 0.02 * fp32[-1]["loss"]
 
@@ -122,8 +122,9 @@ def test_two_ranks_match_one(tmp_path, corpus, layout):
 def test_time_breakdown_adds_up_to_the_step(tmp_path, corpus):
     """The phases are timed with CUDA events and read after the step's host read:
     what they leave unexplained ("other") is under 10% of the step."""
-    model = ["--model", "llama-tiny", "--n-layer", "4", "--d-model", "512", "--n-head", "8",
-             "--seq-len", "512", "--batch-size", "16", "--warmup-steps", "2", "-q"]
+    # Big enough that the device's work, not the host's, sets the step's length.
+    model = ["--model", "llama-1b", "--n-layer", "2", "--seq-len", "512", "--batch-size", "32",
+             "--warmup-steps", "2", "-q"]
     records = _train(tmp_path, corpus, "breakdown", "--device", "cuda", model=model)
     for r in records[2:]:
         parts = r["time_breakdown"]
