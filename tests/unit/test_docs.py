@@ -10,6 +10,7 @@ exists and whose argument parser declares the flags given. Nothing is run.
 """
 
 import ast
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -129,6 +130,7 @@ def test_every_meshwise_command_parses_and_every_train_command_validates(capsys)
     assert not bad, "\n".join(bad)
 
 
+@functools.cache
 def _declared(script: Path) -> set[str]:
     """String constants of a benchmark and the benchmarks modules it imports: its flags,
     choices and sub-commands."""
