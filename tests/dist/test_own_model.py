@@ -32,7 +32,7 @@ def test_the_example_trains_like_plain_pytorch_on_every_layout(dist_pools, data_
 
 
 def _pipeline_by_hand(data_path: str, steps: int) -> list[float]:
-    """The lower-level path the README shows: parallelize, an engine, the pipeline
+    """The lower-level path docs/own-model.md shows: parallelize, an engine, the pipeline
     runtime, finish_grad_sync, step. The cross-stage tie is summed by the engine."""
     from meshwise import (AdamWConfig, Mesh, ParallelDims, PipelineRuntime, ZeroOptimizer,
                           build_schedule, parallelize)

@@ -7,8 +7,8 @@ which removes parameters, optimizer state and start-up. Context parallelism
 divides them by cp (each rank holds 1/cp of every sequence; the ring keeps no
 (T, T) scores); sequence parallelism divides by tp the part between the
 tensor-parallel layers, as the per-layer formula of benchmarks/long_sequences.py
-says (Korthikanti et al. 2022). The 8192-token figures of the README come from
-that benchmark.
+says (Korthikanti et al. 2022). The 8192-token figures of docs/long-sequences.md
+come from that benchmark.
 """
 
 import pytest

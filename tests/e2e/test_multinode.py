@@ -1,4 +1,4 @@
-"""Two ``torchrun`` launchers, as on two machines, running the README's commands.
+"""Two ``torchrun`` launchers, as on two machines, running docs/multi-node.md's commands.
 
 With root and ``ip netns``, each launcher lives in its own network namespace
 (its own interfaces and loopback), the two joined by a veth pair: the ranks
@@ -225,10 +225,8 @@ def test_nodes_resuming_different_checkpoints_stop_before_training(tmp_path, cor
 
 
 def _readme_give_up_command() -> list[str]:
-    """The README's command for node 0 that gives up when node 1 never comes."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("## Multi-node"):]
-    section = section[:section.index("\n## ", 1)]
+    """docs/multi-node.md's command for node 0 that gives up when node 1 never comes."""
+    section = (Path(__file__).resolve().parents[2] / "docs" / "multi-node.md").read_text()
     block = section[section.index("```bash\n# node 0 alone"):]
     block = block[len("```bash\n"):block.index("```", 8)]
     lines = [line for line in block.replace("\\\n", " ").splitlines()

@@ -3,7 +3,8 @@
 Read from the source (no import runs), so a new arrow that breaks the design
 fails here before anyone draws the tree: a lower floor reaching up, an import
 circle, the geometry importing meshwise, checkpoints knowing a model. The
-README's "Layout of the code" lists the same wings in the same order.
+"Layout of the code" in docs/architecture.md lists the same wings in the same order,
+and the README's "Dive into the code" walks them bottom to top.
 """
 
 import ast
@@ -113,9 +114,13 @@ def test_the_geometry_imports_nothing_of_meshwise_and_checkpoints_no_model():
     assert all(not ts for ts in knowing.values()), knowing
 
 
-def test_the_readme_lists_the_wings_in_their_floors_order():
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Layout of the code", 1)[1].split("```")[1]
+def test_the_docs_list_the_wings_in_their_floors_order():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    block = page.split("## Layout of the code", 1)[1].split("```")[1]
     listed = [name.rstrip("/").removesuffix(".py")
               for name in re.findall(r"^  ([a-z_]+/|[a-z_]+\.py)", block, re.M)]
     assert listed == FLOORS
+    tour = (ROOT / "README.md").read_text().split("## Dive into the code", 1)[1]
+    walked = [name.rstrip("/").removesuffix(".py")
+              for name in re.findall(r"^- `([a-z_]+/|[a-z_]+\.py)`", tour, re.MULTILINE)]
+    assert walked == FLOORS[::-1]

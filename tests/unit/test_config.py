@@ -8,15 +8,15 @@ from meshwise.cli.train import train_config
 from meshwise.train.config import TrainConfig
 from meshwise.train.layout_rules import COMPOSITIONS, composition_table
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def parse(*argv):
     return train_config(build_parser().parse_args(["train", *argv]))[0]
 
 
-def test_readme_shows_the_table_the_check_uses():
-    assert composition_table() in README.read_text()
+def test_the_layouts_page_shows_the_table_the_check_uses():
+    assert composition_table() in (DOCS / "layouts.md").read_text()
 
 
 @pytest.mark.parametrize("axes, example, stages", COMPOSITIONS)
@@ -143,17 +143,15 @@ def test_options_without_effect_are_named():
     assert noop_warnings(quiet, origins) == []
 
 
-def test_help_shows_the_dataclass_defaults_and_readme_documents_every_flag():
+def test_help_shows_the_dataclass_defaults_and_the_docs_document_every_flag():
     from meshwise.cli.train_flags import TRAIN_FLAGS
 
     text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "(default: 200)" in text and "(default: 0.001)" in text  # steps, lr
-    readme = README.read_text()
-    table = readme[readme.index("## Flags of `meshwise train`"):]
-    table = table[:table.index("\n## ")]
+    table = (DOCS / "flags.md").read_text()
     missing = [flag for flag, *_ in TRAIN_FLAGS
                if f"`{flag}" not in table and f" {flag}" not in table]
-    assert not missing, f"README flag table lacks {missing}"
+    assert not missing, f"docs/flags.md lacks {missing}"
 
 
 def test_version_flag(capsys):

@@ -47,7 +47,7 @@ def test_tp_is_the_fastest_axis():
 
 
 def test_cp_sits_between_tp_and_pp():
-    """rank = ((dp * pp_size + pp) * cp_size + cp) * tp_size + tp (the README's order)."""
+    """rank = ((dp * pp_size + pp) * cp_size + cp) * tp_size + tp (docs/layouts.md's order)."""
     dims = ParallelDims(dp=2, tp=2, pp=2, cp=2)
     assert dims.axis_groups("tp")[0] == [0, 1]
     assert dims.axis_groups("cp")[0] == [0, 2]
