@@ -262,6 +262,39 @@ def _wrong_shape():
     runtime.run(micro_batches, 1.0)
 
 
+class Told(nn.Module):
+    """A stage that takes ``context=`` and records, in ``seen``, the context each of its
+    forwards is given, under its logical stage index."""
+
+    def __init__(self, stage, index: int, seen: list):
+        super().__init__()
+        self.stage, self.index, self.seen = stage, index, seen
+
+    def forward(self, x, context=None):
+        self.seen.append((self.index, context))
+        return self.stage(x)
+
+
+def _contexts_reach_every_stage(kind, num_virtual, num_micro_batches):
+    """Every chunk's forward of micro-batch m is given micro-batch m's context, in the
+    schedule's order; ``forward_only`` gives its one context to every stage."""
+    mesh = Mesh.build(ParallelDims(pp=2))
+    schedule = build_schedule(kind, 2, num_micro_batches, num_virtual)
+    seen = []
+    stages = [Told(stage, i, seen) for i, stage in enumerate(_stages(2 * num_virtual,
+                                                                     "3d-fp64"))]
+    runtime = PipelineRuntime(_my_chunks(stages, mesh.pp_rank, 2, num_virtual, schedule),
+                              schedule, mesh.pp, NoSyncEngine(), loss_fn=loss_fn)
+    contexts = [f"micro-batch {m}" for m in range(num_micro_batches)]
+    runtime.run(_batch(num_micro_batches), 1.0, contexts=contexts)
+    assert seen == [(schedule.stage_of(mesh.pp_rank, a.chunk), contexts[a.micro_batch])
+                    for a in schedule.compute_actions(mesh.pp_rank) if a.kind == "F"]
+    seen.clear()
+    runtime.forward_only(_batch(1)[0][0], context="evaluation")
+    held = sorted(schedule.stage_of(mesh.pp_rank, v) for v in range(num_virtual))
+    assert seen == [(stage, "evaluation") for stage in held]
+
+
 class Scale(nn.Module):
     """``x * w``: its backward keeps ``x`` (an input) but not its output."""
 
@@ -344,6 +377,11 @@ def test_split_backward_schedules_match_one_process_on_4_ranks(
         dist_pools, kind, num_virtual, num_micro_batches, checkpointing):
     dist_pools.run(4, _check_parity, kind, num_virtual, num_micro_batches, "3d-fp64", False,
                    checkpointing)
+
+
+@pytest.mark.parametrize("kind, num_virtual", [("interleaved-1f1b", 2), ("zbv", 2)])
+def test_each_micro_batchs_context_reaches_every_stage(dist_pools, kind, num_virtual):
+    dist_pools.run(2, _contexts_reach_every_stage, kind, num_virtual, 4)
 
 
 def test_a_weight_pass_straight_after_its_backward_runs_whole(dist_pools):
