@@ -276,6 +276,9 @@ class PipelineRuntime:
                     [Outgoing(x, owner(stage + 1)[0], stage + 1, stage, stage + 1)], [], device)
                 for handle in pending:
                     handle.wait()
+        # Its shapes are not training's: the next run sends its headers again, as every
+        # rank decides alike (each calls forward_only).
+        self.channels.start(meta_tag_base=0)
         return x if owner(self.num_logical - 1)[0] == self.rank else None
 
     def _device_of(self, micro_batches) -> torch.device:

@@ -210,6 +210,20 @@ def _check_forward_only(edges, kind="interleaved-1f1b"):
             assert logits is None and loss is None
 
 
+def _run_after_forward_only():
+    """Evaluation between training steps: a ``forward_only`` of another shape, then a
+    ``run`` of the training shapes again; both runs' losses (on the last stage)."""
+    mesh = Mesh.build(ParallelDims(pp=2))
+    runtime = PipelineRuntime(_my_chunks(_stages(2, "3d-fp64"), mesh.pp_rank, 2, 1),
+                              build_schedule("1f1b", 2, 2), mesh.pp, NoSyncEngine(), loss_fn)
+    micro_batches = _batch(2)
+    before = runtime.run(micro_batches, 1.0)
+    [(inputs, _)] = _batch(1, seq_len=T + 2)  # ROWS sequences of another length
+    runtime.forward_only(torch.cat([inputs, inputs]))  # and twice the rows
+    after = runtime.run(micro_batches, 1.0)
+    return before.item(), after.item()
+
+
 class LateGradient(torch.autograd.Function):
     """The identity, whose first backward takes ``delay_s`` longer: a peer behind."""
 
@@ -421,6 +435,11 @@ def test_hidden_states_that_are_not_3d(dist_pools):
 @pytest.mark.parametrize("edges", ["3d-fp64", "not-3d", "bf16"])
 def test_forward_only_with_changing_sequence_length(dist_pools, edges):
     dist_pools.run(2, _check_forward_only, edges)
+
+
+def test_a_run_after_forward_only_of_another_shape(dist_pools):
+    _, (before, after) = dist_pools.run(2, _run_after_forward_only)
+    assert after == before  # the same parameters: nothing stepped between the runs
 
 
 def test_forward_only_through_a_v(dist_pools):
