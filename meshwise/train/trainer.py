@@ -301,9 +301,10 @@ class Trainer:
 
     def _forward_backward(self, micro_batches, contexts, labelled: int) -> torch.Tensor:
         """Run every micro-batch, each with its forward's context (``contexts``, one per
-        micro-batch: None where the model takes none); return this rank's share of the global mean loss over the
-        ``labelled`` targets (0-dim, on the device: reading it would wait for every
-        micro-batch). Gradients sync over dp only during the last accumulation round.
+        micro-batch: None where the model takes none); return this rank's share of the
+        global mean loss over the ``labelled`` targets (0-dim, on the device: reading it
+        would wait for every micro-batch). Gradients sync over dp only during the last
+        accumulation round.
         """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         scale = 1.0 / max(labelled, 1)  # a batch without labels: no loss, no gradient
