@@ -42,7 +42,7 @@ def _forms(args, dtype):
     from meshwise.models.attention import ScaledDotProductAttention
     from meshwise.models.attention_kernels import attention, documents_attention
     from meshwise.models.attention_masks import DocumentMask, window_mask
-    from meshwise.models.dropout import DropoutContext
+    from meshwise.models.context import ForwardContext
 
     B, T = args.batch_size, args.seq_len
     rng = np.random.default_rng(0)
@@ -58,12 +58,12 @@ def _forms(args, dtype):
                                        for r in lengths]), device="cuda")
     documents = DocumentMask(Documents(ids, positions), lengths)
     mask = window_mask(T, T, args.window, "cuda")
-    context = DropoutContext(seed=0)
-    dropout = ScaledDotProductAttention(0.1, "attn", context).train()
+    context = ForwardContext(seed=0)
+    dropout = ScaledDotProductAttention(0.1, "attn").train()
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def old_dropout(q, k, v):
-        return dropout._with_dropout(q, k, v, True)
+        return dropout._with_dropout(q, k, v, True, context=context)
 
     return {
         "dense": {"sdpa_gqa": lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True),
@@ -74,7 +74,7 @@ def _forms(args, dtype):
                       "meshwise": lambda q, k, v: attention(q, k, v, documents=documents)},
         "dropout": {"explicit": old_dropout,
                     "meshwise": lambda q, k, v: attention(q, k, v,
-                                                          keep=dropout._keep(q, T))},
+                                                          keep=dropout._keep(q, T, context))},
     }
 
 

@@ -69,8 +69,8 @@ def _documents_file(folder: Path, mean_doc: int, num_tokens: int = 400_000) -> s
 def _attention_forms(batch: int, seq_len: int, mean_doc: int):
     from meshwise.data.packing import documents_from_starts
     from meshwise.models.attention import ScaledDotProductAttention
-    from meshwise.models.documents import DocumentContext
-    from meshwise.models.dropout import DropoutContext
+    from meshwise.models.attention_masks import DocumentMask
+    from meshwise.models.context import ForwardContext
 
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(batch, 6, seq_len, 64, generator=g) for _ in range(2))
@@ -79,24 +79,22 @@ def _attention_forms(batch: int, seq_len: int, mean_doc: int):
         t.requires_grad_()
     starts = np.random.default_rng(1).random((batch, seq_len)) < 1 / mean_doc
     documents = documents_from_starts(starts)
-    where = DropoutContext(0)
-    context = DocumentContext(where)
     masked = ScaledDotProductAttention()
-    masked.documents = context
     lengths = [np.unique(documents.ids[b], return_counts=True)[1].tolist()
                for b in range(batch)]
 
     def causal():
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
 
+    def forward_context():  # a new forward's: its masks and lengths are made again
+        return ForwardContext(documents=DocumentMask.of(documents, documents.to("cpu")))
+
     def sdpa_mask():
-        context.set(documents, 0, batch, "cpu")  # a new forward: the mask is made again
-        mask = context.attention_mask(seq_len, q.dtype)
+        mask = forward_context().documents.additive(seq_len, 0, q.dtype)
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).backward(dout)
 
     def varlen():
-        context.set(documents, 0, batch, "cpu")  # the lengths are found again
-        masked(q, k, v).backward(dout)
+        masked(q, k, v, context=forward_context()).backward(dout)
 
     return {"causal": causal, "sdpa_mask": sdpa_mask, "varlen": varlen}, sum(map(len, lengths))
 

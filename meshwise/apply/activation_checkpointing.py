@@ -16,10 +16,10 @@ plans, checkpoints and ZeRO units see the same modules.
 The recompute goes through the block's ``__call__`` again, so hooks registered
 on the block run for it too: ZeRO-3 finds the unit it gathered for the backward
 and points the block at it (``meshwise.sharding.zero3``); the forward hooks of the
-first run are not run twice. Keyed dropout (``meshwise.models.dropout``) draws
-its masks from where in training a forward is, so the recompute is told the
-step and samples of the forward it repeats, which matters under a pipeline,
-where other micro-batches run forwards before this one's backward.
+first run are not run twice. The recompute is called with the first run's
+arguments, its ``ForwardContext`` among them (``meshwise.models.context``), so
+it draws the same keyed dropout masks and reads the same documents, also under
+a pipeline, where other micro-batches run forwards before this one's backward.
 """
 
 from __future__ import annotations
@@ -50,14 +50,12 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
-def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str,
-                                   dropout=None) -> None:
+def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> None:
     """Recompute each of ``blocks`` in backward when ``mode`` is ``"full"``, or the
     cheap parts of each when it is ``"selective"``.
 
     ``blocks``: the transformer blocks, in any order (of a whole model or of this
-    rank's pipeline chunks). ``dropout``: the ``DropoutContext`` the blocks'
-    dropout reads, if any.
+    rank's pipeline chunks).
     """
     if mode not in MODES:
         raise ValueError(f"activation checkpointing {mode!r} is not valid; valid: "
@@ -71,7 +69,7 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str,
             # As FSDP2's fully_shard does: the same object, a subclass of its class, so
             # names, hooks and copies (``copy.deepcopy``) stay those of the block.
             block.__class__ = _checkpointed_class(type(block))
-        block._ac_dropout, block._ac_inside = dropout, False
+        block._ac_inside = False
         block._ac_selective = mode == "selective"
 
 
@@ -81,15 +79,12 @@ class Checkpointed:
     def forward(self, *args, **kwargs):
         if self._ac_inside or not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)  # the recompute's own call; no autograd
-        dropout = self._ac_dropout
-        where = None if dropout is None else (dropout.step, dropout.first_sample)
-
         def run(*args, **kwargs):
             if self._ac_inside:  # the first run, inside this forward's __call__
                 return super(Checkpointed, self).forward(*args, **kwargs)
             # The recompute, inside backward: through __call__ so the block's hooks
-            # run, with dropout where it was.
-            with self._ac_entered(), _dropout_at(dropout, where):
+            # run, with the first run's arguments (its forward context among them).
+            with self._ac_entered():
                 return self(*args, **kwargs)
 
         extra = {"context_fn": _selective_contexts} if self._ac_selective else {}
@@ -108,16 +103,3 @@ class Checkpointed:
 @functools.cache
 def _checkpointed_class(cls: type) -> type:
     return type(f"Checkpointed{cls.__name__}", (Checkpointed, cls), {})
-
-
-@contextlib.contextmanager
-def _dropout_at(dropout, where):
-    if dropout is None:
-        yield
-        return
-    saved = dropout.step, dropout.first_sample
-    dropout.at(*where)
-    try:
-        yield
-    finally:
-        dropout.at(*saved)

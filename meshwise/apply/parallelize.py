@@ -29,12 +29,12 @@ from torch import nn
 from meshwise.apply.checks import (check_divisible, check_forward, check_names, split_modules,
                                    vocab_from_modules)
 from meshwise.apply.module_init import default_inits
-from meshwise.context_parallel.positions import ZigzagPositions
 from meshwise.context_parallel.ring import RingAttention
 from meshwise.layout.init import Init, init_values
 from meshwise.layout.params import logical_piece, mark_tie
 from meshwise.layout.pieces import Piece
 from meshwise.layout.plan import ParallelPlan
+from meshwise.models.attention import Positions
 from meshwise.pipeline.actions import stage_index
 from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              ShardRMSNorm)
@@ -54,7 +54,7 @@ _SWAP = {
     "position_embedding": SequenceParallelEmbedding.from_embedding,
 }
 _CP_SWAP = {
-    "positions": ZigzagPositions.from_positions,
+    "positions": Positions.for_cp,
     "ring_attention": RingAttention.from_sdpa,
 }
 

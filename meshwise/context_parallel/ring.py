@@ -18,9 +18,9 @@ half a block on every rank (Megatron-LM's and Llama 3's load balancing):
   (``2N - 1 - r``) sees them, and sees both chunks whole.
 
 Under document masking (``meshwise.layout.documents``) each block's mask
-comes from the documents of its query and key positions, which every rank
-knows for the whole sequence (it holds the whole global batch): nothing more
-travels with the keys. A sliding window's mask comes from the positions
+comes from the documents of its query and key positions, which the forward's
+context holds for the whole sequence on every rank (each rank draws the whole
+global batch): nothing more travels with the keys. A sliding window's mask comes from the positions
 alone. After step 0 a block's keys all lie before its queries, so when the
 document of its last key does not run on to its first query in any sequence,
 or its last key lies a window or more before its first query, no query sees
@@ -36,7 +36,6 @@ previous), as NCCL requires.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -48,6 +47,8 @@ from meshwise.layout.documents import shares_a_document
 from meshwise.layout.sequence import zigzag_positions
 from meshwise.models.attention import check_heads
 from meshwise.models.attention_masks import keys_seen
+from meshwise.models.context import WHOLE, ForwardContext
+from meshwise.models.dropout import attention_elements, keep_mask
 
 CATEGORY = "cp"
 
@@ -197,62 +198,57 @@ class RingAttention(nn.Module):
 
     Dropout on the attention weights (``p``) draws the masks one process draws:
     keyed by sample, head and the (query, key) pair's global positions. With
-    ``documents`` (a ``DocumentContext``) attention stays inside each document, and
-    with a ``window`` inside it."""
+    documents in the forward's ``context`` attention stays inside each document,
+    and with a ``window`` inside it."""
 
-    documents = None
-
-    def __init__(self, cp_group: ops.Group, p: float = 0.0, site: str = "", dropout=None):
+    def __init__(self, cp_group: ops.Group, p: float = 0.0, site: str = ""):
         super().__init__()
-        self.cp_group, self.p, self.site, self.dropout = cp_group, p, site, dropout
+        self.cp_group, self.p, self.site = cp_group, p, site
 
     @classmethod
     def from_sdpa(cls, module, cp_group: ops.Group) -> "RingAttention":
-        ring = cls(cp_group, module.p, module.site, module.dropout)
-        ring.documents = module.documents
-        return ring
+        return cls(cp_group, module.p, module.site)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool = True, window: int = 0) -> torch.Tensor:
+                causal: bool = True, window: int = 0,
+                context: ForwardContext | None = None) -> torch.Tensor:
         """``q``: (B, H, L, d); ``k``, ``v``: (B, G, L, d); L this rank's tokens.
-        ``window``: a sliding window over the whole sequence's positions (0: none)."""
+        ``window``: a sliding window over the whole sequence's positions (0: none);
+        ``context``: the forward's (its samples, heads and documents)."""
         if not causal:
             raise ValueError("ring attention runs over whole causal sequences; decoding with a "
                              "KV cache runs on one process (cp 1)")
         check_heads(q.shape[1], k.shape[1])
-        keep_for = self._keep_for(q) if self.training and self.p else None
+        context = context or WHOLE
+        keep_for = self._keep_for(q, context) if self.training and self.p else None
         scale = 1.0 / math.sqrt(q.shape[-1])
         if window >= q.shape[2] * self.cp_group.size:
             window = 0  # it covers every key: plain causal attention
+        documents = context.documents
         blocks_of = RingBlocks(self.cp_group.rank, self.cp_group.size, q.shape[2],
-                               *self._documents(), window=window, device=q.device)
+                               None if documents is None else documents.documents,
+                               None if documents is None else documents.host_ids,
+                               window=window, device=q.device)
         return _RingAttention.apply(q, k, v, GroupRing(self.cp_group), scale, keep_for,
                                     blocks_of)
 
-    def _documents(self) -> tuple:
-        """This forward's documents, on the device and on the host (or none)."""
-        if self.documents is None or self.documents.current() is None:
-            return None, None
-        return self.documents.current(), self.documents.current_on_host().ids
-
-    def _keep_for(self, q: torch.Tensor):
+    def _keep_for(self, q: torch.Tensor, context: ForwardContext):
         """The keep-mask of a block: its weights' global (query, key) positions. The
-        backward draws the masks again (as FlashAttention replays its generator),
-        for the step and samples of this forward, wherever training has moved on."""
+        backward draws the masks again (as FlashAttention replays its generator)
+        from the same context: this forward's samples, wherever training has moved on."""
         B, H, length, _ = q.shape
         size, seq_len = self.cp_group.size, q.shape[2] * self.cp_group.size
         mine = zigzag_positions(length, self.cp_group.rank, size, q.device)
-        context = copy.copy(self.dropout)  # where training is now: this forward's masks
 
         def keep_for(src: int, rows: slice, cols: slice):
             q_pos = mine[rows]
             k_pos = zigzag_positions(length, src, size, q.device)[cols]
 
             def keep(start: int, end: int) -> torch.Tensor:
-                elements = context.attention_elements(q_pos, k_pos[start:end], seq_len)
+                elements = attention_elements(q_pos, k_pos[start:end], seq_len)
                 shape = torch.Size([B, H, len(q_pos), end - start])
-                return context.mask(self.site, shape, self.p, q.device, per_head=True,
-                                    elements=elements)
+                return keep_mask(context, self.site, shape, self.p, q.device, per_head=True,
+                                 elements=elements)
             return keep
         return keep_for
 

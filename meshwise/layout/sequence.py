@@ -13,13 +13,16 @@ Sequence parallelism (``--sp``) then splits a rank's tokens again across the
 tp ranks, in ``tp`` contiguous runs of its local order, between the
 tensor-parallel layers (Korthikanti et al. 2022).
 
-``SequenceShard`` answers, for one rank, the global position of every token it
-holds in either region; dropout masks, learned and rotary positions and the
-ring's causal masks are all keyed by it, so they do not depend on the layout.
+``SequenceShard`` answers, for one rank, which tokens it is fed and the global
+position of every token it holds in either region. This module is the one place
+the split is worked out: the trainer cuts its batches with it, and positions
+(learned and rotary), dropout's keys, the ring's blocks and sequence
+parallelism's position lookup all ask it, so none depends on the layout.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +75,13 @@ def padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
+def sequence_run(x: torch.Tensor, dim: int, sp_rank: int, sp_size: int) -> torch.Tensor:
+    """Sequence parallelism's run of ``x`` along ``dim`` (a rank's tokens in their local
+    order): the ``sp_rank``-th of ``sp_size`` contiguous runs."""
+    length = x.shape[dim] // sp_size
+    return x.narrow(dim, sp_rank * length, length)
+
+
 @dataclass(frozen=True)
 class SequenceShard:
     """The part of every sequence one rank holds: cp rank and size (zigzag chunks), and
@@ -84,8 +94,25 @@ class SequenceShard:
 
     @property
     def tokens_divisor(self) -> int:
-        """What a sequence's length must be a multiple of for this layout."""
-        return (2 * self.cp_size if self.cp_size > 1 else 1) * self.sp_size
+        """What a sequence's length must be a multiple of for this layout: 2 x cp zigzag
+        chunks, and each cp rank's tokens in ``sp_size`` runs."""
+        chunks = 2 * self.cp_size if self.cp_size > 1 else 1
+        return math.lcm(chunks, self.cp_size * self.sp_size)
+
+    def cut(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The tokens of ``x`` (whole sequences along ``dim``) this rank is fed: its cp
+        chunks (sequence parallelism splits them inside the model)."""
+        return zigzag_slice(x, dim, self.cp_rank, self.cp_size)
+
+    def padded(self, window: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``window`` (B, n) padded after its end to a length this layout splits, and its
+        length: under the causal mask no token sees the padding, so the real tokens'
+        logits are those of the unpadded window."""
+        n = window.shape[1]
+        length = padded_length(n, self.tokens_divisor)
+        if length != n:
+            window = torch.cat([window, window.new_zeros(window.shape[0], length - n)], dim=1)
+        return window, length
 
     def local_positions(self, local_len: int, device=None) -> torch.Tensor:
         """Global positions of this rank's ``local_len`` tokens where the sequence is
@@ -94,6 +121,6 @@ class SequenceShard:
 
     def stream_positions(self, stream_len: int, device=None) -> torch.Tensor:
         """Global positions of the ``stream_len`` tokens this rank holds between the
-        tensor-parallel layers (the residual stream: its sp slice of the local ones)."""
+        tensor-parallel layers (the residual stream: its sp run of the local ones)."""
         local = self.local_positions(stream_len * self.sp_size, device)
-        return local[self.sp_rank * stream_len:(self.sp_rank + 1) * stream_len]
+        return sequence_run(local, 0, self.sp_rank, self.sp_size)

@@ -3,57 +3,76 @@
 On one process a forward holds whole sequences; under context parallelism a
 rank holds some chunks of each (``meshwise.layout.sequence``). Both families
 therefore ask two small modules, which a plan may swap for their
-context-parallel forms (``meshwise.context_parallel``), instead of assuming
-``arange(T)``:
+context-parallel forms, instead of assuming ``arange(T)``:
 
 - ``Positions``: the global positions of the tokens a forward holds (learned
-  position embeddings and rotary angles are looked up at them);
+  position embeddings and rotary angles are looked up at them); the plan's
+  ``positions`` style gives it a cp rank's ``SequenceShard``;
 - ``ScaledDotProductAttention``: causal attention of the queries a forward
   holds over the keys of the whole sequence, with grouped-query attention
   (fewer key/value heads than query heads), a sliding window and keyed
   attention dropout (``meshwise.models.dropout``), each call run by the
-  kernel ``meshwise.models.attention_kernels`` chooses for it.
+  kernel ``meshwise.models.attention_kernels`` chooses for it; the plan's
+  ``ring_attention`` style swaps it for ``meshwise.context_parallel.ring``'s.
 
 Neither holds parameters, so swapping them changes no name a checkpoint knows.
-Both read the sequences' documents when they are given a ``DocumentContext``
-(``documents``, set from outside by ``meshwise.apply.documents``): positions
-then count from each document's first token and attention stays inside each
-document (``meshwise.layout.documents``), with dropout's keep-masks keyed by
-position in the whole sequence.
+Both take the forward's ``ForwardContext`` (``meshwise.models.context``) as an
+argument: with documents in it, positions count from each document's first
+token and attention stays inside each document (``meshwise.layout.documents``),
+with dropout's keep-masks keyed by position in the whole sequence.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
+from meshwise.layout.sequence import SequenceShard
 from meshwise.models.attention_kernels import (
     attention,
     documents_attention,
     explicit_attention,
 )
-from meshwise.models.documents import DocumentContext
-from meshwise.models.dropout import DropoutContext
+from meshwise.models.context import WHOLE, ForwardContext
+from meshwise.models.dropout import attention_elements, keep_mask
 
 __all__ = ["Positions", "ScaledDotProductAttention", "check_heads", "documents_attention"]
 
 
 class Positions(nn.Module):
     """Positions ``start .. start + length`` of a forward over whole sequences: (T,), or
-    (B, T) inside each sequence's documents under document masking."""
+    (B, T) inside each sequence's documents under document masking.
 
-    documents: DocumentContext | None = None
+    ``tokens``: which tokens of each sequence this rank holds (a cp rank's
+    zigzag chunks, given by the plan's ``positions`` style; default: all)."""
 
-    def forward(self, start: int, length: int, device) -> torch.Tensor:
+    def __init__(self, tokens: SequenceShard | None = None):
+        super().__init__()
+        self.tokens = tokens or SequenceShard()
+
+    @classmethod
+    def for_cp(cls, module: "Positions", cp_group) -> "Positions":
+        """The ``positions`` style: the positions of this cp rank's chunks."""
+        return cls(SequenceShard(cp_group.rank, cp_group.size))
+
+    def forward(self, start: int, length: int, device,
+                context: ForwardContext | None = None) -> torch.Tensor:
         held = self.held(start, length, device)  # (T,) global positions
-        documents = self.documents.current() if self.documents is not None else None
-        return held if documents is None else documents.positions[:, held]  # (B, T)
+        documents = (context or WHOLE).documents
+        return held if documents is None else documents.positions(held)  # (B, T)
 
     def held(self, start: int, length: int, device) -> torch.Tensor:
         """Global positions of the tokens this forward holds."""
-        return torch.arange(start, start + length, device=device)  # (T,)
+        if self.tokens.cp_size == 1:
+            return torch.arange(start, start + length, device=device)  # (T,)
+        if start:
+            raise ValueError("a context-parallel forward holds chunks of whole sequences "
+                             "from position 0; decoding after a KV cache runs at cp 1")
+        return self.tokens.local_positions(length, device)  # (T / cp,)
+
+    def extra_repr(self) -> str:
+        t = self.tokens
+        return f"cp_rank={t.cp_rank}, cp_size={t.cp_size}" if t.cp_size > 1 else ""
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -62,46 +81,46 @@ class ScaledDotProductAttention(nn.Module):
     ``q``: (B, H, Tq, d); ``k``, ``v``: (B, G, Tk, d) with G dividing H (query
     head i reads key/value head i // (H / G), as Ainslie et al. 2023 group
     them). ``window``: a sliding window (0: none). ``p``: dropout on the
-    attention weights, drawn from ``dropout`` at ``site`` (per sample, head and
-    (query, key) pair). The kernel is chosen per call
+    attention weights, keyed at ``site`` (per sample, head and (query, key)
+    pair). ``context``: the forward's ``ForwardContext`` (its samples, heads and
+    documents). The kernel is chosen per call
     (``meshwise.models.attention_kernels``).
     """
 
-    documents: DocumentContext | None = None
-
-    def __init__(self, p: float = 0.0, site: str = "", dropout: DropoutContext | None = None):
+    def __init__(self, p: float = 0.0, site: str = ""):
         super().__init__()
-        if p and dropout is None:
-            raise ValueError("attention dropout needs a DropoutContext")
-        self.p, self.site, self.dropout = p, site, dropout
+        self.p, self.site = p, site
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool = True, window: int = 0) -> torch.Tensor:
+                causal: bool = True, window: int = 0,
+                context: ForwardContext | None = None) -> torch.Tensor:
         check_heads(q.shape[1], k.shape[1])
+        context = context or WHOLE
         whole = causal and q.shape[2] == k.shape[2]
-        documents = self.documents.masks() if self.documents is not None and whole else None
-        keep = self._keep(q, k.shape[2]) if self.training and self.p else None
+        documents = context.documents if whole else None
+        keep = self._keep(q, k.shape[2], context) if self.training and self.p else None
         return attention(q, k, v, causal, window, documents, keep)  # (B, H, Tq, d)
 
-    def _with_dropout(self, q, k, v, causal: bool, mask=None) -> torch.Tensor:
+    def _with_dropout(self, q, k, v, causal: bool, mask=None,
+                      context: ForwardContext | None = None) -> torch.Tensor:
         """The weights formed explicitly, dropped per (sample, head), then applied.
         ``mask``: an additive (B, 1, Tq, Tk) mask in place of the causal one."""
-        return explicit_attention(q, k, v, causal, self._keep(q, k.shape[2]), mask)
+        return explicit_attention(q, k, v, causal, self._keep(q, k.shape[2], context or WHOLE),
+                                  mask)
 
-    def _keep(self, q: torch.Tensor, num_keys: int):
+    def _keep(self, q: torch.Tensor, num_keys: int, context: ForwardContext):
         """The keep-mask of key columns ``start .. end`` (B, H, Tq, end - start), keyed
         by the weight's place (query, key) in the (Tq, Tk) matrix. A kernel that
-        draws it again in the backward gets this forward's masks, wherever training
-        has moved on since."""
-        context = copy.copy(self.dropout)
+        draws it again in the backward gets this forward's masks: the context is
+        the forward's, whatever training has moved on to since."""
         B, H, t_q = q.shape[:3]
 
         def keep(start: int, end: int) -> torch.Tensor:
             rows = torch.arange(t_q, device=q.device)
             cols = torch.arange(start, end, device=q.device)
-            return context.mask(self.site, torch.Size([B, H, t_q, end - start]), self.p,
-                                q.device, per_head=True,
-                                elements=context.attention_elements(rows, cols, num_keys))
+            return keep_mask(context, self.site, torch.Size([B, H, t_q, end - start]), self.p,
+                             q.device, per_head=True,
+                             elements=attention_elements(rows, cols, num_keys))
         return keep
 
     def extra_repr(self) -> str:

@@ -14,7 +14,8 @@ its own document). The same rule is given here as
   (ids never decrease along a sequence), so building one reads nothing on the
   host and never forms the (T, T) mask that ``create_block_mask`` evaluates;
 - ``DocumentMask``: the documents of one forward, which builds each of these
-  once and hands the same one to every layer.
+  once and hands the same one to every layer; the forward receives it in its
+  context (``meshwise.models.context``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 from meshwise.layout.documents import Documents, additive_mask
@@ -124,17 +126,32 @@ def window_block_mask(length: int, window: int, device: torch.device,
 
 
 class DocumentMask:
-    """The documents of one forward's whole sequences, as attention reads them.
+    """The documents of one forward's whole sequences, as attention and positions read them.
 
     ``documents``: their ids and positions on the device (never read on the
     host); ``lengths``: each row's document lengths as host integers, or None
-    (for kernels that split the rows by document). The masks made from them
-    are made once and shared by every layer of the forward.
+    (for kernels that split the rows by document); ``host_ids``: the ids as a
+    host array, or None (for decisions that must not wait for the device: the
+    ring's skipped blocks). The masks made from them are made once and shared
+    by every layer of the forward (and by its recompute under activation
+    checkpointing, which is handed the same object).
     """
 
-    def __init__(self, documents: Documents, lengths: list[list[int]] | None = None):
-        self.documents, self.lengths = documents, lengths
+    def __init__(self, documents: Documents, lengths: list[list[int]] | None = None,
+                 host_ids=None):
+        self.documents, self.lengths, self.host_ids = documents, lengths, host_ids
         self._made: dict = {}
+
+    @classmethod
+    def of(cls, host: Documents, on_device: Documents) -> "DocumentMask":
+        """The same documents as host arrays and on the device (rows of a copy made once
+        per step): the lengths and ids a host decision reads come from the first."""
+        return cls(on_device, document_lengths(host.ids), host.ids)
+
+    def positions(self, held: torch.Tensor) -> torch.Tensor:
+        """(B, T) each token's place in its document, for the tokens at global positions
+        ``held`` (T,)."""
+        return self.documents.positions[:, held]
 
     def seen(self, q_positions, k_positions, window: int = 0) -> torch.Tensor:
         """(B, 1, Lq, Lk) bool: ``keys_seen`` inside the documents."""
@@ -156,3 +173,9 @@ class DocumentMask:
         if key not in self._made:
             self._made[key] = make()
         return self._made[key]
+
+
+def document_lengths(ids) -> list[list[int]]:
+    """Each row's document lengths, in order, from (B, T) ids on the host (numpy)."""
+    return [np.diff(np.append(np.flatnonzero(np.diff(row, prepend=-1)), len(row))).tolist()
+            for row in ids]

@@ -21,9 +21,9 @@ no generator per sample or head, nothing read on the host. So:
   micro-batches, accumulation, ZeRO stage) draws exactly the masks one process
   would, so the loss curve stays layout-independent with dropout on.
 
-The trainer says which step and samples a forward computes with
-``DropoutContext.at(step, first_sample)``; the masks are saved by autograd for
-the backward, never redrawn.
+Which step, samples, tokens and heads a forward computes comes with it, in its
+``ForwardContext`` (``meshwise.models.context``); the masks are saved by
+autograd for the backward, never redrawn.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from meshwise.layout.sequence import SequenceShard
+from meshwise.models.context import WHOLE, ForwardContext
 
 # SplitMix64's constants, as the signed 64-bit integers torch computes with.
 _GAMMA = 0x9E3779B97F4A7C15 - 2**64
@@ -55,85 +56,66 @@ def _splitmix(z: torch.Tensor) -> torch.Tensor:
     return z.bitwise_xor_(_shift_right(z, 31))
 
 
-class DropoutContext:
-    """Where in training the next forward is: the seed, the step, its first sample.
+def keep_mask(context: ForwardContext, site: str, shape: torch.Size, p: float, device,
+              per_head: bool = False, elements: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep-mask scaled by 1/(1-p) of the elements of ``context``'s samples at ``site``,
+    shape ``shape`` = (B, ...); with ``per_head`` dim 1 holds this rank's attention
+    heads (for attention weights).
 
-    ``tp_rank``: this rank's place on the tensor-parallel axis (the trainer sets
-    it): a rank holding heads 4..7 draws their masks. ``sequence``: which tokens
-    of each sequence this rank holds (the trainer sets it under cp and sp).
-    """
+    ``elements``: each element's index in its sample (or sample and head), int64,
+    broadcastable to ``shape`` without its leading dims; default: for
+    ``per_head``, the weights of whole sequences (B, H, T, T) in order; else a
+    residual-stream activation (B, T, ...) whose dim 1 holds the tokens this rank
+    keeps between the tensor-parallel layers (``stream_elements``)."""
+    base = zlib.crc32(f"{context.seed}:{context.step}:{site}".encode())
+    first = context.first_sample
+    samples = torch.arange(first, first + shape[0], device=device)
+    key = _splitmix(_splitmix(samples) ^ base)  # (B,)
+    lead = 1
+    if per_head:  # local head i is global head tp_rank * local_heads + i
+        heads = torch.arange(context.tp_rank * shape[1], (context.tp_rank + 1) * shape[1],
+                             device=device)
+        key = _splitmix(key[:, None] ^ _splitmix(heads)[None, :])  # (B, H)
+        lead = 2
+    if elements is None and per_head:
+        elements = torch.arange(math.prod(shape[lead:]), device=device).view(shape[lead:])
+    elif elements is None:
+        elements = stream_elements(context.tokens, shape, device)
+    elements = elements.expand(shape[lead:]).reshape(-1)  # place in its slice
+    bits = _splitmix(key.reshape(*key.shape, 1) ^ _splitmix(elements))
+    uniform = _shift_right(bits, 40).to(torch.float32) * 2.0**-24  # 24 random bits
+    keep = (uniform >= p).view(shape)
+    return keep.to(torch.float32) / (1.0 - p)
 
-    def __init__(self, seed: int):
-        self.seed = seed
-        self.step = 0
-        self.first_sample = 0
-        self.tp_rank = 0
-        self.sequence = SequenceShard()
 
-    def __deepcopy__(self, memo):
-        # One context per rank, shared by every copy of the model (pipeline chunks).
-        return self
+def stream_elements(tokens: SequenceShard, shape: torch.Size, device) -> torch.Tensor:
+    """Indices in their sample of the elements of a (B, T_held, ...) activation of the
+    residual stream: ``position * inner + i``, as one process numbers them."""
+    inner = math.prod(shape[2:])
+    rows = tokens.stream_positions(shape[1], device)  # (T_held,)
+    return (rows[:, None] * inner + torch.arange(inner, device=device)).view(shape[1:])
 
-    def at(self, step: int, first_sample: int) -> None:
-        self.step, self.first_sample = step, first_sample
 
-    def mask(self, site: str, shape: torch.Size, p: float, device, per_head: bool = False,
-             elements: torch.Tensor | None = None) -> torch.Tensor:
-        """Keep-mask scaled by 1/(1-p), shape ``shape`` = (B, ...); with ``per_head``
-        dim 1 holds this rank's attention heads (for attention weights).
-
-        ``elements``: each element's index in its sample (or sample and head),
-        int64, broadcastable to ``shape`` without its leading dims; default: for
-        ``per_head``, the weights of whole sequences (B, H, T, T) in order; else a
-        residual-stream activation (B, T, ...) whose dim 1 holds the tokens this
-        rank keeps between the tensor-parallel layers (``stream_elements``)."""
-        base = zlib.crc32(f"{self.seed}:{self.step}:{site}".encode())
-        samples = torch.arange(self.first_sample, self.first_sample + shape[0], device=device)
-        key = _splitmix(_splitmix(samples) ^ base)  # (B,)
-        lead = 1
-        if per_head:  # local head i is global head tp_rank * local_heads + i
-            heads = torch.arange(self.tp_rank * shape[1], (self.tp_rank + 1) * shape[1],
-                                 device=device)
-            key = _splitmix(key[:, None] ^ _splitmix(heads)[None, :])  # (B, H)
-            lead = 2
-        if elements is None and per_head:
-            elements = torch.arange(math.prod(shape[lead:]), device=device).view(shape[lead:])
-        elif elements is None:
-            elements = self.stream_elements(shape, device)
-        elements = elements.expand(shape[lead:]).reshape(-1)  # place in its slice
-        bits = _splitmix(key.reshape(*key.shape, 1) ^ _splitmix(elements))
-        uniform = _shift_right(bits, 40).to(torch.float32) * 2.0**-24  # 24 random bits
-        keep = (uniform >= p).view(shape)
-        return keep.to(torch.float32) / (1.0 - p)
-
-    def stream_elements(self, shape: torch.Size, device) -> torch.Tensor:
-        """Indices in their sample of the elements of a (B, T_held, ...) activation of
-        the residual stream: ``position * inner + i``, as one process numbers them."""
-        inner = math.prod(shape[2:])
-        rows = self.sequence.stream_positions(shape[1], device)  # (T_held,)
-        return (rows[:, None] * inner + torch.arange(inner, device=device)).view(shape[1:])
-
-    @staticmethod
-    def attention_elements(q_positions: torch.Tensor, k_positions: torch.Tensor,
-                           seq_len: int) -> torch.Tensor:
-        """Indices of attention weights (query, key) in their sample and head: the
-        place of ``(q, k)`` in the (T, T) matrix one process forms (Tq, Tk)."""
-        return q_positions[:, None] * seq_len + k_positions[None, :]
+def attention_elements(q_positions: torch.Tensor, k_positions: torch.Tensor,
+                       seq_len: int) -> torch.Tensor:
+    """Indices of attention weights (query, key) in their sample and head: the place of
+    ``(q, k)`` in the (T, T) matrix one process forms (Tq, Tk)."""
+    return q_positions[:, None] * seq_len + k_positions[None, :]
 
 
 class KeyedDropout(nn.Module):
-    """Dropout of the activations at ``site`` with layout-independent masks."""
+    """Dropout of the activations at ``site`` with layout-independent masks, drawn for
+    the elements the forward's ``context`` names."""
 
-    def __init__(self, p: float, site: str, context: DropoutContext | None):
+    def __init__(self, p: float, site: str):
         super().__init__()
-        if p and context is None:
-            raise ValueError("dropout needs a DropoutContext")
-        self.p, self.site, self.context = p, site, context
+        self.p, self.site = p, site
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: ForwardContext | None = None) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        return x * self.context.mask(self.site, x.shape, self.p, x.device).to(x.dtype)
+        mask = keep_mask(context or WHOLE, self.site, x.shape, self.p, x.device)
+        return x * mask.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}"

@@ -28,7 +28,7 @@ class ModelFamily:
 
     name: str
     config: type
-    build: Callable[..., nn.Module]  # (config, dropout context or None) -> module
+    build: Callable[[Any], nn.Module]  # config -> the plain model
     plan: Callable[[Any], ParallelPlan]
     init: Callable[[Any, str], Init] | None  # (config, logical name) -> Init; None: the
     check_tp: Callable[[Any, int], None]     # modules' own (meshwise.apply.module_init)
@@ -39,14 +39,14 @@ class ModelFamily:
         """A model of one's own: ``factory()`` builds it (the trainer calls it on the meta
         device), ``plan`` lays it out, ``init_of(name)`` draws its initial values
         (``None``: each module's own initialisation). Its checks are ``parallelize``'s."""
-        return cls("own", type(None), lambda cfg, dropout: factory(), lambda cfg: plan,
+        return cls("own", type(None), lambda cfg: factory(), lambda cfg: plan,
                    None if init_of is None else (lambda cfg, name: init_of(name)),
                    lambda cfg, tp: None)
 
-    def create(self, cfg, seed: int = 0, dropout=None) -> nn.Module:
+    def create(self, cfg, seed: int = 0) -> nn.Module:
         """The whole model on one process, holding the layout-independent initial
         values of ``seed`` (what every layout starts from; a reference)."""
-        model = self.build(cfg, dropout)
+        model = self.build(cfg)
         init_module(model, lambda name: self.init(cfg, name), seed, self.plan(cfg).logical_name)
         return model
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from meshwise.layout.init import ONES, ZEROS, Init, init_module, normal
 from meshwise.layout.plan import ParallelPlan
 from meshwise.models.attention import Positions, ScaledDotProductAttention
-from meshwise.models.dropout import DropoutContext, KeyedDropout
+from meshwise.models.context import ForwardContext
+from meshwise.models.dropout import KeyedDropout
 from meshwise.models.kv_cache import LayerCache
 
 
@@ -39,16 +40,17 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, site: str, dropout: DropoutContext | None = None):
+    def __init__(self, cfg: GPTConfig, site: str):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
         # Output rows laid out head by head, (n_head, 3, head_dim), so a split of the
         # rows (a column-parallel layer) gives each rank whole heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.sdpa = ScaledDotProductAttention(cfg.dropout, f"{site}.weights", dropout)
+        self.sdpa = ScaledDotProductAttention(cfg.dropout, f"{site}.weights")
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                context: ForwardContext | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, 3 C): T of the output (more than x's under --sp)
         B, T = qkv.shape[:2]
         qkv = qkv.view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd)
@@ -60,7 +62,7 @@ class CausalSelfAttention(nn.Module):
             if not causal and T != 1:
                 raise ValueError("with a filled KV cache, feed one token at a time")
             k, v = cache.append(k, v)  # (B, nh, P + T, hd)
-        y = self.sdpa(q, k, v, causal)  # (B, nh, T, hd)
+        y = self.sdpa(q, k, v, causal, context=context)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.proj(y)
 
@@ -76,38 +78,33 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer_id: int, dropout: DropoutContext | None = None):
+    def __init__(self, cfg: GPTConfig, layer_id: int):
         super().__init__()
         site = f"blocks.{layer_id}"
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg, f"{site}.attn", dropout)
+        self.attn = CausalSelfAttention(cfg, f"{site}.attn")
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
-        self.drop_attn = KeyedDropout(cfg.dropout, f"{site}.attn.out", dropout)
-        self.drop_mlp = KeyedDropout(cfg.dropout, f"{site}.mlp.out", dropout)
+        self.drop_attn = KeyedDropout(cfg.dropout, f"{site}.attn.out")
+        self.drop_mlp = KeyedDropout(cfg.dropout, f"{site}.mlp.out")
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.drop_attn(self.attn(self.ln1(x), cache))
-        return x + self.drop_mlp(self.mlp(self.ln2(x)))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                context: ForwardContext | None = None) -> torch.Tensor:
+        x = x + self.drop_attn(self.attn(self.ln1(x), cache, context), context)
+        return x + self.drop_mlp(self.mlp(self.ln2(x)), context)
 
 
 class GPT(nn.Module):
-    """GPT-2 style decoder with a head tied to the token embedding.
+    """GPT-2 style decoder with a head tied to the token embedding."""
 
-    ``dropout``: the ``DropoutContext`` its dropout draws masks from (needed when
-    ``cfg.dropout`` > 0; one process makes its own).
-    """
-
-    def __init__(self, cfg: GPTConfig, dropout: DropoutContext | None = None):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        if cfg.dropout and dropout is None:
-            dropout = DropoutContext(0)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
         self.positions = Positions()
-        self.drop_embed = KeyedDropout(cfg.dropout, "embed", dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, dropout) for i in range(cfg.n_layer)})
+        self.drop_embed = KeyedDropout(cfg.dropout, "embed")
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
@@ -117,18 +114,20 @@ class GPT(nn.Module):
         init_module(self, lambda name: gpt_init(self.cfg, name), seed)
         return self
 
-    def forward(self, x: torch.Tensor, cache: list[LayerCache] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: list[LayerCache] | None = None,
+                context: ForwardContext | None = None) -> torch.Tensor:
         """``x``: token ids (B, T) where the embedding is held, else hidden states
         (B, T, C). Returns logits (B, T, V) where the head is held, else hidden
-        states. ``cache``: one ``LayerCache`` per layer (generation)."""
+        states. ``cache``: one ``LayerCache`` per layer (generation); ``context``:
+        which samples, tokens and documents these are (default: whole sequences)."""
         if self.wte is not None:
             start = cache[0].length if cache else 0
-            pos = self.positions(start, x.shape[1], x.device)  # (T,)
+            pos = self.positions(start, x.shape[1], x.device, context)  # (T,) or (B, T)
             x = self.wte(x) + self.wpe(pos)  # (B, T, C)
             if self.drop_embed is not None:
-                x = self.drop_embed(x)
+                x = self.drop_embed(x, context)
         for i, block in enumerate(self.blocks.values()):
-            x = block(x, cache[i] if cache else None)
+            x = block(x, cache[i] if cache else None, context)
         if self.ln_f is not None:
             x = self.ln_f(x)
         if self.lm_head is not None:

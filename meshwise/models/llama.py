@@ -34,6 +34,7 @@ from meshwise.layout.init import ONES, ZEROS, Init, init_module, normal
 from meshwise.layout.plan import ParallelPlan
 from meshwise.models.attention import Positions, ScaledDotProductAttention
 from meshwise.models.attention_masks import window_mask  # noqa: F401 - the window's rule
+from meshwise.models.context import ForwardContext
 from meshwise.models.kv_cache import LayerCache
 
 ROPE_TYPES = ("default", "llama3")
@@ -183,9 +184,11 @@ class Attention(nn.Module):
         self.sdpa = ScaledDotProductAttention()
         self.o_proj = nn.Linear(q, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None,
+                context: ForwardContext | None = None) -> torch.Tensor:
         """``rope(length, device, dtype)``: cos and sin at the positions of the
-        ``length`` tokens whose queries this forward holds."""
+        ``length`` tokens whose queries this forward holds; ``context``: the forward's
+        (its documents)."""
         q = self.q_proj(x)  # (B, T, C): T of the output (more than x's under --sp)
         B, T = q.shape[:2]
         q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
@@ -203,7 +206,7 @@ class Attention(nn.Module):
             if not causal and T != 1:
                 raise ValueError("with a filled KV cache, feed one token at a time")
             k, v = cache.append(k, v)  # (B, nkv, P + T, hd)
-        y = self.sdpa(q, k, v, causal, window=self.window)  # (B, nh, T, hd)
+        y = self.sdpa(q, k, v, causal, window=self.window, context=context)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -255,19 +258,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None,
+                context: ForwardContext | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, context)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Llama(nn.Module):
-    """A Llama decoder: token ids in, logits out (``LlamaForCausalLM``'s computation).
+    """A Llama decoder: token ids in, logits out (``LlamaForCausalLM``'s computation)."""
 
-    ``dropout``: the family interface's dropout context, unused (Llama trains
-    without dropout; ``LlamaConfig`` refuses a non-zero probability).
-    """
-
-    def __init__(self, cfg: LlamaConfig, dropout=None):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -285,10 +285,12 @@ class Llama(nn.Module):
                     llama_plan(self.cfg).logical_name)
         return self
 
-    def forward(self, x: torch.Tensor, cache: list[LayerCache] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: list[LayerCache] | None = None,
+                context: ForwardContext | None = None) -> torch.Tensor:
         """``x``: token ids (B, T) where the embedding is held, else hidden states
         (B, T, C). Returns logits (B, T, V) where the head is held, else hidden
-        states. ``cache``: one ``LayerCache`` per layer (generation)."""
+        states. ``cache``: one ``LayerCache`` per layer (generation); ``context``:
+        which tokens and documents these are (default: whole sequences)."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)  # (B, T, C)
         start = cache[0].length if cache else 0
@@ -299,11 +301,11 @@ class Llama(nn.Module):
             # parallelism more than the layers' input holds); computed once per forward.
             key = (length, str(device), dtype)
             if key not in tables:
-                tables[key] = self.rotary(self.positions(start, length, device), dtype)
+                tables[key] = self.rotary(self.positions(start, length, device, context), dtype)
             return tables[key]
 
         for i, layer in enumerate(self.layers.values()):
-            x = layer(x, rope, cache[i] if cache else None)
+            x = layer(x, rope, cache[i] if cache else None, context)
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is not None:

@@ -9,6 +9,13 @@ receive is waited for at once, and waiting later only lets each rank reach each
 post sooner. Messages carry their shape and dtype
 (``meshwise.pipeline.p2p``), so the stages may be any modules.
 
+What a forward needs besides its input (which samples and documents a
+micro-batch is: its ``ForwardContext``, ``meshwise.models.context``) is given
+to ``run`` per micro-batch and passed to every chunk's forward of that
+micro-batch as a keyword argument, as torchtitan's pipeline forwards positions
+and masks to every stage: every rank makes every micro-batch's context itself,
+so messages carry activations and gradients only.
+
 Per micro-batch and chunk it keeps the input (a leaf that will receive the
 input gradient), the output (or, on the last logical stage, the loss) until
 that chunk's backward, then frees them. An output sent to the next rank keeps
@@ -78,9 +85,6 @@ class PipelineRuntime:
             if a.kind == "W" or (a.kind == "B" and not self._split(a)):
                 self._last_weights[a.chunk] = a
         self._whole = self._whole_backwards() if self.weight_grads is not None else set()
-        # Called with a micro-batch's index before each of its forwards (the trainer
-        # tells the model which samples it computes, for dropout).
-        self.before_forward = None
         self.clock = IntervalClock("cpu")
 
     def stage(self, chunk: int) -> int:
@@ -119,15 +123,21 @@ class PipelineRuntime:
         clock (CUDA events on a GPU): read once the device has finished the step."""
         return self.clock.intervals()
 
-    def run(self, micro_batches, loss_scale: float, sync: bool = True) -> torch.Tensor:
+    def run(self, micro_batches, loss_scale: float, sync: bool = True,
+            contexts=None) -> torch.Tensor:
         """One pass of the schedule over ``micro_batches`` [(inputs, targets)].
 
         Returns the summed scaled loss as a 0-dim float64 tensor on the device,
         without waiting for it (zero on ranks without the last logical stage).
         ``sync=False`` keeps every backward local (an accumulation round);
         otherwise each chunk's last gradients start its dp reduction.
+        ``contexts``: one per micro-batch (``meshwise.models.context``), handed to
+        every chunk's forward of that micro-batch as ``context=``; None (or a None
+        entry): the chunks are called with their input alone.
         """
         assert len(micro_batches) == self.schedule.num_micro_batches
+        assert contexts is None or len(contexts) == len(micro_batches)
+        self._contexts = contexts
         self._device = self._device_of(micro_batches)
         self.channels.start(meta_tag_base=2 * self.num_logical * len(micro_batches),
                             keep_shapes=True)
@@ -170,8 +180,7 @@ class PipelineRuntime:
     def _forward(self, a: Action) -> None:
         key, stage = (a.chunk, a.micro_batch), self.stage(a.chunk)
         inputs, targets = self._micro_batches[a.micro_batch]
-        if self.before_forward is not None:
-            self.before_forward(a.micro_batch)
+        context = None if self._contexts is None else self._contexts[a.micro_batch]
         if stage == 0:
             x = inputs
         elif key in self.mail.activations:
@@ -180,7 +189,7 @@ class PipelineRuntime:
             x = self._handoff.pop((stage, a.micro_batch)).detach().requires_grad_()
         last = stage == self.num_logical - 1
         with self._capturing(a):
-            out = self._stage_forward(a.chunk, x, targets, with_loss=last)
+            out = self._stage_forward(a.chunk, x, targets, last, context)
         if last:
             out = out * self._loss_scale
             self._loss += out.detach()  # stays on the device: no host sync per micro-batch
@@ -189,14 +198,16 @@ class PipelineRuntime:
         if not last and self.schedule.owner(stage + 1)[0] == self.rank:
             self._handoff[(stage + 1, a.micro_batch)] = out  # the next stage is here too
 
-    def _stage_forward(self, chunk: int, x, targets, with_loss: bool):
-        """A chunk's forward; ``with_loss`` (last stage): the sum of token losses."""
+    def _stage_forward(self, chunk: int, x, targets, with_loss: bool, context=None):
+        """A chunk's forward; ``with_loss`` (last stage): the sum of token losses.
+        ``context``: the micro-batch's, passed on as ``context=`` (None: not passed)."""
+        given = {} if context is None else {"context": context}
         if not with_loss:
-            return self.chunks[chunk](x)
+            return self.chunks[chunk](x, **given)
         if self.loss_fn is None:
-            loss = self.chunks[chunk](x, targets)
+            loss = self.chunks[chunk](x, targets, **given)
         else:
-            loss = self.loss_fn(self.chunks[chunk](x), targets)
+            loss = self.loss_fn(self.chunks[chunk](x, **given), targets)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = "loss_fn" if self.loss_fn is not None else "the last chunk called with targets"
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -240,11 +251,12 @@ class PipelineRuntime:
         self.channels.start(meta_tag_base=0)
 
     @torch.no_grad()
-    def forward_only(self, inputs, targets=None) -> torch.Tensor | None:
+    def forward_only(self, inputs, targets=None, context=None) -> torch.Tensor | None:
         """Forward one batch through every logical stage in order (evaluation,
         generation). Returns the last stage's output (loss sum, or logits without
-        ``targets``) on that stage's rank, None elsewhere. Shapes may differ from
-        call to call (a growing sequence): each call sends its headers anew."""
+        ``targets``) on that stage's rank, None elsewhere; ``context``: the batch's,
+        handed to every stage (None: not passed). Shapes may differ from call to
+        call (a growing sequence): each call sends its headers anew."""
         device = self._device_of([(inputs, targets)])
         self.channels.start(meta_tag_base=self.num_logical)  # tensor tags: receiving stage
         x, owner = None, self.schedule.owner
@@ -258,12 +270,15 @@ class PipelineRuntime:
                 [x], _ = self.channels.exchange(
                     [], [Incoming(owner(stage - 1)[0], stage, stage - 1, stage)], device)
             last = stage == self.num_logical - 1
-            x = self._stage_forward(chunk, x, targets, with_loss=last and targets is not None)
+            x = self._stage_forward(chunk, x, targets, last and targets is not None, context)
             if not last and owner(stage + 1)[0] != self.rank:
                 _, [pending] = self.channels.exchange(
                     [Outgoing(x, owner(stage + 1)[0], stage + 1, stage, stage + 1)], [], device)
                 for handle in pending:
                     handle.wait()
+        # Its shapes are not training's: the next run sends its headers again, as every
+        # rank decides alike (each calls forward_only).
+        self.channels.start(meta_tag_base=0)
         return x if owner(self.num_logical - 1)[0] == self.rank else None
 
     def _device_of(self, micro_batches) -> torch.device:

@@ -91,7 +91,7 @@ def _shape(items: tuple) -> ModelShape:
     one = fam.make_config({**sizes, "n_layer": 1})
     plan = fam.plan(one)
     with on_meta():
-        model = fam.build(one, None)
+        model = fam.build(one)
     layers = getattr(model, plan.layers)
     (layer_key, layer), = layers.items()
     counts = {"layer_split": 0, "layer_replicated": 0, "embed_split": 0, "embed_replicated": 0,

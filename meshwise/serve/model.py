@@ -30,7 +30,7 @@ def load_model(ckpt: Checkpoint) -> torch.nn.Module:
     """The single-process model holding the checkpoint's parameters (evaluation mode)."""
     fam, cfg = family(model_family(ckpt)), model_config(ckpt)
     with on_meta():
-        model = fam.build(cfg, None)
+        model = fam.build(cfg)
     tensors = model_tensors(ckpt)
     names = [name for name, _ in model.named_parameters()]  # a tie appears once
     missing = sorted(set(names) - set(tensors))

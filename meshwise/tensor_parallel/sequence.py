@@ -13,7 +13,8 @@ column-parallel layer needs the whole of it. Two things keep that cheap:
   ``1/tp`` of their memory, as the paper's formula says.
 
 ``SequenceParallelEmbedding`` is the ``position_embedding`` style: learned
-positions looked up only for this rank's slice of the sequence.
+positions looked up only for this rank's run of the sequence (which run is
+``meshwise.layout.sequence``'s to say: this module only communicates).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshwise.layout.sequence import sequence_run
 from meshwise.tensor_parallel.layers import replicated_param
 from meshwise.tensor_parallel.mappings import (_all_gather, _reduce_scatter, tp_rank_of,
                                                tp_size_of)
@@ -130,9 +132,8 @@ class SequenceParallelEmbedding(nn.Module):
                    embedding.weight.dtype, embedding.weight.device, embedding.weight)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        size = tp_size_of(self.tp_group)
-        length = positions.shape[-1] // size
-        mine = positions.narrow(-1, tp_rank_of(self.tp_group) * length, length)  # (..., T / tp)
+        mine = sequence_run(positions, positions.dim() - 1, tp_rank_of(self.tp_group),
+                            tp_size_of(self.tp_group))  # (..., T / tp)
         return F.embedding(mine, self.weight)
 
     def extra_repr(self) -> str:

@@ -23,13 +23,13 @@ from meshwise.sharding.zero3_pipeline import PipelineZeroStage3
 from meshwise.train.config import TrainConfig
 
 
-def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh, dropout,
+def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh,
                 vocab_size: int | None) -> ParallelModel:
     """This rank's part of the model: pipeline chunks with tensor-parallel layers (and
     sequence parallelism), context-parallel positions and attention, on meta."""
     p = cfg.parallel
     with on_meta():
-        model = family.build(model_cfg, dropout)
+        model = family.build(model_cfg)
     return parallelize(model, family.plan(model_cfg), tp_group=mesh.tp if p.tp > 1 else None,
                        pp_rank=mesh.pp_rank, pp_size=p.pp, virtual_stages=p.virtual_stages,
                        vocab_size=vocab_size, sequence_parallel=p.sp, cp_group=mesh.cp,

@@ -19,6 +19,7 @@ from meshwise.comm.devices import DEVICES
 from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON
 from meshwise.data.order import DATA_ORDERS
 from meshwise.data.readers import DATA_FORMATS
+from meshwise.layout.sequence import SequenceShard
 from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
 from meshwise.pipeline.schedules import SCHEDULE_KINDS
@@ -67,8 +68,7 @@ class ParallelConfig:
     def sequence_divisor(self) -> int:
         """What every sequence's length must be a multiple of: 2 x cp zigzag chunks, and
         each cp rank's tokens split across tp under sequence parallelism."""
-        chunks = 2 * self.cp if self.cp > 1 else 1
-        return math.lcm(chunks, self.cp * (self.tp if self.sp else 1))
+        return SequenceShard(cp_size=self.cp, sp_size=self.tp if self.sp else 1).tokens_divisor
 
     @property
     def num_micro_batches(self) -> int:

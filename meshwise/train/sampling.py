@@ -1,7 +1,10 @@
 """A sample at the end of training: a held-out prompt continued by the model.
 
 Every rank runs the same forwards (each its share of the layout) and samples the
-same tokens: the last pipeline stage draws each one and tells the others.
+same tokens: the last pipeline stage draws each one and tells the others. A
+window whose length the layout cannot split (a sample growing one token at a
+time) is padded after its end: under the causal mask no token sees what comes
+after it, so the logits of the real tokens are those of the unpadded window.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 
 from meshwise.comm import ops
 from meshwise.data.tokenizer import decode_sample
+from meshwise.layout.sequence import position_owner
 
 
 @torch.no_grad()
@@ -24,11 +28,12 @@ def end_sample(trainer, num_tokens: int, prompt_len: int = 32,
     prompt_len = len(prompt)
     tokens = prompt.to(trainer.device).unsqueeze(0)  # (1, T)
     gen = torch.Generator().manual_seed(trainer.cfg.data.seed)
+    shard = trainer.batches.tokens
     for _ in range(num_tokens):
         window = tokens[:, -trainer.cfg.data.seq_len:]
-        held, length = trainer.sequence.padded_mine(window)  # a length cp and sp split
-        last = trainer.sequence.last_logits(trainer._forward(held), window.shape[1], length,
-                                            trainer.model_cfg.vocab_size, trainer.device)
+        padded, length = shard.padded(window)  # a length cp and sp split
+        last = _last_logits(trainer, trainer._forward(shard.cut(padded)), window.shape[1],
+                            length)
         nxt = torch.zeros(1, dtype=torch.long, device=trainer.device)
         if last is not None:
             probs = torch.softmax(last.float().cpu() / temperature, -1)  # (V,)
@@ -41,3 +46,19 @@ def end_sample(trainer, num_tokens: int, prompt_len: int = 32,
     ids = tokens[0].tolist()
     return decode_sample(trainer.cfg.data.tokenizer, ids[:prompt_len], ids[prompt_len:],
                          trainer.pm.vocab_size)
+
+
+def _last_logits(trainer, logits: torch.Tensor | None, n: int,
+                 length: int) -> torch.Tensor | None:
+    """The logits (V,) at position ``n - 1`` of a padded forward of ``length`` tokens, on
+    every rank that holds the model's head (``logits`` not None there): the cp rank
+    holding that position hands them to its cp peers."""
+    shard = trainer.batches.tokens
+    owner, index = position_owner(n - 1, length, shard.cp_size)
+    if shard.cp_size == 1:
+        return None if logits is None else logits[0, index]
+    row = torch.zeros(trainer.model_cfg.vocab_size, dtype=torch.float32, device=trainer.device)
+    if logits is not None and shard.cp_rank == owner:
+        row.copy_(logits[0, index])
+    ops.broadcast(row, owner, trainer.mesh.cp, category="sample")
+    return None if logits is None else row

@@ -33,7 +33,6 @@ from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
 from meshwise.mesh import Mesh
-from meshwise.models.dropout import DropoutContext
 from meshwise.layout.init import Init, on_meta
 from meshwise.layout.plan import ParallelPlan
 from meshwise.models.families import ModelFamily, family
@@ -53,7 +52,6 @@ from meshwise.train.lr_schedule import LRSchedule
 from meshwise.train.memory import PeakMemory
 from meshwise.train.metrics import MetricsLog, RankValues
 from meshwise.train.sampling import end_sample
-from meshwise.train.sequence import SequenceSplit, sequence_shard
 from meshwise.train.observe import RunObserver
 
 log = logging.getLogger("meshwise")
@@ -96,27 +94,22 @@ class Trainer:
         d, p = cfg.data, cfg.parallel
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size,
                                  token_dtype=d.token_dtype, data_order=d.data_order)
-        self.dropout = DropoutContext(d.seed)
-        self.dropout.tp_rank = self.mesh.tp_rank
-        self.dropout.sequence = sequence_shard(self.mesh, p.sp)  # masks of the tokens held
-        self.sequence = SequenceSplit(self.mesh, self.dropout.sequence, p.sequence_divisor)
         self.batches = StepBatches(BatchSource(self.data, d.document_mask, d.loss_on,
                                                d.long_conversations),
-                                   self.mesh, self.sequence, self.dropout, self.device)
+                                   self.mesh, p.sp, self.device)
         if model is None:
             self.model_shape = cfg.model.sizes(self.data.vocab_size)
             self.family = family(self.model_shape["family"])
             self.model_cfg = self.family.make_config({**self.model_shape,
                                                       "dropout": cfg.model.dropout})
             self.pm = build_model(self.cfg, self.family, self.model_cfg, self.mesh,
-                                  self.dropout, self.data.vocab_size)
+                                  self.data.vocab_size)
         else:
             self.family, self.model_cfg = ModelFamily.own(model, plan, init_of), None
-            self.pm = build_model(self.cfg, self.family, None, self.mesh, self.dropout, None)
+            self.pm = build_model(self.cfg, self.family, None, self.mesh, None)
             self.model_shape = own_model_shape(self.pm, self.data.vocab_size)
-        self.batches.mask_documents_of(self.pm.chunks)  # with --document-mask
-        apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing,
-                                       self.dropout)
+        self.batches.feed(self.pm.chunks)  # each forward's context, where the model takes it
+        apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing)
         o = cfg.optim
         self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         named_params = self.pm.named_parameters()  # before the engine owns them
@@ -160,7 +153,7 @@ class Trainer:
     def _observer(self) -> RunObserver:
         """FLOPs come from the whole model's shapes (built on the meta device)."""
         with on_meta():
-            whole = self.family.build(self.model_cfg, None)
+            whole = self.family.build(self.model_cfg)
         layers = list(getattr(whole, self.pm.plan.layers).values())
         d_model = None if self.model_cfg else hidden_size(layers[0])
         return RunObserver(self.cfg, self.mesh, self.device, whole, layers,
@@ -230,8 +223,8 @@ class Trainer:
 
         with self.observer.phase("forward_backward"):
             self.engine.zero_grad()
-            micro_batches, labelled = self._micro_batches(step, "train")
-            loss_part = self._forward_backward(micro_batches, step, labelled)
+            micro_batches, contexts, labelled = self._micro_batches(step, "train")
+            loss_part = self._forward_backward(micro_batches, contexts, labelled)
         if fault and fault.kind == "nan":  # this rank's loss of the step is not a number
             loss_part = loss_part + float("nan")
         with self.observer.phase("grad_sync"):
@@ -300,37 +293,36 @@ class Trainer:
 
     # ------------------------------------------------------------- helpers
     def _micro_batches(self, step: int, split: str, num: int | None = None):
-        """This rank's micro-batches of global batch ``step`` and its labelled tokens."""
+        """This rank's micro-batches of global batch ``step``, their forwards' contexts
+        and the batch's labelled tokens."""
         d = self.cfg.data
         num = num or d.grad_accum * self.cfg.parallel.num_micro_batches
         return self.batches.take(step, d.batch_size, d.seed, num, split)
 
-    def _forward_backward(self, micro_batches, step: int, labelled: int) -> torch.Tensor:
-        """Run every micro-batch; return this rank's share of the global mean loss over the
-        ``labelled`` targets (0-dim, on the device: reading it would wait for every
-        micro-batch). Gradients sync over dp only during the last accumulation round.
+    def _forward_backward(self, micro_batches, contexts, labelled: int) -> torch.Tensor:
+        """Run every micro-batch, each with its forward's context (``contexts``, one per
+        micro-batch: None where the model takes none); return this rank's share of the
+        global mean loss over the ``labelled`` targets (0-dim, on the device: reading it
+        would wait for every micro-batch). Gradients sync over dp only during the last
+        accumulation round.
         """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         scale = 1.0 / max(labelled, 1)  # a batch without labels: no loss, no gradient
-        rows = micro_batches[0][0].shape[0]
-        first = self.mesh.dp_rank * rows * len(micro_batches)  # of this rank's slice
         if self.pipeline is not None:
             rounds = self.cfg.data.grad_accum
             per_round = len(micro_batches) // rounds
             for r in range(rounds):
-                offset = first + r * per_round * rows
-                self.pipeline.before_forward = (
-                    lambda m, offset=offset: self.dropout.at(step, offset + m * rows))
-                total += self.pipeline.run(micro_batches[r * per_round:(r + 1) * per_round],
-                                           scale, sync=r == rounds - 1)
+                part = slice(r * per_round, (r + 1) * per_round)
+                total += self.pipeline.run(micro_batches[part], scale, sync=r == rounds - 1,
+                                           contexts=contexts[part])
             return total
         last = len(micro_batches) - 1
         for i, (inputs, targets) in enumerate(micro_batches):
-            self.dropout.at(step, first + i * rows)  # which samples these are
             sync = contextlib.nullcontext() if i == last else self.engine.no_sync()
             with sync:
                 with ranges.named("forward"):
-                    loss = self.pm.loss(self.model(inputs), targets) * scale
+                    out = self._call(inputs, contexts[i])
+                    loss = self.pm.loss(out, targets) * scale
                 with ranges.named("backward"):
                     strict.backward(loss)
             total += loss.detach()
@@ -375,21 +367,25 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         labelled = 0
         for i in range(self.cfg.data.eval_batches):
-            [(inputs, targets)], count = self._micro_batches(i + 1, "val", num=1)
+            [(inputs, targets)], contexts, count = self._micro_batches(i + 1, "val", num=1)
             labelled += count
-            loss = self._forward(inputs, targets)
+            loss = self._forward(inputs, targets, contexts[0])
             if loss is not None and self.reports_loss:
                 total += loss.detach()
         self.model.train()
         sums = self._reduce([total], op="sum")
         return sums[0] / max(labelled, 1)
 
-    def _forward(self, inputs, targets=None):
+    def _forward(self, inputs, targets=None, context=None):
         """Forward only: the loss sum (or full logits) where the last stage is, else None."""
         if self.pipeline is None:
-            out = self.model(inputs)
+            out = self._call(inputs, context)
         else:
-            out = self.pipeline.forward_only(inputs)
+            out = self.pipeline.forward_only(inputs, context=context)
             if out is None:
                 return None
         return self.pm.loss(out, targets) if targets is not None else self.pm.full_logits(out)
+
+    def _call(self, inputs, context):
+        """The model on ``inputs``, told its forward's ``context`` where it takes one."""
+        return self.model(inputs) if context is None else self.model(inputs, context=context)

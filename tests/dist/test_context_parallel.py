@@ -29,15 +29,14 @@ def _full_inputs(heads: int, kv_heads: int, seq_len: int = 32):
 def _ring_on_gloo(cp: int, heads: int, kv_heads: int, p: float):
     from meshwise.context_parallel.ring import RingAttention
     from meshwise.mesh import Mesh, ParallelDims
-    from meshwise.models.dropout import DropoutContext
+    from meshwise.models.context import ForwardContext
 
     mesh = Mesh.build(ParallelDims(cp=cp))
-    context = DropoutContext(seed=7)
-    context.at(step=3, first_sample=2)
-    ring = RingAttention(mesh.cp, p, "blocks.1.attn.weights", context).train()
+    context = ForwardContext(seed=7, step=3, first_sample=2)
+    ring = RingAttention(mesh.cp, p, "blocks.1.attn.weights").train()
     mine = [zigzag_slice(t, 2, mesh.cp_rank, cp).requires_grad_()
             for t in _full_inputs(heads, kv_heads)]
-    out = ring(*mine[:3])
+    out = ring(*mine[:3], context=context)
     out.backward(mine[3].detach())
     return [out.detach()] + [t.grad for t in mine[:3]]
 
@@ -51,13 +50,13 @@ def _unzigzag(chunks):
                                                      (2, 4, 4, 0.25)])
 def test_ring_attention_over_gloo_equals_sdpa(dist_pools, cp, heads, kv_heads, p):
     from meshwise.models.attention import ScaledDotProductAttention
-    from meshwise.models.dropout import DropoutContext
+    from meshwise.models.context import ForwardContext
 
     per_rank = dist_pools.run(cp, _ring_on_gloo, cp, heads, kv_heads, p)
     q, k, v, dout = (t.requires_grad_() for t in _full_inputs(heads, kv_heads))
-    context = DropoutContext(seed=7)
-    context.at(step=3, first_sample=2)
-    out = ScaledDotProductAttention(p, "blocks.1.attn.weights", context).train()(q, k, v)
+    context = ForwardContext(seed=7, step=3, first_sample=2)
+    out = ScaledDotProductAttention(p, "blocks.1.attn.weights").train()(q, k, v,
+                                                                      context=context)
     out.backward(dout.detach())
     for i, (name, want) in enumerate(zip(("out", "dq", "dk", "dv"),
                                          (out.detach(), q.grad, k.grad, v.grad))):

@@ -210,6 +210,20 @@ def _check_forward_only(edges, kind="interleaved-1f1b"):
             assert logits is None and loss is None
 
 
+def _run_after_forward_only():
+    """Evaluation between training steps: a ``forward_only`` of another shape, then a
+    ``run`` of the training shapes again; both runs' losses (on the last stage)."""
+    mesh = Mesh.build(ParallelDims(pp=2))
+    runtime = PipelineRuntime(_my_chunks(_stages(2, "3d-fp64"), mesh.pp_rank, 2, 1),
+                              build_schedule("1f1b", 2, 2), mesh.pp, NoSyncEngine(), loss_fn)
+    micro_batches = _batch(2)
+    before = runtime.run(micro_batches, 1.0)
+    [(inputs, _)] = _batch(1, seq_len=T + 2)  # ROWS sequences of another length
+    runtime.forward_only(torch.cat([inputs, inputs]))  # and twice the rows
+    after = runtime.run(micro_batches, 1.0)
+    return before.item(), after.item()
+
+
 class LateGradient(torch.autograd.Function):
     """The identity, whose first backward takes ``delay_s`` longer: a peer behind."""
 
@@ -260,6 +274,39 @@ def _wrong_shape():
                               build_schedule("1f1b", 2, 2), mesh.pp, NoSyncEngine(), loss_fn)
     micro_batches = [_batch(1, seq_len=T)[0], _batch(1, seq_len=T - 1)[0]]
     runtime.run(micro_batches, 1.0)
+
+
+class Told(nn.Module):
+    """A stage that takes ``context=`` and records, in ``seen``, the context each of its
+    forwards is given, under its logical stage index."""
+
+    def __init__(self, stage, index: int, seen: list):
+        super().__init__()
+        self.stage, self.index, self.seen = stage, index, seen
+
+    def forward(self, x, context=None):
+        self.seen.append((self.index, context))
+        return self.stage(x)
+
+
+def _contexts_reach_every_stage(kind, num_virtual, num_micro_batches):
+    """Every chunk's forward of micro-batch m is given micro-batch m's context, in the
+    schedule's order; ``forward_only`` gives its one context to every stage."""
+    mesh = Mesh.build(ParallelDims(pp=2))
+    schedule = build_schedule(kind, 2, num_micro_batches, num_virtual)
+    seen = []
+    stages = [Told(stage, i, seen) for i, stage in enumerate(_stages(2 * num_virtual,
+                                                                     "3d-fp64"))]
+    runtime = PipelineRuntime(_my_chunks(stages, mesh.pp_rank, 2, num_virtual, schedule),
+                              schedule, mesh.pp, NoSyncEngine(), loss_fn=loss_fn)
+    contexts = [f"micro-batch {m}" for m in range(num_micro_batches)]
+    runtime.run(_batch(num_micro_batches), 1.0, contexts=contexts)
+    assert seen == [(schedule.stage_of(mesh.pp_rank, a.chunk), contexts[a.micro_batch])
+                    for a in schedule.compute_actions(mesh.pp_rank) if a.kind == "F"]
+    seen.clear()
+    runtime.forward_only(_batch(1)[0][0], context="evaluation")
+    held = sorted(schedule.stage_of(mesh.pp_rank, v) for v in range(num_virtual))
+    assert seen == [(stage, "evaluation") for stage in held]
 
 
 class Scale(nn.Module):
@@ -346,6 +393,11 @@ def test_split_backward_schedules_match_one_process_on_4_ranks(
                    checkpointing)
 
 
+@pytest.mark.parametrize("kind, num_virtual", [("interleaved-1f1b", 2), ("zbv", 2)])
+def test_each_micro_batchs_context_reaches_every_stage(dist_pools, kind, num_virtual):
+    dist_pools.run(2, _contexts_reach_every_stage, kind, num_virtual, 4)
+
+
 def test_a_weight_pass_straight_after_its_backward_runs_whole(dist_pools):
     """zb-h1's first stage runs each W right after its B, so its backwards run whole
     (nothing kept for a later pass); the last stage sends its B's gradient first, and
@@ -383,6 +435,11 @@ def test_hidden_states_that_are_not_3d(dist_pools):
 @pytest.mark.parametrize("edges", ["3d-fp64", "not-3d", "bf16"])
 def test_forward_only_with_changing_sequence_length(dist_pools, edges):
     dist_pools.run(2, _check_forward_only, edges)
+
+
+def test_a_run_after_forward_only_of_another_shape(dist_pools):
+    _, (before, after) = dist_pools.run(2, _run_after_forward_only)
+    assert after == before  # the same parameters: nothing stepped between the runs
 
 
 def test_forward_only_through_a_v(dist_pools):

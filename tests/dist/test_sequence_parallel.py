@@ -41,7 +41,7 @@ def _laid_out_grads(name: str, tp: int, cp: int):
     fam = family(name)
     cfg = fam.make_config(MODELS[name])
     with torch.device("meta"):
-        model = fam.build(cfg, None).double()
+        model = fam.build(cfg).double()
     pm = parallelize(model, fam.plan(cfg), tp_group=mesh.tp if tp > 1 else None,
                      cp_group=mesh.cp, sequence_parallel=tp > 1, vocab_size=cfg.vocab_size)
     values, owners = pm.init_values(partial(fam.init, cfg), seed=0), param_owners(pm.chunks)

@@ -26,7 +26,7 @@ from meshwise.layout.sequence import zigzag_slice
 from meshwise.models.attention import ScaledDotProductAttention
 from meshwise.models.attention_kernels import attention, explicit_attention
 from meshwise.models.attention_masks import DocumentMask
-from meshwise.models.dropout import DropoutContext
+from meshwise.models.context import ForwardContext
 from meshwise.models.llama import Llama, LlamaConfig
 from tests.unit.test_ring_attention import run_ring, unzigzag
 
@@ -94,9 +94,8 @@ def test_each_cuda_path_equals_the_float64_reference(case, dtype):
     documents = _documents() if CASES[case].get("documents") else None
     keep = None
     if CASES[case].get("dropout"):
-        context = DropoutContext(seed=1)
-        context.at(step=3, first_sample=0)
-        keep = ScaledDotProductAttention(0.2, "blocks.0.attn.weights", context)._keep(q, T)
+        context = ForwardContext(seed=1, step=3, first_sample=0)
+        keep = ScaledDotProductAttention(0.2, "blocks.0.attn.weights")._keep(q, T, context)
     with sdpa_kernel(FUSED):
         got = _run(lambda q, k, v: attention(q, k, v, window=window, documents=documents,
                                              keep=keep), q, k, v, dout)

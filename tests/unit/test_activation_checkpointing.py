@@ -8,26 +8,23 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
-from meshwise.models.dropout import DropoutContext
+from meshwise.models.context import ForwardContext
 from meshwise.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=3, n_head=2, d_model=16, block_size=32, vocab_size=50, dropout=0.1)
 
 
 def _models():
-    """A float64 GPT with dropout and a plain copy of it, each with its own context."""
-    model = GPT(CFG, dropout=DropoutContext(7)).init_weights(1).double()
-    plain = GPT(CFG, dropout=DropoutContext(7)).double()
+    """A float64 GPT with dropout and a plain copy of it."""
+    model = GPT(CFG).init_weights(1).double()
+    plain = GPT(CFG).double()
     plain.load_state_dict(model.state_dict())
     return model, plain
 
 
-def _context(model) -> DropoutContext:
-    return model.drop_embed.context
-
-
-def _loss(model, x, y):
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+def _loss(model, x, y, context=None):
+    return F.cross_entropy(model(x, context=context).flatten(0, 1), y.flatten(),
+                           reduction="sum")
 
 
 def _batch():
@@ -40,22 +37,22 @@ def _batch():
 def test_same_loss_and_gradients_with_blocks_run_twice(mode):
     model, plain = _models()
     names = [n for n, _ in model.named_parameters()]
-    apply_activation_checkpointing(model.blocks.values(), mode, _context(model))
+    apply_activation_checkpointing(model.blocks.values(), mode)
     assert [n for n, _ in model.named_parameters()] == names  # nothing renamed
     runs = []
     for block in model.blocks.values():
         block.register_forward_pre_hook(lambda module, args: runs.append(module))
     x, y = _batch()
-    _context(model).at(3, 4)
-    loss = _loss(model, x, y)
+    this = ForwardContext(seed=7, step=3, first_sample=4)
+    loss = _loss(model, x, y, this)
     assert len(runs) == CFG.n_layer
-    # Under a pipeline other micro-batches' forwards move the dropout context before
-    # this backward; the recompute must still draw this forward's masks.
-    _context(model).at(9, 0)
+    # Under a pipeline other micro-batches' forwards run before this backward; the
+    # recompute must still draw this forward's masks.
+    other = _loss(model, x, y, ForwardContext(seed=7, step=9, first_sample=0))
     loss.backward()
-    assert len(runs) == 2 * CFG.n_layer  # each block again, through its hooks
-    _context(plain).at(3, 4)
-    plain_loss = _loss(plain, x, y)
+    del other
+    assert len(runs) == 3 * CFG.n_layer  # each block again, through its hooks
+    plain_loss = _loss(plain, x, y, this)
     plain_loss.backward()
     assert loss.item() == plain_loss.item()
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
@@ -101,7 +98,7 @@ def test_selective_keeps_the_matmul_outputs_full_recomputes_them(mode, recompute
     """Backward's matmuls: 2 per forward matmul (input and weight gradients), plus
     the recompute's forward matmuls under full checkpointing (4 per GPT block)."""
     model, _ = _models()
-    apply_activation_checkpointing(model.blocks.values(), mode, _context(model))
+    apply_activation_checkpointing(model.blocks.values(), mode)
     x, y = _batch()
     loss = _loss(model, x, y)
     with _CountMatmuls() as counted:

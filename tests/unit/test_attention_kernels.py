@@ -25,7 +25,7 @@ from meshwise.models import tiled_attention
 from meshwise.models.attention import ScaledDotProductAttention
 from meshwise.models.attention_kernels import KERNELS, attention, choose_kernel
 from meshwise.models.attention_masks import DocumentMask, block_mask, mask_mod
-from meshwise.models.dropout import DropoutContext
+from meshwise.models.context import ForwardContext
 from tests.unit.test_ring_attention import run_ring, unzigzag
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
@@ -141,23 +141,19 @@ def test_tiled_dropout_drops_what_the_explicit_weights_drop(documents, heads, mo
     path), with the same keyed keep-masks, in the forward and the backward."""
     monkeypatch.setattr(tiled_attention, "KV_TILE", 7)
     q, k, v, dout = _inputs(H=heads[0], G=heads[1])
-    context = DropoutContext(seed=3)
-    context.at(step=4, first_sample=2)
-    module = ScaledDotProductAttention(0.3, "blocks.1.attn.weights", context).train()
+    context = ForwardContext(seed=3, step=4, first_sample=2)
+    module = ScaledDotProductAttention(0.3, "blocks.1.attn.weights").train()
     masks = _documents() if documents else None
 
     def run(kernel):
         def fn(q, k, v):
-            return attention(q, k, v, documents=masks, keep=module._keep(q, T), kernel=kernel)
-        out = _run(fn, q, k, v, dout)
-        context.at(step=5, first_sample=0)  # training moves on before the backward
-        return out
+            return attention(q, k, v, documents=masks, keep=module._keep(q, T, context),
+                             kernel=kernel)
+        return _run(fn, q, k, v, dout)
     explicit = run("explicit")
-    context.at(step=4, first_sample=2)
     _same(run("tiled"), explicit)
     if not documents:  # the module itself (the CPU's choice) drops the same weights
-        context.at(step=4, first_sample=2)
-        _same(_run(module, q, k, v, dout), explicit)
+        _same(_run(lambda q, k, v: module(q, k, v, context=context), q, k, v, dout), explicit)
 
 
 @pytest.mark.parametrize("window", [0, 4])

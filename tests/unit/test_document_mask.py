@@ -14,14 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshwise.apply.documents import apply_document_mask
 from meshwise.context_parallel import blocks
 from meshwise.context_parallel.ring import RingBlocks, ring_backward, ring_forward
 from meshwise.data.packing import documents_from_starts
 from meshwise.layout.documents import Documents
 from meshwise.layout.sequence import zigzag_slice
-from meshwise.models.documents import DocumentContext
-from meshwise.models.dropout import DropoutContext
+from meshwise.models.attention_masks import DocumentMask
+from meshwise.models.context import ForwardContext, takes_context
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.models.llama import Llama, LlamaConfig
 from tests.unit.test_ring_attention import run_ring, unzigzag
@@ -52,12 +51,9 @@ def test_ids_and_positions_restart_at_each_document():
     assert allowed[9, 9] and allowed[10, 9] and not allowed[9, 8] and not allowed[8, 9]
 
 
-def _context(rows: int = 2) -> DocumentContext:
-    where = DropoutContext(0)
-    where.at(step=1, first_sample=0)
-    documents = DocumentContext(where)
-    documents.set(_documents(), 0, rows, "cpu")
-    return documents
+def _context(rows: int = 2) -> ForwardContext:
+    host = _documents().rows(0, rows)
+    return ForwardContext(step=1, documents=DocumentMask.of(host, host.to("cpu")))
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -70,9 +66,8 @@ def test_packed_documents_give_each_documents_own_logits_and_gradients(model):
                                   ffn_hidden_size=48, block_size=T, vocab_size=50))
     plain = plain.init_weights(seed=3).double()
     masked = copy.deepcopy(plain)
-    apply_document_mask([masked], _context())
     ids = torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(1))
-    logits = masked(ids)
+    logits = masked(ids, context=_context())
     logits.square().sum().backward()
     for row in range(2):
         for start, end in _segments(row):
@@ -137,14 +132,26 @@ def test_sdpa_module_with_documents_equals_each_document_alone(path):
 
     q, k, v, dout = _inputs()
     context = _context()
-    sdpa = ScaledDotProductAttention(0.0, "attn", context.where)
-    sdpa.documents = context
+    sdpa = ScaledDotProductAttention(0.0, "attn")
     q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
     if path == "each document":
-        out = sdpa(q_, k_, v_)
+        out = sdpa(q_, k_, v_, context=context)
     else:  # the weights formed explicitly, as with dropout (p = 0: every weight kept)
-        out = sdpa._with_dropout(q_, k_, v_, True, context.attention_mask(T, q.dtype))
+        out = sdpa._with_dropout(q_, k_, v_, True, context.documents.additive(T, 0, q.dtype),
+                                 context)
     out.backward(dout)
     want = _each_document_alone(q, k, v, dout)
     for got, expected in zip((out.detach(), q_.grad, k_.grad, v_.grad), want):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_model_whose_forward_takes_no_context_is_refused_document_masking():
+    """The documents reach attention only through the forward's context: a model of one's
+    own that takes none would silently attend across documents."""
+    from examples.own_model import TinyLM
+    from meshwise.train.batches import _check_documents_reach
+
+    gpt = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=T, vocab_size=50))
+    _check_documents_reach([gpt], takes_context(gpt))
+    with pytest.raises(ValueError, match="a forward that takes context="):
+        _check_documents_reach([TinyLM()], takes_context(TinyLM()))

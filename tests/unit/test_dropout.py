@@ -4,15 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshwise.models.dropout import DropoutContext
+from meshwise.models.context import ForwardContext
+from meshwise.models.dropout import keep_mask
 from meshwise.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, block_size=16, dropout=0.2)
 
 
 def _loss(model, tokens, step, first):
-    model.drop_embed.context.at(step, first)
-    logits = model(tokens[:, :-1])
+    logits = model(tokens[:, :-1], context=ForwardContext(step=step, first_sample=first))
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
 
 
@@ -40,11 +40,19 @@ def test_masks_change_with_step_and_sample_and_vanish_in_eval():
     assert _loss(model, tokens, 1, 0) == _loss(model, tokens, 2, 0)
 
 
+def test_a_forward_without_a_context_is_sample_zero_of_step_zero():
+    model = GPT(CFG).init_weights(1).train()
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    plain = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(),
+                            reduction="sum")
+    assert plain == _loss(model, tokens, 0, 0) and plain != _loss(model, tokens, 0, 1)
+
+
 def test_heads_draw_their_own_masks():
-    ctx, other_rank = DropoutContext(seed=0), DropoutContext(seed=0)
-    both = ctx.mask("s", torch.Size([1, 2, 4, 4]), 0.5, "cpu", per_head=True)
-    other_rank.tp_rank = 1  # holds the second of two heads
-    second = other_rank.mask("s", torch.Size([1, 1, 4, 4]), 0.5, "cpu", per_head=True)
+    one_rank = ForwardContext(seed=0)
+    other_rank = ForwardContext(seed=0, tp_rank=1)  # holds the second of two heads
+    both = keep_mask(one_rank, "s", torch.Size([1, 2, 4, 4]), 0.5, "cpu", per_head=True)
+    second = keep_mask(other_rank, "s", torch.Size([1, 1, 4, 4]), 0.5, "cpu", per_head=True)
     assert torch.equal(both[:, 1:], second)  # head 1 alone (another tp rank) draws the same
     assert not torch.equal(both[:, 0], both[:, 1])
     assert ((both == 0) | (both == 2)).all()

@@ -39,7 +39,7 @@ def test_recomputation_adds_one_forward_of_the_layers():
     fam = family("gpt")
     cfg = fam.make_config(SIZES["gpt"])
     with torch.device("meta"):
-        model = fam.build(cfg, None)
+        model = fam.build(cfg)
     layers = list(model.blocks.values())
     model_flops, hardware = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, 48,
                                             recomputed=True)

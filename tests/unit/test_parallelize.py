@@ -94,8 +94,8 @@ def test_bad_plans_and_cuts_are_refused():
 
 
 def test_sequence_and_context_parallel_swap_what_the_plan_names():
-    from meshwise.context_parallel.positions import ZigzagPositions
     from meshwise.context_parallel.ring import RingAttention
+    from meshwise.layout.sequence import SequenceShard
     from meshwise.tensor_parallel.sequence import SequenceParallelEmbedding
 
     with torch.device("meta"):
@@ -104,7 +104,7 @@ def test_sequence_and_context_parallel_swap_what_the_plan_names():
                      sequence_parallel=True)
     chunk = pm.chunks[0]
     assert pm.sequence_parallel
-    assert isinstance(chunk.positions, ZigzagPositions)
+    assert chunk.positions.tokens == SequenceShard(cp_rank=1, cp_size=2)
     assert chunk.positions(0, 4, "cpu").tolist() == [2, 3, 4, 5]  # chunks 1 and 2 of 4
     assert all(isinstance(b.attn.sdpa, RingAttention) for b in chunk.blocks.values())
     assert isinstance(chunk.wpe, SequenceParallelEmbedding)
@@ -115,7 +115,7 @@ def test_sequence_and_context_parallel_swap_what_the_plan_names():
     # without context parallelism the model keeps its own positions and attention
     with torch.device("meta"):
         plain = parallelize(GPT(CFG), gpt_plan(CFG), tp_group=_tp(0)).chunks[0]
-    assert type(plain.positions).__name__ == "Positions" and plain.wpe.__class__ is nn.Embedding
+    assert plain.positions.tokens == SequenceShard() and plain.wpe.__class__ is nn.Embedding
 
 
 def test_sequence_parallel_needs_tp_and_cp_needs_a_ring():

@@ -34,7 +34,7 @@ def test_the_shape_counts_the_parameters_of_the_model_itself(preset):
     cfg.model.preset = preset
     fam = family(cfg.model.family)
     with torch.device("meta"):
-        model = fam.build(fam.make_config(cfg.model.sizes(256)), None)
+        model = fam.build(fam.make_config(cfg.model.sizes(256)))
     assert model_shape(cfg).num_params == sum(p.numel() for p in model.parameters())
 
 

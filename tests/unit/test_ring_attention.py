@@ -17,7 +17,7 @@ from meshwise.context_parallel import blocks
 from meshwise.context_parallel.ring import ring_backward, ring_forward
 from meshwise.layout.sequence import zigzag_slice
 from meshwise.models.attention import ScaledDotProductAttention
-from meshwise.models.dropout import DropoutContext
+from meshwise.models.context import ForwardContext
 
 
 class LocalRing:
@@ -106,12 +106,11 @@ def test_ring_equals_causal_sdpa_forward_and_backward(cp, heads, plain, monkeypa
 
 def test_ring_dropout_drops_what_one_process_drops():
     """Keyed masks: the ring's blocks draw the weights' masks of the whole matrix."""
-    p, context = 0.3, DropoutContext(seed=5)
-    context.at(step=2, first_sample=4)
+    p, context = 0.3, ForwardContext(seed=5, step=2, first_sample=4)
     q, k, v = _inputs(T=24)
     dout = torch.randn_like(q)
-    single = ScaledDotProductAttention(p, "blocks.0.attn.weights", context).train()
-    expected = _reference_with(single, q, k, v, dout)
+    single = ScaledDotProductAttention(p, "blocks.0.attn.weights").train()
+    expected = _reference_with(single, q, k, v, dout, context)
 
     def keep_for(rank):
         from meshwise.context_parallel.ring import RingAttention
@@ -120,17 +119,17 @@ def test_ring_dropout_drops_what_one_process_drops():
             size, rank = 4, None
         group = _Group()
         group.rank = rank
-        module = RingAttention(group, p, "blocks.0.attn.weights", context)
-        return module._keep_for(zigzag_slice(q, 2, rank, 4))
+        module = RingAttention(group, p, "blocks.0.attn.weights")
+        return module._keep_for(zigzag_slice(q, 2, rank, 4), context)
 
     for got, want, name in zip(_ring(q, k, v, dout, 4, keep_for), expected,
                                ("out", "dq", "dk", "dv")):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def _reference_with(module, q, k, v, dout):
+def _reference_with(module, q, k, v, dout, context):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = module(q, k, v)
+    out = module(q, k, v, context=context)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 

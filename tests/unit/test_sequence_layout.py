@@ -5,7 +5,8 @@ import torch
 
 from meshwise.layout.sequence import (SequenceShard, padded_length, position_owner,
                                       zigzag_positions, zigzag_slice)
-from meshwise.models.dropout import DropoutContext
+from meshwise.models.context import ForwardContext
+from meshwise.models.dropout import keep_mask
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -40,6 +41,23 @@ def test_sp_splits_a_cp_ranks_tokens_in_runs():
     assert padded_length(33, 8) == 40 and padded_length(32, 8) == 32
 
 
+@pytest.mark.parametrize("cp, sp", [(1, 1), (2, 1), (1, 2), (2, 2), (3, 2), (2, 4)])
+def test_a_shard_cuts_its_tokens_and_pads_to_a_length_it_splits(cp, sp):
+    """What a rank is fed: its zigzag chunks; a window padded to the smallest length
+    whose chunks hold whole sp runs (what the trainer's config checks too)."""
+    for rank in range(cp):
+        shard = SequenceShard(rank, cp, 0, sp)
+        divisor = shard.tokens_divisor
+        assert divisor % (2 * cp if cp > 1 else 1) == 0 and (divisor // cp) % sp == 0
+        real = 3 * divisor - 1
+        window = torch.arange(1, real + 1)[None]  # (1, real): one token short of a split
+        padded, length = shard.padded(window)
+        assert length % divisor == 0 and real <= length < real + divisor
+        assert padded[0, :real].tolist() == window[0].tolist() and not padded[0, real:].any()
+        held = shard.cut(padded)[0]
+        assert torch.equal(held, padded[0, shard.local_positions(length // cp)])
+
+
 def test_uneven_chunks_are_refused():
     with pytest.raises(ValueError, match="10 tokens do not split into 2 x cp = 4 chunks"):
         zigzag_slice(torch.zeros(1, 10), 1, 0, 2)
@@ -49,15 +67,13 @@ def test_uneven_chunks_are_refused():
 def test_stream_dropout_masks_are_slices_of_one_processs(cp, sp):
     """A rank's residual-stream mask is its tokens' rows of the single-process mask."""
     seq_len, shape = 12 * cp * sp, (3, 12 * cp * sp, 5)
-    whole = DropoutContext(seed=4)
-    whole.at(step=2, first_sample=6)
-    expected = whole.mask("blocks.0.mlp.out", torch.Size(shape), 0.3, "cpu")
+    whole = ForwardContext(seed=4, step=2, first_sample=6)
+    expected = keep_mask(whole, "blocks.0.mlp.out", torch.Size(shape), 0.3, "cpu")
     for cp_rank in range(cp):
         for sp_rank in range(sp):
-            part = DropoutContext(seed=4)
-            part.at(step=2, first_sample=6)
-            part.sequence = SequenceShard(cp_rank, cp, sp_rank, sp)
+            part = ForwardContext(seed=4, step=2, first_sample=6,
+                                  tokens=SequenceShard(cp_rank, cp, sp_rank, sp))
             held = seq_len // cp // sp
-            got = part.mask("blocks.0.mlp.out", torch.Size((3, held, 5)), 0.3, "cpu")
-            rows = part.sequence.stream_positions(held)
+            got = keep_mask(part, "blocks.0.mlp.out", torch.Size((3, held, 5)), 0.3, "cpu")
+            rows = part.tokens.stream_positions(held)
             assert torch.equal(got, expected[:, rows]), (cp_rank, sp_rank)
