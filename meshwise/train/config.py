@@ -1,5 +1,10 @@
 """Training configuration: nested typed dataclasses, validated in one place.
 
+These are the settings, what the user asked for (flags, ``--config`` TOML, the
+Python API); what the launcher decides from them (run id, the checkpoint a
+launch starts from, the schedule's start, digests, folders) is run state,
+``meshwise.train.run_state``.
+
 ``TrainConfig.validate()`` checks everything that can be checked before any rank
 starts and raises ``ValueError`` with a one-line message naming the bad value
 and what would be valid; the CLI turns that into exit status 2.
@@ -7,6 +12,7 @@ and what would be valid; the CLI turns that into exit status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 from dataclasses import dataclass, field
@@ -93,7 +99,6 @@ class OptimConfig:
     decay_shape: str = "linear"  # wsd: linear, sqrt, cosine
     min_lr_ratio: float = 0.1  # where cosine and wsd decay to, as a share of lr
     lr_restart: bool = False  # resuming under another schedule: start it at the step resumed
-    schedule_start: int = 0  # set before launch: the step the schedule starts at
 
 
 @dataclass
@@ -101,7 +106,6 @@ class DataConfig:
     path: str | None = None
     cache_dir: str | None = None
     tokenizer: str | None = None  # a tokenizer.json; None: byte-level
-    tokenizer_digest: str | None = None  # set by ``prepare``: what a checkpoint records
     token_dtype: str | None = None  # of a .bin without our sidecar; None: the sidecar's
     text_field: str = "text"  # records' text (meshwise.data.readers)
     data_format: str = "auto"
@@ -117,7 +121,6 @@ class DataConfig:
     # supervised fine-tuning on chat records, and packing (meshwise.data.batches)
     format: str = "text"  # text, or chat: records of messages rendered by a chat template
     chat_template: str | None = None  # None: the tokenizer's own; or a built-in or a file
-    chat_template_digest: str | None = None  # set by ``prepare``: what a checkpoint records
     loss_on: str = "assistant"  # chat data: the targets in the loss (assistant or all)
     long_conversations: str = "truncate"  # a conversation longer than a row: truncate/refuse
     document_mask: bool = False  # attention and positions inside each document
@@ -148,11 +151,12 @@ class RuntimeConfig:
     activation_checkpointing: str = "none"  # "full": recompute each block in backward
     # watching a run (meshwise.train.observe): loggers, their folder and run, the profiler
     log_to: str = "none"  # comma-separated: tensorboard, wandb, mlflow
-    log_dir: str | None = None  # set before launch: DIR/logs of --save DIR, else runs/RUN_NAME
-    run_name: str | None = None  # set before launch: --save's folder name, else the time
+    # The three folders and names as given; None: the launcher's choice (``RunState``).
+    log_dir: str | None = None
+    run_name: str | None = None
     project: str = "meshwise"
     profile_steps: str | None = None  # "A-B"
-    profile_dir: str | None = None  # set before launch: LOG_DIR/profile
+    profile_dir: str | None = None
     peak_tflops: float = 0.0  # one device's peak for MFU; 0: data sheet (GPU) or measured
 
 
@@ -164,11 +168,6 @@ class CheckpointConfig:
     resume: str | None = None  # a checkpoint, a --save directory, or "auto"
     max_restarts: int = 0
     branch: bool = False  # resuming an older step: set newer checkpoints aside, not refuse
-    # Set by the launcher, not flags: this job's run id (names its saves and its
-    # lineage), and the checkpoint each launch starts from (every rank must agree).
-    run_id: str = ""
-    resume_step: int | None = None
-    resume_manifest: str | None = None  # the SHA-256 of its manifest
 
 
 @dataclass
@@ -311,6 +310,14 @@ class TrainConfig:
             raise ValueError(f"--document-mask with the model's sliding window of {window} "
                              "tokens: the two masks are not combined; valid: --seq-len "
                              f"{window} or less, or no --document-mask")
+
+
+def recorded_section(section: type, recorded: dict):
+    """A settings section (``OptimConfig``, ...) as a recorded configuration holds it (a
+    checkpoint's): keys it lacks, written before they existed, take the dataclass's
+    defaults; keys no longer known are left out."""
+    known = {f.name for f in dataclasses.fields(section)}
+    return section(**{k: v for k, v in recorded.items() if k in known})
 
 
 def flag_name(field: str) -> str:

@@ -55,6 +55,7 @@ from meshwise.train.metrics import MetricsLog, RankValues
 from meshwise.train.sampling import end_sample
 from meshwise.train.sequence import SequenceSplit, sequence_shard
 from meshwise.train.observe import RunObserver
+from meshwise.train.run_state import RunState, record
 
 log = logging.getLogger("meshwise")
 
@@ -76,10 +77,13 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None, *,
-                 model: Callable[[], nn.Module] | None = None, plan: ParallelPlan | None = None,
-                 init_of: Callable[[str], Init] | None = None):
+                 run: RunState | None = None, model: Callable[[], nn.Module] | None = None,
+                 plan: ParallelPlan | None = None, init_of: Callable[[str], Init] | None = None):
         if (model is None) != (plan is None):
             raise ValueError("a model of one's own needs both model= (a factory) and plan=")
+        if run is not None and resume is not None:
+            raise ValueError(f"resume={resume!r} with run=: the run state names the checkpoint "
+                             "a launch starts from (run.resume); valid: one of the two")
         if model is not None:
             cfg.validate(own_model=True)
         self.device = rank_device(cfg.runtime.device)
@@ -88,8 +92,9 @@ class Trainer:
                 [torch.cuda.get_device_capability(self.device)], torch.cuda.nccl.version()))
             cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype))
         self.cfg = cfg
-        check_same_job(cfg, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
-                                                       device=self.device))
+        self.run = run or RunState.in_rank(cfg, data_path).starting_from(cfg.optim, resume)
+        check_same_job(cfg, self.run, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
+                                                                 device=self.device))
         self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s,
                                device=self.device)
         ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
@@ -131,7 +136,7 @@ class Trainer:
         self.model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.comm_stats = GradCommStats(self.mesh.world.counters, reducer)
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
-        self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine,
+        self.checkpointer = RunCheckpointer(cfg, self.run, self.mesh, self.engine,
                                             self.pm.pieces(named_params),
                                             writers=self.grad_sync.counted,
                                             model=self.model_shape,
@@ -147,8 +152,8 @@ class Trainer:
         # (every cp rank holds other tokens).
         self.reports_loss = self.pm.holds_last_stage and self.mesh.tp_rank == 0
         self.is_logging_rank = self.mesh.rank == 0
-        self.start_step = self.checkpointer.load(resume) if resume else 0
-        self.lr_schedule = LRSchedule.of(dataclasses.asdict(o))  # its start: the load's
+        self.start_step = self.checkpointer.load(self.run.resume) if self.run.resume else 0
+        self.lr_schedule = LRSchedule.of(o, self.run.schedule_start)
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
                                   o.steps, cfg.runtime.log_every, resume_step=self.start_step,
                                   quiet=cfg.runtime.quiet)
@@ -163,8 +168,8 @@ class Trainer:
             whole = self.family.build(self.model_cfg, None)
         layers = list(getattr(whole, self.pm.plan.layers).values())
         d_model = None if self.model_cfg else hidden_size(layers[0])
-        return RunObserver(self.cfg, self.mesh, self.device, whole, layers,
-                           dataclasses.asdict(self.cfg), d_model)
+        return RunObserver(self.cfg, self.run, self.mesh, self.device, whole, layers,
+                           record(self.cfg, self.run)["config"], d_model)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
