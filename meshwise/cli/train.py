@@ -157,11 +157,15 @@ def train(cfg: TrainConfig, run: RunState, data_path: Path) -> None:
 
 
 def _rank_main(cfg: TrainConfig, run: RunState, data_path: str, device: str) -> None:
-    from meshwise.train.trainer import Trainer  # in the rank: the launcher needs no model
+    # In the rank: the launcher needs no model.
+    from meshwise.train import faults
+    from meshwise.train.trainer import Trainer
 
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device=device))
     rank = int(os.environ.get("RANK", 0))
     # One logger, prefixed with the rank; only rank 0 speaks below warnings.
     level = logging.INFO if rank == 0 and not cfg.runtime.quiet else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank {rank}] %(message)s", force=True)
-    Trainer(cfg, data_path, run=run).train()
+    trainer = Trainer(cfg, data_path, run=run)
+    faults.install(trainer)  # MESHWISE_FAIL_AT, for the tests of how a failing job ends
+    trainer.train()

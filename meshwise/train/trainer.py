@@ -44,7 +44,6 @@ from meshwise.train.batches import StepBatches
 from meshwise.train.build import build_engine, build_model, hidden_size, own_model_shape
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
-from meshwise.train.faults import injected_fault
 from meshwise.train.fingerprint import check_same_job
 from meshwise.train.grad_comm import GradCommStats, grad_compressor, grad_reducer
 from meshwise.train.grad_sync import GradSync3D
@@ -157,7 +156,10 @@ class Trainer:
         self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
                                   o.steps, cfg.runtime.log_every, resume_step=self.start_step,
                                   quiet=cfg.runtime.quiet)
-        self.fault = injected_fault()
+        # Hooks of the step, empty unless installed (``meshwise.train.faults``):
+        # ``hook(step)`` before it, ``loss = hook(step, loss)`` on this rank's loss.
+        self.before_step: list[Callable[[int], None]] = []
+        self.after_loss: list[Callable[[int, torch.Tensor], torch.Tensor]] = []
         self.skipped_in_a_row = 0
         self.observer = self._observer()
         self.memory = PeakMemory(self.device)  # after start-up: it keeps that peak too
@@ -228,17 +230,16 @@ class Trainer:
         counters = self.mesh.world.counters
         grad_bytes_before = counters.bytes_sent["grad"]
         lr = self.lr_schedule.lr(step)
-        fault = self.fault if self.fault and self.fault.at(self.mesh.rank, step) else None
-        if fault:
-            fault.before_step(self.mesh, self.device)
+        for hook in self.before_step:
+            hook(step)
         self.observer.start_step(step)
 
         with self.observer.phase("forward_backward"):
             self.engine.zero_grad()
             micro_batches, labelled = self._micro_batches(step, "train")
             loss_part = self._forward_backward(micro_batches, step, labelled)
-        if fault and fault.kind == "nan":  # this rank's loss of the step is not a number
-            loss_part = loss_part + float("nan")
+        for hook in self.after_loss:
+            loss_part = hook(step, loss_part)
         with self.observer.phase("grad_sync"):
             self.grad_sync.finish()
 
