@@ -16,7 +16,6 @@ One optimizer step, top to bottom (``train_step``):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -28,7 +27,7 @@ from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops, ranges, strict
-from meshwise.comm.devices import rank_device, resolve_dtype, takes_bf16
+from meshwise.comm.devices import rank_device
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
@@ -41,7 +40,8 @@ from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.train.batches import StepBatches
-from meshwise.train.build import build_engine, build_model, hidden_size, own_model_shape
+from meshwise.train.build import (build_engine, build_model, dtype_resolved, hidden_size,
+                                  own_model_shape)
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
@@ -67,6 +67,10 @@ class Trainer:
     """Trains the model of ``cfg`` on this rank's share of the work.
 
     Call inside an initialised process group (``meshwise.launch`` does that).
+    ``run``: the run state the launcher decided (``meshwise.train.run_state``);
+    without one it is computed here, starting from the checkpoint ``resume``
+    (or from scratch). ``before_step`` / ``after_loss``: hooks of the step, empty
+    unless something installs one (``meshwise.train.faults`` for the tests).
     ``model``/``plan``/``init_of``: a model of one's own in place of ``cfg``'s
     family: ``model()`` builds the plain single-device model (called on the meta
     device), ``plan`` lays it out, ``init_of(name) -> Init`` draws its initial
@@ -83,95 +87,139 @@ class Trainer:
         if run is not None and resume is not None:
             raise ValueError(f"resume={resume!r} with run=: the run state names the checkpoint "
                              "a launch starts from (run.resume); valid: one of the two")
-        if model is not None:
+        own = None if model is None else ModelFamily.own(model, plan, init_of)
+        if own is not None:
             cfg.validate(own_model=True)
         self.device = rank_device(cfg.runtime.device)
-        if cfg.runtime.dtype == "auto":  # the Python API's default; the CLI resolves it
-            dtype = resolve_dtype("auto", self.device.type, lambda: takes_bf16(
-                [torch.cuda.get_device_capability(self.device)], torch.cuda.nccl.version()))
-            cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype))
-        self.cfg = cfg
+        self.cfg = cfg = dtype_resolved(cfg, self.device)
         self.run = run or RunState.in_rank(cfg, data_path).starting_from(cfg.optim, resume)
-        check_same_job(cfg, self.run, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
-                                                                 device=self.device))
-        self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s,
-                               device=self.device)
-        ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
-        d, p = cfg.data, cfg.parallel
-        self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size,
-                                 token_dtype=d.token_dtype, data_order=d.data_order)
-        self.dropout = DropoutContext(d.seed)
-        self.dropout.tp_rank = self.mesh.tp_rank
-        self.dropout.sequence = sequence_shard(self.mesh, p.sp)  # masks of the tokens held
-        self.sequence = SequenceSplit(self.mesh, self.dropout.sequence, p.sequence_divisor)
-        self.batches = StepBatches(BatchSource(self.data, d.document_mask, d.loss_on,
-                                               d.long_conversations),
-                                   self.mesh, self.sequence, self.dropout, self.device)
-        if model is None:
-            self.model_shape = cfg.model.sizes(self.data.vocab_size)
-            self.family = family(self.model_shape["family"])
-            self.model_cfg = self.family.make_config({**self.model_shape,
-                                                      "dropout": cfg.model.dropout})
-            self.pm = build_model(self.cfg, self.family, self.model_cfg, self.mesh,
-                                  self.dropout, self.data.vocab_size)
-        else:
-            self.family, self.model_cfg = ModelFamily.own(model, plan, init_of), None
-            self.pm = build_model(self.cfg, self.family, None, self.mesh, self.dropout, None)
-            self.model_shape = own_model_shape(self.pm, self.data.vocab_size)
+        # The build steps read the givens (cfg, run, device) from self and take what
+        # the steps before them built as arguments: their order is their dependencies.
+        self.mesh = self._join_job(data_path)
+        self.data, self.dropout, self.sequence, self.batches = self._build_data(self.mesh,
+                                                                                data_path)
+        self.family, self.model_cfg, self.pm, self.model_shape = self._build_model(
+            self.mesh, self.data.vocab_size, self.dropout, own)
         self.batches.mask_documents_of(self.pm.chunks)  # with --document-mask
-        apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing,
-                                       self.dropout)
-        o = cfg.optim
-        self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         named_params = self.pm.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
-        init = self.family.init and partial(self.family.init, self.model_cfg)
-        values = initial_values(self.pm, cfg, init, d.seed)
-        self.compressor = grad_compressor(self.mesh, cfg)
-        reducer = grad_reducer(self.mesh, cfg, self.compressor)
-        self.engine = build_engine(self.pm, self.mesh, cfg, self.adamw, values, self.device,
-                                   reducer)
-        chunks = self.pm.chunks
-        self.model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-        self.comm_stats = GradCommStats(self.mesh.world.counters, reducer)
-        self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
-        self.checkpointer = RunCheckpointer(cfg, self.run, self.mesh, self.engine,
-                                            self.pm.pieces(named_params),
-                                            writers=self.grad_sync.counted,
-                                            model=self.model_shape,
-                                            compressor=self.compressor,
-                                            device=self.device)
-        self.global_tokens = d.batch_size * d.seq_len
-        self.pipeline = None
-        if p.pp > 1:
-            schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-            self.pipeline = PipelineRuntime(chunks, schedule, self.mesh.pp, self.engine,
-                                            loss_fn=self.pm.loss)
-        # Ranks whose loss counts: the last stage (rank 0 in a V), once per tp group
-        # (every cp rank holds other tokens).
-        self.reports_loss = self.pm.holds_last_stage and self.mesh.tp_rank == 0
-        self.is_logging_rank = self.mesh.rank == 0
-        self.start_step = self.checkpointer.load(self.run.resume) if self.run.resume else 0
-        self.lr_schedule = LRSchedule.of(o, self.run.schedule_start)
-        self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
-                                  o.steps, cfg.runtime.log_every, resume_step=self.start_step,
-                                  quiet=cfg.runtime.quiet)
+        self.compressor, self.engine, self.comm_stats = self._build_engine(
+            self.mesh, self.family, self.model_cfg, self.pm)
+        self.grad_sync, self.checkpointer = self._build_sync_and_saves(
+            self.mesh, self.pm, named_params, self.model_shape, self.engine, self.compressor)
+        self.model, self.pipeline = self._build_schedule(self.mesh, self.pm, self.engine)
+        self.start_step, self.lr_schedule, self.metrics = self._start_run(self.mesh,
+                                                                         self.checkpointer)
+        self.observer = self._observer(self.mesh, self.family, self.model_cfg, self.pm)
         # Hooks of the step, empty unless installed (``meshwise.train.faults``):
         # ``hook(step)`` before it, ``loss = hook(step, loss)`` on this rank's loss.
         self.before_step: list[Callable[[int], None]] = []
         self.after_loss: list[Callable[[int, torch.Tensor], torch.Tensor]] = []
         self.skipped_in_a_row = 0
-        self.observer = self._observer()
         self.memory = PeakMemory(self.device)  # after start-up: it keeps that peak too
 
-    def _observer(self) -> RunObserver:
+    def _join_job(self, data_path) -> Mesh:
+        """Every rank runs the same job; the mesh of its groups; the collective ledger."""
+        cfg = self.cfg
+        check_same_job(cfg, self.run, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
+                                                                 device=self.device))
+        mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s, device=self.device)
+        ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
+        return mesh
+
+    def _build_data(self, mesh: Mesh, data_path):
+        """The token file, the forward's context (dropout masks, this rank's tokens of
+        each sequence) and the step's batches."""
+        d, p = self.cfg.data, self.cfg.parallel
+        data = TokenDataset(data_path, d.seq_len, vocab_size=self.cfg.model.vocab_size,
+                            token_dtype=d.token_dtype, data_order=d.data_order)
+        dropout = DropoutContext(d.seed)
+        dropout.tp_rank = mesh.tp_rank
+        dropout.sequence = sequence_shard(mesh, p.sp)  # masks of the tokens held
+        sequence = SequenceSplit(mesh, dropout.sequence, p.sequence_divisor)
+        batches = StepBatches(BatchSource(data, d.document_mask, d.loss_on, d.long_conversations),
+                              mesh, sequence, dropout, self.device)
+        return data, dropout, sequence, batches
+
+    def _build_model(self, mesh: Mesh, vocab_size: int, dropout, own: ModelFamily | None):
+        """This rank's part of the model, laid out (``own``: a model of one's own, else
+        the configuration's family), with its shape as checkpoints record it."""
+        cfg = self.cfg
+        if own is None:
+            model_shape = cfg.model.sizes(vocab_size)
+            fam = family(model_shape["family"])
+            model_cfg = fam.make_config({**model_shape, "dropout": cfg.model.dropout})
+            pm = build_model(cfg, fam, model_cfg, mesh, dropout, vocab_size)
+        else:
+            fam, model_cfg = own, None
+            pm = build_model(cfg, fam, None, mesh, dropout, None)
+            model_shape = own_model_shape(pm, vocab_size)
+        apply_activation_checkpointing(pm.layers(), cfg.runtime.activation_checkpointing,
+                                       dropout)
+        return fam, model_cfg, pm, model_shape
+
+    def _build_engine(self, mesh: Mesh, fam: ModelFamily, model_cfg, pm):
+        """The gradient compressor (``--compress``), the engine that syncs the gradients
+        and steps AdamW, holding this rank's initial values, and what counts its bytes."""
+        cfg, o = self.cfg, self.cfg.optim
+        adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        values = initial_values(pm, cfg, fam.init and partial(fam.init, model_cfg), cfg.data.seed)
+        compressor = grad_compressor(mesh, cfg)
+        reducer = grad_reducer(mesh, cfg, compressor)
+        engine = build_engine(pm, mesh, cfg, adamw, values, self.device, reducer)
+        return compressor, engine, GradCommStats(mesh.world.counters, reducer)
+
+    def _build_sync_and_saves(self, mesh: Mesh, pm, named_params, model_shape: dict, engine,
+                              compressor):
+        """Grad sync over every axis (ties, the global norm) and the checkpoints, both
+        over the parameters as the model named them before the engine took them."""
+        grad_sync = GradSync3D(named_params, mesh, engine, pm)
+        checkpointer = RunCheckpointer(self.cfg, self.run, mesh, engine, pm.pieces(named_params),
+                                       writers=grad_sync.counted, model=model_shape,
+                                       compressor=compressor, device=self.device)
+        return grad_sync, checkpointer
+
+    def _build_schedule(self, mesh: Mesh, pm, engine):
+        """The module the step runs, and the pipeline runtime when there are stages."""
+        p, chunks = self.cfg.parallel, pm.chunks
+        model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+        if p.pp == 1:
+            return model, None
+        schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
+        return model, PipelineRuntime(chunks, schedule, mesh.pp, engine, loss_fn=pm.loss)
+
+    def _start_run(self, mesh: Mesh, checkpointer: RunCheckpointer):
+        """Where the run starts (the checkpoint resumed, else step 0), its learning-rate
+        schedule (from the run state's start) and its metrics log (the logging rank's)."""
+        cfg, run = self.cfg, self.run
+        start_step = checkpointer.load(run.resume) if run.resume else 0
+        metrics = MetricsLog(cfg.runtime.metrics if mesh.rank == 0 else None, cfg.optim.steps,
+                             cfg.runtime.log_every, resume_step=start_step,
+                             quiet=cfg.runtime.quiet)
+        return start_step, LRSchedule.of(cfg.optim, run.schedule_start), metrics
+
+    def _observer(self, mesh: Mesh, fam: ModelFamily, model_cfg, pm) -> RunObserver:
         """FLOPs come from the whole model's shapes (built on the meta device)."""
         with on_meta():
-            whole = self.family.build(self.model_cfg, None)
-        layers = list(getattr(whole, self.pm.plan.layers).values())
-        d_model = None if self.model_cfg else hidden_size(layers[0])
-        return RunObserver(self.cfg, self.run, self.mesh, self.device, whole, layers,
+            whole = fam.build(model_cfg, None)
+        layers = list(getattr(whole, pm.plan.layers).values())
+        d_model = None if model_cfg else hidden_size(layers[0])
+        return RunObserver(self.cfg, self.run, mesh, self.device, whole, layers,
                            record(self.cfg, self.run)["config"], d_model)
+
+    @property
+    def global_tokens(self) -> int:
+        return self.cfg.data.batch_size * self.cfg.data.seq_len
+
+    @property
+    def reports_loss(self) -> bool:
+        """Whether this rank's loss counts: the last stage (rank 0 in a V), once per tp
+        group (every cp rank holds other tokens)."""
+        return self.pm.holds_last_stage and self.mesh.tp_rank == 0
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.mesh.rank == 0
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
