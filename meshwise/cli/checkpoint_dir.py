@@ -65,8 +65,7 @@ def check_start(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
     c = cfg.checkpoint
     if not c.save:
         return
-    start = Path(run.resume) if run.resume else None
-    start_step = run.resume_step or 0
+    start, start_step = run.start, run.resume_step or 0
     newer = resume.in_the_way(c.save, start_step)
     if newer and not c.branch:
         raise ValueError(resume.branch_problem(c.save, start, start_step, newer))
@@ -80,8 +79,7 @@ def check_start(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
 def check_room(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
                new_checkpoint_bytes: int) -> None:
     """One checkpoint must fit in ``--save``, counting what ``--keep-last`` may prune."""
-    c = cfg.checkpoint
-    start = Path(run.resume) if run.resume else None
+    c, start = cfg.checkpoint, run.start
     needed = with_headroom((checkpoint_bytes(start) if start is not None else 0)
                            or new_checkpoint_bytes)
     free = shutil.disk_usage(c.save).free

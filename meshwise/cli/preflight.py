@@ -101,8 +101,9 @@ def prepare_data(cfg: TrainConfig) -> Path:
 
     Records the tokenizer's path in ``cfg.data`` (its digest goes into the run
     state), so the metrics' config file and every checkpoint's manifest name it,
-    and takes the model's vocabulary from it when ``--vocab-size`` is not given. A ``.bin`` prepared
-    with a tokenizer brings it along when ``--tokenizer`` is not given.
+    and takes the model's vocabulary from it when ``--vocab-size`` is not given.
+    A ``.bin`` prepared with a tokenizer brings it along when ``--tokenizer`` is
+    not given.
     """
     d = cfg.data
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None

@@ -150,7 +150,7 @@ def train(cfg: TrainConfig, run: RunState, data_path: Path) -> None:
                     raise launch.RankFailed(f"{exc}\ngave up: the job failed {attempt + 1} "
                                             f"times (--max-restarts {c.max_restarts})") from None
                 raise
-            start = resume.newest_or(c.save, run.resume and Path(run.resume))
+            start = resume.newest_or(c.save, run.start)
             run = run.starting_from(cfg.optim, start)
             log.warning("%s\nrestart %d of %d from %s", exc, attempt + 1, c.max_restarts,
                         start or "the beginning (no checkpoint yet)")

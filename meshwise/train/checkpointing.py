@@ -5,9 +5,9 @@ A checkpoint holds the engine's parameters and AdamW moments (sharded, see
 fixes the learning rate and the next global batch, both pure functions of the
 step), the optimizer's step count, the model's shape, the layout, the whole
 configuration and the run state (``meshwise.train.run_state.record``), and the
-run's lineage (``meshwise.checkpoint.lineage``): which run
-wrote it and from which checkpoint that run started. ``--keep-last`` prunes
-only that lineage, and never the checkpoint the run resumed from. With
+run's lineage (``meshwise.checkpoint.lineage``): which run wrote it and from
+which checkpoint that run started. ``--keep-last`` prunes only that lineage,
+and never the checkpoint the run resumed from. With
 ``--compress``, each rank also stores what its compressor carries to the next
 step (error feedback, PowerSGD's warm-started ``Q``), so a run resumed on the
 same layout and buckets continues bit-exactly.

@@ -62,6 +62,11 @@ class RunState:
     log_dir: str | None = None  # the loggers' folder
     profile_dir: str | None = None  # the profiler's traces; None: ./profile
 
+    @property
+    def start(self) -> Path | None:
+        """The checkpoint this launch starts from, as a path (None: from scratch)."""
+        return Path(self.resume) if self.resume is not None else None
+
     @classmethod
     def at_launch(cls, cfg: TrainConfig, data_path: str | Path, run_id: str) -> "RunState":
         """What ``meshwise train`` decides before its ranks start, but where they start

@@ -88,7 +88,7 @@ class Trainer:
             raise ValueError(f"resume={resume!r} with run=: the run state names the checkpoint "
                              "a launch starts from (run.resume); valid: one of the two")
         own = None if model is None else ModelFamily.own(model, plan, init_of)
-        cfg.validate(own_model=own is not None)  # the layout's rules among the settings'
+        cfg.validate(own_model=own is not None)  # the layout's rules (check_layout) among them
         self.device = rank_device(cfg.runtime.device)
         self.cfg = cfg = dtype_resolved(cfg, self.device)
         self.run = run or RunState.in_rank(cfg, data_path).starting_from(cfg.optim, resume)
