@@ -69,8 +69,8 @@ class RunState:
 
     @classmethod
     def at_launch(cls, cfg: TrainConfig, data_path: str | Path, run_id: str) -> "RunState":
-        """What ``meshwise train`` decides before its ranks start, but where they start
-        from (``starting_from``): the run is named there, so every rank agrees."""
+        """What ``meshwise train`` decides before its ranks start, all but where they start
+        from (``starting_from``); the launcher names the run, so every rank agrees."""
         return cls(run_id=run_id, **data_digests(cfg, data_path),
                    **run_names(cfg.runtime, cfg.checkpoint.save))
 
