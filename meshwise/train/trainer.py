@@ -19,13 +19,11 @@ import contextlib
 import logging
 import math
 import time
-from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
-from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops, ranges, strict
 from meshwise.comm.devices import rank_device
 from meshwise.data.batches import BatchSource
@@ -33,28 +31,21 @@ from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
 from meshwise.mesh import Mesh
 from meshwise.models.dropout import DropoutContext
-from meshwise.layout.init import Init, on_meta
+from meshwise.layout.init import Init
 from meshwise.layout.plan import ParallelPlan
-from meshwise.models.families import ModelFamily, family
-from meshwise.pipeline.runtime import PipelineRuntime
-from meshwise.pipeline.schedules import build_schedule
-from meshwise.sharding.adamw import AdamWConfig
+from meshwise.models.families import ModelFamily
+from meshwise.train.assembly import (build_observer, build_optimizer, build_runtime, join_job,
+                                     lay_out_model, start_run)
 from meshwise.train.batches import StepBatches
-from meshwise.train.build import (build_engine, build_model, dtype_resolved, hidden_size,
-                                  own_model_shape)
+from meshwise.train.build import dtype_resolved
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
-from meshwise.train.fingerprint import check_same_job
-from meshwise.train.grad_comm import GradCommStats, grad_compressor, grad_reducer
 from meshwise.train.grad_sync import GradSync3D
-from meshwise.train.init_from import initial_values
-from meshwise.train.lr_schedule import LRSchedule
 from meshwise.train.memory import PeakMemory
-from meshwise.train.metrics import MetricsLog, RankValues
+from meshwise.train.metrics import RankValues
+from meshwise.train.run_state import RunState
 from meshwise.train.sampling import end_sample
 from meshwise.train.sequence import SequenceSplit, sequence_shard
-from meshwise.train.observe import RunObserver
-from meshwise.train.run_state import RunState, record
 
 log = logging.getLogger("meshwise")
 
@@ -92,24 +83,30 @@ class Trainer:
         self.device = rank_device(cfg.runtime.device)
         self.cfg = cfg = dtype_resolved(cfg, self.device)
         self.run = run or RunState.in_rank(cfg, data_path).starting_from(cfg.optim, resume)
-        # The build steps read the givens (cfg, run, device) from self and take what
-        # the steps before them built as arguments: their order is their dependencies.
-        self.mesh = self._join_job(data_path)
+        # Each part is built from the givens (cfg, run, device) and the parts before it
+        # (``meshwise.train.assembly``): the order of the calls is their dependencies.
+        self.mesh = join_job(cfg, self.run, data_path, self.device)
         self.data, self.dropout, self.sequence, self.batches = self._build_data(self.mesh,
                                                                                 data_path)
-        self.family, self.model_cfg, self.pm, self.model_shape = self._build_model(
-            self.mesh, self.data.vocab_size, self.dropout, own)
+        self.family, self.model_cfg, self.pm, self.model_shape = lay_out_model(
+            cfg, self.mesh, self.data.vocab_size, self.dropout, own)
         self.batches.mask_documents_of(self.pm.chunks)  # with --document-mask
         named_params = self.pm.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
-        self.compressor, self.engine, self.comm_stats = self._build_engine(
-            self.mesh, self.family, self.model_cfg, self.pm)
-        self.grad_sync, self.checkpointer = self._build_sync_and_saves(
-            self.mesh, self.pm, named_params, self.model_shape, self.engine, self.compressor)
-        self.model, self.pipeline = self._build_schedule(self.mesh, self.pm, self.engine)
-        self.start_step, self.lr_schedule, self.metrics = self._start_run(self.mesh,
-                                                                         self.checkpointer)
-        self.observer = self._observer(self.mesh, self.family, self.model_cfg, self.pm)
+        self.compressor, self.engine, self.comm_stats = build_optimizer(
+            cfg, self.mesh, self.family, self.model_cfg, self.pm, self.device)
+        self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
+        self.checkpointer = RunCheckpointer(cfg, self.run, self.mesh, self.engine,
+                                            self.pm.pieces(named_params),
+                                            writers=self.grad_sync.counted,
+                                            model=self.model_shape,
+                                            compressor=self.compressor,
+                                            device=self.device)
+        self.model, self.pipeline = build_runtime(cfg, self.mesh, self.pm, self.engine)
+        self.start_step, self.lr_schedule, self.metrics = start_run(
+            cfg, self.run, self.checkpointer, self.is_logging_rank)
+        self.observer = build_observer(cfg, self.run, self.mesh, self.device, self.family,
+                                       self.model_cfg, self.pm)
         # Hooks of the step, empty unless installed (``meshwise.train.faults``):
         # ``hook(step)`` before it, ``loss = hook(step, loss)`` on this rank's loss.
         self.before_step: list[Callable[[int], None]] = []
@@ -117,18 +114,10 @@ class Trainer:
         self.skipped_in_a_row = 0
         self.memory = PeakMemory(self.device)  # after start-up: it keeps that peak too
 
-    def _join_job(self, data_path) -> Mesh:
-        """Every rank runs the same job; the mesh of its groups; the collective ledger."""
-        cfg = self.cfg
-        check_same_job(cfg, self.run, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
-                                                                 device=self.device))
-        mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s, device=self.device)
-        ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
-        return mesh
-
     def _build_data(self, mesh: Mesh, data_path):
         """The token file, the forward's context (dropout masks, this rank's tokens of
-        each sequence) and the step's batches."""
+        each sequence) and the step's batches: built here, beside the forward that
+        uses that context."""
         d, p = self.cfg.data, self.cfg.parallel
         data = TokenDataset(data_path, d.seq_len, vocab_size=self.cfg.model.vocab_size,
                             token_dtype=d.token_dtype, data_order=d.data_order)
@@ -139,72 +128,6 @@ class Trainer:
         batches = StepBatches(BatchSource(data, d.document_mask, d.loss_on, d.long_conversations),
                               mesh, sequence, dropout, self.device)
         return data, dropout, sequence, batches
-
-    def _build_model(self, mesh: Mesh, vocab_size: int, dropout, own: ModelFamily | None):
-        """This rank's part of the model, laid out (``own``: a model of one's own, else
-        the configuration's family), with its shape as checkpoints record it."""
-        cfg = self.cfg
-        if own is None:
-            model_shape = cfg.model.sizes(vocab_size)
-            fam = family(model_shape["family"])
-            model_cfg = fam.make_config({**model_shape, "dropout": cfg.model.dropout})
-            pm = build_model(cfg, fam, model_cfg, mesh, dropout, vocab_size)
-        else:
-            fam, model_cfg = own, None
-            pm = build_model(cfg, fam, None, mesh, dropout, None)
-            model_shape = own_model_shape(pm, vocab_size)
-        apply_activation_checkpointing(pm.layers(), cfg.runtime.activation_checkpointing,
-                                       dropout)
-        return fam, model_cfg, pm, model_shape
-
-    def _build_engine(self, mesh: Mesh, fam: ModelFamily, model_cfg, pm):
-        """The gradient compressor (``--compress``), the engine that syncs the gradients
-        and steps AdamW, holding this rank's initial values, and what counts its bytes."""
-        cfg, o = self.cfg, self.cfg.optim
-        adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        values = initial_values(pm, cfg, fam.init and partial(fam.init, model_cfg), cfg.data.seed)
-        compressor = grad_compressor(mesh, cfg)
-        reducer = grad_reducer(mesh, cfg, compressor)
-        engine = build_engine(pm, mesh, cfg, adamw, values, self.device, reducer)
-        return compressor, engine, GradCommStats(mesh.world.counters, reducer)
-
-    def _build_sync_and_saves(self, mesh: Mesh, pm, named_params, model_shape: dict, engine,
-                              compressor):
-        """Grad sync over every axis (ties, the global norm) and the checkpoints, both
-        over the parameters as the model named them before the engine took them."""
-        grad_sync = GradSync3D(named_params, mesh, engine, pm)
-        checkpointer = RunCheckpointer(self.cfg, self.run, mesh, engine, pm.pieces(named_params),
-                                       writers=grad_sync.counted, model=model_shape,
-                                       compressor=compressor, device=self.device)
-        return grad_sync, checkpointer
-
-    def _build_schedule(self, mesh: Mesh, pm, engine):
-        """The module the step runs, and the pipeline runtime when there are stages."""
-        p, chunks = self.cfg.parallel, pm.chunks
-        model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-        if p.pp == 1:
-            return model, None
-        schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-        return model, PipelineRuntime(chunks, schedule, mesh.pp, engine, loss_fn=pm.loss)
-
-    def _start_run(self, mesh: Mesh, checkpointer: RunCheckpointer):
-        """Where the run starts (the checkpoint resumed, else step 0), its learning-rate
-        schedule (from the run state's start) and its metrics log (the logging rank's)."""
-        cfg, run = self.cfg, self.run
-        start_step = checkpointer.load(run.resume) if run.resume else 0
-        metrics = MetricsLog(cfg.runtime.metrics if mesh.rank == 0 else None, cfg.optim.steps,
-                             cfg.runtime.log_every, resume_step=start_step,
-                             quiet=cfg.runtime.quiet)
-        return start_step, LRSchedule.of(cfg.optim, run.schedule_start), metrics
-
-    def _observer(self, mesh: Mesh, fam: ModelFamily, model_cfg, pm) -> RunObserver:
-        """FLOPs come from the whole model's shapes (built on the meta device)."""
-        with on_meta():
-            whole = fam.build(model_cfg, None)
-        layers = list(getattr(whole, pm.plan.layers).values())
-        d_model = None if model_cfg else hidden_size(layers[0])
-        return RunObserver(self.cfg, self.run, mesh, self.device, whole, layers,
-                           record(self.cfg, self.run)["config"], d_model)
 
     @property
     def global_tokens(self) -> int:
