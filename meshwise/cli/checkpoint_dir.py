@@ -12,7 +12,6 @@ collide with newer checkpoints, a disk without room for one checkpoint.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -23,9 +22,10 @@ from meshwise.checkpoint.lineage import Lineage
 from meshwise.checkpoint.lock import SaveDirLock
 from meshwise.checkpoint.save_dir import (checkpoint_bytes, human_bytes,
                                           stale_temporaries, with_headroom, SaveDir)
-from meshwise.checkpoint.store import MANIFEST, Checkpoint
+from meshwise.checkpoint.store import Checkpoint
 from meshwise.cli import launch
 from meshwise.train.config import TrainConfig
+from meshwise.train.run_state import RunState
 
 log = logging.getLogger("meshwise")
 
@@ -36,15 +36,15 @@ def acts_for_the_job() -> bool:
 
 
 @contextlib.contextmanager
-def held_save_dir(cfg: TrainConfig):
-    """Hold ``--save`` for this job: locked, leftovers of dead jobs removed; on the way
-    out, this job's own unfinished saves removed and the lock released."""
+def held_save_dir(cfg: TrainConfig, run_id: str):
+    """Hold ``--save`` for job ``run_id``: locked, leftovers of dead jobs removed; on the
+    way out, this job's own unfinished saves removed and the lock released."""
     c = cfg.checkpoint
     if not c.save or not acts_for_the_job():
         yield
         return
     resume.check_save_dir(c.save)
-    with SaveDirLock(c.save, c.run_id) as lock:
+    with SaveDirLock(c.save, run_id) as lock:
         leftovers = stale_temporaries(c.save)
         for path in leftovers:
             shutil.rmtree(path, ignore_errors=True)
@@ -54,50 +54,39 @@ def held_save_dir(cfg: TrainConfig):
         try:
             yield
         finally:
-            SaveDir(Path(c.save), c.run_id).discard_temporaries()
+            SaveDir(Path(c.save), run_id).discard_temporaries()
 
 
-def check_start(cfg: TrainConfig, start: Path | None, ckpt: Checkpoint | None,
+def check_start(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
                 new_checkpoint_bytes: int) -> None:
-    """What resuming ``start`` into ``--save`` means, before training: refuse a collision
-    (or set the newer entries aside with ``--branch``), and make sure one checkpoint fits.
-    Records the start in ``cfg`` for the ranks to compare."""
+    """What resuming ``run.resume`` into ``--save`` means, before training: refuse a
+    collision (or set the newer entries aside with ``--branch``), and make sure one
+    checkpoint fits."""
     c = cfg.checkpoint
-    record_start(cfg, start)
     if not c.save:
         return
-    start_step = c.resume_step or 0
+    start, start_step = run.start, run.resume_step or 0
     newer = resume.in_the_way(c.save, start_step)
     if newer and not c.branch:
         raise ValueError(resume.branch_problem(c.save, start, start_step, newer))
     if newer and acts_for_the_job():
-        folder = resume.set_aside(c.save, newer, c.run_id)
+        folder = resume.set_aside(c.save, newer, run.run_id)
         log.warning("warning: --branch: moved %s into %s; this run goes on from step %d",
                     ", ".join(p.name for p in newer), folder, start_step)
-    check_room(cfg, start, ckpt, new_checkpoint_bytes)
+    check_room(cfg, run, ckpt, new_checkpoint_bytes)
 
 
-def record_start(cfg: TrainConfig, start: Path | None) -> None:
-    """Note in ``cfg`` which checkpoint a launch starts from (its step, its manifest's
-    digest), for every rank to compare with the others' (``meshwise.train.fingerprint``)."""
-    c = cfg.checkpoint
-    c.resume_step = c.resume_manifest = None
-    if start is not None:
-        c.resume_step = Checkpoint(start).step
-        c.resume_manifest = hashlib.sha256((start / MANIFEST).read_bytes()).hexdigest()
-
-
-def check_room(cfg: TrainConfig, start: Path | None, ckpt: Checkpoint | None,
+def check_room(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
                new_checkpoint_bytes: int) -> None:
     """One checkpoint must fit in ``--save``, counting what ``--keep-last`` may prune."""
-    c = cfg.checkpoint
+    c, start = cfg.checkpoint, run.start
     needed = with_headroom((checkpoint_bytes(start) if start is not None else 0)
                            or new_checkpoint_bytes)
     free = shutil.disk_usage(c.save).free
     reclaimable = 0
     if c.keep_last and ckpt is not None:  # a resumed run may prune its lineage first
-        lineage = Lineage.of(ckpt.meta).resumed_by(c.run_id, ckpt.step)
-        ours = SaveDir(Path(c.save), c.run_id, c.keep_last, lineage, frozenset({start}))
+        lineage = Lineage.of(ckpt.meta).resumed_by(run.run_id, ckpt.step)
+        ours = SaveDir(Path(c.save), run.run_id, c.keep_last, lineage, frozenset({start}))
         reclaimable = sum(checkpoint_bytes(p) for p in ours.ours())
     if free + reclaimable < needed:
         raise ValueError(f"--save {c.save}: {human_bytes(free)} free, but one checkpoint of "

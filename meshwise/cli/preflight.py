@@ -1,14 +1,14 @@
 """Checks made in the launching process before any rank starts.
 
 ``prepare`` runs once, before the ranks: it builds (or finds) the token file,
-so ranks never race to build it, and checks what only the data, the devices,
-the checkpoints or the launch environment can tell. Whatever fails here ends
-the job with one line and exit status 2.
+so ranks never race to build it, checks what only the data, the devices, the
+checkpoints or the launch environment can tell, and computes the run state the
+ranks get (``meshwise.train.run_state``). Whatever fails here ends the job with
+one line and exit status 2.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -26,13 +26,14 @@ from meshwise.data.tokenizer import ByteTokenizer, check_vocab_fits, load_tokeni
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
 from meshwise.train.loggers import missing_extra, parse_log_to
-from meshwise.train.lr_schedule import resumed_start
+from meshwise.train.run_state import RunState
 
 log = logging.getLogger("meshwise")
 
 
-def prepare(cfg: TrainConfig) -> Path:
-    """Validate against the data and the launch environment; return the token file."""
+def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
+    """Validate against the data and the launch environment; return the token file and
+    the run state of job ``run_id``'s first launch."""
     if launch.under_torchrun():
         check_torchrun(cfg)
     device = devices.resolve_device(cfg.runtime.device)
@@ -69,14 +70,14 @@ def prepare(cfg: TrainConfig) -> Path:
         resume.check_save_dir(c.save)
         resume.check_not_overwriting(c.save, c.resume)
     start = resume.find_resume(c.resume, c.save)
+    run = RunState.at_launch(cfg, path, run_id)
     ckpt = None
     if start is not None:
         ckpt = resume.open_verified(start, cfg.model.sizes(dataset.vocab_size))
-        check_same_tokenizer(ckpt.meta.get("config", {}), cfg)
-        cfg.optim.schedule_start = resumed_start(dataclasses.asdict(cfg.optim),
-                                                 ckpt.meta["config"]["optim"], ckpt.step)
-    check_start(cfg, start, ckpt, capacity.checkpoint_bytes(cfg, num_params))
-    return path
+        check_same_tokenizer(ckpt.meta.get("config", {}), cfg, run.tokenizer_digest)
+    run = run.starting_from(cfg.optim, start)
+    check_start(cfg, run, ckpt, capacity.checkpoint_bytes(cfg, num_params))
+    return path, run
 
 
 def check_torchrun(cfg: TrainConfig) -> None:
@@ -98,10 +99,11 @@ def check_torchrun(cfg: TrainConfig) -> None:
 def prepare_data(cfg: TrainConfig) -> Path:
     """The token file for ``--data``, encoded with ``--tokenizer`` when given.
 
-    Records the tokenizer (path and digest) in ``cfg.data``, so the metrics'
-    config file and every checkpoint's manifest name it, and takes the model's
-    vocabulary from it when ``--vocab-size`` is not given. A ``.bin`` prepared
-    with a tokenizer brings it along when ``--tokenizer`` is not given.
+    Records the tokenizer's path in ``cfg.data`` (its digest goes into the run
+    state), so the metrics' config file and every checkpoint's manifest name it,
+    and takes the model's vocabulary from it when ``--vocab-size`` is not given.
+    A ``.bin`` prepared with a tokenizer brings it along when ``--tokenizer`` is
+    not given.
     """
     d = cfg.data
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
@@ -119,7 +121,7 @@ def prepare_data(cfg: TrainConfig) -> Path:
                             token_dtype=d.token_dtype, options=options)
     tokenizer = tokenizer or recorded_tokenizer(path, d.token_dtype)
     if tokenizer is not None and tokenizer.path is not None:
-        d.tokenizer, d.tokenizer_digest = tokenizer.path, tokenizer.digest
+        d.tokenizer = tokenizer.path
         cfg.model.vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
         log.info("tokenizer: %s", tokenizer.describe())
     return path
@@ -127,8 +129,9 @@ def prepare_data(cfg: TrainConfig) -> Path:
 
 def check_batches(cfg: TrainConfig, dataset: TokenDataset) -> None:
     """What the data holds against ``--format``, ``--document-mask``, ``--loss-on`` and
-    ``--long-conversations`` (chat data: its template goes into the configuration, so
-    checkpoints and ``meshwise generate --chat`` know it); says what packing did."""
+    ``--long-conversations`` (chat data: its template goes into the configuration and its
+    digest into the run state, so checkpoints and ``meshwise generate --chat`` know it);
+    says what packing did."""
     d = cfg.data
     source = BatchSource(dataset, d.document_mask, d.loss_on, d.long_conversations)
     if source.chat is None and d.format == "chat":
@@ -137,7 +140,6 @@ def check_batches(cfg: TrainConfig, dataset: TokenDataset) -> None:
     if source.chat is not None:
         chat = read_meta(dataset.path, d.token_dtype)["chat"]
         d.format, d.chat_template = "chat", chat["template"]
-        d.chat_template_digest = chat["template_digest"]
         log.info("chat data (template %s): %s", chat["template"], source.summary())
         if source.rows.truncated:
             log.warning("warning: %s conversations longer than --seq-len %d + 1 tokens are "
@@ -145,14 +147,15 @@ def check_batches(cfg: TrainConfig, dataset: TokenDataset) -> None:
                         f"{source.rows.truncated:,}", d.seq_len)
 
 
-def check_same_tokenizer(saved: dict, cfg: TrainConfig) -> None:
-    """A run resumes only with the tokenizer its checkpoint was trained with."""
+def check_same_tokenizer(saved: dict, cfg: TrainConfig, digest: str | None) -> None:
+    """A run resumes only with the tokenizer its checkpoint was trained with; ``saved``:
+    the configuration the checkpoint records, ``digest``: this run's tokenizer's."""
     theirs = saved.get("data", {}).get("tokenizer_digest")
-    if theirs != cfg.data.tokenizer_digest:
+    if theirs != digest:
         name = saved.get("data", {}).get("tokenizer") or "byte-level"
         raise ValueError(f"--resume: the checkpoint was trained with the tokenizer {name} "
                          f"(digest {theirs}), this run has {cfg.data.tokenizer or 'byte-level'} "
-                         f"(digest {cfg.data.tokenizer_digest}); valid: --tokenizer {name}")
+                         f"(digest {digest}); valid: --tokenizer {name}")
 
 
 def check_gpu_dtypes(cfg: TrainConfig) -> None:

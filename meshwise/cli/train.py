@@ -1,10 +1,12 @@
 """``meshwise train``: the configuration from flags, checks, then the ranks.
 
 ``run_train`` reads the flags (and ``--config``), validates the configuration,
-runs the checks that need the data (``meshwise.cli.preflight``), then starts
-every rank (or joins torchrun's) with ``train``, which restarts a failed job
-from its newest checkpoint when ``--max-restarts`` allows. Configuration
-errors exit with status 2 and one line before any rank starts.
+runs the checks that need the data (``meshwise.cli.preflight``), which also
+compute the run state, then starts every rank (or joins torchrun's) with
+``train``, handing each the configuration and the run state; ``train``
+restarts a failed job from its newest checkpoint when ``--max-restarts``
+allows. Configuration errors exit with status 2 and one line before any rank
+starts.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from meshwise.checkpoint import resume
 from meshwise.checkpoint.lineage import new_run_id
 from meshwise.cli import launch
 from meshwise.cli.auto_layout import choose_layout
-from meshwise.cli.checkpoint_dir import held_save_dir, record_start
+from meshwise.cli.checkpoint_dir import held_save_dir
 from meshwise.cli.preflight import prepare
 from meshwise.cli.train_flags import config_from_args, effective_config
 from meshwise.cli.unused_settings import noop_warnings
 from meshwise.comm import devices
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import apply_init_from
-from meshwise.train.loggers import name_the_run
+from meshwise.train.run_state import RunState, record
 
 log = logging.getLogger("meshwise")
 
@@ -48,13 +50,15 @@ def run_train(args: argparse.Namespace) -> int:
                 cfg, origins = train_config(args)
                 for warning in noop_warnings(cfg, origins):
                     log.warning("warning: %s", warning)
-                held.enter_context(held_save_dir(cfg))  # until the job ends, however it ends
-                data_path = prepare(cfg)
-                record_config(cfg, origins)
+                run_id = new_run_id()
+                # Held until the job ends, however it ends.
+                held.enter_context(held_save_dir(cfg, run_id))
+                data_path, run = prepare(cfg, run_id)
+                record_config(cfg, run, origins)
             except ValueError as exc:
                 print(f"meshwise train: error: {exc}", file=sys.stderr)
                 return 2
-            train(cfg, data_path)
+            train(cfg, run, data_path)
     except launch.RankFailed as exc:
         print(f"meshwise train: {exc}", file=sys.stderr)
         return 1
@@ -71,12 +75,10 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]
     """The validated configuration of ``meshwise train`` and where each value came from."""
     cfg, origins = config_from_args(args)
     cfg.runtime.quiet = args.quiet
-    cfg.checkpoint.run_id = new_run_id()
     apply_init_from(cfg, origins)
     apply_launch_defaults(cfg, origins)
     if getattr(args, "layout", None) == "auto":
         cfg = choose_layout(cfg, origins)  # the planner's best for the launched world
-    name_the_run(cfg.runtime, cfg.checkpoint.save)
     return cfg.validate(), origins
 
 
@@ -116,30 +118,29 @@ def gpus_take_bf16() -> bool:
     return devices.takes_bf16([gpu["capability"] for gpu in facts["gpus"]], facts["nccl"])
 
 
-def record_config(cfg: TrainConfig, origins: dict[str, str]) -> None:
-    """Show the effective configuration once; keep it beside the metrics file."""
+def record_config(cfg: TrainConfig, run: RunState, origins: dict[str, str]) -> None:
+    """Show the effective configuration once; keep it, with the run state, beside the
+    metrics file."""
     log.info("configuration (marked: not a default):\n  %s",
              "\n  ".join(effective_config(cfg, origins)))
     if cfg.runtime.metrics:
         path = Path(cfg.runtime.metrics)
         side = path.with_name(path.name + ".config.json")
-        side.write_text(json.dumps({"config": dataclasses.asdict(cfg), "origins": origins},
-                                   indent=1) + "\n")
+        side.write_text(json.dumps({**record(cfg, run), "origins": origins}, indent=1) + "\n")
 
 
-def train(cfg: TrainConfig, data_path: Path) -> None:
+def train(cfg: TrainConfig, run: RunState, data_path: Path) -> None:
     """Start every rank (or join torchrun's) and train; raises ``launch.RankFailed``.
 
     With ``--max-restarts N``, a failed job is torn down and started again from
-    the newest checkpoint in ``--save``, at most N times.
+    the newest checkpoint in ``--save``, at most N times: each launch's run state
+    starts from the checkpoint that launch resumes.
     """
     device = devices.resolve_device(cfg.runtime.device)
     c = cfg.checkpoint
-    start = resume.find_resume(c.resume, c.save)
     for attempt in range(c.max_restarts + 1):
-        record_start(cfg, start)
         try:
-            launch.launch(_rank_main, (cfg, str(data_path), device, start and str(start)),
+            launch.launch(_rank_main, (cfg, run, str(data_path), device),
                           cfg.parallel.dims.world_size, device, cfg.comm.timeout_s,
                           ledger_out=cfg.ledger_dir())
             return
@@ -149,17 +150,22 @@ def train(cfg: TrainConfig, data_path: Path) -> None:
                     raise launch.RankFailed(f"{exc}\ngave up: the job failed {attempt + 1} "
                                             f"times (--max-restarts {c.max_restarts})") from None
                 raise
-            start = resume.newest_or(c.save, start)
+            start = resume.newest_or(c.save, run.start)
+            run = run.starting_from(cfg.optim, start)
             log.warning("%s\nrestart %d of %d from %s", exc, attempt + 1, c.max_restarts,
                         start or "the beginning (no checkpoint yet)")
 
 
-def _rank_main(cfg: TrainConfig, data_path: str, device: str, start: str | None) -> None:
-    from meshwise.train.trainer import Trainer  # in the rank: the launcher needs no model
+def _rank_main(cfg: TrainConfig, run: RunState, data_path: str, device: str) -> None:
+    # In the rank: the launcher needs no model.
+    from meshwise.train import faults
+    from meshwise.train.trainer import Trainer
 
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device=device))
     rank = int(os.environ.get("RANK", 0))
     # One logger, prefixed with the rank; only rank 0 speaks below warnings.
     level = logging.INFO if rank == 0 and not cfg.runtime.quiet else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank {rank}] %(message)s", force=True)
-    Trainer(cfg, data_path, resume=start).train()
+    trainer = Trainer(cfg, data_path, run=run)
+    faults.install(trainer)  # MESHWISE_FAIL_AT, for the tests of how a failing job ends
+    trainer.train()

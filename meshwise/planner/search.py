@@ -4,10 +4,10 @@ Candidates are every factorisation of the world into dp x cp x tp x pp, with
 sequence parallelism where tp > 1, each schedule and its virtual stages and a
 few micro-batch counts under a pipeline (multiples of pp), a few accumulation
 counts without one, each ZeRO stage and activation checkpointing mode. Whether
-one is valid is decided by ``TrainConfig.validate``, the check ``meshwise
-train`` runs before any rank starts: the rules have one source. A layout that
-recomputes more than it needs to fit is left out: the same layout with less
-recomputation fits too and is faster.
+one is valid is decided by ``meshwise.train.layout_rules.check_layout``, the
+check ``meshwise train`` runs before any rank starts: the rules have one source.
+A layout that recomputes more than it needs to fit is left out: the same layout
+with less recomputation fits too and is faster.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from meshwise.planner.memory import MemoryBreakdown, Settings, peak_memory
 from meshwise.planner.shapes import ModelShape
 from meshwise.planner.step_time import Pipeline, TimeBreakdown, pipeline, step_time
 from meshwise.train.config import ZERO_STAGES, TrainConfig
+from meshwise.train.layout_rules import check_layout
 
 MAX_OPTIONS = 4  # micro-batch or accumulation counts tried per layout
 
@@ -172,7 +173,7 @@ def _replace(layout: Layout, **changes) -> Layout:
 
 def _valid(cfg: TrainConfig, layout: Layout) -> bool:
     try:
-        layout.apply(cfg).validate()
+        check_layout(layout.apply(cfg))
     except ValueError:
         return False
     return True

@@ -1,4 +1,5 @@
-"""What a run trains with: the model laid out on this rank, and its sharding engine.
+"""What a run trains with: the model laid out on this rank, its sharding engine, and
+the dtype ``--dtype auto`` means on this rank's device.
 
 ``build_model`` makes the family's plain model on the meta device and lays it
 out by the family's plan (``meshwise.apply.parallelize``): no rank allocates a
@@ -8,9 +9,12 @@ from the initial values (or a Hugging Face directory's, ``--init-from``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from meshwise.apply.parallelize import ParallelModel, parallelize
+from meshwise.comm.devices import resolve_dtype, takes_bf16
 from meshwise.layout.init import on_meta
 from meshwise.mesh import Mesh
 from meshwise.models.families import FAMILIES, ModelFamily
@@ -36,6 +40,16 @@ def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh,
                        stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop",
                        tie_group=mesh.embed,
                        check_forward=FAMILIES.get(family.name) is not family)
+
+
+def dtype_resolved(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """``cfg`` with ``--dtype auto`` resolved for ``device`` (the Python API's default; the
+    command line resolves it before launch)."""
+    if cfg.runtime.dtype != "auto":
+        return cfg
+    dtype = resolve_dtype("auto", device.type, lambda: takes_bf16(
+        [torch.cuda.get_device_capability(device)], torch.cuda.nccl.version()))
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype))
 
 
 def precision_of(cfg: TrainConfig) -> Precision:

@@ -3,10 +3,11 @@
 A checkpoint holds the engine's parameters and AdamW moments (sharded, see
 ``meshwise.checkpoint.state``) and, in its manifest, the step reached (which
 fixes the learning rate and the next global batch, both pure functions of the
-step), the optimizer's step count, the model's shape, the layout and the whole
-configuration, and the run's lineage (``meshwise.checkpoint.lineage``): which run
-wrote it and from which checkpoint that run started. ``--keep-last`` prunes
-only that lineage, and never the checkpoint the run resumed from. With
+step), the optimizer's step count, the model's shape, the layout, the whole
+configuration and the run state (``meshwise.train.run_state.record``), and the
+run's lineage (``meshwise.checkpoint.lineage``): which run wrote it and from
+which checkpoint that run started. ``--keep-last`` prunes only that lineage,
+and never the checkpoint the run resumed from. With
 ``--compress``, each rank also stores what its compressor carries to the next
 step (error feedback, PowerSGD's warm-started ``Q``), so a run resumed on the
 same layout and buckets continues bit-exactly.
@@ -23,7 +24,7 @@ from meshwise.checkpoint.lineage import Lineage
 from meshwise.checkpoint.save_dir import SaveDir
 from meshwise.checkpoint.store import Checkpoint
 from meshwise.mesh import Mesh
-from meshwise.train.lr_schedule import resumed_start
+from meshwise.train.run_state import RunState, record
 
 log = logging.getLogger("meshwise")
 
@@ -42,9 +43,9 @@ class RunCheckpointer:
     logical tensor once).
     """
 
-    def __init__(self, cfg, mesh: Mesh, engine, pieces: dict, writers: set[str], model: dict,
-                 compressor=None, device=None):
-        self.cfg, self.mesh, self.engine = cfg, mesh, engine
+    def __init__(self, cfg, run: RunState, mesh: Mesh, engine, pieces: dict, writers: set[str],
+                 model: dict, compressor=None, device=None):
+        self.cfg, self.run, self.mesh, self.engine = cfg, run, mesh, engine
         self.compressor, self.device = compressor, device
         self.pieces = pieces
         self.writers = writers
@@ -52,7 +53,7 @@ class RunCheckpointer:
         p = cfg.parallel
         self.layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages,
                        "zero": p.zero, "cp": p.cp, "sp": p.sp}
-        self.lineage = Lineage(cfg.checkpoint.run_id)  # a fresh run, until ``load``
+        self.lineage = Lineage(run.run_id)  # a fresh run, until ``load``
         self.resumed_from: Path | None = None
 
     def due(self, step: int) -> bool:
@@ -64,11 +65,11 @@ class RunCheckpointer:
     def save(self, step: int) -> None:
         c = self.cfg.checkpoint
         meta = {"step": step, "optimizer_step": self.engine.step_count, "model": self.model,
-                "layout": self.layout, "config": dataclasses.asdict(self.cfg),
+                "layout": self.layout, **record(self.cfg, self.run),
                 "lineage": self.lineage.to_meta()}
         own = None if self.compressor is None else {"comm": self.compressor.state_tensors()}
         protect = frozenset({self.resumed_from}) if self.resumed_from else frozenset()
-        save_dir = SaveDir(Path(c.save), c.run_id, c.keep_last, self.lineage, protect)
+        save_dir = SaveDir(Path(c.save), self.run.run_id, c.keep_last, self.lineage, protect)
         path = state.save(save_dir, step, self.engine.checkpoint_runs(), self.pieces,
                           self.writers, self.mesh.world, meta, own)
         if path is not None:
@@ -78,12 +79,7 @@ class RunCheckpointer:
     def load(self, path: str) -> int:
         """Restore from ``path``; return the step it was saved at."""
         ckpt = Checkpoint(path)  # verified before the ranks started (``check_resume``)
-        # The schedule must go on as the checkpoint's did (the CLI checked it before
-        # spawning; a Trainer of one's own learns it here, failing rather than stretching).
-        optim = self.cfg.optim
-        optim.schedule_start = resumed_start(dataclasses.asdict(optim),
-                                             ckpt.meta["config"]["optim"], ckpt.step)
-        self.lineage = Lineage.of(ckpt.meta).resumed_by(self.cfg.checkpoint.run_id, ckpt.step)
+        self.lineage = Lineage.of(ckpt.meta).resumed_by(self.run.run_id, ckpt.step)
         self.resumed_from = Path(path)
         saved = {**LAYOUT_DEFAULTS, **ckpt.meta["layout"]}  # saved before cp and sp existed
         same = saved == self.layout

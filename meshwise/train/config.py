@@ -1,5 +1,10 @@
 """Training configuration: nested typed dataclasses, validated in one place.
 
+These are the settings, what the user asked for (flags, ``--config`` TOML, the
+Python API); what the launcher decides from them (run id, the checkpoint a
+launch starts from, the schedule's start, digests, folders) is run state,
+``meshwise.train.run_state``.
+
 ``TrainConfig.validate()`` checks everything that can be checked before any rank
 starts and raises ``ValueError`` with a one-line message naming the bad value
 and what would be valid; the CLI turns that into exit status 2.
@@ -7,13 +12,13 @@ and what would be valid; the CLI turns that into exit status 2.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshwise.apply.activation_checkpointing import MODES as ACTIVATION_CHECKPOINTING
-from meshwise.comm.algorithms import ALGORITHMS, Topology, hierarchical_problem
+from meshwise.comm.algorithms import ALGORITHMS
 from meshwise.comm.compression import COMPRESS_WARMUP_STEPS, TOPK_RAMP_STEPS, parse_compress
 from meshwise.comm.devices import DEVICES
 from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON
@@ -24,9 +29,10 @@ from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
 from meshwise.pipeline.schedules import SCHEDULE_KINDS
 from meshwise.train.loggers import parse_log_to
-from meshwise.train.layout_rules import ZERO_STAGES, check_layout
+from meshwise.train.layout_rules import ZERO_STAGES, check_layout  # noqa: F401 (ZERO_STAGES)
 from meshwise.train.lr_schedule import check_schedule
 from meshwise.train.profiling import parse_steps
+from meshwise.train.value_checks import choice, flag_name, non_negative, positive
 # The model section and its presets, part of this module's interface.
 from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
 
@@ -93,7 +99,6 @@ class OptimConfig:
     decay_shape: str = "linear"  # wsd: linear, sqrt, cosine
     min_lr_ratio: float = 0.1  # where cosine and wsd decay to, as a share of lr
     lr_restart: bool = False  # resuming under another schedule: start it at the step resumed
-    schedule_start: int = 0  # set before launch: the step the schedule starts at
 
 
 @dataclass
@@ -101,7 +106,6 @@ class DataConfig:
     path: str | None = None
     cache_dir: str | None = None
     tokenizer: str | None = None  # a tokenizer.json; None: byte-level
-    tokenizer_digest: str | None = None  # set by ``prepare``: what a checkpoint records
     token_dtype: str | None = None  # of a .bin without our sidecar; None: the sidecar's
     text_field: str = "text"  # records' text (meshwise.data.readers)
     data_format: str = "auto"
@@ -117,7 +121,6 @@ class DataConfig:
     # supervised fine-tuning on chat records, and packing (meshwise.data.batches)
     format: str = "text"  # text, or chat: records of messages rendered by a chat template
     chat_template: str | None = None  # None: the tokenizer's own; or a built-in or a file
-    chat_template_digest: str | None = None  # set by ``prepare``: what a checkpoint records
     loss_on: str = "assistant"  # chat data: the targets in the loss (assistant or all)
     long_conversations: str = "truncate"  # a conversation longer than a row: truncate/refuse
     document_mask: bool = False  # attention and positions inside each document
@@ -148,11 +151,12 @@ class RuntimeConfig:
     activation_checkpointing: str = "none"  # "full": recompute each block in backward
     # watching a run (meshwise.train.observe): loggers, their folder and run, the profiler
     log_to: str = "none"  # comma-separated: tensorboard, wandb, mlflow
-    log_dir: str | None = None  # set before launch: DIR/logs of --save DIR, else runs/RUN_NAME
-    run_name: str | None = None  # set before launch: --save's folder name, else the time
+    # The three folders and names as given; None: the launcher's choice (``RunState``).
+    log_dir: str | None = None
+    run_name: str | None = None
     project: str = "meshwise"
     profile_steps: str | None = None  # "A-B"
-    profile_dir: str | None = None  # set before launch: LOG_DIR/profile
+    profile_dir: str | None = None
     peak_tflops: float = 0.0  # one device's peak for MFU; 0: data sheet (GPU) or measured
 
 
@@ -164,11 +168,6 @@ class CheckpointConfig:
     resume: str | None = None  # a checkpoint, a --save directory, or "auto"
     max_restarts: int = 0
     branch: bool = False  # resuming an older step: set newer checkpoints aside, not refuse
-    # Set by the launcher, not flags: this job's run id (names its saves and its
-    # lineage), and the checkpoint each launch starts from (every rank must agree).
-    run_id: str = ""
-    resume_step: int | None = None
-    resume_manifest: str | None = None  # the SHA-256 of its manifest
 
 
 @dataclass
@@ -196,18 +195,17 @@ class TrainConfig:
 
         ``own_model``: the model is the caller's (``Trainer(model=...)``), not the
         ``model`` section's: its sizes are checked by ``parallelize`` instead."""
-        p, m, o, d = self.parallel, self.model, self.optim, self.data
-        _positive(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual_stages=p.virtual_stages,
-                  seq_len=d.seq_len, batch_size=d.batch_size, grad_accum=d.grad_accum,
-                  steps=o.steps, bucket_mb=self.comm.bucket_mb, timeout_s=self.comm.timeout_s,
-                  eval_batches=d.eval_batches, log_every=self.runtime.log_every)
-        _non_negative(micro_batches=p.micro_batches, warmup_steps=o.warmup_steps,
-                      eval_every=d.eval_every, sample_tokens=d.sample_tokens, clip=o.clip,
-                      weight_decay=o.weight_decay, n_layer=m.n_layer, n_head=m.n_head,
-                      d_model=m.d_model, block_size=m.block_size)
-        _positive(lr=o.lr)
-        _non_negative(check_replicas_every=self.runtime.check_replicas_every)
-        _non_negative(seed=d.seed, vocab_size=m.vocab_size, max_skipped_steps=o.max_skipped_steps)
+        m, o, d = self.model, self.optim, self.data
+        positive(seq_len=d.seq_len, batch_size=d.batch_size, steps=o.steps,
+                 bucket_mb=self.comm.bucket_mb, timeout_s=self.comm.timeout_s,
+                 eval_batches=d.eval_batches, log_every=self.runtime.log_every)
+        non_negative(warmup_steps=o.warmup_steps, eval_every=d.eval_every,
+                     sample_tokens=d.sample_tokens, clip=o.clip, weight_decay=o.weight_decay,
+                     n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
+                     block_size=m.block_size)
+        positive(lr=o.lr)
+        non_negative(check_replicas_every=self.runtime.check_replicas_every)
+        non_negative(seed=d.seed, vocab_size=m.vocab_size, max_skipped_steps=o.max_skipped_steps)
         low, high = TIMEOUT_RANGE_S
         if not low <= self.comm.timeout_s <= high:
             raise ValueError(f"--timeout-s {self.comm.timeout_s:g} is out of range; valid: "
@@ -216,69 +214,54 @@ class TrainConfig:
             raise ValueError(f"--vocab-size {m.vocab_size} is more ids than token files hold; "
                              f"valid: up to {MAX_VOCAB_SIZE} (uint32)")
         if d.token_dtype is not None:
-            _choice("--token-dtype", d.token_dtype, TOKEN_DTYPES)
-        _choice("--format", d.format, DATA_KINDS)
-        _choice("--loss-on", d.loss_on, LOSS_ON)
-        _choice("--long-conversations", d.long_conversations, LONG_CONVERSATIONS)
+            choice("--token-dtype", d.token_dtype, TOKEN_DTYPES)
+        choice("--format", d.format, DATA_KINDS)
+        choice("--loss-on", d.loss_on, LOSS_ON)
+        choice("--long-conversations", d.long_conversations, LONG_CONVERSATIONS)
         for flag, beta in (("--beta1", o.beta1), ("--beta2", o.beta2), ("--dropout", m.dropout)):
             if not 0 <= beta < 1:
                 raise ValueError(f"{flag} must be in [0, 1), got {beta}")
-        _choice("--model", m.preset, MODEL_PRESETS)
-        _choice("--schedule", p.schedule, SCHEDULES)
-        _choice("--zero", p.zero, ZERO_STAGES)
-        _choice("--device", self.runtime.device, DEVICES)
-        _choice("--dtype", self.runtime.dtype, DTYPES)
-        _choice("--grad-reduce-dtype", self.runtime.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
-        _choice("--on-nan", o.on_nan, ON_NAN)
-        _choice("--data-format", d.data_format, DATA_FORMATS)
-        _choice("--data-order", d.data_order, DATA_ORDERS)
+        choice("--model", m.preset, MODEL_PRESETS)
+        choice("--device", self.runtime.device, DEVICES)
+        choice("--dtype", self.runtime.dtype, DTYPES)
+        choice("--grad-reduce-dtype", self.runtime.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+        choice("--on-nan", o.on_nan, ON_NAN)
+        choice("--data-format", d.data_format, DATA_FORMATS)
+        choice("--data-order", d.data_order, DATA_ORDERS)
         check_schedule(o)
-        _choice("--activation-checkpointing", self.runtime.activation_checkpointing,
-                ACTIVATION_CHECKPOINTING)
+        choice("--activation-checkpointing", self.runtime.activation_checkpointing,
+               ACTIVATION_CHECKPOINTING)
         parse_log_to(self.runtime.log_to)
         parse_steps(self.runtime.profile_steps)
-        _non_negative(peak_tflops=self.runtime.peak_tflops)
+        non_negative(peak_tflops=self.runtime.peak_tflops)
         if not own_model:
             self._validate_model()
-        check_layout(self, own_model)
+        check_layout(self, own_model)  # the axes, schedule, sequence, batch, gradients' group
         self._validate_checkpoint()
         self._validate_comm()
         return self
 
     def _validate_comm(self) -> None:
-        """--compress, --allreduce, --ranks-per-node (meshwise.comm)."""
-        c, p, world = self.comm, self.parallel, self.parallel.dims.world_size
+        """--compress, --allreduce, --ranks-per-node (meshwise.comm); what they need of the
+        layout is ``check_layout``'s."""
+        c = self.comm
         parse_compress(c.compress)
-        _choice("--allreduce", c.allreduce, ALGORITHMS)
-        _choice("--error-feedback", c.error_feedback, ("on", "off"))
-        _non_negative(ranks_per_node=c.ranks_per_node,
-                      compress_warmup_steps=c.compress_warmup_steps,
-                      topk_ramp_steps=c.topk_ramp_steps)
-        if c.ranks_per_node and world % c.ranks_per_node:
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
-            raise ValueError(f"--ranks-per-node {c.ranks_per_node} does not divide the world of "
-                             f"{p.axes_text} = {world} ranks; valid: "
-                             f"{', '.join(map(str, divisors))}")
+        choice("--allreduce", c.allreduce, ALGORITHMS)
+        choice("--error-feedback", c.error_feedback, ("on", "off"))
+        non_negative(ranks_per_node=c.ranks_per_node,
+                     compress_warmup_steps=c.compress_warmup_steps,
+                     topk_ramp_steps=c.topk_ramp_steps)
         if self.runtime.grad_reduce_dtype == "bf16" and c.compress != "none":
             raise ValueError(f"--grad-reduce-dtype bf16 with --compress {c.compress}: the "
                              "compressor decides what crosses the wire; valid: "
                              "--grad-reduce-dtype fp32 with --compress, or --compress none")
-        if c.allreduce == "hierarchical":
-            per_node = c.ranks_per_node or world
-            for ranks in p.dims.axes_groups(("dp", "cp")):  # the gradients' group
-                problem = hierarchical_problem(Topology.of(ranks, per_node), ranks)
-                if problem:
-                    raise ValueError(
-                        f"--allreduce hierarchical cannot serve the dp group: {problem} "
-                        f"(--ranks-per-node {per_node}); valid here: native, ring, tree, "
-                        "adaptive, or a --ranks-per-node that puts 2+ nodes in each dp group")
 
     def _validate_checkpoint(self) -> None:
         c = self.checkpoint
         for flag, value in (("--save-every", c.save_every), ("--keep-last", c.keep_last)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        _non_negative(max_restarts=c.max_restarts)
+        non_negative(max_restarts=c.max_restarts)
         if not c.save:
             needs = [flag for flag, value in (("--save-every", c.save_every),
                                               ("--keep-last", c.keep_last),
@@ -295,8 +278,8 @@ class TrainConfig:
                     raise ValueError(f"{flag_name(name)} applies to the llama models, "
                                      f"not --model {m.preset}; valid: --model "
                                      f"{' or '.join(p for p in MODEL_PRESETS if 'llama' in p)}")
-        _positive(**{name: getattr(m, name) for name in LLAMA_ONLY
-                     if getattr(m, name) is not None})
+        positive(**{name: getattr(m, name) for name in LLAMA_ONLY
+                    if getattr(m, name) is not None})
         if m.d_model % m.n_head:
             raise ValueError(f"--d-model {m.d_model} is not divisible by --n-head {m.n_head}")
         # The family's own checks (grouped-query heads, rope scaling, dropout).
@@ -308,26 +291,9 @@ class TrainConfig:
                              f"{m.block_size}")
 
 
-def flag_name(field: str) -> str:
-    """The ``meshwise train`` flag of a settings field (``n_kv_head`` -> ``--n-kv-head``)."""
-    return "--" + field.replace("_", "-")
-
-
-def _positive(**values) -> None:
-    for name, value in values.items():
-        if not (math.isfinite(value) and value > 0):  # NaN compares False: caught here
-            raise ValueError(f"{flag_name(name)} must be a finite number > 0, "
-                             f"got {value}")
-
-
-def _non_negative(**values) -> None:
-    for name, value in values.items():
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{flag_name(name)} must be a finite number >= 0, "
-                             f"got {value}")
-
-
-def _choice(flag: str, value, valid) -> None:
-    if value not in valid:
-        raise ValueError(f"{flag} {value!r} is not valid; valid: "
-                         f"{', '.join(str(v) for v in valid)}")
+def recorded_section(section: type, recorded: dict):
+    """A settings section (``OptimConfig``, ...) as a recorded configuration holds it (a
+    checkpoint's): keys it lacks, written before they existed, take the dataclass's
+    defaults; keys no longer known are left out."""
+    known = {f.name for f in dataclasses.fields(section)}
+    return section(**{k: v for k, v in recorded.items() if k in known})

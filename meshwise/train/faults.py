@@ -6,12 +6,17 @@
 - ``nan``: report a non-finite loss for the step;
 - ``desync``: issue one extra dp all-reduce at the start of the step, one that no
   other rank issues (the collective ledger must name it).
+
+``meshwise train``'s ranks call ``install`` once their trainer is built: the fault
+goes into the trainer's step hooks (``before_step``, ``after_loss``) on its rank
+only, so the step itself knows nothing of faults.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -27,14 +32,25 @@ class Fault:
     step: int
     kind: str
 
-    def at(self, rank: int, step: int) -> bool:
-        return (self.rank, self.step) == (rank, step)
+    def install(self, trainer) -> None:
+        """Hook this fault into ``trainer``'s step where it runs on the fault's rank."""
+        if trainer.mesh.rank != self.rank:
+            return
+        if self.kind == "nan":
+            trainer.after_loss.append(self.spoil_loss)
+        else:
+            trainer.before_step.append(partial(self.before_step, trainer.mesh, trainer.device))
 
-    def before_step(self, mesh, device) -> None:
+    def before_step(self, mesh, device, step: int) -> None:
+        if step != self.step:
+            return
         if self.kind == "raise":
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
-        if self.kind == "desync":
-            ops.all_reduce(torch.zeros(1, device=device), mesh.dp, category="fault")
+        ops.all_reduce(torch.zeros(1, device=device), mesh.dp, category="fault")  # desync
+
+    def spoil_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """This rank's loss of the step, not a number at the fault's step."""
+        return loss + float("nan") if step == self.step else loss
 
 
 def injected_fault() -> Fault | None:
@@ -47,3 +63,10 @@ def injected_fault() -> Fault | None:
     if kind not in KINDS:
         raise ValueError(f"{ENV}={spec!r}: kind {kind!r}; valid: {', '.join(KINDS)}")
     return Fault(int(rank), int(step), kind)
+
+
+def install(trainer) -> None:
+    """Put the fault ``MESHWISE_FAIL_AT`` asks for, if any, into ``trainer``'s step hooks."""
+    fault = injected_fault()
+    if fault is not None:
+        fault.install(trainer)

@@ -2,7 +2,8 @@
 
 Under ``torchrun`` each node parses its own command line, so two nodes can be
 given different flags (or data, or code). Before anything else, every rank
-sends a fingerprint of its configuration, its token file and meshwise's source
+sends a fingerprint of its configuration and run state (as checkpoints record
+them, ``meshwise.train.run_state.record``), its token file and meshwise's source
 to the others; a difference stops the job at once, naming the first key that
 differs. Paths are left out (nodes may mount the same files elsewhere); the
 files' contents stand for them (the tokenizer's by its digest, the checkpoint a
@@ -12,13 +13,13 @@ the checkpoints it holds).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from functools import lru_cache
 from pathlib import Path
 
 from meshwise.checkpoint.store import complete_checkpoints
 from meshwise.comm import ops
+from meshwise.train.run_state import record
 
 # Fields that may differ between nodes: where things are, how much is printed.
 PER_NODE = {"data.path", "data.cache_dir", "data.tokenizer", "runtime.metrics", "runtime.quiet",
@@ -34,12 +35,13 @@ class ConfigMismatch(RuntimeError):
     """Ranks were started with different configurations, data or code."""
 
 
-def fingerprint(cfg, data_path: str | Path) -> dict:
-    """Flat ``section.field -> value`` of ``cfg`` plus digests of the data and the code."""
+def fingerprint(cfg, run, data_path: str | Path) -> dict:
+    """Flat ``section.field -> value`` of ``cfg`` with ``run``'s facts (a ``RunState``),
+    plus digests of the data and the code."""
     flat = {}
-    for section in dataclasses.fields(cfg):
-        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
-            name = f"{section.name}.{key}"
+    for section, values in record(cfg, run)["config"].items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
             if name not in PER_NODE:
                 flat[name] = value
     flat["data file"] = _file_digest(str(data_path))
@@ -49,9 +51,9 @@ def fingerprint(cfg, data_path: str | Path) -> dict:
     return flat
 
 
-def check_same_job(cfg, data_path, world: ops.Group) -> None:
+def check_same_job(cfg, run, data_path, world: ops.Group) -> None:
     """Raise ``ConfigMismatch`` on every rank if any rank's fingerprint differs from rank 0's."""
-    everyone = ops.all_gather_object(fingerprint(cfg, data_path), world, category="check")
+    everyone = ops.all_gather_object(fingerprint(cfg, run, data_path), world, category="check")
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         for key, value in reference.items():

@@ -1,25 +1,40 @@
 """Which layouts train: the rules that tie the parallel axes, the pipeline schedule,
-the sequence and the batch together, and the table of supported compositions.
+the sequence, the batch and the gradients' group together, and the table of
+supported compositions.
 
-``TrainConfig.validate`` runs them before any rank starts, and the layout planner
-(``meshwise.planner``) keeps only the layouts they accept, so both share one
-source of truth. Each rule raises ``ValueError`` with a one-line message naming
-the bad value and what would be valid.
+``check_layout`` is the one place that decides whether a layout is valid:
+``TrainConfig.validate`` runs it before any rank starts (``meshwise train``,
+``meshwise plan``) and in every rank (the ``Trainer``), and the layout planner
+(``meshwise.planner``) keeps only the candidates it accepts. The schedule's own
+rules are ``meshwise.pipeline.schedules.validate_schedule_config``, which the
+pipeline runtime applies too. What only a rank or the launcher knows is checked
+where it is known: a model of one's own's layers, plan and sizes
+(``meshwise.apply.parallelize``), the processes actually launched
+(``meshwise.cli.preflight``, ``Mesh.build``). Each rule raises ``ValueError``
+with a one-line message naming the bad value and what would be valid.
 """
 
 from __future__ import annotations
 
+from meshwise.comm.algorithms import Topology, hierarchical_problem
 from meshwise.models.families import family
-from meshwise.pipeline.schedules import validate_schedule_config
+from meshwise.pipeline.schedules import SCHEDULE_KINDS, validate_schedule_config
+from meshwise.train.value_checks import choice, non_negative, positive
 
 ZERO_STAGES = (0, 1, 2, 3)
 
 
 def check_layout(cfg, own_model: bool = False) -> None:
-    """The axes, the schedule and the batch of ``cfg`` (a ``TrainConfig``) fit together,
-    or ``ValueError`` names the first that does not; ``own_model``: the model's sizes
-    are checked by ``parallelize`` instead."""
+    """The axes, the schedule, the sequence, the batch and the gradients' group of ``cfg``
+    (a ``TrainConfig``) fit together, or ``ValueError`` names the first that does not;
+    ``own_model``: the model is the caller's, its sizes and plan checked by
+    ``parallelize`` instead."""
     p, m, d = cfg.parallel, cfg.model.resolved(), cfg.data
+    positive(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual_stages=p.virtual_stages,
+             grad_accum=d.grad_accum)
+    non_negative(micro_batches=p.micro_batches)
+    choice("--schedule", p.schedule, SCHEDULE_KINDS)
+    choice("--zero", p.zero, ZERO_STAGES)
     if p.tp > 1 and not own_model:
         fam = family(cfg.model.family)
         fam.check_tp(fam.make_config(cfg.model.sizes(max(m.vocab_size, 1))), p.tp)
@@ -35,7 +50,7 @@ def check_layout(cfg, own_model: bool = False) -> None:
         if m.n_layer % chunks and not own_model:
             raise ValueError(f"--n-layer {m.n_layer} does not split into pp x virtual-stages "
                              f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks")
-    _check_sequence(cfg)
+    _check_sequence(cfg, own_model)
     if p.reshard_after_forward and p.zero != 3:
         raise ValueError(f"--reshard-after-forward needs --zero 3 (got --zero {p.zero}): it "
                          "picks when ZeRO-3 units are gathered; valid: --zero 3")
@@ -44,18 +59,19 @@ def check_layout(cfg, own_model: bool = False) -> None:
         raise ValueError(
             f"--batch-size {d.batch_size} is not divisible by dp x grad-accum x "
             f"micro-batches = {p.dp} x {d.grad_accum} x {p.num_micro_batches} = {per_step}")
+    _check_gradient_group(cfg)
 
 
-def _check_sequence(cfg) -> None:
-    """--cp and --sp: what splits the sequence, and what it must be a multiple of."""
+def _check_sequence(cfg, own_model: bool) -> None:
+    """--cp and --sp: what splits the sequence, and what it must be a multiple of; the
+    family's attention must run as a ring (a model of one's own: its plan, in
+    ``parallelize``)."""
     p, d = cfg.parallel, cfg.data
     if p.sp and p.tp == 1:
         raise ValueError("--sp splits the sequence across the tp ranks between their layers "
                          "and needs --tp > 1; valid: --sp with --tp 2 or more, or no --sp")
-    if p.cp > 1 and not family(cfg.model.family).plan(
-            family(cfg.model.family).make_config(cfg.model.sizes(256))).ring_capable:
-        raise ValueError(f"--cp {p.cp}: the attention of --model {cfg.model.preset} cannot "
-                         "run as a ring; valid: --cp 1")
+    if p.cp > 1 and not own_model:
+        _check_ring(cfg)
     divisor = p.sequence_divisor
     if d.seq_len % divisor:
         what = (f"2 x cp = {2 * p.cp} load-balanced chunks" if p.cp > 1 else "")
@@ -65,6 +81,37 @@ def _check_sequence(cfg) -> None:
         near = " or ".join(str(n) for n in (lower, lower + divisor) if n > 0)
         raise ValueError(f"--seq-len {d.seq_len} does not split into {what}; valid: a "
                          f"multiple of {divisor}, e.g. --seq-len {near}")
+
+
+def _check_ring(cfg) -> None:
+    """Context parallelism runs the family's attention as a ring of key/value blocks."""
+    fam = family(cfg.model.family)
+    if not fam.plan(fam.make_config(cfg.model.sizes(256))).ring_capable:
+        raise ValueError(f"--cp {cfg.parallel.cp}: the attention of --model "
+                         f"{cfg.model.preset} cannot run as a ring; valid: --cp 1")
+
+
+def _check_gradient_group(cfg) -> None:
+    """--ranks-per-node against the world, and --allreduce hierarchical against the dp
+    group the gradients are summed over (``meshwise.comm.algorithms``)."""
+    c, p = cfg.comm, cfg.parallel
+    if c.ranks_per_node < 0:
+        return  # not a count: the configuration's own check names it
+    world = p.dims.world_size
+    if c.ranks_per_node and world % c.ranks_per_node:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"--ranks-per-node {c.ranks_per_node} does not divide the world of "
+                         f"{p.axes_text} = {world} ranks; valid: "
+                         f"{', '.join(map(str, divisors))}")
+    if c.allreduce == "hierarchical":
+        per_node = c.ranks_per_node or world
+        for ranks in p.dims.axes_groups(("dp", "cp")):  # the gradients' group
+            problem = hierarchical_problem(Topology.of(ranks, per_node), ranks)
+            if problem:
+                raise ValueError(
+                    f"--allreduce hierarchical cannot serve the dp group: {problem} "
+                    f"(--ranks-per-node {per_node}); valid here: native, ring, tree, "
+                    "adaptive, or a --ranks-per-node that puts 2+ nodes in each dp group")
 
 
 # Which ZeRO stages combine with which axes. The README's table is generated from

@@ -41,16 +41,16 @@ LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  
 RUN_FILE = "meshwise-run.json"
 
 
-def name_the_run(runtime, save_dir: str | None) -> None:
-    """Fill in the run's name, its loggers' folder and the profile folder where not
-    given, before any rank starts (every rank must agree)."""
-    if not runtime.run_name:
-        runtime.run_name = Path(save_dir).name if save_dir else time.strftime("run-%Y%m%d-%H%M%S")
-    if not runtime.log_dir:
-        folder = Path(save_dir) / "logs" if save_dir else Path("runs") / runtime.run_name
-        runtime.log_dir = str(folder)
-    if not runtime.profile_dir:
-        runtime.profile_dir = str(Path(runtime.log_dir) / "profile")
+def run_names(runtime, save_dir: str | None) -> dict[str, str]:
+    """The run's name, its loggers' folder and the profile folder: ``runtime``'s (the
+    settings, or a run state) where given, else from ``--save`` (or the time). Named
+    once, before any rank starts (every rank must agree)."""
+    run_name = runtime.run_name or (Path(save_dir).name if save_dir
+                                    else time.strftime("run-%Y%m%d-%H%M%S"))
+    log_dir = runtime.log_dir or str(Path(save_dir) / "logs" if save_dir
+                                     else Path("runs") / run_name)
+    return {"run_name": run_name, "log_dir": log_dir,
+            "profile_dir": runtime.profile_dir or str(Path(log_dir) / "profile")}
 
 
 def parse_log_to(text: str | None) -> list[str]:

@@ -54,13 +54,11 @@ class LRSchedule:
     start: int = 0
 
     @classmethod
-    def of(cls, optim: dict, start: int | None = None) -> "LRSchedule":
-        """The schedule of an ``optim`` config section (a checkpoint's, or this run's);
-        keys a checkpoint written before schedules existed lacks take their defaults."""
-        return cls(optim.get("lr_schedule", "cosine"), optim["lr"], optim["warmup_steps"],
-                   optim["steps"], optim.get("decay_steps"),
-                   optim.get("decay_shape", "linear"), optim.get("min_lr_ratio", 0.1),
-                   optim.get("schedule_start", 0) if start is None else start)
+    def of(cls, optim, start: int = 0) -> "LRSchedule":
+        """The schedule of an ``OptimConfig`` (this run's, or the one a checkpoint
+        recorded), starting at step ``start``."""
+        return cls(optim.lr_schedule, optim.lr, optim.warmup_steps, optim.steps,
+                   optim.decay_steps, optim.decay_shape, optim.min_lr_ratio, start)
 
     @property
     def wsd_decay_steps(self) -> int:
@@ -124,15 +122,16 @@ def check_schedule(optim) -> None:
                          f"{max(room, 1)}")
 
 
-def resumed_start(optim: dict, saved: dict, step: int) -> int:
+def resumed_start(optim, saved, step: int, saved_start: int = 0) -> int:
     """The step this run's schedule starts at when it resumes a checkpoint of ``step``
-    whose ``optim`` settings were ``saved``: the checkpoint's start when the schedule
-    continues it, ``step`` with ``lr_restart``; else ``ValueError`` saying how to go on."""
-    before = LRSchedule.of(saved)
-    now = LRSchedule.of(optim, start=before.start)
+    whose ``OptimConfig`` was ``saved`` and whose schedule started at ``saved_start``:
+    that start when this run's schedule continues it, ``step`` with ``lr_restart``;
+    else ``ValueError`` saying how to go on."""
+    before = LRSchedule.of(saved, saved_start)
+    now = LRSchedule.of(optim, saved_start)
     if now.continues(before, step):
         return before.start
-    if optim.get("lr_restart"):
+    if optim.lr_restart:
         return step
     return_to = before.describe().replace(f" (started at step {before.start})", "")
     raise ValueError(f"--resume: this run's {now.describe()} gives other learning rates "

@@ -24,7 +24,7 @@ import torch
 from meshwise.comm import ops, ranges
 from meshwise.comm.devices import Stopwatch
 from meshwise.train import flops
-from meshwise.train.loggers import ExperimentLog, name_the_run, parse_log_to
+from meshwise.train.loggers import ExperimentLog, parse_log_to, run_names
 from meshwise.train.profiling import StepProfiler, parse_steps
 
 AXIS_CATEGORIES = {"dp": ("grad", "param"), "tp": ("tp",), "pp": ("p2p",)}
@@ -35,7 +35,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class RunObserver:
     """FLOPs, time breakdown, loggers and profiler of one rank's run."""
 
-    def __init__(self, cfg, mesh, device, whole_model, layers, config_dict: dict,
+    def __init__(self, cfg, run, mesh, device, whole_model, layers, config_dict: dict,
                  d_model: int | None = None):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         d_model = d_model or cfg.model.resolved().d_model
@@ -50,14 +50,16 @@ class RunObserver:
         self.mfus: list[float] = []
         self.breakdowns: list[dict] = []
         r = cfg.runtime
-        self.profiler = StepProfiler(parse_steps(r.profile_steps), r.profile_dir or "profile",
+        self.profiler = StepProfiler(parse_steps(r.profile_steps), run.profile_dir or "profile",
                                      mesh.rank, device)
         self.loggers = None
         names = parse_log_to(r.log_to)
         if names and mesh.rank == 0:
-            if not r.log_dir:  # a TrainConfig made in Python, not through meshwise train
-                name_the_run(r, cfg.checkpoint.save)
-            self.loggers = ExperimentLog(names, r.log_dir, r.run_name, r.project, config_dict)
+            # The launcher named the run; a run made in Python is named here, by the one
+            # rank that logs.
+            where = run_names(run, cfg.checkpoint.save)
+            self.loggers = ExperimentLog(names, where["log_dir"], where["run_name"], r.project,
+                                         config_dict)
 
     def _peak(self, runtime) -> tuple[float, str]:
         """The world's peak FLOP/s and where it comes from."""

@@ -16,43 +16,34 @@ One optimizer step, top to bottom (``train_step``):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
-from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
-from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm import ops, ranges, strict
-from meshwise.comm.devices import rank_device, resolve_dtype, takes_bf16
+from meshwise.comm.devices import rank_device
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
 from meshwise.mesh import Mesh
-from meshwise.layout.init import Init, on_meta
+from meshwise.layout.init import Init
 from meshwise.layout.plan import ParallelPlan
-from meshwise.models.families import ModelFamily, family
-from meshwise.pipeline.runtime import PipelineRuntime
-from meshwise.pipeline.schedules import build_schedule
-from meshwise.sharding.adamw import AdamWConfig
+from meshwise.models.families import ModelFamily
+from meshwise.train.assembly import (build_observer, build_optimizer, build_runtime, join_job,
+                                     lay_out_model, start_run)
 from meshwise.train.batches import StepBatches
-from meshwise.train.build import build_engine, build_model, hidden_size, own_model_shape
+from meshwise.train.build import dtype_resolved
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
-from meshwise.train.faults import injected_fault
-from meshwise.train.fingerprint import check_same_job
-from meshwise.train.grad_comm import GradCommStats, grad_compressor, grad_reducer
 from meshwise.train.grad_sync import GradSync3D
-from meshwise.train.init_from import initial_values
-from meshwise.train.lr_schedule import LRSchedule
 from meshwise.train.memory import PeakMemory
-from meshwise.train.metrics import MetricsLog, RankValues
+from meshwise.train.metrics import RankValues
+from meshwise.train.run_state import RunState
 from meshwise.train.sampling import end_sample
-from meshwise.train.observe import RunObserver
 
 log = logging.getLogger("meshwise")
 
@@ -65,6 +56,10 @@ class Trainer:
     """Trains the model of ``cfg`` on this rank's share of the work.
 
     Call inside an initialised process group (``meshwise.launch`` does that).
+    ``run``: the run state the launcher decided (``meshwise.train.run_state``);
+    without one it is computed here, starting from the checkpoint ``resume``
+    (or from scratch). ``before_step`` / ``after_loss``: hooks of the step, empty
+    unless something installs one (``meshwise.train.faults`` for the tests).
     ``model``/``plan``/``init_of``: a model of one's own in place of ``cfg``'s
     family: ``model()`` builds the plain single-device model (called on the meta
     device), ``plan`` lays it out, ``init_of(name) -> Init`` draws its initial
@@ -74,90 +69,71 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None, *,
-                 model: Callable[[], nn.Module] | None = None, plan: ParallelPlan | None = None,
-                 init_of: Callable[[str], Init] | None = None):
+                 run: RunState | None = None, model: Callable[[], nn.Module] | None = None,
+                 plan: ParallelPlan | None = None, init_of: Callable[[str], Init] | None = None):
         if (model is None) != (plan is None):
             raise ValueError("a model of one's own needs both model= (a factory) and plan=")
-        if model is not None:
-            cfg.validate(own_model=True)
+        if run is not None and resume is not None:
+            raise ValueError(f"resume={resume!r} with run=: the run state names the checkpoint "
+                             "a launch starts from (run.resume); valid: one of the two")
+        own = None if model is None else ModelFamily.own(model, plan, init_of)
+        cfg.validate(own_model=own is not None)  # the layout's rules (check_layout) among them
         self.device = rank_device(cfg.runtime.device)
-        if cfg.runtime.dtype == "auto":  # the Python API's default; the CLI resolves it
-            dtype = resolve_dtype("auto", self.device.type, lambda: takes_bf16(
-                [torch.cuda.get_device_capability(self.device)], torch.cuda.nccl.version()))
-            cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype))
-        self.cfg = cfg
-        check_same_job(cfg, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
-                                                       device=self.device))
-        self.mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s,
-                               device=self.device)
-        ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
-        d, p = cfg.data, cfg.parallel
-        self.data = TokenDataset(data_path, d.seq_len, vocab_size=cfg.model.vocab_size,
-                                 token_dtype=d.token_dtype, data_order=d.data_order)
-        self.batches = StepBatches(BatchSource(self.data, d.document_mask, d.loss_on,
-                                               d.long_conversations),
-                                   self.mesh, p.sp, self.device)
-        if model is None:
-            self.model_shape = cfg.model.sizes(self.data.vocab_size)
-            self.family = family(self.model_shape["family"])
-            self.model_cfg = self.family.make_config({**self.model_shape,
-                                                      "dropout": cfg.model.dropout})
-            self.pm = build_model(self.cfg, self.family, self.model_cfg, self.mesh,
-                                  self.data.vocab_size)
-        else:
-            self.family, self.model_cfg = ModelFamily.own(model, plan, init_of), None
-            self.pm = build_model(self.cfg, self.family, None, self.mesh, None)
-            self.model_shape = own_model_shape(self.pm, self.data.vocab_size)
+        self.cfg = cfg = dtype_resolved(cfg, self.device)
+        self.run = run or RunState.in_rank(cfg, data_path).starting_from(cfg.optim, resume)
+        # Each part is built from the givens (cfg, run, device) and the parts before it
+        # (``meshwise.train.assembly``): the order of the calls is their dependencies.
+        self.mesh = join_job(cfg, self.run, data_path, self.device)
+        self.data, self.batches = self._build_data(self.mesh, data_path)
+        self.family, self.model_cfg, self.pm, self.model_shape = lay_out_model(
+            cfg, self.mesh, self.data.vocab_size, own)
         self.batches.feed(self.pm.chunks)  # each forward's context, where the model takes it
-        apply_activation_checkpointing(self.pm.layers(), cfg.runtime.activation_checkpointing)
-        o = cfg.optim
-        self.adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         named_params = self.pm.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
-        init = self.family.init and partial(self.family.init, self.model_cfg)
-        values = initial_values(self.pm, cfg, init, d.seed)
-        self.compressor = grad_compressor(self.mesh, cfg)
-        reducer = grad_reducer(self.mesh, cfg, self.compressor)
-        self.engine = build_engine(self.pm, self.mesh, cfg, self.adamw, values, self.device,
-                                   reducer)
-        chunks = self.pm.chunks
-        self.model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-        self.comm_stats = GradCommStats(self.mesh.world.counters, reducer)
+        self.compressor, self.engine, self.comm_stats = build_optimizer(
+            cfg, self.mesh, self.family, self.model_cfg, self.pm, self.device)
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
-        self.checkpointer = RunCheckpointer(cfg, self.mesh, self.engine,
+        self.checkpointer = RunCheckpointer(cfg, self.run, self.mesh, self.engine,
                                             self.pm.pieces(named_params),
                                             writers=self.grad_sync.counted,
                                             model=self.model_shape,
                                             compressor=self.compressor,
                                             device=self.device)
-        self.global_tokens = d.batch_size * d.seq_len
-        self.pipeline = None
-        if p.pp > 1:
-            schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-            self.pipeline = PipelineRuntime(chunks, schedule, self.mesh.pp, self.engine,
-                                            loss_fn=self.pm.loss)
-        # Ranks whose loss counts: the last stage (rank 0 in a V), once per tp group
-        # (every cp rank holds other tokens).
-        self.reports_loss = self.pm.holds_last_stage and self.mesh.tp_rank == 0
-        self.is_logging_rank = self.mesh.rank == 0
-        self.start_step = self.checkpointer.load(resume) if resume else 0
-        self.lr_schedule = LRSchedule.of(dataclasses.asdict(o))  # its start: the load's
-        self.metrics = MetricsLog(cfg.runtime.metrics if self.is_logging_rank else None,
-                                  o.steps, cfg.runtime.log_every, resume_step=self.start_step,
-                                  quiet=cfg.runtime.quiet)
-        self.fault = injected_fault()
+        self.model, self.pipeline = build_runtime(cfg, self.mesh, self.pm, self.engine)
+        self.start_step, self.lr_schedule, self.metrics = start_run(
+            cfg, self.run, self.checkpointer, self.is_logging_rank)
+        self.observer = build_observer(cfg, self.run, self.mesh, self.device, self.family,
+                                       self.model_cfg, self.pm)
+        # Hooks of the step, empty unless installed (``meshwise.train.faults``):
+        # ``hook(step)`` before it, ``loss = hook(step, loss)`` on this rank's loss.
+        self.before_step: list[Callable[[int], None]] = []
+        self.after_loss: list[Callable[[int, torch.Tensor], torch.Tensor]] = []
         self.skipped_in_a_row = 0
-        self.observer = self._observer()
         self.memory = PeakMemory(self.device)  # after start-up: it keeps that peak too
 
-    def _observer(self) -> RunObserver:
-        """FLOPs come from the whole model's shapes (built on the meta device)."""
-        with on_meta():
-            whole = self.family.build(self.model_cfg)
-        layers = list(getattr(whole, self.pm.plan.layers).values())
-        d_model = None if self.model_cfg else hidden_size(layers[0])
-        return RunObserver(self.cfg, self.mesh, self.device, whole, layers,
-                           dataclasses.asdict(self.cfg), d_model)
+    def _build_data(self, mesh: Mesh, data_path):
+        """The token file and the step's batches, which give each micro-batch its
+        forward's context (samples, this rank's tokens, documents)."""
+        d, p = self.cfg.data, self.cfg.parallel
+        data = TokenDataset(data_path, d.seq_len, vocab_size=self.cfg.model.vocab_size,
+                            token_dtype=d.token_dtype, data_order=d.data_order)
+        batches = StepBatches(BatchSource(data, d.document_mask, d.loss_on, d.long_conversations),
+                              mesh, p.sp, self.device)
+        return data, batches
+
+    @property
+    def global_tokens(self) -> int:
+        return self.cfg.data.batch_size * self.cfg.data.seq_len
+
+    @property
+    def reports_loss(self) -> bool:
+        """Whether this rank's loss counts: the last stage (rank 0 in a V), once per tp
+        group (every cp rank holds other tokens)."""
+        return self.pm.holds_last_stage and self.mesh.tp_rank == 0
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.mesh.rank == 0
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
@@ -216,17 +192,16 @@ class Trainer:
         counters = self.mesh.world.counters
         grad_bytes_before = counters.bytes_sent["grad"]
         lr = self.lr_schedule.lr(step)
-        fault = self.fault if self.fault and self.fault.at(self.mesh.rank, step) else None
-        if fault:
-            fault.before_step(self.mesh, self.device)
+        for hook in self.before_step:
+            hook(step)
         self.observer.start_step(step)
 
         with self.observer.phase("forward_backward"):
             self.engine.zero_grad()
             micro_batches, contexts, labelled = self._micro_batches(step, "train")
             loss_part = self._forward_backward(micro_batches, contexts, labelled)
-        if fault and fault.kind == "nan":  # this rank's loss of the step is not a number
-            loss_part = loss_part + float("nan")
+        for hook in self.after_loss:
+            loss_part = hook(step, loss_part)
         with self.observer.phase("grad_sync"):
             self.grad_sync.finish()
 

@@ -134,6 +134,7 @@ def test_an_unreadable_tokenizer_exits_2(tmp_path, tok):
 def test_a_prepared_bin_brings_its_tokenizer_and_resume_checks_it(tmp_path, tok, corpus):
     from meshwise.train.config import TrainConfig
     from meshwise.cli.preflight import check_same_tokenizer, prepare_data
+    from meshwise.data.tokenizer import load_tokenizer
 
     result = run_main("data", "prepare", corpus, "--out", tmp_path / "c.bin", "--tokenizer", tok,
                       cwd=tmp_path)
@@ -142,6 +143,7 @@ def test_a_prepared_bin_brings_its_tokenizer_and_resume_checks_it(tmp_path, tok,
     cfg.data.path = str(tmp_path / "c.bin")
     assert prepare_data(cfg) == tmp_path / "c.bin"
     assert cfg.data.tokenizer == str(tok.resolve()) and cfg.model.vocab_size == 512
-    check_same_tokenizer({"data": {"tokenizer_digest": cfg.data.tokenizer_digest}}, cfg)
+    digest = load_tokenizer(cfg.data.tokenizer).digest
+    check_same_tokenizer({"data": {"tokenizer_digest": digest}}, cfg, digest)
     with pytest.raises(ValueError, match="trained with the tokenizer byte-level"):
-        check_same_tokenizer({"data": {}}, cfg)  # a checkpoint of a byte-level run
+        check_same_tokenizer({"data": {}}, cfg, digest)  # a checkpoint of a byte-level run

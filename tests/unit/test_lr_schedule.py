@@ -5,13 +5,12 @@ import math
 
 import pytest
 
-from meshwise.train.config import OptimConfig
+from meshwise.train.config import OptimConfig, recorded_section
 from meshwise.train.lr_schedule import LRSchedule, check_schedule, lr_at, resumed_start
 
 
-def _optim(**changes) -> dict:
-    return dataclasses.asdict(dataclasses.replace(OptimConfig(lr=1.0, warmup_steps=10,
-                                                              steps=100), **changes))
+def _optim(**changes) -> OptimConfig:
+    return dataclasses.replace(OptimConfig(lr=1.0, warmup_steps=10, steps=100), **changes)
 
 
 def test_cosine_is_the_schedule_it_always_was():
@@ -51,13 +50,13 @@ def test_resuming_a_cosine_with_more_steps_is_refused_saying_how_to_go_on():
     assert resumed_start(_optim(steps=40), saved, 40) == 0  # the same schedule goes on
     assert resumed_start(_optim(steps=50, lr_restart=True), saved, 40) == 40
     # A restarted schedule goes on from where it started when resumed again.
-    restarted = _optim(steps=50, lr_restart=True, schedule_start=40)
-    assert resumed_start(_optim(steps=50, lr_restart=True), restarted, 45) == 40
-    assert LRSchedule.of(restarted).lr(41) == pytest.approx(0.1)  # warming up again
+    restarted = _optim(steps=50, lr_restart=True)
+    assert resumed_start(_optim(steps=50, lr_restart=True), restarted, 45, 40) == 40
+    assert LRSchedule.of(restarted, 40).lr(41) == pytest.approx(0.1)  # warming up again
 
 
 def test_a_checkpoint_from_before_schedules_is_a_cosine():
-    old = {"lr": 1.0, "warmup_steps": 10, "steps": 100}
+    old = recorded_section(OptimConfig, {"lr": 1.0, "warmup_steps": 10, "steps": 100})
     assert resumed_start(_optim(), old, 60) == 0
     with pytest.raises(ValueError, match="--lr-schedule wsd"):
         resumed_start(_optim(lr_schedule="wsd"), old, 60)

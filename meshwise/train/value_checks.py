@@ -1,0 +1,35 @@
+"""Checks of one setting's value, with the flag that sets it in the message.
+
+Shared by the configuration's checks (``meshwise.train.config``) and the layout
+rules (``meshwise.train.layout_rules``): each raises ``ValueError`` naming the
+flag, the bad value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def flag_name(field: str) -> str:
+    """The ``meshwise train`` flag of a settings field (``n_kv_head`` -> ``--n-kv-head``)."""
+    return "--" + field.replace("_", "-")
+
+
+def positive(**values) -> None:
+    for name, value in values.items():
+        if not (math.isfinite(value) and value > 0):  # NaN compares False: caught here
+            raise ValueError(f"{flag_name(name)} must be a finite number > 0, "
+                             f"got {value}")
+
+
+def non_negative(**values) -> None:
+    for name, value in values.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag_name(name)} must be a finite number >= 0, "
+                             f"got {value}")
+
+
+def choice(flag: str, value, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"{flag} {value!r} is not valid; valid: "
+                         f"{', '.join(str(v) for v in valid)}")
