@@ -243,7 +243,7 @@ def main(argv=None) -> None:
 
     cache = str(args.cache_dir or default_cache_dir())
     start = time.perf_counter()
-    if load_calibration(Path(cache)) is None:
+    if not args.gpus_only and load_calibration(Path(cache)) is None:  # GPU profiles need none
         from meshwise.cli.calibrate import calibrate
 
         print(calibrate(cache), flush=True)

@@ -165,6 +165,8 @@ class ParallelModel:
 
         def values(name: str, start: int, end: int) -> torch.Tensor:
             piece = pieces[name]
+            if end <= piece.numel:  # no padding: the piece's values as read, not a copy
+                return read(piece.flat(start, end))
             out = torch.zeros(end - start)
             # Along dim 0 the real rows come first; padding (vocabulary) stays zero.
             real_end = min(end, piece.numel)

@@ -7,23 +7,34 @@ are defined block by block: the row-major flattening of the logical tensor is cu
 into blocks of ``BLOCK`` elements, and block ``j`` of parameter ``name`` is drawn
 from a generator seeded by ``(seed, name, j)``. Any piece (a box of the logical
 tensor, and a flat range inside that box; see ``meshwise.layout.pieces``) is
-then produced from the blocks it touches, a few at a time, so memory stays at
-the piece plus a block whatever the tensor's size.
+then produced from the blocks it touches.
+
+Most pieces are evenly spaced runs of the flattening (``Piece.rows``): a whole
+tensor or a row slice is one run, a column slice one run per row. A block a run
+covers whole is drawn straight into its place in the output; rows closer than a
+block are drawn as the span that holds them and taken out as a strided view.
+Blocks have generators of their own, so threads draw them side by side, each a
+window at a time: memory stays at the piece plus a window per thread. Other
+pieces (a box cut in two outer dimensions) go element by element through their
+logical indices.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from .pieces import Piece
+from .pieces import Piece, Rows
 
 BLOCK = 1 << 16  # elements per independently seeded block
 _CHUNK = 1 << 20  # piece elements resolved to logical indices at a time
+WINDOW = 32 * BLOCK  # logical elements one job draws: a thread's share of work and memory
 INIT_KINDS = ("normal", "uniform", "zeros", "ones")
 
 
@@ -58,12 +69,115 @@ def block_seed(seed: int, name: str, block: int) -> int:
     return zlib.crc32(f"{seed}:{name}:{block}".encode())
 
 
-def _draw_block(init: Init, seed: int, name: str, block: int, numel: int) -> torch.Tensor:
-    size = min(BLOCK, numel - block * BLOCK)
-    gen = torch.Generator().manual_seed(block_seed(seed, name, block))
-    if init.kind == "uniform":
-        return torch.empty(size).uniform_(-init.bound, init.bound, generator=gen)
-    return torch.empty(size).normal_(0.0, init.std, generator=gen)  # fp32, on the CPU
+class _Blocks:
+    """Draws the blocks of one parameter: whole blocks straight into their place in
+    the output, partly wanted ones into a scratch block first."""
+
+    def __init__(self, init: Init, seed: int, name: str, numel: int):
+        self.init, self.seed, self.name, self.numel = init, seed, name, numel
+
+    def draw(self, block: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (contiguous fp32, the block's size) with block ``block``."""
+        gen = torch.Generator().manual_seed(block_seed(self.seed, self.name, block))
+        if self.init.kind == "uniform":
+            return out.uniform_(-self.init.bound, self.init.bound, generator=gen)
+        return out.normal_(0.0, self.init.std, generator=gen)
+
+    def block(self, block: int) -> torch.Tensor:
+        return self.draw(block, torch.empty(min(BLOCK, self.numel - block * BLOCK)))
+
+    def fill_run(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """``out`` (contiguous) gets logical elements ``[lo, hi)``."""
+        for block in range(lo // BLOCK, -(-hi // BLOCK)):
+            first = block * BLOCK
+            a, b = max(lo, first), min(hi, first + BLOCK, self.numel)
+            if a == first and b == min(first + BLOCK, self.numel):
+                self.draw(block, out[a - lo:b - lo])  # the same stream as a scratch block
+            else:
+                out[a - lo:b - lo] = self.block(block)[a - first:b - first]
+
+    def fill_rows(self, rows: Rows, first: int, count: int, out: torch.Tensor) -> None:
+        """``out`` (contiguous, ``count x rows.length``) gets rows ``[first, first +
+        count)``, drawn as the one run that spans them (their gaps are shorter than a
+        block, so every block of it is needed anyway) and taken out as a strided view."""
+        lo = rows.start + first * rows.stride
+        span = (count - 1) * rows.stride + rows.length
+        window = torch.empty(span)
+        self.fill_run(lo, lo + span, window)
+        out.view(count, rows.length).copy_(window.as_strided((count, rows.length),
+                                                             (rows.stride, 1)))
+
+
+def _row_jobs(rows: Rows, flat_start: int, flat_end: int) -> list[tuple]:
+    """The piece's flat range ``[flat_start, flat_end)`` of ``rows`` as jobs that fill
+    disjoint parts of the output: ``("run", lo, hi, pos)`` logical ``[lo, hi)`` at
+    ``pos``; ``("rows", first, count, pos)`` whole rows at ``pos``."""
+    jobs, length = [], rows.length
+    r0, c0 = divmod(flat_start, length)
+    r1, c1 = divmod(flat_end, length)
+    if rows.stride == length or r0 == r1:  # one contiguous run
+        lo = rows.start + r0 * rows.stride + c0
+        return _split_run(lo, lo + flat_end - flat_start, 0)
+    pos = 0
+    if c0:  # the end of a row the range starts inside
+        lo = rows.start + r0 * rows.stride + c0
+        jobs += _split_run(lo, lo + length - c0, pos)
+        r0, pos = r0 + 1, pos + length - c0
+    if length >= BLOCK or rows.stride - length >= BLOCK:  # rows apart: each its own run
+        for r in range(r0, r1):
+            lo = rows.start + r * rows.stride
+            jobs += _split_run(lo, lo + length, pos + (r - r0) * length)
+    else:  # rows close together: many per window
+        per_window = max(1, WINDOW // rows.stride)
+        for r in range(r0, r1, per_window):
+            jobs.append(("rows", r, min(per_window, r1 - r), pos + (r - r0) * length))
+    pos += (r1 - r0) * length
+    if c1:  # the start of the row the range ends inside
+        lo = rows.start + r1 * rows.stride
+        jobs += _split_run(lo, lo + c1, pos)
+    return jobs
+
+
+def _split_run(lo: int, hi: int, pos: int) -> list[tuple]:
+    """A run cut at block boundaries into jobs of at most ``WINDOW`` elements."""
+    cuts = [lo, *range((lo // WINDOW + 1) * WINDOW, hi, WINDOW), hi]
+    return [("run", a, b, pos + a - lo) for a, b in itertools.pairwise(cuts)]
+
+
+def _run_jobs(blocks: _Blocks, rows: Rows, jobs: list[tuple], out: torch.Tensor) -> None:
+    def run(job):
+        kind, a, b, pos = job
+        if kind == "run":
+            blocks.fill_run(a, b, out[pos:pos + b - a])
+        else:
+            blocks.fill_rows(rows, a, b, out[pos:pos + b * rows.length])
+
+    threads = min(torch.get_num_threads(), len(jobs))
+    if threads <= 1:
+        for job in jobs:
+            run(job)
+        return
+    # Blocks have their own generators, so threads may draw them in any order; the
+    # drawing kernels release the GIL.
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in pool.map(run, jobs):
+            pass
+
+
+def _fill_by_index(blocks: _Blocks, piece: Piece, out: torch.Tensor) -> None:
+    """Any piece, element by element: its logical indices, grouped by block."""
+    cached: tuple[int, torch.Tensor] | None = None
+    for start in range(0, piece.numel, _CHUNK):
+        end = min(start + _CHUNK, piece.numel)
+        index = piece.flat(start, end).logical_indices()  # increasing
+        found, counts = torch.unique_consecutive(index // BLOCK, return_counts=True)
+        pos = start
+        for block, count in zip(found.tolist(), counts.tolist()):
+            if cached is None or cached[0] != block:  # indices increase: never needed again
+                cached = (block, blocks.block(block))
+            local = index[pos - start:pos - start + count] - block * BLOCK
+            out[pos:pos + count] = cached[1][local]
+            pos += count
 
 
 def init_values(init: Init, seed: int, piece: Piece, dtype: torch.dtype = torch.float32,
@@ -72,20 +186,14 @@ def init_values(init: Init, seed: int, piece: Piece, dtype: torch.dtype = torch.
     if init.kind in ("zeros", "ones"):
         fill = 0.0 if init.kind == "zeros" else 1.0
         return torch.full((piece.numel,), fill, dtype=dtype, device=device)
-    numel = math.prod(piece.shape)
-    out = torch.empty(piece.numel, dtype=torch.float32)
-    cached: tuple[int, torch.Tensor] | None = None
-    for start in range(0, piece.numel, _CHUNK):
-        end = min(start + _CHUNK, piece.numel)
-        index = piece.flat(start, end).logical_indices()  # increasing
-        blocks, counts = torch.unique_consecutive(index // BLOCK, return_counts=True)
-        pos = start
-        for block, count in zip(blocks.tolist(), counts.tolist()):
-            if cached is None or cached[0] != block:  # indices increase: never needed again
-                cached = (block, _draw_block(init, seed, piece.name, block, numel))
-            local = index[pos - start:pos - start + count] - block * BLOCK
-            out[pos:pos + count] = cached[1][local]
-            pos += count
+    out = torch.empty(piece.numel, dtype=torch.float32)  # drawn in fp32, on the CPU
+    if piece.numel:
+        blocks = _Blocks(init, seed, piece.name, math.prod(piece.shape))
+        rows = piece.rows()
+        if rows is None:
+            _fill_by_index(blocks, piece, out)
+        else:
+            _run_jobs(blocks, rows, _row_jobs(rows, piece.flat_start, piece.flat_end), out)
     return out.to(dtype=dtype, device=device)
 
 

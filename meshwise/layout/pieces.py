@@ -19,10 +19,22 @@ cheaper paths of plain slicing.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Rows:
+    """``count`` runs of ``length`` contiguous elements of a flattened logical tensor,
+    run ``i`` starting at ``start + i * stride`` (``stride >= length``)."""
+
+    start: int
+    stride: int
+    count: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,28 @@ class Piece:
             position = position // size
             stride *= self.shape[dim]
         return index
+
+    def rows(self) -> Rows | None:
+        """The box as evenly spaced runs of contiguous logical elements, or None where
+        its runs are not evenly spaced (a box cut in two or more outer dimensions).
+
+        Trailing dimensions the box holds whole join the last one it cuts into one run
+        (a tensor-parallel row slice of a matrix: one run per row; a column slice, or
+        a whole tensor: a single run)."""
+        strides = [math.prod(self.shape[d + 1:]) for d in range(len(self.shape))]
+        start = sum(o * s for o, s in zip(self.box_offsets, strides))
+        cut = [d for d in range(len(self.shape)) if self.box_sizes[d] != self.shape[d]]
+        if not cut:
+            return Rows(start, self.box_numel, 1, self.box_numel)
+        last = cut[-1]
+        length = self.box_sizes[last] * strides[last]
+        outer = [d for d in range(last) if self.box_sizes[d] > 1]
+        for d, inner in itertools.pairwise(outer):
+            if strides[d] != self.box_sizes[inner] * strides[inner]:
+                return None
+        count = math.prod(self.box_sizes[:last])
+        stride = strides[outer[-1]] if outer else length
+        return Rows(start, stride, count, length)
 
     def to_dict(self) -> dict:
         return {"box_offsets": list(self.box_offsets), "box_sizes": list(self.box_sizes),

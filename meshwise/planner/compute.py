@@ -4,11 +4,15 @@ Each layer is a list of work a device rates separately (a roofline per kind of
 work, as vTrain and Proteus time operators): matrix multiplies at the device's
 matmul rate, attention at that rate times its efficiency (causal blocks
 skipped, so half the ``T x T`` product), element-wise work at the memory
-bandwidth, and each kernel a fixed launch or dispatch cost. The backward splits
-as the zero-bubble schedules split it: ``B`` the input gradients (attention's
-whole backward, about 2.5 forwards of it, FlashAttention-2's count), ``W`` the
-weight gradients (one more pass of the matmuls). Activation recomputation adds
-a forward (``full``) or its element-wise part (``selective``) to ``B``.
+bandwidth (on a GPU the bytes the family's eager kernels move, counted in
+``meshwise.planner.traffic``; on the CPU passes over the kept activations, which
+its calibration is measured against), and each kernel a fixed launch or
+dispatch cost. The backward splits as the zero-bubble schedules split it: ``B``
+the input gradients (attention's whole backward, about 2.5 forwards of it,
+FlashAttention-2's count), ``W`` the weight gradients (one more pass of the
+matmuls, and on a GPU the gradients' copy into the engines' flat buffers).
+Activation recomputation adds a forward (``full``) or its element-wise part
+(``selective``) to ``B``.
 
 Tensor parallelism adds two all-reduces of the layer's activations to each
 forward and backward (Megatron-LM; with ``--sp`` an all-gather and a
@@ -17,8 +21,9 @@ layers' inputs; a recompute repeats the forward's up to the last one it needs),
 and at each a wait for the other tp ranks (``sync_wait_s``); context
 parallelism passes key/value blocks around the ring ``cp - 1`` times (their
 gradients too in the backward, and again in a recompute), hidden behind
-attention where the device overlaps communication, else exposed with a wait for
-the ring's neighbours at each exchange.
+attention where the device overlaps communication (slowing it meanwhile:
+``DeviceProfile.overlap_slowdown``), else exposed with a wait for the ring's
+neighbours at each exchange.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import DTYPE_BYTES, Settings, activation_bytes_per_token
 from meshwise.planner.shapes import ModelShape
+from meshwise.planner.traffic import (LOSS_BACKWARD, LOSS_FORWARD, collect_bytes,
+                                      layer_traffic)
 
 # Kernels per layer in the forward (counted in the families' code: norms, projections,
 # reshapes, attention, activations, residual adds); the backward runs about twice as many.
@@ -67,28 +74,63 @@ def action_costs(shape: ModelShape, layout: Layout, st: Settings, device: Device
     rate = device.matmul_rate(st.dtype)
     matmul = 2.0 * n * shape.layer_matmul / t / rate
     attention = 2.0 * n * st.seq_len * shape.q_width / t / (rate * device.attention_efficiency)
-    act = activation_bytes_per_token(shape, layout, st.dtype)["none"] * n
-    elementwise = ELEMENTWISE_PASSES * act / device.memory_bandwidth
+    ew_forward, ew_backward, ew_recompute = _elementwise_s(shape, layout, st, device, n)
     kernels = KERNELS_PER_LAYER.get(shape.family, 30) * device.op_overhead_s
-    forward = matmul + attention + elementwise + kernels
-    backward = matmul + 2.5 * attention + 2 * elementwise + 2 * kernels
+    forward = matmul + attention + ew_forward + kernels
+    backward = matmul + 2.5 * attention + ew_backward + 2 * kernels
     mode = layout.activation_checkpointing
-    backward += forward if mode == "full" else (elementwise + kernels if mode == "selective"
+    backward += forward if mode == "full" else (ew_recompute + kernels if mode == "selective"
                                                 else 0.0)
-    weights = matmul
+    weights = matmul + _collect_s(shape.layer_split / t + shape.layer_replicated, st, device)
     factor = device.layer_time_factor.get(shape.family, 1.0)
     layer_compute = factor * (forward + backward + weights)
     f, b, w = (layers * factor * x for x in (forward, backward, weights))
     if first:
         f += n * shape.d_model * a * 2 / device.memory_bandwidth
+        w += _collect_s(shape.embed_split / t + shape.embed_replicated, st, device)
     if last:
         vocab = -(-shape.vocab // t)
         head = 2.0 * n * shape.d_model * vocab / rate
-        loss = n * vocab * 4 * 6 / device.memory_bandwidth  # log-softmax and its gradient
-        f, b, w = f + head + loss / 2, b + head + loss / 2, w + head
+        loss_f, loss_b = _loss_s(st, device, n * vocab)
+        f, b, w = f + head + loss_f, b + head + loss_b, w + head
+        w += _collect_s(shape.final_replicated + shape.head_split / t, st, device)
     tp = layers * _tp_per_layer(shape, layout, st, device, n, layer_compute)
     cp = layers * _cp_per_layer(shape, layout, st, device, n, attention, layer_compute)
     return ActionCosts(f, b, w, tp, cp)
+
+
+def _elementwise_s(shape, layout: Layout, st: Settings, device: DeviceProfile,
+                   n: int) -> tuple[float, float, float]:
+    """Seconds of one layer's element-wise work on ``n`` tokens: forward, backward, and
+    what checkpointing's recompute adds. With ``counted_traffic`` (GPU profiles) the
+    bytes the family's eager kernels move (``meshwise.planner.traffic``); else passes
+    over the activations a layer keeps (the CPU's calibration measured against these)."""
+    if device.counted_traffic:
+        traffic = layer_traffic(shape, layout, st.dtype)
+        return tuple(traffic[phase] * n / device.memory_bandwidth
+                     for phase in ("forward", "backward", "recompute"))
+    act = activation_bytes_per_token(shape, layout, st.dtype)["none"] * n
+    forward = ELEMENTWISE_PASSES * act / device.memory_bandwidth
+    return forward, 2 * forward, forward
+
+
+def _collect_s(params: float, st: Settings, device: DeviceProfile) -> float:
+    """Seconds to gather ``params`` parameters' gradients of one micro-batch into the
+    engines' flat buffers (read in the compute dtype, written or added in the reduce
+    dtype: ``meshwise.sharding``'s gradient hooks), where traffic is counted."""
+    if not device.counted_traffic:
+        return 0.0
+    return params * collect_bytes(st.dtype, st.grad_reduce_dtype) / device.memory_bandwidth
+
+
+def _loss_s(st: Settings, device: DeviceProfile, logits: int) -> tuple[float, float]:
+    """Seconds of the loss over ``logits`` logits (this rank's vocabulary slice): the
+    log-softmax forward, and its gradient."""
+    if device.counted_traffic:
+        return (logits * LOSS_FORWARD[st.dtype] / device.memory_bandwidth,
+                logits * LOSS_BACKWARD[st.dtype] / device.memory_bandwidth)
+    both = logits * 4 * 6 / device.memory_bandwidth
+    return both / 2, both / 2
 
 
 def _tp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n: int,
@@ -110,6 +152,11 @@ def _tp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n:
         counts = {"all_reduce": 4 + recompute}
     moved = sum(k * collective_s(device, kind, nbytes, layout.tp, link)
                 for kind, k in counts.items())
+    if layout.sp and device.counted_traffic and n * layout.cp > st.seq_len:
+        # Several sequences per micro-batch: a gather (scatter) along the sequence puts
+        # the ranks' blocks in (out of) place with a copy of the whole activation
+        # (meshwise.tensor_parallel.mappings); one sequence needs none.
+        moved += sum(counts.values()) * 2 * nbytes / device.memory_bandwidth
     return moved + sync_wait_s(device, layout.tp, sum(counts.values()), layer_compute,
                                layout.world_size)
 
@@ -127,8 +174,9 @@ def _cp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n:
     # keys and values around the ring; in the backward their gradients too; a recompute
     # passes the keys and values around again
     total = ring * (3 + recompute)
-    if device.overlap:
-        return max(0.0, total - 3.5 * attention)
+    if device.overlap:  # hidden behind attention, which it slows meanwhile
+        window = 3.5 * attention
+        return max(0.0, total - window) + device.overlap_slowdown * min(total, window)
     exchanges = (layout.cp - 1) * (2 + recompute) + 1  # the keys' gradients come home
     return total + sync_wait_s(device, layout.cp, exchanges, layer_compute,
                                layout.world_size)

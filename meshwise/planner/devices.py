@@ -7,17 +7,30 @@ we state and justify below; the CPU's comes from ``meshwise plan --calibrate``
 cache folder, with defaults measured the same way on a 2-core x86 machine when
 none is stored.
 
-Efficiencies (what a well-tuned stack reaches of the data sheet):
+Efficiencies, for eager PyTorch as meshwise runs it (each checked against published
+runs in tests/unit/test_planner_published.py):
 
-- matmuls: cuBLAS reaches about 70-80% of the dense bf16 peak on transformer
-  GEMMs of these sizes (NVIDIA's own H100 GEMM figures, 700-750 of 989 TFLOP/s;
-  A100 240-260 of 312). We take 0.75 on A100 and 0.70 on H100/H200, whose peak is
-  harder to reach (its power limit throttles the clock under dense tensor-core load).
-- attention: FlashAttention-2 reaches 50-73% of A100's peak forward and less in
-  backward (Dao 2023, section 4.1): 0.55 of the matmul rate's peak, causal
-  blocks skipped.
-- memory-bound work (norms, activations, residual adds, the optimizer): 80% of
-  HBM bandwidth, as STREAM-like copies reach.
+- matmuls: the best-shaped bf16 matmul reaches 86.9% of an A100's peak and 80.3% of
+  an H100's (the "maximum achievable matmul FLOPS" table of Bekman's ML Engineering,
+  compute/accelerator); for a transformer's forward, input-gradient and
+  weight-gradient shapes, at a clock the power limit holds, we take about 7/8 of
+  that: 0.75 and 0.70.
+- attention (FLOPs counted as FlashAttention counts them, causal blocks skipped):
+  FlashAttention-2, which PyTorch's SDPA runs, reaches 50-73% of an A100's peak
+  forward and less backward (Dao 2023, section 4.1): 0.55 of peak. On Hopper it
+  uses little of the new tensor cores: 298-335 TFLOP/s forward and 291-322 backward
+  at head size 128, causal, 2k-16k tokens, on an H100 SXM5 (Shah et al. 2024,
+  FlashAttention-3, figures 5 and 6): 0.32 of peak.
+- memory-bound work (norms, rotary positions, activations, residual adds, casts, the
+  loss, AdamW), priced by the bytes its eager kernels move
+  (``meshwise.planner.traffic``): 70% of HBM bandwidth. A plain copy reaches about
+  90%; broadcasts, casts between bf16 and fp32 and the norms' row reductions less.
+  With it meshwise's measured llama-1b step on one H200 (seq 2048, batch 4,
+  vocabulary 32,000: 44,370 tokens/s) is predicted within 1%.
+- collectives beside compute: overlapped communication slows the computation it
+  runs beside by 18.9% on average (A100 and H100, GPT and Llama training;
+  arXiv 2507.03114, "Characterizing compute-communication overlap in
+  GPU-accelerated distributed deep learning"): hidden time costs that much.
 - links: NCCL's ring all-reduce bus bandwidth over NVLink is about 80% of the
   per-direction NVLink figure, and over InfiniBand/RoCE about 90% of the NIC's
   line rate (nccl-tests on DGX systems); alpha is NCCL's per-step latency,
@@ -84,6 +97,11 @@ class DeviceProfile:
     # (--calibrate's rank_drift; 0 on GPUs, whose kernels keep a steadier pace than a
     # shared CPU's and whose collectives overlap compute)
     drift: dict[int, float] = field(default_factory=dict)
+    # element-wise work priced by the bytes eager kernels move (meshwise.planner.traffic)
+    # rather than by passes over the kept activations
+    counted_traffic: bool = False
+    # how much slower compute runs while a collective overlaps it (GPU: shared SMs and HBM)
+    overlap_slowdown: float = 0.0
 
     def matmul_rate(self, dtype: str) -> float:
         return self.matmul_flops[dtype]
@@ -101,27 +119,37 @@ class DeviceProfile:
 
 
 def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, hbm_tbs: float,
-         nvlink_gbs: float, nic_gbs: float, matmul_eff: float) -> DeviceProfile:
+         nvlink_gbs: float, nic_gbs: float, matmul_eff: float,
+         attention_eff: float) -> DeviceProfile:
     return DeviceProfile(
         name=name, memory_bytes=memory_gb * 2**30,
         matmul_flops={"bf16": bf16_tflops * 1e12 * matmul_eff,
                       "fp32": fp32_tflops * 1e12 * matmul_eff},
         peak_flops={"bf16": bf16_tflops * 1e12, "fp32": fp32_tflops * 1e12},
-        attention_efficiency=0.55 / matmul_eff, memory_bandwidth=hbm_tbs * 1e12 * 0.8,
-        op_overhead_s=4e-6,
+        attention_efficiency=attention_eff / matmul_eff,
+        memory_bandwidth=hbm_tbs * 1e12 * EAGER_BANDWIDTH, op_overhead_s=4e-6,
         links={"intra": LinkCost(10e-6, 1 / (nvlink_gbs * GB * 0.8)),
                "inter": LinkCost(20e-6, 1 / (nic_gbs * GB * 0.9))},
-        ranks_per_node=8, overhead_bytes=1.5 * 2**30, overlap=True,
+        ranks_per_node=8, overhead_bytes=1.5 * 2**30, overlap=True, counted_traffic=True,
+        overlap_slowdown=OVERLAP_SLOWDOWN,
         source=f"{name} data sheet x stated efficiencies (meshwise.planner.devices)")
 
 
-# Data sheets (SXM parts): dense bf16 and fp32 (non-tensor) TFLOP/s, HBM GB/s, NVLink per
-# direction GB/s, one 400 (HDR: 200) Gb/s NIC per GPU. overhead: CUDA context, NCCL buffers.
+EAGER_BANDWIDTH = 0.7  # of HBM, for the eager element-wise kernels (see above)
+OVERLAP_SLOWDOWN = 0.19  # compute slowed while collectives run beside it (see above)
+# Data sheets (SXM parts): dense bf16 and fp32 (non-tensor) TFLOP/s, HBM TB/s, NVLink per
+# direction GB/s, one 400 (HDR: 200) Gb/s NIC per GPU; then the matmul and attention
+# efficiencies. overhead: CUDA context, NCCL buffers. "h100-hbm2e": the H100 of Meta's
+# Grand Teton hosts that torchtitan's published runs used (96 GB of HBM2e at 2.4 TB/s,
+# a 500 W power limit), whose peak torchtitan puts between the SXM part's and the NVL
+# part's (835 TFLOP/s) without knowing it: the profile takes the NVL figure, so as not
+# to promise more than those GPUs were measured to give.
 GPU_PROFILES = {
-    "h100": _gpu("h100", 80, 989, 67, 3.35, 450, 50, 0.70),
-    "h200": _gpu("h200", 141, 989, 67, 4.8, 450, 50, 0.70),
-    "a100": _gpu("a100", 80, 312, 19.5, 2.04, 300, 25, 0.75),
-    "a100-40gb": _gpu("a100-40gb", 40, 312, 19.5, 1.56, 300, 25, 0.75),
+    "h100": _gpu("h100", 80, 989, 67, 3.35, 450, 50, 0.70, 0.32),
+    "h200": _gpu("h200", 141, 989, 67, 4.8, 450, 50, 0.70, 0.32),
+    "a100": _gpu("a100", 80, 312, 19.5, 2.04, 300, 25, 0.75, 0.55),
+    "a100-40gb": _gpu("a100-40gb", 40, 312, 19.5, 1.56, 300, 25, 0.75, 0.55),
+    "h100-hbm2e": _gpu("h100-hbm2e", 96, 835, 60, 2.4, 450, 50, 0.70, 0.32),
 }
 
 # This kind of machine (2 x86 cores, torch 2.13 CPU, gloo), measured by --calibrate on it

@@ -10,9 +10,11 @@
 - the gradient collectives over dp x cp by ZeRO stage (Rajbhandari et al. 2019:
   stage 0-1 all-reduce, 2 reduce-scatter, 3 adds the parameters' all-gathers, per
   micro-step without a pipeline), hidden behind the backward where the device
-  overlaps communication, exposed where it does not (gloo on CPU cores), with
-  the waits for drifting peers there (``collectives.sync_wait_s``);
-- AdamW over the parameters a rank owns, and the gradient norm.
+  overlaps communication (but for ZeRO-3's root unit, and slowing the compute
+  beside it), exposed where it does not (gloo on CPU cores), with the waits for
+  drifting peers there (``collectives.sync_wait_s``);
+- AdamW over the parameters a rank owns (on a GPU the bytes its kernels move),
+  and the gradient norm.
 
 On a CPU whose cores are fewer than its ranks, ranks share the cores: the
 compute of the whole step takes at least every rank's work over the cores, and
@@ -30,6 +32,7 @@ from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import DTYPE_BYTES, Settings, rank_params
 from meshwise.planner.shapes import ModelShape
+from meshwise.planner.traffic import ADAMW_BYTES
 
 COMPRESS_RATIO = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.26}
 
@@ -133,7 +136,8 @@ def pipeline(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProf
         seconds = m * (worst.compute * share + worst.tp + worst.cp)
         return Pipeline(worst, m, share, seconds, [1], ranks, exact)
     n = micro_batch_tokens(layout, st)
-    message = n * shape.d_model * DTYPE_BYTES[st.dtype]
+    # a stage's output; under sequence parallelism each tp rank holds, and sends, its slice
+    message = n * shape.d_model * DTYPE_BYTES[st.dtype] // (layout.tp if layout.sp else 1)
     latency = p2p_s(device, message,
                     link_kind(layout.tp * layout.cp, layout.pp, device.ranks_per_node))
     scale = worst.forward + worst.tp / 2 + worst.cp / 3
@@ -215,28 +219,35 @@ def _dp_exposed(shape, layout: Layout, st: Settings, device: DeviceProfile, rank
     z, micro = layout.zero, layout.grad_accum
     syncs = 1  # the step's reduction waits for every rank's last gradient
     if z == 0:
-        total = coll("all_reduce", grad_bytes)
+        counts = {"all_reduce": 1}
     elif z == 1:
-        total = coll("all_reduce", grad_bytes) + coll("all_gather", params * a)
+        counts = {"all_reduce": 1, "all_gather": 1}
     elif z == 2:
         reduces = micro if layout.pp == 1 else 1
-        total = reduces * coll("reduce_scatter", grad_bytes) + coll("all_gather", params * a)
+        counts = {"reduce_scatter": reduces, "all_gather": 1}
         syncs = reduces
     else:
         per = 1 if layout.pp > 1 else micro
-        gathers = 1 if layout.pp > 1 else 2
-        total = per * (gathers * coll("all_gather", params * a)
-                       + coll("reduce_scatter", grad_bytes))
+        counts = {"all_gather": per * (1 if layout.pp > 1 else 2), "reduce_scatter": per}
         # a gather per layer in the forward and again in the backward, without a pipeline
         syncs = 1 if layout.pp > 1 else per * 2 * (shape.n_layer + 1)
+    sizes = {"all_reduce": grad_bytes, "reduce_scatter": grad_bytes, "all_gather": params * a}
+    total = sum(k * coll(kind, sizes[kind]) for kind, k in counts.items())
     if not device.overlap:
         window = backward_s * (1.5 if syncs > 1 else 1.0)
         return total + sync_wait_s(device, n, syncs, window, layout.world_size)
     # Hidden behind the backward (and ZeRO-3's gathers behind the forward too), but the
-    # last bucket's reduction waits for the last gradient.
+    # last bucket's reduction waits for the last gradient; without a pipeline ZeRO-3's
+    # root unit (embedding, head) is gathered before the first layer can start and
+    # reduced after the last gradient, with nothing to hide behind.
     tail = coll("all_reduce", min(grad_bytes, st.bucket_mb * 2**20))
+    if z == 3 and layout.pp == 1:
+        root = max(first + last for _, first, last in ranks)
+        tail = max(tail, coll("all_gather", root * a)
+                   + coll("reduce_scatter", grad_bytes * root / max(params, 1)))
     window = backward_s * (1.5 if z == 3 else 1.0)
-    return max(tail, total - window)
+    # what is hidden still slows the compute it runs beside
+    return max(tail, total - window) + device.overlap_slowdown * min(total, window)
 
 
 def _optimizer_s(layout: Layout, st: Settings, device: DeviceProfile, ranks) -> float:
@@ -245,7 +256,9 @@ def _optimizer_s(layout: Layout, st: Settings, device: DeviceProfile, ranks) -> 
     owned = params if layout.zero == 0 else params / (layout.dp * layout.cp)
     if device.optimizer_s_per_param:
         return device.optimizer_fixed_s + owned * device.optimizer_s_per_param
-    # parameters, gradients and both moments read, three of them written (fp32), a bf16
-    # copy of the parameters written too
-    touched = owned * (7 * 4 + (2 if st.dtype == "bf16" else 0)) + params * 4
+    # AdamW's kernels over what this rank owns (meshwise.planner.traffic), the compute
+    # copy of the updated parameters (fp32 read, bf16 written), and the norm's read of
+    # every held gradient
+    grad = 2 if st.dtype == "bf16" and st.grad_reduce_dtype == "bf16" else 4
+    touched = owned * (ADAMW_BYTES + (6 if st.dtype == "bf16" else 0)) + params * grad
     return touched / device.memory_bandwidth
