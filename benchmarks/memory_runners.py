@@ -61,8 +61,8 @@ def import_for(variant: str) -> None:
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
-    import meshwise.comm.allreducer  # noqa: F401 - imported lazily by the trainer's setup
-    import meshwise.comm.compression  # noqa: F401
+    import meshwise.comm.allreduce.allreducer  # noqa: F401 - imported lazily by the trainer's setup
+    import meshwise.comm.compression.compressors  # noqa: F401
     import meshwise.train.trainer  # noqa: F401
 
     if variant in DEEPSPEED:

@@ -7,7 +7,7 @@ import torch
 from tests.dist.pool import Pools
 
 # Every test that communicates holds the code to NCCL's rules, on gloo
-# (``meshwise.comm.strict``); spawned ranks and CLI runs inherit it. A test that
+# (``meshwise.comm.checks.strict``); spawned ranks and CLI runs inherit it. A test that
 # measures gloo's own formulation (memory) unsets it for its runs.
 os.environ.setdefault("MESHWISE_COMM_CHECK", "nccl")
 # Processes the tests start import this checkout's meshwise, installed or not.

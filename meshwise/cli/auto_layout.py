@@ -15,7 +15,7 @@ import argparse
 import logging
 
 from meshwise.cli import launch
-from meshwise.comm import devices
+from meshwise.device import choice
 from meshwise.planner.layout import Layout
 from meshwise.planner.plan import plan_request
 from meshwise.planner.search import Space
@@ -43,7 +43,7 @@ def launched_world(cfg: TrainConfig, origins: dict[str, str], device: str) -> in
     if any(axis in origins for axis in AXES):
         return cfg.parallel.dims.world_size
     if device == "cuda":
-        return len(devices.gpu_facts()["gpus"])
+        return len(choice.gpu_facts()["gpus"])
     return 2
 
 
@@ -53,7 +53,7 @@ def gpu_profile_name(device: str) -> str:
         return "cpu"
     from meshwise.planner.devices import GPU_PROFILES
 
-    name = devices.gpu_facts()["gpus"][0]["name"]
+    name = choice.gpu_facts()["gpus"][0]["name"]
     for key in ("H200", "H100", "A100"):
         if key in name:
             return key.lower()
@@ -63,7 +63,7 @@ def gpu_profile_name(device: str) -> str:
 
 def choose_layout(cfg: TrainConfig, origins: dict[str, str]) -> TrainConfig:
     """``cfg`` laid out as the planner's best layout for the launched world."""
-    device = devices.resolve_device(cfg.runtime.device)
+    device = choice.resolve_device(cfg.runtime.device)
     world = launched_world(cfg, origins, device)
     space = Space(
         zero=(cfg.parallel.zero,) if "zero" in origins else Space().zero,

@@ -2,7 +2,7 @@
 
 Runs on local ranks (spawned, gloo on CPU) or joins a ``torchrun`` launch (then
 node grouping comes from ``LOCAL_WORLD_SIZE``). The measuring is
-``meshwise.comm.bench.measure``; here are the flags, the launch and the report.
+``meshwise.comm.allreduce.bench.measure``; here are the flags, the launch and the report.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 
 from meshwise.cli import launch
 from meshwise.comm import ops
-from meshwise.comm.algorithms import ALGORITHMS, Topology, hierarchical_problem
-from meshwise.comm.bench import measure
+from meshwise.comm.allreduce.algorithms import ALGORITHMS, Topology, hierarchical_problem
+from meshwise.comm.allreduce.bench import measure
 
 DEFAULT_SIZES = "4K,64K,1M,16M"
 UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}

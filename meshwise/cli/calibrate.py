@@ -5,7 +5,7 @@ Four kinds of measurement, each of what the cost model rates:
 - probes on one thread in this process (``meshwise.planner.probes``): matmul
   FLOP/s per dtype, attention's efficiency, memory bandwidth, an op's dispatch;
 - the all-reduce's and a link's alpha-beta on 2 and 4 local gloo ranks
-  (``meshwise.comm.allreducer.probe``, as ``bench comm``'s adaptive algorithm
+  (``meshwise.comm.allreduce.allreducer.probe``, as ``bench comm``'s adaptive algorithm
   measures them), and how far those ranks drift apart between collectives
   (``meshwise.planner.probes.rank_drift``);
 - short ``meshwise train`` runs of a small GPT on 2 ranks, measured from

@@ -37,7 +37,7 @@ from meshwise.cli.postmortem import JobFolder
 from meshwise.cli.ranks import (EXPECTED_ERRORS, STOP_GRACE_S, RankFailed,  # noqa: F401
                                 RankWatch, failure_message, stop_ranks, supervise)
 from meshwise.comm import ops
-from meshwise.comm.devices import rank_device
+from meshwise.device.choice import rank_device
 
 log = logging.getLogger("meshwise")
 

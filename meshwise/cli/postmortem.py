@@ -14,10 +14,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from meshwise.comm import diagnose
-from meshwise.comm.context import LEDGER_DIR_ENV
-from meshwise.comm.ledger import read_ledgers, write_dumps
-from meshwise.comm.watchdog import FAILURE_DIR_ENV
+from meshwise.comm.checks import diagnose
+from meshwise.comm.checks.context import LEDGER_DIR_ENV
+from meshwise.comm.checks.ledger import read_ledgers, write_dumps
+from meshwise.comm.checks.watchdog import FAILURE_DIR_ENV
 
 
 class JobFolder:

@@ -15,7 +15,7 @@ from pathlib import Path
 from meshwise.checkpoint import resume
 from meshwise.cli import capacity, launch
 from meshwise.cli.checkpoint_dir import check_start
-from meshwise.comm import devices
+from meshwise.device import choice
 from meshwise.data.files import available_cpus
 from meshwise.data.batches import BatchSource
 from meshwise.data.chat_files import resolve_chat_data
@@ -36,7 +36,7 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
     the run state of job ``run_id``'s first launch."""
     if launch.under_torchrun():
         check_torchrun(cfg)
-    device = devices.resolve_device(cfg.runtime.device)
+    device = choice.resolve_device(cfg.runtime.device)
     if device == "cuda":
         import torch
 
@@ -160,11 +160,11 @@ def check_same_tokenizer(saved: dict, cfg: TrainConfig, digest: str | None) -> N
 
 def check_gpu_dtypes(cfg: TrainConfig) -> None:
     """bf16 compute needs compute capability 8.0; bf16 on the wire, NCCL 2.10. Asked of
-    a child process (``devices.gpu_facts``): this one creates no CUDA context."""
+    a child process (``choice.gpu_facts``): this one creates no CUDA context."""
     bf16_wire = cfg.comm.compress == "bf16" or cfg.runtime.dtype == "bf16"
     if not bf16_wire:
         return
-    facts = devices.gpu_facts()
+    facts = choice.gpu_facts()
     if cfg.runtime.dtype == "bf16":
         for gpu in facts["gpus"]:
             if tuple(gpu["capability"]) < (8, 0):

@@ -29,7 +29,7 @@ from meshwise.cli.checkpoint_dir import held_save_dir
 from meshwise.cli.preflight import prepare
 from meshwise.cli.train_flags import config_from_args, effective_config
 from meshwise.cli.unused_settings import noop_warnings
-from meshwise.comm import devices
+from meshwise.device import choice
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import apply_init_from
 from meshwise.train.run_state import RunState, record
@@ -87,8 +87,8 @@ def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
     pp) under torchrun, 2 for the CPU demo."""
     p = cfg.parallel
     if cfg.runtime.dtype == "auto":
-        device = devices.resolve_device(cfg.runtime.device)
-        cfg.runtime.dtype = devices.resolve_dtype("auto", device, gpus_take_bf16)
+        device = choice.resolve_device(cfg.runtime.device)
+        cfg.runtime.dtype = choice.resolve_dtype("auto", device, gpus_take_bf16)
         if cfg.runtime.dtype != "fp32":
             origins["dtype"] = f"auto on {device}"
     if launch.under_torchrun() and not cfg.comm.ranks_per_node and "LOCAL_WORLD_SIZE" in os.environ:
@@ -106,7 +106,7 @@ def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
         return
     demo = (p.tp == 1 and p.pp == 1 and p.cp == 1
             and cfg.data.batch_size % (2 * cfg.data.grad_accum) == 0)
-    if demo and devices.resolve_device(cfg.runtime.device) == "cpu":
+    if demo and choice.resolve_device(cfg.runtime.device) == "cpu":
         p.dp = 2
         origins["dp"] = "demo"
 
@@ -114,8 +114,8 @@ def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
 def gpus_take_bf16() -> bool:
     """Whether the visible GPUs and NCCL take bf16, asked of a child process (the
     launcher creates no CUDA context)."""
-    facts = devices.gpu_facts()
-    return devices.takes_bf16([gpu["capability"] for gpu in facts["gpus"]], facts["nccl"])
+    facts = choice.gpu_facts()
+    return choice.takes_bf16([gpu["capability"] for gpu in facts["gpus"]], facts["nccl"])
 
 
 def record_config(cfg: TrainConfig, run: RunState, origins: dict[str, str]) -> None:
@@ -136,7 +136,7 @@ def train(cfg: TrainConfig, run: RunState, data_path: Path) -> None:
     the newest checkpoint in ``--save``, at most N times: each launch's run state
     starts from the checkpoint that launch resumes.
     """
-    device = devices.resolve_device(cfg.runtime.device)
+    device = choice.resolve_device(cfg.runtime.device)
     c = cfg.checkpoint
     for attempt in range(c.max_restarts + 1):
         try:

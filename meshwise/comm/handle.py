@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
-from meshwise.comm import ranges
-from meshwise.comm.devices import Stopwatch
+from meshwise.device import ranges
+from meshwise.device.clocks import Stopwatch
 
 
 class CommCounters:

@@ -1,8 +1,8 @@
 """The one module that calls ``torch.distributed``.
 
 Every collective and point-to-point transfer in meshwise goes through here, so
-byte counting, timing of exposed waits, NCCL's rules (``meshwise.comm.strict``)
-and the collective ledger (``meshwise.comm.ledger``) live in one place: each
+byte counting, timing of exposed waits, NCCL's rules (``meshwise.comm.checks.strict``)
+and the collective ledger (``meshwise.comm.checks.ledger``) live in one place: each
 operation is first entered in this rank's ``CommContext`` (``_begin``), then
 issued, and its ``Handle`` marks it complete once waited for.
 
@@ -23,8 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshwise.comm.context import CommContext, default_device
-from meshwise.comm.devices import rank_device
+from meshwise.comm.checks.context import CommContext, default_device
+from meshwise.device.choice import rank_device
 from meshwise.comm.handle import (CollectiveTimeout, CommCounters, Handle,  # noqa: F401
                                   is_timeout, timeout_error)
 
@@ -71,7 +71,7 @@ def _describe(group: "Group", op: str, peer: int | None = None) -> str:
 
 
 # NCCL's own watchdog aborts the process when a collective outlives the group's
-# timeout; ours (``meshwise.comm.watchdog``) reports it first, naming who is behind,
+# timeout; ours (``meshwise.comm.checks.watchdog``) reports it first, naming who is behind,
 # so NCCL's is set this much later.
 NCCL_TIMEOUT_MARGIN_S = 60.0
 

@@ -6,13 +6,14 @@ allow, so a few operations are formulated per backend. Each choice is one
 function here, with the measurement behind it, and every caller asks it; no
 other module tests the backend's name.
 
-Under ``MESHWISE_COMM_CHECK=nccl`` (``meshwise.comm.strict``) every group is
+Under ``MESHWISE_COMM_CHECK=nccl`` (``meshwise.comm.checks.strict``) every group is
 formulated as for NCCL whatever its backend, so CI runs the code GPUs run.
 """
 
 from __future__ import annotations
 
-from meshwise.comm import ops, strict
+from meshwise.comm import ops
+from meshwise.comm.checks import strict
 
 
 def _formulation(group: ops.Group) -> str:

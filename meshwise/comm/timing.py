@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from meshwise.comm import ops
-from meshwise.comm.devices import synchronize
+from meshwise.device.clocks import synchronize
 
 
 def timed_runs(fn: Callable[[], object], repeats: int, device="cpu",

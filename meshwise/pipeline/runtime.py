@@ -40,8 +40,10 @@ import itertools
 
 import torch
 
-from meshwise.comm import ops, ranges, strict
-from meshwise.comm.devices import IntervalClock
+from meshwise.comm import ops
+from meshwise.comm.checks import strict
+from meshwise.device import ranges
+from meshwise.device.clocks import IntervalClock
 from meshwise.pipeline.mailbox import Mailbox
 from meshwise.pipeline.p2p import Channels, Incoming, Outgoing
 from meshwise.pipeline.schedules import Action, Schedule, group_steps

@@ -44,7 +44,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from meshwise.comm.allreducer import LinkCost
+from meshwise.comm.allreduce.allreducer import LinkCost
 
 CALIBRATION_FILE = "planner-calibration.json"
 GB = 1e9

@@ -16,7 +16,7 @@ other work on the machine does not count), the least of several runs:
 - ``layer_time_factors``: one layer of each family's own code, forward and backward,
   over the roofline's time for it with the values above (eager PyTorch's small kernels,
   copies and autograd bookkeeping, which no single probe sees);
-- ``comm_probe``: on every rank of a group, ``meshwise.comm.allreducer.probe``'s
+- ``comm_probe``: on every rank of a group, ``meshwise.comm.allreduce.allreducer.probe``'s
   alpha-beta of a point-to-point link and of the native all-reduce, and how far
   the ranks drift apart between two collectives (``rank_drift``).
 """
@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from meshwise.comm.allreducer import probe
-from meshwise.comm.algorithms import Topology
+from meshwise.comm.allreduce.allreducer import probe
+from meshwise.comm.allreduce.algorithms import Topology
 
 
 def _best(fn, runs: int = 7) -> float:
@@ -213,7 +213,7 @@ def rank_drift(group, repeats: int = 40) -> float:
     that each rank runs at its own pace; a call's wait is its time less the quickest
     call's. The slowest rank's mean wait, over the root of the mean compute."""
     from meshwise.comm import ops
-    from meshwise.comm.devices import synchronize
+    from meshwise.device.clocks import synchronize
 
     weights = torch.randn(512, 512, device=group.device)
     waits, computes = [], []

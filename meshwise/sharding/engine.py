@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from meshwise.comm import ops
-from meshwise.comm.devices import host_to_device
+from meshwise.device.clocks import host_to_device
 from meshwise.layout.flat_runs import FlatRun
 from meshwise.sharding.adamw import AdamWConfig, SkipGate
 
@@ -28,7 +28,7 @@ from meshwise.sharding.adamw import AdamWConfig, SkipGate
 class EngineBase:
     """Optimizer step, norm, checkpoint view and memory over ``self.flats``.
 
-    ``grad_reducer``: a ``meshwise.comm.reducer.GradReducer`` (``--compress``,
+    ``grad_reducer``: a ``meshwise.comm.allreduce.reducer.GradReducer`` (``--compress``,
     ``--allreduce``) that takes over each flat buffer's dp reduction; ``None``:
     the group's native collectives. Each engine calls ``_connect_reducer()``
     once its flat buffers exist.

@@ -38,7 +38,8 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.utils._python_dispatch import _disable_current_modes
 
-from meshwise.comm import ops, policy, ranges
+from meshwise.comm import ops, policy
+from meshwise.device import ranges
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.binding import BufferPool, device_of, tie_groups, values_of
 from meshwise.sharding.engine import EngineBase

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from meshwise.comm import ops, policy, ranges
+from meshwise.comm import ops, policy
+from meshwise.device import ranges
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.binding import BufferPool, device_of, tie_groups, values_of
 from meshwise.sharding.engine import EngineBase

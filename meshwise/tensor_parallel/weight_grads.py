@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from meshwise.comm import strict
+from meshwise.comm.checks import strict
 
 
 class WeightGradStore:

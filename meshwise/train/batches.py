@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshwise.comm.devices import host_to_device
+from meshwise.device.clocks import host_to_device
 from meshwise.context_parallel.ring import RingAttention
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import rank_slice

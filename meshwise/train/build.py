@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from meshwise.apply.parallelize import ParallelModel, parallelize
-from meshwise.comm.devices import resolve_dtype, takes_bf16
+from meshwise.device.choice import resolve_dtype, takes_bf16
 from meshwise.layout.init import on_meta
 from meshwise.mesh import Mesh
 from meshwise.models.families import FAMILIES, ModelFamily

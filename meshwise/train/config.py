@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshwise.apply.activation_checkpointing import MODES as ACTIVATION_CHECKPOINTING
-from meshwise.comm.algorithms import ALGORITHMS
-from meshwise.comm.compression import COMPRESS_WARMUP_STEPS, TOPK_RAMP_STEPS, parse_compress
-from meshwise.comm.devices import DEVICES
+from meshwise.comm.allreduce.algorithms import ALGORITHMS
+from meshwise.comm.compression.compressors import COMPRESS_WARMUP_STEPS, TOPK_RAMP_STEPS, parse_compress
+from meshwise.device.choice import DEVICES
 from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON
 from meshwise.data.order import DATA_ORDERS
 from meshwise.data.readers import DATA_FORMATS

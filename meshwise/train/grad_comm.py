@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from meshwise.comm.algorithms import Topology
-from meshwise.comm.compression import build_compressor
-from meshwise.comm.compressor import Compressor
-from meshwise.comm.reducer import GradReducer
+from meshwise.comm.allreduce.algorithms import Topology
+from meshwise.comm.compression.compressors import build_compressor
+from meshwise.comm.compression.compressor import Compressor
+from meshwise.comm.allreduce.reducer import GradReducer
 from meshwise.mesh import Mesh
 from meshwise.train.config import TrainConfig
 

@@ -16,7 +16,7 @@ with a one-line message naming the bad value and what would be valid.
 
 from __future__ import annotations
 
-from meshwise.comm.algorithms import Topology, hierarchical_problem
+from meshwise.comm.allreduce.algorithms import Topology, hierarchical_problem
 from meshwise.models.families import family
 from meshwise.pipeline.schedules import SCHEDULE_KINDS, validate_schedule_config
 from meshwise.train.value_checks import choice, non_negative, positive
@@ -93,7 +93,7 @@ def _check_ring(cfg) -> None:
 
 def _check_gradient_group(cfg) -> None:
     """--ranks-per-node against the world, and --allreduce hierarchical against the dp
-    group the gradients are summed over (``meshwise.comm.algorithms``)."""
+    group the gradients are summed over (``meshwise.comm.allreduce.algorithms``)."""
     c, p = cfg.comm, cfg.parallel
     if c.ranks_per_node < 0:
         return  # not a count: the configuration's own check names it

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from meshwise.comm import ops
-from meshwise.comm.devices import host_to_device
+from meshwise.device.clocks import host_to_device
 
 log = logging.getLogger("meshwise")
 COMBINE = {"sum": sum, "max": max, "first": lambda column: column[0]}

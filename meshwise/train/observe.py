@@ -21,8 +21,9 @@ from contextlib import contextmanager
 
 import torch
 
-from meshwise.comm import ops, ranges
-from meshwise.comm.devices import Stopwatch
+from meshwise.comm import ops
+from meshwise.device import ranges
+from meshwise.device.clocks import Stopwatch
 from meshwise.train import flops
 from meshwise.train.loggers import ExperimentLog, parse_log_to, run_names
 from meshwise.train.profiling import StepProfiler, parse_steps

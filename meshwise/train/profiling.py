@@ -2,7 +2,7 @@
 
 Each rank writes a Chrome trace (``DIR/rank<r>.<time>.pt.trace.json``, what
 TensorBoard's profiler plugin and chrome://tracing read) with CPU and, on a
-GPU, CUDA activity, and meshwise's named ranges (``meshwise.comm.ranges``).
+GPU, CUDA activity, and meshwise's named ranges (``meshwise.device.ranges``).
 Outside the asked steps nothing is recorded and nothing is marked.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from meshwise.comm import ranges
+from meshwise.device import ranges
 
 log = logging.getLogger("meshwise")
 _RANGE = re.compile(r"^(\d+)-(\d+)$")

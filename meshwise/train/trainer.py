@@ -24,8 +24,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from meshwise.comm import ops, ranges, strict
-from meshwise.comm.devices import rank_device
+from meshwise.comm import ops
+from meshwise.comm.checks import strict
+from meshwise.device import ranges
+from meshwise.device.choice import rank_device
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from meshwise.comm import ops
-from meshwise.comm.algorithms import Topology
-from meshwise.comm.allreducer import AllReducer
-from meshwise.comm.compression import build_compressor
-from meshwise.comm.reducer import GradReducer
+from meshwise.comm.allreduce.algorithms import Topology
+from meshwise.comm.allreduce.allreducer import AllReducer
+from meshwise.comm.compression.compressors import build_compressor
+from meshwise.comm.allreduce.reducer import GradReducer
 
 WORLD = 5
 SIZES = (1, 4, 7, 100, 1001)  # fewer elements than ranks, uneven chunks, larger

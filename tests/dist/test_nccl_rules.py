@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from meshwise.comm import ops, strict
+from meshwise.comm import ops
+from meshwise.comm.checks import strict
 from tests.dist.pool import RankError
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,7 +128,7 @@ def test_the_per_step_check_names_operations_that_differ(dist_pools):
 def _desync_between_checks():
     """Checks every 4 steps (and at step 1, asked for now); rank 1 issues a max where
     rank 0 issues a sum in step 2, and both go on alike."""
-    from meshwise.comm import context
+    from meshwise.comm.checks import context
 
     os.environ[context.CHECK_EVERY_ENV] = "4"
     group, rounds = _fresh_group("cadence"), []

@@ -16,7 +16,7 @@ PACKAGE = ROOT / "meshwise"
 
 # Top to bottom: a wing may import only from the wings after it.
 FLOORS = ["cli", "planner", "train", "serve", "apply", "hf", "sharding", "pipeline", "tensor_parallel",
-          "context_parallel", "models", "checkpoint", "mesh", "comm", "data", "layout"]
+          "context_parallel", "models", "checkpoint", "mesh", "comm", "device", "data", "layout"]
 
 
 def _module_name(path: Path) -> str:

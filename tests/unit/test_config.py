@@ -61,9 +61,9 @@ def test_pipeline_micro_batches_default_to_pp():
 
 
 def test_the_demo_default_is_for_the_cpu_only(monkeypatch):
-    monkeypatch.setattr("meshwise.comm.devices.resolve_device", lambda device: "cuda")
+    monkeypatch.setattr("meshwise.device.choice.resolve_device", lambda device: "cuda")
     assert parse().parallel.dp == 1
-    monkeypatch.setattr("meshwise.comm.devices.resolve_device", lambda device: "cpu")
+    monkeypatch.setattr("meshwise.device.choice.resolve_device", lambda device: "cpu")
     assert parse().parallel.dp == 2
 
 
@@ -86,7 +86,7 @@ def test_bf16_on_a_gpu_without_it_is_refused_before_spawning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     v100 = {"name": "Tesla V100", "capability": [7, 0]}
-    monkeypatch.setattr("meshwise.comm.devices.gpu_facts",
+    monkeypatch.setattr("meshwise.device.choice.gpu_facts",
                         lambda: {"gpus": [v100, v100], "nccl": (2, 21, 5)})
     with pytest.raises(ValueError, match="--dtype bf16: Tesla V100 has no bfloat16 support"):
         prepare(parse("--device", "cuda", "--dp", "2", "--dtype", "bf16"))
@@ -100,7 +100,7 @@ def test_bf16_on_an_nccl_without_it_is_refused_before_spawning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     a100 = {"name": "NVIDIA A100", "capability": [8, 0]}
-    monkeypatch.setattr("meshwise.comm.devices.gpu_facts",
+    monkeypatch.setattr("meshwise.device.choice.gpu_facts",
                         lambda: {"gpus": [a100], "nccl": (2, 7, 8)})
     with pytest.raises(ValueError, match="--compress bf16: this PyTorch's NCCL 2.7.8 carries no "
                                          "bfloat16"):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from meshwise.comm.devices import resolve_dtype, synchronize, takes_bf16
+from meshwise.device.choice import resolve_dtype, takes_bf16
+from meshwise.device.clocks import synchronize
 
 
 def test_synchronize_is_a_no_op_on_cpu_and_rejects_unknown_devices():
@@ -35,7 +36,7 @@ def test_train_resolves_dtype_auto_before_the_ranks(monkeypatch):
     from meshwise.cli import train
     from meshwise.train.config import TrainConfig
 
-    monkeypatch.setattr(train.devices, "gpu_facts",
+    monkeypatch.setattr(train.choice, "gpu_facts",
                         lambda: {"gpus": [{"name": "H100", "capability": [9, 0]}],
                                  "nccl": (2, 21, 5)})
     for device, expected in (("cpu", "fp32"), ("cuda", "bf16")):

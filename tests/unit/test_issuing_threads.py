@@ -1,4 +1,4 @@
-"""NCCL's thread rule in the strict mode (``meshwise.comm.strict``, rule 2): one thread
+"""NCCL's thread rule in the strict mode (``meshwise.comm.checks.strict``, rule 2): one thread
 issues on a group at a time; a thread may issue while the group's issuing thread waits
 for it in ``strict.backward``, as CUDA's autograd device thread does."""
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from meshwise.comm import strict
+from meshwise.comm.checks import strict
 
 
 def _issue(rules, site):

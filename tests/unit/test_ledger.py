@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from meshwise.comm import diagnose
-from meshwise.comm.ledger import Ledger, call_site, read_ledgers, read_ring, signature
+from meshwise.comm.checks import diagnose
+from meshwise.comm.checks.ledger import Ledger, call_site, read_ledgers, read_ring, signature
 
 
 def _issue(ledger, channel, op, numel, site, done=True):
@@ -150,7 +150,7 @@ class DictStore:
 
 
 def test_the_step_check_finds_the_rank_and_writes_its_ledger(tmp_path):
-    from meshwise.comm.watchdog import LedgerExchange
+    from meshwise.comm.checks.watchdog import LedgerExchange
 
     store = DictStore()
     a, b = Ledger(0), Ledger(1)
@@ -170,7 +170,7 @@ def test_the_step_check_finds_the_rank_and_writes_its_ledger(tmp_path):
 
 
 def test_the_watchdog_ends_a_rank_whose_peer_diverged(monkeypatch):
-    from meshwise.comm import watchdog
+    from meshwise.comm.checks import watchdog
 
     store, ended = DictStore(), []
     a, b = Ledger(0), Ledger(1)

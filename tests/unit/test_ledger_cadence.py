@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from meshwise.comm import context
-from meshwise.comm.ledger import CAPACITY, Ledger, signature
-from meshwise.comm.watchdog import LedgerExchange
+from meshwise.comm.checks import context
+from meshwise.comm.checks.ledger import CAPACITY, Ledger, signature
+from meshwise.comm.checks.watchdog import LedgerExchange
 from tests.unit.test_ledger import DictStore
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from meshwise.comm.compressor import COMPRESS_WARMUP_STEPS, Compressor, NoCompression
+from meshwise.comm.compression.compressor import COMPRESS_WARMUP_STEPS, Compressor, NoCompression
 
 
 def orthogonalize(m: torch.Tensor, eps: float = 1e-8) -> None:

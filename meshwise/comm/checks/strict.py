@@ -22,7 +22,7 @@ the group or pair, and the call site:
    max/min, none of the bitwise reductions.
 
 The same order of operations on every rank (the fifth rule) is the ledger's
-job (``meshwise.comm.ledger``), compared across ranks every few steps whether
+job (``meshwise.comm.checks.ledger``), compared across ranks every few steps whether
 or not this mode is on. The mode also makes ``meshwise.comm.policy`` formulate every operation as
 for NCCL, so CI runs the code paths GPUs run.
 """
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.comm.ledger import call_site
+from meshwise.comm.checks.ledger import call_site
 
 ENV = "MESHWISE_COMM_CHECK"
 WAIT_ENV = "MESHWISE_COMM_CHECK_WAIT_S"
@@ -177,7 +177,7 @@ class GroupRules:
                    f"({_WAITS.innermost(waiter)[1]}): one thread at most may issue for it")
         else:
             why = (f", while thread {last.thread.name!r} issues on it too ({last.site}) and "
-                   "does not wait for it in a backward (meshwise.comm.strict.backward)")
+                   "does not wait for it in a backward (meshwise.comm.checks.strict.backward)")
         return (head + why + "; NCCL communicators are not thread-safe and two threads "
                 "issuing at once cannot keep every rank's order the same")
 

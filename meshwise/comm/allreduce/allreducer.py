@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshwise.comm import ops, policy
-from meshwise.comm.algorithms import (
+from meshwise.comm.allreduce.algorithms import (
     ALGORITHMS, Topology, _exchange, all_to_all, hierarchical_all_reduce, hierarchical_problem,
     ring_all_gather, ring_all_reduce, ring_reduce_scatter, tree_all_reduce)
 from meshwise.comm.timing import timed_runs

@@ -36,11 +36,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_COMM_DIR = os.path.dirname(os.path.abspath(__file__))
+_COMM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # meshwise/comm
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(_COMM_DIR))
 # The modules that issue and record operations: never a call site themselves.
 _ISSUING = {os.path.join(_COMM_DIR, f"{name}.py")
-            for name in ("ops", "context", "ledger", "strict", "handle")}
+            for name in ("ops", "handle", "checks/context", "checks/ledger", "checks/strict")}
 SLOT_BYTES = 320  # one entry in the file: a JSON line, space-padded
 CAPACITY = 256
 # Entries kept between two checks at most: many steps of the busiest layouts.

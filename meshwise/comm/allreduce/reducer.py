@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from meshwise.comm import ops, policy
-from meshwise.comm.algorithms import Topology
-from meshwise.comm.allreducer import AllReducer
-from meshwise.comm.compressor import Compressor, NoCompression
+from meshwise.comm.allreduce.algorithms import Topology
+from meshwise.comm.allreduce.allreducer import AllReducer
+from meshwise.comm.compression.compressor import Compressor, NoCompression
 
 log = logging.getLogger("meshwise")
 

@@ -14,8 +14,8 @@ import statistics
 import torch
 
 from meshwise.comm import ops
-from meshwise.comm.algorithms import Topology
-from meshwise.comm.allreducer import AllReducer
+from meshwise.comm.allreduce.algorithms import Topology
+from meshwise.comm.allreduce.allreducer import AllReducer
 from meshwise.comm.timing import slowest, timed_runs
 
 

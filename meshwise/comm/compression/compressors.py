@@ -20,7 +20,7 @@ afterwards; what each compressor does then:
 - PowerSGD: P and Q are all-reduced in full (they are tiny); every rank
   decompresses the whole bucket and keeps its chunk.
 
-Error feedback and the state carried between steps: ``meshwise.comm.compressor``.
+Error feedback and the state carried between steps: ``meshwise.comm.compression.compressor``.
 
 This module does no communication of its own (only through ``comm``) and does
 not import ``torch.distributed``.
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.comm.compressor import COMPRESS_WARMUP_STEPS, Compressor, NoCompression
-from meshwise.comm.powersgd import PowerSGDCompressor
+from meshwise.comm.compression.compressor import COMPRESS_WARMUP_STEPS, Compressor, NoCompression
+from meshwise.comm.compression.powersgd import PowerSGDCompressor
 
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk:FRACTION", "powersgd:RANK")
 INT8_CHUNK = 1024

@@ -2,7 +2,7 @@
 
 A compressor reduces one flat gradient bucket over a group through a ``comm``
 (an ``allreducer.AllReducer``, or ``LocalComm`` on one process);
-``meshwise.comm.compression`` lists the compressors and builds one from
+``meshwise.comm.compression.compressors`` lists the compressors and builds one from
 ``--compress``.
 
 Error feedback (Seide et al. 2014; Karimireddy et al. 2019): the residual

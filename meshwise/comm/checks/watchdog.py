@@ -8,7 +8,7 @@ compare their ledgers while a group is stuck or out of step:
   summary (a count and a checksum per channel) and reads its peers'. Where the
   ends of a channel disagree, the ranks involved publish their entries since
   they last agreed and each raises the same one-line diagnosis
-  (``meshwise.comm.diagnose``).
+  (``meshwise.comm.checks.diagnose``).
 - ``Watchdog``, a thread: when one of this rank's operations has been in
   flight longer than ``stall_s``, it raises an alert in the store; every rank's
   watchdog answers with its entries, and the alerting one diagnoses them. A
@@ -33,8 +33,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from meshwise.comm import diagnose
-from meshwise.comm.ledger import Ledger
+from meshwise.comm.checks import diagnose
+from meshwise.comm.checks.ledger import Ledger
 
 PREFIX = "meshwise/ledger"
 FAILURE_DIR_ENV = "MESHWISE_FAILURE_DIR"

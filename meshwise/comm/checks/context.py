@@ -6,7 +6,7 @@ group (one per rank: like the logging module's loggers, it belongs to the
 process) and asks it about every operation before issuing it (``begin``).
 
 Settings, from the environment so that they reach every rank of a launch:
-``MESHWISE_COMM_CHECK=nccl`` (``meshwise.comm.strict``), ``MESHWISE_LEDGER=0``
+``MESHWISE_COMM_CHECK=nccl`` (``meshwise.comm.checks.strict``), ``MESHWISE_LEDGER=0``
 (no ledger: no checks across ranks), ``MESHWISE_LEDGER_CHECK_EVERY`` (compare
 ledgers every this many steps, default 10: each comparison is a round trip to
 the launch's store on the step's critical path; the ledger records every
@@ -24,9 +24,9 @@ import os
 
 import torch
 
-from meshwise.comm import diagnose, strict
-from meshwise.comm.ledger import Entry, Ledger, call_site, signature
-from meshwise.comm.watchdog import LedgerExchange, Watchdog
+from meshwise.comm.checks import diagnose, strict
+from meshwise.comm.checks.ledger import Entry, Ledger, call_site, signature
+from meshwise.comm.checks.watchdog import LedgerExchange, Watchdog
 
 log = logging.getLogger("meshwise")
 LEDGER_ENV = "MESHWISE_LEDGER"

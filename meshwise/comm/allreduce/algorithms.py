@@ -14,7 +14,7 @@ own dtype, for any group size (odd ones included) and any number of elements
   among the leaders, a tree broadcast inside each node; only ``N``-sized
   messages per leader cross the slow links, once each way.
 - adaptive: per message size, the cheapest of the others under a measured
-  cost model (``meshwise.comm.allreducer``, which also runs them).
+  cost model (``meshwise.comm.allreduce.allreducer``, which also runs them).
 """
 
 from __future__ import annotations
