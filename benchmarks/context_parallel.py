@@ -104,7 +104,7 @@ def use_allgather(trainer) -> int:
     """Replace every ring attention of the trainer's model; how many there were."""
     from meshwise.context_parallel.ring import RingAttention
 
-    group = trainer.mesh.cp
+    group = trainer.mesh.cp_group
     swapped = 0
     for module in list(trainer.model.modules()):
         for name, child in list(module.named_children()):

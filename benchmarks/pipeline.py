@@ -113,12 +113,12 @@ class MeshwiseRunner:
         kind = SCHEDULE_OF[key]
         pm, values = meshwise_gpt(gpt_config(args, args.vocab_size), args.seed,
                                   pp_rank=mesh.pp_rank, pp_size=S, virtual_stages=V,
-                                  stage_map=STAGE_MAP_OF.get(kind, "loop"), tie_group=mesh.embed)
-        self.engine = ZeroOptimizer(pm.named_parameters(), mesh.dp, stage=0,
+                                  stage_map=STAGE_MAP_OF.get(kind, "loop"), tie_group=mesh.tie_group)
+        self.engine = ZeroOptimizer(pm.named_parameters(), mesh.dp_group, stage=0,
                                     adamw=adamw_config(args), modules=pm.chunks, values=values)
         self.chunks = pm.chunks
         self.num_params = sum(p.numel() for _, p in pm.named_parameters())
-        self.runtime = PipelineRuntime(self.chunks, build_schedule(kind, S, M, V), mesh.pp,
+        self.runtime = PipelineRuntime(self.chunks, build_schedule(kind, S, M, V), mesh.pp_group,
                                        self.engine, loss_fn=pm.loss)
         self.lr, self.scale, self.M = args.lr, 1.0 / (args.batch_size * args.seq_len), M
 
@@ -253,21 +253,21 @@ def p2p_latency_s(args, mesh: Mesh, reps: int = 30) -> float:
     buf = torch.zeros(args.batch_size // args.micro_batches, args.seq_len, args.d_model)
     peer, times = 1 - mesh.pp_rank, []
     for _ in range(reps):
-        ops.barrier(mesh.world)
+        ops.barrier(mesh.world_group)
         start = time.perf_counter()
         if mesh.pp_rank == 0:
-            ops.batch_p2p([(buf, peer, 0)], [], mesh.pp)
-            ops.batch_p2p([], [(buf, peer, 1)], mesh.pp)
+            ops.batch_p2p([(buf, peer, 0)], [], mesh.pp_group)
+            ops.batch_p2p([], [(buf, peer, 1)], mesh.pp_group)
         else:
-            ops.batch_p2p([], [(buf, peer, 0)], mesh.pp)
-            ops.batch_p2p([(buf, peer, 1)], [], mesh.pp)
+            ops.batch_p2p([], [(buf, peer, 0)], mesh.pp_group)
+            ops.batch_p2p([(buf, peer, 1)], [], mesh.pp_group)
         times.append((time.perf_counter() - start) / 2)
     return median(times)
 
 
 def rank_main(rank: int, args) -> dict:
     mesh = Mesh.build(ParallelDims(pp=2))
-    world = mesh.world
+    world = mesh.world_group
     names = [n for n in VARIANTS if n.split("_", 1)[1] in args.schedules]
     runners, errors = {}, {}
     for name in names:

@@ -128,7 +128,7 @@ def worker(rank: int, args) -> dict:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.tokens, args.d_model, generator=gen)
     target = torch.randn(args.tokens, args.d_model, generator=gen)
-    steps = {"meshwise": make_step(build_meshwise(args, reference, mesh.tp)),
+    steps = {"meshwise": make_step(build_meshwise(args, reference, mesh.tp_group)),
              "torch_tp": make_step(build_torch_tp(args, reference))}
     times = {name: [] for name in steps}
     losses = {name: [] for name in steps}

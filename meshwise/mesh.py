@@ -20,6 +20,7 @@ needs a live ``torch.distributed``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from itertools import product
 
@@ -75,7 +76,8 @@ class ParallelDims:
             rank //= size
         return {axis: coords[axis] for axis in AXES}
 
-    def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+    def rank_of(self, dp: int, pp: int, cp: int, tp: int) -> int:
+        """The global rank at these coordinates (the formula above, its axes in order)."""
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     def axis_groups(self, axis: str) -> list[list[int]]:
@@ -96,7 +98,7 @@ class ParallelDims:
             ranks = []
             for free in product(*(range(sizes[a]) for a in axes)):
                 coord.update(zip(axes, free))
-                ranks.append(self.rank_of(coord["dp"], coord["pp"], coord["tp"], coord["cp"]))
+                ranks.append(self.rank_of(coord["dp"], coord["pp"], coord["cp"], coord["tp"]))
             groups.append(sorted(ranks))
         return groups
 
@@ -104,26 +106,26 @@ class ParallelDims:
 class Mesh:
     """This rank's place in the layout and one process group per axis.
 
-    ``cp``: the context-parallel group (``None`` when cp is 1); ``dp_cp``: the
-    group gradients are summed (and ZeRO shards kept) over, ``dp`` itself when cp
-    is 1 and ``cp`` itself when dp is 1. Built with
-    ``Mesh.build(dims)`` after ``torch.distributed`` is initialised (see
-    ``meshwise.cli.launch``). Pass it explicitly to whatever needs a group.
+    ``dims`` holds the axes' sizes (``dims.tp``), the mesh their groups
+    (``tp_group``) and this rank's coordinate on each (``tp_rank``).
+    ``cp_group`` is ``None`` when cp is 1; ``dp_cp_group`` is the group gradients
+    are summed (and ZeRO shards kept) over: ``dp_group`` itself when cp is 1 and
+    ``cp_group`` itself when dp is 1; ``tie_group`` pairs the first and last
+    pipeline stage of this (dp, cp, tp) position, which both hold a tied token
+    embedding (``None`` when pp is 1). Built with ``Mesh.build(dims)`` after
+    ``torch.distributed`` is initialised (see ``meshwise.cli.launch``). Pass it
+    explicitly to whatever needs a group.
     """
 
-    def __init__(self, dims: ParallelDims, rank: int, world, dp, pp, tp, embed=None, cp=None,
-                 dp_cp=None):
+    def __init__(self, dims: ParallelDims, rank: int, world_group, dp_group, pp_group,
+                 tp_group, tie_group=None, cp_group=None, dp_cp_group=None):
         self.dims = dims
         self.rank = rank
-        self.world = world
-        self.dp = dp
-        self.pp = pp
-        self.tp = tp
-        self.cp = cp
-        self.dp_cp = dp_cp if dp_cp is not None else dp
-        # First and last pipeline stage of this (dp, cp, tp) position, which both hold
-        # the tied token embedding; None on other stages and when pp == 1.
-        self.embed = embed
+        self.world_group = world_group
+        self.dp_group, self.pp_group, self.tp_group = dp_group, pp_group, tp_group
+        self.cp_group = cp_group
+        self.dp_cp_group = dp_cp_group if dp_cp_group is not None else dp_group
+        self.tie_group = tie_group
         coords = dims.coords(rank)
         self.dp_rank, self.pp_rank, self.tp_rank = coords["dp"], coords["pp"], coords["tp"]
         self.cp_rank = coords["cp"]
@@ -162,7 +164,7 @@ class Mesh:
         if dims.pp > 1:
             embed = mine("embed", [[ranks[0], ranks[-1]] for ranks in dims.axis_groups("pp")])
         return cls(dims, world.rank, world, groups["dp"], groups["pp"], groups["tp"], embed,
-                   cp=groups.get("cp"), dp_cp=dp_cp)
+                   cp_group=groups.get("cp"), dp_cp_group=dp_cp)
 
     @property
     def is_first_stage(self) -> bool:
@@ -174,9 +176,24 @@ class Mesh:
 
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the pipeline stage ``pp_rank`` in this rank's pp group."""
-        return self.dims.rank_of(self.dp_rank, pp_rank, self.tp_rank, self.cp_rank)
+        return self.dims.rank_of(self.dp_rank, pp_rank, self.cp_rank, self.tp_rank)
+
+    # The groups' names before they said what they are: kept for code written then.
+    dp = property(lambda self: _renamed(self, "dp", "dp_group"))
+    pp = property(lambda self: _renamed(self, "pp", "pp_group"))
+    tp = property(lambda self: _renamed(self, "tp", "tp_group"))
+    cp = property(lambda self: _renamed(self, "cp", "cp_group"))
+    dp_cp = property(lambda self: _renamed(self, "dp_cp", "dp_cp_group"))
+    world = property(lambda self: _renamed(self, "world", "world_group"))
+    embed = property(lambda self: _renamed(self, "embed", "tie_group"))
 
     def __repr__(self) -> str:
         return (f"Mesh(rank={self.rank}, dp={self.dp_rank}/{self.dims.dp}, "
                 f"pp={self.pp_rank}/{self.dims.pp}, cp={self.cp_rank}/{self.dims.cp}, "
                 f"tp={self.tp_rank}/{self.dims.tp})")
+
+
+def _renamed(mesh: Mesh, old: str, new: str):
+    warnings.warn(f"Mesh.{old} is now Mesh.{new} (ParallelDims.{old} is the axis's size)",
+                  DeprecationWarning, stacklevel=3)
+    return getattr(mesh, new)

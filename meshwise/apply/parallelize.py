@@ -206,7 +206,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
     ``sequence_parallel``: split the sequence between the tensor-parallel
     layers (needs tp > 1); ``cp_group``: the context-parallel group (``None``
     or size 1: none).
-    ``tie_group``: the group of the stages a tie spans (``mesh.embed``), over
+    ``tie_group``: the group of the stages a tie spans (``mesh.tie_group``), over
     which the engines sum a cross-stage tie's gradients (an engine refuses a
     cross-stage tie without it).
     ``vocab_size``: read from the modules the plan splits over the vocabulary; a
@@ -218,9 +218,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
     meshwise ships, whose plans its tests run on every layout.
     """
     if mesh is not None:
-        tp_group = mesh.tp if mesh.dims.tp > 1 else None
-        pp_rank, pp_size, tie_group = mesh.pp_rank, mesh.dims.pp, mesh.embed
-        cp_group = mesh.cp if mesh.dims.cp > 1 else None
+        tp_group = mesh.tp_group if mesh.dims.tp > 1 else None
+        pp_rank, pp_size, tie_group = mesh.pp_rank, mesh.dims.pp, mesh.tie_group
+        cp_group = mesh.cp_group if mesh.dims.cp > 1 else None
     num_stages = pp_size * virtual_stages
     layers = _layers(model, plan)
     if len(layers) % num_stages:

@@ -124,7 +124,7 @@ def tie_groups(named: list[tuple[str, torch.Tensor]]) -> list[tuple[int, object]
         if tied and group is None:
             raise ValueError(f"{name} is tied to a parameter on another pipeline stage, but "
                              "parallelize was given no group to sum their gradients over; "
-                             "pass mesh= (or tie_group=mesh.embed) to parallelize")
+                             "pass mesh= (or tie_group=mesh.tie_group) to parallelize")
         if tied:
             out.append((i, group))
     return out

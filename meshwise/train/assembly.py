@@ -72,7 +72,7 @@ def build_optimizer(cfg: TrainConfig, mesh: Mesh, fam: ModelFamily, model_cfg,
     compressor = grad_compressor(mesh, cfg)
     reducer = grad_reducer(mesh, cfg, compressor)
     engine = build_engine(pm, mesh, cfg, adamw, values, device, reducer)
-    return compressor, engine, GradCommStats(mesh.world.counters, reducer)
+    return compressor, engine, GradCommStats(mesh.world_group.counters, reducer)
 
 
 def build_runtime(cfg: TrainConfig, mesh: Mesh, pm: ParallelModel, engine):
@@ -82,7 +82,7 @@ def build_runtime(cfg: TrainConfig, mesh: Mesh, pm: ParallelModel, engine):
     if p.pp == 1:
         return model, None
     schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-    return model, PipelineRuntime(chunks, schedule, mesh.pp, engine, loss_fn=pm.loss)
+    return model, PipelineRuntime(chunks, schedule, mesh.pp_group, engine, loss_fn=pm.loss)
 
 
 def start_run(cfg: TrainConfig, run: RunState, checkpointer: RunCheckpointer,

@@ -34,11 +34,11 @@ def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh,
     p = cfg.parallel
     with on_meta():
         model = family.build(model_cfg)
-    return parallelize(model, family.plan(model_cfg), tp_group=mesh.tp if p.tp > 1 else None,
+    return parallelize(model, family.plan(model_cfg), tp_group=mesh.tp_group if p.tp > 1 else None,
                        pp_rank=mesh.pp_rank, pp_size=p.pp, virtual_stages=p.virtual_stages,
-                       vocab_size=vocab_size, sequence_parallel=p.sp, cp_group=mesh.cp,
+                       vocab_size=vocab_size, sequence_parallel=p.sp, cp_group=mesh.cp_group,
                        stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop",
-                       tie_group=mesh.embed,
+                       tie_group=mesh.tie_group,
                        check_forward=FAMILIES.get(family.name) is not family)
 
 
@@ -66,17 +66,17 @@ def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: Adam
     gradient buckets (``ZeroOptimizer``); stage 3 shards the parameters too. Either
     allocates only what this rank keeps and fills it from ``values``, and hands its
     reductions to ``grad_reducer`` when one is given. Parameters are replicated
-    over dp and cp, so both sum (and shard) over ``mesh.dp_cp``."""
+    over dp and cp, so both sum (and shard) over ``mesh.dp_cp_group``."""
     precision, p = precision_of(cfg), cfg.parallel
     if p.zero == 3 and p.pp > 1:
         return _pipeline_zero3(model, mesh, cfg, adamw, values, device, grad_reducer)
     if p.zero == 3:
         (chunk,) = model.chunks
-        return ZeroStage3(chunk, mesh.dp_cp, adamw, units=model.layers(), precision=precision,
+        return ZeroStage3(chunk, mesh.dp_cp_group, adamw, units=model.layers(), precision=precision,
                           values=values, device=device, unit_cap_mb=cfg.comm.bucket_mb,
                           grad_reducer=grad_reducer)
     tied = list(model.cross_stage_ties) + [n for group in model.local_ties for n in group]
-    return ZeroOptimizer(model.named_parameters(), mesh.dp_cp, stage=p.zero,
+    return ZeroOptimizer(model.named_parameters(), mesh.dp_cp_group, stage=p.zero,
                          adamw=adamw, bucket_cap_mb=cfg.comm.bucket_mb, precision=precision,
                          modules=model.chunks, values=values, device=device,
                          grad_reducer=grad_reducer, reduce_once=p.pp > 1, own_buckets=tied)
@@ -92,7 +92,7 @@ def _pipeline_zero3(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: A
         first, last = model.end_modules(chunk)
         units.append(first + list(getattr(chunk, model.plan.layers).values()) + last)
         alone += first + last
-    return PipelineZeroStage3(model.chunks, mesh.dp_cp, adamw, units,
+    return PipelineZeroStage3(model.chunks, mesh.dp_cp_group, adamw, units,
                               reshard_after_forward=cfg.parallel.reshard_after_forward,
                               alone=alone, precision=precision_of(cfg), values=values,
                               device=device, unit_cap_mb=cfg.comm.bucket_mb,

@@ -71,7 +71,7 @@ class RunCheckpointer:
         protect = frozenset({self.resumed_from}) if self.resumed_from else frozenset()
         save_dir = SaveDir(Path(c.save), self.run.run_id, c.keep_last, self.lineage, protect)
         path = state.save(save_dir, step, self.engine.checkpoint_runs(), self.pieces,
-                          self.writers, self.mesh.world, meta, own)
+                          self.writers, self.mesh.world_group, meta, own)
         if path is not None:
             removed = save_dir.prune(c.keep_last) if c.keep_last else []
             log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")

@@ -46,7 +46,7 @@ class Fault:
             return
         if self.kind == "raise":
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
-        ops.all_reduce(torch.zeros(1, device=device), mesh.dp, category="fault")  # desync
+        ops.all_reduce(torch.zeros(1, device=device), mesh.dp_group, category="fault")  # desync
 
     def spoil_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """This rank's loss of the step, not a number at the fault's step."""

@@ -22,7 +22,7 @@ def grad_compressor(mesh: Mesh, cfg: TrainConfig) -> Compressor | None:
     """The gradient compressor of ``--compress`` over dp (and cp, whose ranks sum the
     same gradients; ``None``: none, or no such axis)."""
     c = cfg.comm
-    if c.compress == "none" or mesh.dp_cp.size == 1:
+    if c.compress == "none" or mesh.dp_cp_group.size == 1:
         return None
     return build_compressor(c.compress, error_feedback=c.error_feedback == "on",
                             warmup_steps=c.compress_warmup_steps,
@@ -34,7 +34,7 @@ def grad_reducer(mesh: Mesh, cfg: TrainConfig, compressor: Compressor | None
     """The dp (x cp) reducer when compression or an algorithm asks for one (``None``:
     the engines use the group's native collectives)."""
     c = cfg.comm
-    group = mesh.dp_cp
+    group = mesh.dp_cp_group
     if (compressor is None and c.allreduce == "native") or group.size == 1:
         return None
     per_node = c.ranks_per_node or mesh.dims.world_size

@@ -5,7 +5,7 @@ replicated and how its gradient is kept consistent:
 
 * dp and cp: every parameter is replicated across dp and cp (a cp rank holds
   every parameter and some tokens of every sequence); its gradient is SUMMED
-  over ``mesh.dp_cp`` by the engine's buckets (or reduce-scattered into shards
+  over ``mesh.dp_cp_group`` by the engine's buckets (or reduce-scattered into shards
   under ZeRO, which shards over dp x cp as FSDP does in torchtitan). Each cp
   rank's loss is its tokens' share of the global mean, so the sum is the
   gradient of the global mean: no token counted twice.
@@ -23,7 +23,7 @@ replicated and how its gradient is kept consistent:
   and tp ranks hold the same parameters at the same offsets of their buffers).
 * pp: a tie whose members live on different stages (the token embedding and
   the head on the first and last stage) keeps a copy at each end; their
-  gradients are SUMMED over ``mesh.embed`` after the dp sync (Megatron-LM's
+  gradients are SUMMED over ``mesh.tie_group`` after the dp sync (Megatron-LM's
   embedding group), so both copies take the same step. ``parallelize`` marks
   them and the engine's ``finish_grad_sync`` sums them, so every caller of the
   engine gets it. Where both ends sit on one rank (the V of ZB-V and DualPipeV)
@@ -88,7 +88,7 @@ class GradSync3D:
         if not views:
             return
         packed = torch.cat([v.reshape(-1) for v in views])  # (sum of their elements,)
-        ops.all_reduce(packed, self.mesh.tp, category="grad")
+        ops.all_reduce(packed, self.mesh.tp_group, category="grad")
         for view, part in zip(views, packed.split([v.numel() for v in views])):
             view.copy_(part.view_as(view))
 
@@ -97,8 +97,8 @@ class GradSync3D:
         the device, the same on every rank (never read on the host here)."""
         sq = self.engine.grad_sq_norm(include=self.counted.__contains__)
         sq = sq.to(torch.float64).reshape(1)
-        ops.all_reduce(sq, self.mesh.tp, category="norm")
-        ops.all_reduce(sq, self.mesh.pp, category="norm")
+        ops.all_reduce(sq, self.mesh.tp_group, category="norm")
+        ops.all_reduce(sq, self.mesh.pp_group, category="norm")
         return sq[0]
 
     def grad_norm(self) -> float:
@@ -116,7 +116,7 @@ class GradSync3D:
         that group, so the world's sum counts it dp x cp times and is divided by that."""
         local = self.engine.grad_sq_norm(include=self.counted.__contains__, over_dp=False)
         both = torch.stack([local.to(torch.float64), loss_part.detach().to(torch.float64) * 0])
-        ops.all_reduce(both, self.mesh.world, category="norm")
+        ops.all_reduce(both, self.mesh.world_group, category="norm")
         replicas = self.mesh.dims.dp * self.mesh.dims.cp
         sq = both[0] if self.engine.stage >= 2 else both[0] / replicas
         return sq, ~(torch.isfinite(sq) & torch.isfinite(both[1]))
@@ -134,7 +134,7 @@ class GradSync3D:
         device = next(iter(held.values())).device if held else torch.device("cpu")
         empty = torch.zeros(0, dtype=torch.float64, device=device)
         self._compare_across_tp(names, [held.get(n, empty) for n in names], rtol, "values",
-                                sum_over=self.mesh.dp_cp)
+                                sum_over=self.mesh.dp_cp_group)
 
     def _compare_across_tp(self, names, tensors, rtol: float, what: str, sum_over=None) -> None:
         if not names:
@@ -146,8 +146,8 @@ class GradSync3D:
             ops.all_reduce(both, sum_over, category="check")
             sums, scale = both[0], both[1]
         low, high = sums.clone(), sums.clone()
-        ops.all_reduce(low, self.mesh.tp, op="min", category="check")
-        ops.all_reduce(high, self.mesh.tp, op="max", category="check")
+        ops.all_reduce(low, self.mesh.tp_group, op="min", category="check")
+        ops.all_reduce(high, self.mesh.tp_group, op="max", category="check")
         bad = ((high - low) > rtol * scale + 1e-12).nonzero().flatten().tolist()
         if bad:
             raise RuntimeError(f"{what} of tp-replicated parameters differ across tp ranks: "

@@ -46,7 +46,7 @@ class RunObserver:
             whole_model, layers, len(layers), d_model, cfg.data.seq_len, recomputed)
         self.peak_flops, self.peak_source = self._peak(cfg.runtime)
         self._watches = {name: Stopwatch(device) for name in PHASES}
-        self._counters = mesh.world.counters
+        self._counters = mesh.world_group.counters
         self._waits = self._wait_totals()
         self.mfus: list[float] = []
         self.breakdowns: list[dict] = []
@@ -65,11 +65,11 @@ class RunObserver:
     def _peak(self, runtime) -> tuple[float, str]:
         """The world's peak FLOP/s and where it comes from."""
         if runtime.peak_tflops:
-            return runtime.peak_tflops * 1e12 * self.mesh.world.size, "--peak-tflops"
-        ops.barrier(self.mesh.world)  # every rank measures at once, sharing the cores
+            return runtime.peak_tflops * 1e12 * self.mesh.world_group.size, "--peak-tflops"
+        ops.barrier(self.mesh.world_group)  # every rank measures at once, sharing the cores
         peak, source = flops.device_peak(self.device, DTYPES[runtime.dtype])
         total = torch.tensor([peak], dtype=torch.float64, device=self.device)
-        ops.all_reduce(total, self.mesh.world, category="metrics")
+        ops.all_reduce(total, self.mesh.world_group, category="metrics")
         return total.item(), source
 
     # ---------------------------------------------------------------- a step

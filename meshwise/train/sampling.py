@@ -40,7 +40,7 @@ def end_sample(trainer, num_tokens: int, prompt_len: int = 32,
             nxt.copy_(torch.multinomial(probs, 1, generator=gen))
         if trainer.pipeline is not None:  # the last stage tells the others
             owner = trainer.pipeline.schedule.owner(trainer.pipeline.num_logical - 1)[0]
-            ops.broadcast(nxt, owner, trainer.mesh.pp, category="sample")
+            ops.broadcast(nxt, owner, trainer.mesh.pp_group, category="sample")
         tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
     trainer.model.train()
     ids = tokens[0].tolist()
@@ -60,5 +60,5 @@ def _last_logits(trainer, logits: torch.Tensor | None, n: int,
     row = torch.zeros(trainer.model_cfg.vocab_size, dtype=torch.float32, device=trainer.device)
     if logits is not None and shard.cp_rank == owner:
         row.copy_(logits[0, index])
-    ops.broadcast(row, owner, trainer.mesh.cp, category="sample")
+    ops.broadcast(row, owner, trainer.mesh.cp_group, category="sample")
     return None if logits is None else row

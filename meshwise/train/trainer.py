@@ -191,7 +191,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         self.memory.start_step()
         start = time.perf_counter()
-        counters = self.mesh.world.counters
+        counters = self.mesh.world_group.counters
         grad_bytes_before = counters.bytes_sent["grad"]
         lr = self.lr_schedule.lr(step)
         for hook in self.before_step:
@@ -222,7 +222,7 @@ class Trainer:
 
         values = self._step_values(loss_part, sq_norm, skip,
                                    counters.bytes_sent["grad"] - grad_bytes_before)
-        combined = values.gather(self.mesh.world)  # the step's one host read: waits for it
+        combined = values.gather(self.mesh.world_group)  # the step's one host read: waits for it
         step_time_s = time.perf_counter() - start
         loss, grad_norm = combined["loss"], math.sqrt(combined["sq_norm"])
         if combined["skip"]:
@@ -312,7 +312,7 @@ class Trainer:
                              for v in values])
         else:  # plain numbers: one copy to the device, not one per number
             t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        ops.all_reduce(t, self.mesh.world, op=op, category="metrics")
+        ops.all_reduce(t, self.mesh.world_group, op=op, category="metrics")
         return t.tolist()
 
     def _handle_non_finite(self, step: int, loss: float, grad_norm: float) -> None:

@@ -33,7 +33,7 @@ def _ring_on_gloo(cp: int, heads: int, kv_heads: int, p: float):
 
     mesh = Mesh.build(ParallelDims(cp=cp))
     context = ForwardContext(seed=7, step=3, first_sample=2)
-    ring = RingAttention(mesh.cp, p, "blocks.1.attn.weights").train()
+    ring = RingAttention(mesh.cp_group, p, "blocks.1.attn.weights").train()
     mine = [zigzag_slice(t, 2, mesh.cp_rank, cp).requires_grad_()
             for t in _full_inputs(heads, kv_heads)]
     out = ring(*mine[:3], context=context)

@@ -45,8 +45,8 @@ def _check_replica_values(stage: int, diverge: bool):
         model[0].weight.fill_(float(mesh.tp_rank))
         model[1].weight.fill_(1.0 + (0.5 * mesh.tp_rank if diverge else 0.0))
     named = list(model.named_parameters())
-    engine = (ZeroStage3(model, mesh.dp, AdamWConfig()) if stage == 3 else
-              ZeroOptimizer(named, mesh.dp, stage, AdamWConfig()))
+    engine = (ZeroStage3(model, mesh.dp_group, AdamWConfig()) if stage == 3 else
+              ZeroOptimizer(named, mesh.dp_group, stage, AdamWConfig()))
     sync = GradSync3D(named, mesh, engine)
     try:
         sync.check_replica_values()

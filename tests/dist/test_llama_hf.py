@@ -24,14 +24,14 @@ pytest.importorskip("transformers")
 def _engine(pm, mesh, values, zero: int = 0):
     if zero == 3:
         (chunk,) = pm.chunks
-        return ZeroStage3(chunk, mesh.dp, AdamWConfig(), units=pm.layers(), values=values)
-    return ZeroOptimizer(pm.named_parameters(), mesh.dp, zero, AdamWConfig(),
+        return ZeroStage3(chunk, mesh.dp_group, AdamWConfig(), units=pm.layers(), values=values)
+    return ZeroOptimizer(pm.named_parameters(), mesh.dp_group, zero, AdamWConfig(),
                          modules=pm.chunks, values=values)
 
 
 def _tp2_diff(directory) -> float:
     mesh = Mesh.build(ParallelDims(tp=2))
-    pm, values = laid_out(directory, tp_group=mesh.tp)
+    pm, values = laid_out(directory, tp_group=mesh.tp_group)
     _engine(pm, mesh, values)
     ids = token_ids()
     with torch.no_grad():
@@ -42,9 +42,9 @@ def _tp2_diff(directory) -> float:
 def _pp2_diff(directory, virtual_stages: int) -> float | None:
     mesh = Mesh.build(ParallelDims(pp=2))
     pm, values = laid_out(directory, pp_rank=mesh.pp_rank, pp_size=2,
-                          virtual_stages=virtual_stages, tie_group=mesh.embed)
+                          virtual_stages=virtual_stages, tie_group=mesh.tie_group)
     kind = "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
-    runtime = PipelineRuntime(pm.chunks, build_schedule(kind, 2, 2, virtual_stages), mesh.pp,
+    runtime = PipelineRuntime(pm.chunks, build_schedule(kind, 2, 2, virtual_stages), mesh.pp_group,
                               _engine(pm, mesh, values), loss_fn=pm.loss)
     ids = token_ids()
     with torch.no_grad():
@@ -67,9 +67,9 @@ def _zero3_diff(directory) -> float:
 def _cp2_logits(directory, tp: int) -> torch.Tensor:
     """This cp rank's logits (its zigzag chunks) of a forward at cp 2 (x tp with --sp)."""
     mesh = Mesh.build(ParallelDims(cp=2, tp=tp))
-    pm, values = laid_out(directory, tp_group=mesh.tp if tp > 1 else None, cp_group=mesh.cp,
+    pm, values = laid_out(directory, tp_group=mesh.tp_group if tp > 1 else None, cp_group=mesh.cp_group,
                           sequence_parallel=tp > 1)
-    ZeroOptimizer(pm.named_parameters(), mesh.dp_cp, 0, AdamWConfig(), modules=pm.chunks,
+    ZeroOptimizer(pm.named_parameters(), mesh.dp_cp_group, 0, AdamWConfig(), modules=pm.chunks,
                   values=values)
     ids = zigzag_slice(token_ids(), 1, mesh.cp_rank, 2)  # (2, 12): chunks r and 3 - r
     with torch.no_grad():

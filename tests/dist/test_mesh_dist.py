@@ -8,15 +8,15 @@ def _mesh_and_collectives(dp, tp, pp):
     mesh = Mesh.build(ParallelDims(dp=dp, tp=tp, pp=pp))
     out = {}
     for axis in ("dp", "pp", "tp"):
-        group = getattr(mesh, axis)
+        group = getattr(mesh, f"{axis}_group")
         t = torch.tensor([float(mesh.rank)])
         ops.all_reduce(t, group)
         out[axis] = t.item()
-    g = torch.zeros(mesh.world.size)
-    ops.all_gather(g, torch.tensor([float(mesh.rank)]), mesh.world)
+    g = torch.zeros(mesh.world_group.size)
+    ops.all_gather(g, torch.tensor([float(mesh.rank)]), mesh.world_group)
     out["gather"] = g.tolist()
     rs = torch.zeros(1)
-    ops.reduce_scatter(rs, torch.arange(mesh.world.size, dtype=torch.float32), mesh.world)
+    ops.reduce_scatter(rs, torch.arange(mesh.world_group.size, dtype=torch.float32), mesh.world_group)
     out["scatter"] = rs.item()
     out["coords"] = (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank)
     return out
@@ -46,7 +46,7 @@ def _one_rank_stays_away(timeout_s: float):
         return None  # never joins the all-reduce below
     start = time.monotonic()
     try:
-        ops.all_reduce(torch.ones(4), mesh.dp, category="grad")
+        ops.all_reduce(torch.ones(4), mesh.dp_group, category="grad")
     except ops.CollectiveTimeout as exc:
         return str(exc), time.monotonic() - start
     return "no timeout", time.monotonic() - start

@@ -46,11 +46,11 @@ def _pipeline_by_hand(data_path: str, steps: int) -> list[float]:
     with torch.device("meta"):
         model = TinyLM()
     parts = parallelize(model, PLAN, mesh=mesh)
-    opt = ZeroOptimizer(parts.named_parameters(), mesh.dp, stage=1,
+    opt = ZeroOptimizer(parts.named_parameters(), mesh.dp_group, stage=1,
                         adamw=AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2),
                                           weight_decay=o.weight_decay),
                         modules=parts.chunks, values=parts.init_values(seed=d.seed))
-    runtime = PipelineRuntime(parts.chunks, build_schedule("1f1b", 2, 2), mesh.pp, opt,
+    runtime = PipelineRuntime(parts.chunks, build_schedule("1f1b", 2, 2), mesh.pp_group, opt,
                               loss_fn=parts.loss)
     data, losses = TokenDataset(data_path, d.seq_len), []
     for step in range(1, steps + 1):
@@ -60,7 +60,7 @@ def _pipeline_by_hand(data_path: str, steps: int) -> list[float]:
         loss = runtime.run(micro, 1.0 / batch[:, 1:].numel()).reshape(1)
         opt.finish_grad_sync()
         opt.step(lr=lr_at(step, o.lr, o.warmup_steps, o.steps))
-        ops.all_reduce(loss, mesh.pp)  # the last stage holds the loss
+        ops.all_reduce(loss, mesh.pp_group)  # the last stage holds the loss
         losses.append(loss.item())
     return losses
 

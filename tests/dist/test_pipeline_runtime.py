@@ -138,7 +138,7 @@ def _check_parity(kind, num_virtual, num_micro_batches, edges, own_loss, checkpo
     seen = []  # dtypes and ranks of the activations this rank's later chunks receive
     for chunk in chunks:
         chunk.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, args[0].dim())))
-    runtime = PipelineRuntime(chunks, schedule, mesh.pp, NoSyncEngine(),
+    runtime = PipelineRuntime(chunks, schedule, mesh.pp_group, NoSyncEngine(),
                               loss_fn=None if own_loss else loss_fn)
     micro_batches = _batch(num_micro_batches)
     scale = 1.0 / (num_micro_batches * ROWS * T)
@@ -193,7 +193,7 @@ def _check_forward_only(edges, kind="interleaved-1f1b"):
     stages = _stages(2 * S, edges)
     schedule = build_schedule(kind, S, 2 * S, 2)
     runtime = PipelineRuntime(_my_chunks(stages, mesh.pp_rank, S, 2, schedule), schedule,
-                              mesh.pp, NoSyncEngine(), loss_fn=loss_fn)
+                              mesh.pp_group, NoSyncEngine(), loss_fn=loss_fn)
     holds_last = schedule.owner(2 * S - 1)[0] == mesh.pp_rank
     for seq_len in (3, 5, 1, 6):
         [(inputs, targets)] = _batch(1, seq_len, seed=seq_len)
@@ -215,7 +215,7 @@ def _run_after_forward_only():
     ``run`` of the training shapes again; both runs' losses (on the last stage)."""
     mesh = Mesh.build(ParallelDims(pp=2))
     runtime = PipelineRuntime(_my_chunks(_stages(2, "3d-fp64"), mesh.pp_rank, 2, 1),
-                              build_schedule("1f1b", 2, 2), mesh.pp, NoSyncEngine(), loss_fn)
+                              build_schedule("1f1b", 2, 2), mesh.pp_group, NoSyncEngine(), loss_fn)
     micro_batches = _batch(2)
     before = runtime.run(micro_batches, 1.0)
     [(inputs, _)] = _batch(1, seq_len=T + 2)  # ROWS sequences of another length
@@ -253,7 +253,7 @@ def _waits_around_a_late_gradient(delay_s):
     LateGradient.calls = 0  # a pool's worker runs many tests
     stages[1].insert(0, Lambda(lambda x: LateGradient.apply(x, delay_s)))
     runtime = PipelineRuntime(_my_chunks(stages, mesh.pp_rank, 2, 2, schedule), schedule,
-                              mesh.pp, NoSyncEngine(), loss_fn=loss_fn)
+                              mesh.pp_group, NoSyncEngine(), loss_fn=loss_fn)
     runtime.run(_batch(4), 1.0)
     times = runtime.action_times()
     labels = [label for label, _, _ in times]
@@ -271,7 +271,7 @@ def _wrong_shape():
     mesh = Mesh.build(ParallelDims(pp=2))
     stages = _stages(2, "3d-fp64")
     runtime = PipelineRuntime(_my_chunks(stages, mesh.pp_rank, 2, 1),
-                              build_schedule("1f1b", 2, 2), mesh.pp, NoSyncEngine(), loss_fn)
+                              build_schedule("1f1b", 2, 2), mesh.pp_group, NoSyncEngine(), loss_fn)
     micro_batches = [_batch(1, seq_len=T)[0], _batch(1, seq_len=T - 1)[0]]
     runtime.run(micro_batches, 1.0)
 
@@ -298,7 +298,7 @@ def _contexts_reach_every_stage(kind, num_virtual, num_micro_batches):
     stages = [Told(stage, i, seen) for i, stage in enumerate(_stages(2 * num_virtual,
                                                                      "3d-fp64"))]
     runtime = PipelineRuntime(_my_chunks(stages, mesh.pp_rank, 2, num_virtual, schedule),
-                              schedule, mesh.pp, NoSyncEngine(), loss_fn=loss_fn)
+                              schedule, mesh.pp_group, NoSyncEngine(), loss_fn=loss_fn)
     contexts = [f"micro-batch {m}" for m in range(num_micro_batches)]
     runtime.run(_batch(num_micro_batches), 1.0, contexts=contexts)
     assert seen == [(schedule.stage_of(mesh.pp_rank, a.chunk), contexts[a.micro_batch])
@@ -343,7 +343,7 @@ def _memory_at_first_backward(rows, d, num_micro_batches, release):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(num_micro_batches * rows, d, generator=g, dtype=DT)
     micro_batches = [(mb, None) for mb in x.chunk(num_micro_batches)]
-    runtime = PipelineRuntime([chunk], build_schedule("gpipe", 2, num_micro_batches), mesh.pp,
+    runtime = PipelineRuntime([chunk], build_schedule("gpipe", 2, num_micro_batches), mesh.pp_group,
                               NoSyncEngine(), loss_fn=lambda out, _: out.sum())
     saved = mailbox_module.release_storage
     if not release:  # the same run holding its outputs, to measure what releasing saves

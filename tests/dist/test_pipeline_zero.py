@@ -93,10 +93,10 @@ def _engine(kind: str, chunks, mesh: Mesh, reshard: bool):
     precision = Precision.of(DT)
     if kind == "zero2":
         named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-        return ZeroOptimizer(named, mesh.dp, 2, CFG, bucket_cap_mb=300 / 2**20,
+        return ZeroOptimizer(named, mesh.dp_group, 2, CFG, bucket_cap_mb=300 / 2**20,
                              precision=precision, modules=chunks, reduce_once=True)
     units = [[m for m in chunk if next(m.parameters(), None) is not None] for chunk in chunks]
-    return PipelineZeroStage3(chunks, mesh.dp, CFG, units, reshard_after_forward=reshard,
+    return PipelineZeroStage3(chunks, mesh.dp_group, CFG, units, reshard_after_forward=reshard,
                               precision=precision)
 
 
@@ -121,7 +121,7 @@ def _train_and_compare(engine_kind, schedule_kind, num_virtual, num_micro_batche
     mine = [schedule.stage_of(mesh.pp_rank, v) for v in range(num_virtual)]
     chunks = [stages[s] for s in mine]
     engine = _engine(engine_kind, chunks, mesh, reshard)
-    runtime = PipelineRuntime(chunks, schedule, mesh.pp, engine, loss_fn=_loss)
+    runtime = PipelineRuntime(chunks, schedule, mesh.pp_group, engine, loss_fn=_loss)
     rows = slice(mesh.dp_rank * ROWS // 2, (mesh.dp_rank + 1) * ROWS // 2)
     scale = 1.0 / (num_micro_batches * ROWS * T)
     for step in range(STEPS):
@@ -130,7 +130,7 @@ def _train_and_compare(engine_kind, schedule_kind, num_virtual, num_micro_batche
         engine.finish_grad_sync()
         engine.step(CFG.lr)
     expected = _reference(_stages(2 * num_virtual, False), num_micro_batches)
-    got = _full_params(engine, chunks, mesh.dp)
+    got = _full_params(engine, chunks, mesh.dp_group)
     worst = 0.0
     for s in mine:
         for name, _ in _stages(2 * num_virtual, False)[s].named_parameters():

@@ -42,8 +42,8 @@ def _laid_out_grads(name: str, tp: int, cp: int):
     cfg = fam.make_config(MODELS[name])
     with torch.device("meta"):
         model = fam.build(cfg).double()
-    pm = parallelize(model, fam.plan(cfg), tp_group=mesh.tp if tp > 1 else None,
-                     cp_group=mesh.cp, sequence_parallel=tp > 1, vocab_size=cfg.vocab_size)
+    pm = parallelize(model, fam.plan(cfg), tp_group=mesh.tp_group if tp > 1 else None,
+                     cp_group=mesh.cp_group, sequence_parallel=tp > 1, vocab_size=cfg.vocab_size)
     values, owners = pm.init_values(partial(fam.init, cfg), seed=0), param_owners(pm.chunks)
     params = {n: rebind(p, values(n, 0, p.numel()).view(p.shape).double(), owners)
               for n, p in pm.named_parameters()}
@@ -54,9 +54,9 @@ def _laid_out_grads(name: str, tp: int, cp: int):
     for n, p in params.items():  # the sums GradSync3D makes: over cp, and over tp under sp
         grad = p.grad.clone()
         if cp > 1:
-            ops.all_reduce(grad, mesh.cp)
+            ops.all_reduce(grad, mesh.cp_group)
         if tp > 1 and not is_tp_sharded(p):
-            ops.all_reduce(grad, mesh.tp)
+            ops.all_reduce(grad, mesh.tp_group)
         grads[n] = grad
     with torch.no_grad():
         full = pm.full_logits(logits)

@@ -29,7 +29,7 @@ def _close(actual, expected, what):
 
 
 def _tp_group(tp=2, dp=1):
-    return Mesh.build(ParallelDims(dp=dp, tp=tp)).tp
+    return Mesh.build(ParallelDims(dp=dp, tp=tp)).tp_group
 
 
 def _chunk(t, group, dim):

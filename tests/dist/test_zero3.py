@@ -56,7 +56,7 @@ def _build(model_fn, dtype=torch.float64, **zero_kwargs):
     torch.manual_seed(0)
     model = model_fn().to(dtype)
     ref = copy.deepcopy(model)
-    zero = ZeroStage3(model, mesh.dp, CFG, **zero_kwargs)
+    zero = ZeroStage3(model, mesh.dp_group, CFG, **zero_kwargs)
     named = list(ref.named_parameters())
     groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
               {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
@@ -217,7 +217,7 @@ def _originals_released():
     mesh = Mesh.build(ParallelDims(dp=torch.distributed.get_world_size()))
     model = Net()
     originals = [weakref.ref(p) for p in model.parameters()]
-    zero = ZeroStage3(model, mesh.dp, CFG)
+    zero = ZeroStage3(model, mesh.dp_group, CFG)
     x, y = _batch(1, torch.float32)
     _loss(zero, x, y).backward()
     zero.step(CFG.lr)
@@ -284,7 +284,7 @@ class _SkipsABlock(nn.Module):
 def _units_differ():
     mesh = Mesh.build(ParallelDims(dp=2))
     torch.manual_seed(0)
-    zero = ZeroStage3(_SkipsABlock(), mesh.dp, CFG)
+    zero = ZeroStage3(_SkipsABlock(), mesh.dp_group, CFG)
     try:
         zero(torch.ones(2, 4)).backward()
     except RuntimeError as exc:

@@ -20,7 +20,7 @@ def test_every_factorisation_partitions_the_world(world_size):
         seen = set()
         for rank in range(world_size):
             c = dims.coords(rank)
-            assert dims.rank_of(c["dp"], c["pp"], c["tp"], c["cp"]) == rank
+            assert dims.rank_of(c["dp"], c["pp"], c["cp"], c["tp"]) == rank
             seen.add((c["dp"], c["pp"], c["cp"], c["tp"]))
         assert len(seen) == world_size
         sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
