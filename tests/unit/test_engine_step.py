@@ -1,0 +1,118 @@
+"""The engines' optimizer step in one process (a group of one).
+
+The step is PyTorch's fused AdamW over the flat buffers: one process takes
+``torch.optim.AdamW(fused=True)``'s steps bit for bit; a skipped step changes
+nothing.
+"""
+
+import contextlib
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from meshwise.comm.ops import CommCounters
+from meshwise.sharding.adamw import AdamWConfig, decays
+from meshwise.sharding.buckets import ZeroOptimizer
+from meshwise.sharding.flat import Precision
+from meshwise.sharding.zero3 import ZeroStage3
+
+CFG = AdamWConfig(lr=1e-2, weight_decay=0.1)
+BF16 = Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _group():
+    return SimpleNamespace(size=1, rank=0, counters=CommCounters())
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(5, 7), nn.Linear(7, 3)])
+        self.side = nn.Linear(5, 3)  # used only where a step asks for it
+
+    def forward(self, x, use_side=True):
+        y = self.blocks[1](torch.tanh(self.blocks[0](x)))
+        return y + self.side(x) if use_side else y
+
+
+def _fused_reference(model):
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
+              {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, fused=True)
+
+
+def _engine(model, stage, precision=None, bucket_cap_mb=25.0):
+    if stage == 3:
+        return ZeroStage3(model, _group(), CFG, precision=precision)
+    return ZeroOptimizer(model.named_parameters(), _group(), stage, CFG,
+                         bucket_cap_mb=bucket_cap_mb, precision=precision, modules=[model])
+
+
+def _batch(step, dtype=torch.float32):
+    return torch.randn(6, 5, generator=torch.Generator().manual_seed(step)).to(dtype)
+
+
+@pytest.mark.filterwarnings("ignore:parameters got no gradient")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_process_takes_fused_adamws_steps_bit_for_bit(stage):
+    """Weight decay on matrices only, bias correction over steps, a learning rate that
+    changes every step, a layer unused in the last step (left alone, as torch leaves a
+    parameter whose .grad is None; the step count is the engine's, one for all, where
+    torch counts per parameter: hence the last)."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    engine, opt = _engine(model, stage), _fused_reference(ref)
+    for step in range(1, 5):
+        use_side = step != 4
+        lr = CFG.lr * step / 2
+        engine.zero_grad()
+        opt.zero_grad()
+        x = _batch(step)
+        model(x, use_side).square().sum().backward()
+        ref(x, use_side).square().sum().backward()
+        engine.finish_grad_sync()
+        for group in opt.param_groups:
+            group["lr"] = lr
+        engine.step(lr)
+        opt.step()
+    engine.wait_params()
+    state = engine.full_state_dict() if stage == 3 else dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.equal(state[name], p), name
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_skipped_step_changes_nothing_and_the_next_is_the_one_due(stage):
+    """NaN and infinite gradients with ``skip`` true on the device: parameters and both
+    moments stay as they were; after ``unstep()`` the next step is the one a run
+    without the bad step takes."""
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    engine, clean = _engine(model, stage), _engine(twin, stage)
+
+    def take(eng, net, step, poison=False):
+        eng.zero_grad()
+        loss = net(_batch(step)).square().sum()
+        (loss * float("nan") if poison else loss).backward()
+        eng.finish_grad_sync()
+        eng.step(CFG.lr, grad_scale=torch.tensor(0.5, dtype=torch.float64),
+                 skip=torch.tensor(poison))
+
+    take(engine, model, 1)
+    take(clean, twin, 1)
+    before = [t.clone() for f in engine.flats for t in (f.master, f.exp_avg, f.exp_avg_sq)]
+    take(engine, model, 2, poison=True)
+    after = [t for f in engine.flats for t in (f.master, f.exp_avg, f.exp_avg_sq)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    engine.unstep()
+    take(engine, model, 3)
+    take(clean, twin, 3)
+    for a, b in zip(engine.flats, clean.flats):
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
