@@ -143,9 +143,11 @@ class FlatParams:
 
     # ------------------------------------------------------------ gradients
     def new_full_grad(self, pool) -> torch.Tensor:
-        """A zeroed full-size gradient buffer (stages 2-3: only while reducing)."""
+        """A full-size gradient buffer (stages 2-3: only while reducing) whose padding is
+        zero; the caller writes every parameter's part before reducing it."""
         buf = pool.acquire(self.plan.padded_numel, self.precision.reduce_dtype, self.device)
-        return buf.zero_()
+        buf[self.numel:].zero_()
+        return buf
 
     def start_reduce(self, full_grad: torch.Tensor, reducer=None, key=None,
                      on_done=None) -> PendingReduce:

@@ -1,8 +1,9 @@
-"""The engines' optimizer step in one process (a group of one).
+"""The engines' optimizer step and gradient buckets in one process (a group of one).
 
 The step is PyTorch's fused AdamW over the flat buffers: one process takes
 ``torch.optim.AdamW(fused=True)``'s steps bit for bit; a skipped step changes
-nothing.
+nothing. Buckets are written by each step's first gradient, never zeroed: what
+a parameter got in an earlier step must not leak into a later one.
 """
 
 import contextlib
@@ -116,3 +117,48 @@ def test_a_skipped_step_changes_nothing_and_the_next_is_the_one_due(stage):
     for a, b in zip(engine.flats, clean.flats):
         for name in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.filterwarnings("ignore:parameters got no gradient")
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("precision", [None, BF16], ids=["fp32", "bf16"])
+def test_buckets_hold_this_steps_gradients_only(stage, precision):
+    """Two micro-batches per step, the side layer unused in the second step: each
+    step's bucket holds the sum of that step's gradients (fp32 accumulation of bf16
+    ones under mixed precision), and zero where a parameter got none, never a value
+    left from an earlier step; tiny buckets put the unused layer in buckets of its own."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if precision is None else torch.bfloat16
+    model = Net().to(dtype)
+    ref = copy.deepcopy(model)  # the same bf16 gradients, summed here in fp32
+    engine = _engine(model, stage, precision, bucket_cap_mb=60 / 2**20)
+    for step, use_side in ((1, True), (2, False), (3, True)):
+        engine.wait_params()
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), model.parameters()):
+                p.copy_(q)
+        engine.zero_grad()
+        expected = {n: torch.zeros(p.shape) for n, p in ref.named_parameters()}
+        for micro in range(2):
+            x = _batch(10 * step + micro, dtype)
+            with engine.no_sync() if micro == 0 else contextlib.nullcontext():
+                model(x, use_side).float().square().sum().backward()
+            ref.zero_grad()
+            ref(x, use_side).float().square().sum().backward()
+            for name, p in ref.named_parameters():
+                if p.grad is not None:
+                    expected[name] += p.grad.float()
+        engine.finish_grad_sync()
+        got = _bucket_grads(engine)
+        for name, want in expected.items():
+            assert torch.equal(got[name], want), (step, name)
+        engine.step(CFG.lr)
+
+
+def _bucket_grads(engine) -> dict[str, torch.Tensor]:
+    """Each parameter's reduced gradient in its bucket (a group of one: the whole)."""
+    out = {}
+    for flat in engine.flats:
+        grad = flat.grad if flat.grad is not None else flat.grad_shard
+        out.update({s.name: grad[s.offset:s.offset + s.numel].view(s.shape) for s in flat.slots})
+    return out
