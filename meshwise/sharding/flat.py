@@ -156,7 +156,8 @@ class FlatParams:
         if reducer is not None:
             handle = reducer.start(key, full_grad, self.shard_range if scatter else None)
             return PendingReduce(self, handle, full_grad, on_done=on_done)
-        if not scatter or policy.reduce_scatter_by_all_reduce(self.group):
+        # A group of one: the all-reduce returns at once and its shard is all of it.
+        if not scatter or self.group.size == 1 or policy.reduce_scatter_by_all_reduce(self.group):
             handle = ops.all_reduce(full_grad, self.group, category="grad", async_op=True)
             return PendingReduce(self, handle, full_grad, on_done=on_done)
         out = torch.empty(self.plan.shard_numel, dtype=full_grad.dtype, device=self.device)
@@ -219,11 +220,19 @@ class FlatParams:
         return pieces
 
     # ------------------------------------------------------------ parameters
+    def whole_params(self) -> torch.Tensor | None:
+        """The compute parameters themselves where this rank's shard is all of them, in
+        the compute dtype (stage 3 over a group of one, without mixed precision): a
+        unit then uses them as they are, with nothing to gather or copy. Else None."""
+        if self.stage == 3 and self.group.size == 1 and not self.precision.mixed:
+            return self.master
+        return None
+
     def publish(self, buf: torch.Tensor | None = None):
         """Make the updated values visible in a compute buffer: ``buf`` (stage 3's
         gathered buffer) or the persistent one, cast from the master copy in one
         operation. Stages 1-3 all-gather over dp (returns its ``Handle``); stage 0
-        holds everything already (None)."""
+        and a group of one hold everything already (None)."""
         buf = self.params if buf is None else buf
         lo, hi = self.update_range
         if self.stage == 3:
@@ -231,7 +240,7 @@ class FlatParams:
             buf[s0:s1].copy_(self.master)  # cast to the compute dtype
         elif self.precision.mixed:
             buf[lo:hi].copy_(self.master)
-        if self.stage == 0:
+        if self.stage == 0 or self.group.size == 1:
             return None
         return self._all_gather_in_place(buf)
 

@@ -3,7 +3,8 @@
 The step is PyTorch's fused AdamW over the flat buffers: one process takes
 ``torch.optim.AdamW(fused=True)``'s steps bit for bit; a skipped step changes
 nothing. Buckets are written by each step's first gradient, never zeroed: what
-a parameter got in an earlier step must not leak into a later one.
+a parameter got in an earlier step must not leak into a later one. A ZeRO-3
+unit of a group of one computes with its shard as it is.
 """
 
 import contextlib
@@ -162,3 +163,29 @@ def _bucket_grads(engine) -> dict[str, torch.Tensor]:
         grad = flat.grad if flat.grad is not None else flat.grad_shard
         out.update({s.name: grad[s.offset:s.offset + s.numel].view(s.shape) for s in flat.slots})
     return out
+
+
+def test_zero3_in_a_group_of_one_uses_its_shards_as_they_are():
+    """fp32 in one process: a unit computes with its fp32 shard itself, gathering and
+    copying nothing (no pooled parameter buffer, ever); under bf16 the shard is cast
+    into a pooled buffer once per use."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = _engine(model, 3)
+    seen = []
+    for unit in engine.blocks:
+        unit.modules[0].register_forward_pre_hook(
+            lambda module, args, unit=unit: seen.append(
+                (unit.buffer.data_ptr() == unit.flat.master.data_ptr(), unit.gathered_bytes())))
+    for step in range(1, 3):
+        engine.zero_grad()
+        model(_batch(step)).square().sum().backward()
+        engine.step(CFG.lr)
+    assert seen and all(shared and held == 0 for shared, held in seen)
+    assert engine.peak_gathered_bytes == 0
+
+    mixed = _engine(Net().to(torch.bfloat16), 3, BF16)
+    mixed.zero_grad()
+    mixed.model(_batch(1, torch.bfloat16)).float().square().sum().backward()
+    mixed.step(CFG.lr)
+    assert mixed.peak_gathered_bytes > 0
