@@ -1,18 +1,22 @@
 """AdamW on flat tensors (pure functions).
 
-Every optimizer path in meshwise (plain data parallel, ZeRO 1/2/3) calls
-``adamw_update`` on whatever slice of parameters it owns, so the update is the
-same arithmetic whatever the layout. It matches ``torch.optim.AdamW``'s
-single-tensor implementation (Loshchilov & Hutter 2019: decoupled weight decay,
-Adam's bias correction).
+Every optimizer path in meshwise (plain data parallel, ZeRO 1/2/3) hands the
+parameters (or parts of them) it owns to ``adamw_update``, so the update is the
+same arithmetic whatever the layout: ``torch.optim.AdamW``'s (Loshchilov &
+Hutter 2019: decoupled weight decay, Adam's bias correction), computed by
+PyTorch's fused AdamW kernel through its public functional API
+(``torch.optim.adamw.adamw(fused=True)``): one pass over parameters,
+gradients and both moments, on the CPU and on CUDA, where the same arithmetic
+written as separate tensor operations reads and writes each element about a
+dozen times.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+from torch.optim.adamw import adamw as _torch_adamw
 
 
 @dataclass(frozen=True)
@@ -23,57 +27,45 @@ class AdamWConfig:
     weight_decay: float = 0.1
 
 
-class SkipGate:
-    """Whether an optimizer step is skipped, decided on the device: ``skip`` is a 0-dim
-    bool tensor (a non-finite loss or gradient anywhere), never read on the host.
-
-    AdamW's factors become 0-dim tensors that equal their usual value when the step
-    is taken and leave every tensor as it was when it is skipped (made once per
-    dtype and device, exactly as the Python numbers would be rounded)."""
-
-    def __init__(self, skip: torch.Tensor):
-        self.skip = skip
-        self._factors: dict = {}
-
-    def factor(self, value: float, idle: float, like: torch.Tensor) -> torch.Tensor:
-        key = (value, idle, like.dtype, like.device)
-        if key not in self._factors:
-            taken = torch.full((), value, dtype=like.dtype, device=like.device)
-            self._factors[key] = taken.masked_fill_(self.skip.to(like.device), idle)
-        return self._factors[key]
-
-
 @torch.no_grad()
-def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                 exp_avg_sq: torch.Tensor, step: int, lr: float, cfg: AdamWConfig,
-                 weight_decay: float | None = None, gate: SkipGate | None = None) -> None:
-    """One AdamW step in place. ``step`` is 1-based; ``weight_decay`` overrides ``cfg``.
+def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor],
+                 exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], step: int,
+                 lr: float, cfg: AdamWConfig, weight_decay: float | None = None,
+                 grad_scale=1.0, skip: torch.Tensor | None = None) -> None:
+    """One AdamW step in place on each ``params[i]`` (all of one dtype and device),
+    gradients times ``grad_scale`` (a number or a 0-dim tensor on the device: the
+    clipping factor). ``step`` is 1-based; ``weight_decay`` overrides ``cfg``'s.
 
-    With ``gate``, a skipped step changes nothing: its gradient (which may hold NaN)
-    is replaced by zeros before it reaches the moments, the decay, momentum and
-    second-moment factors become identities and the denominator infinite."""
+    The gradients are left multiplied by ``grad_scale``. ``skip``: a 0-dim bool
+    tensor on the device; where true, the step changes nothing (the kernel reads it
+    on the device and returns: no host read), whatever the gradients hold.
+    """
+    if not params:
+        return
+    dtype, device = params[0].dtype, params[0].device
+    unscale = None
+    if torch.is_tensor(grad_scale) or grad_scale != 1.0:
+        if dtype == torch.float32:
+            # The kernel divides by a float32 scale as it reads the gradient: clipping
+            # costs no pass of its own (g / fp32(1 / c): within an ulp of g * c).
+            if torch.is_tensor(grad_scale):
+                unscale = grad_scale.reciprocal().to(device, torch.float32).reshape(())
+            else:  # filled on the device: a tensor copied from the host would sync CUDA
+                unscale = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=device)
+        else:  # a float32 divisor would round float64 gradients: scale them exactly
+            for grad in grads:
+                grad.mul_(grad_scale)
+    found_inf = None if skip is None else skip.to(device=device, dtype=torch.float32)
+    # The functional API counts steps in tensors, adding one before the update (and
+    # taking ``found_inf`` off after it): fresh ones, one per tensor, at ``step - 1``.
+    steps = list(torch.full((len(params),), step - 1, dtype=torch.float32,
+                            device=device).unbind())
     beta1, beta2 = cfg.betas
-    wd = cfg.weight_decay if weight_decay is None else weight_decay
-    if gate is not None:
-        grad = grad.masked_fill(gate.skip, 0.0)
-    if wd:
-        param.mul_(1 - lr * wd if gate is None else gate.factor(1 - lr * wd, 1.0, param))
-    exp_avg.lerp_(grad, 1 - beta1 if gate is None else gate.factor(1 - beta1, 0.0, exp_avg))
-    decay_sq = beta2 if gate is None else gate.factor(beta2, 1.0, exp_avg_sq)
-    exp_avg_sq.mul_(decay_sq).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
-    if gate is not None:
-        denom.masked_fill_(gate.skip, math.inf)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-
-
-def chunk_numel(device: torch.device) -> int:
-    """Elements per ``adamw_update`` call: on the CPU few enough that its ~8 passes
-    stay in cache (2^18); on an accelerator many (2^24), so that a 1B-parameter
-    model's update is ~60 chunks of a dozen kernels, with bounded temporaries."""
-    return 2**18 if torch.device(device).type == "cpu" else 2**24
+    _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True,
+                 grad_scale=unscale, found_inf=found_inf, amsgrad=False, beta1=beta1,
+                 beta2=beta2, lr=lr,
+                 weight_decay=cfg.weight_decay if weight_decay is None else weight_decay,
+                 eps=cfg.eps, maximize=False)
 
 
 def decays(name: str, param: torch.Tensor) -> bool:

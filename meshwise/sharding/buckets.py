@@ -7,6 +7,14 @@ is complete, so communication overlaps the rest of backward (Megatron-LM's
 ``start_grad_sync`` / ``finish_grad_sync``). Gradients are SUMMED over dp: each
 micro-batch loss is already divided by the global token count.
 
+A step's first gradient of a parameter is copied into its bucket (cast there
+from bf16 under mixed precision), so buckets are never zeroed: autograd hands
+over the gradient it made (``.grad`` is None after ``zero_grad()``) and one
+copy writes it, where zeroing and adding into the bucket would read and write
+it twice more. Later micro-batches add into the bucket: autograd in place
+through ``.grad`` (a view of it), or, for a gradient of another dtype, the
+hook. A parameter that got no gradient is zeroed when its bucket is reduced.
+
 - stage 0: buckets all-reduced; every rank updates everything.
 - stage 1 (P_os): all-reduced; AdamW state and update for this rank's shard only,
   then the parameters are all-gathered.
@@ -110,9 +118,10 @@ class ZeroOptimizer(EngineBase):
         self._grad_views: list[torch.Tensor | None] = [None] * len(self._params)
         self._full_grads: dict[int, torch.Tensor] = {}  # stage 2: buckets being reduced
         self._accumulate_by_hook = precision.reduce_dtype != precision.param_dtype
+        self._fresh = [True] * len(self._params)  # its bucket part awaits this step's first
         if stage < 2:
             for b in range(len(self.flats)):
-                self._point_grads(b, self.flats[b].grad)
+                self._set_views(b, self.flats[b].grad)
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
                        for i, p in enumerate(self._params)]
         self._gathers: list = [None] * len(self.flats)
@@ -137,14 +146,14 @@ class ZeroOptimizer(EngineBase):
         return flat[slot.offset:slot.offset + slot.numel].view(self._shapes[i])
 
     # ------------------------------------------------------------ gradient buffers
-    def _point_grads(self, b: int, grad_buf: torch.Tensor) -> None:
-        """Point ``.grad`` views of bucket ``b``'s parameters into ``grad_buf``, so
-        autograd accumulates in place (it does ``grad += new`` once grad is set)."""
+    def _set_views(self, b: int, grad_buf: torch.Tensor) -> None:
+        """Bucket ``b``'s parameters' parts of ``grad_buf``, to be written by their first
+        gradient."""
         for i in self._members[b]:
-            slot, param = self._slots[i], self._params[i]
-            self._grad_views[i] = grad_buf[slot.offset:slot.offset + slot.numel].view_as(param)
-            if not self._accumulate_by_hook:
-                param.grad = self._grad_views[i]
+            slot = self._slots[i]
+            self._grad_views[i] = grad_buf[slot.offset:slot.offset + slot.numel].view_as(
+                self._params[i])
+            self._fresh[i] = True
 
     def _full_grad(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s full gradient buffer; stage 2 takes one when its first gradient
@@ -153,8 +162,18 @@ class ZeroOptimizer(EngineBase):
             return self.flats[b].grad
         if b not in self._full_grads:
             self._full_grads[b] = self.flats[b].new_full_grad(self._pool)
-            self._point_grads(b, self._full_grads[b])
+            self._set_views(b, self._full_grads[b])
         return self._full_grads[b]
+
+    @torch.no_grad()
+    def _zero_unwritten(self, b: int) -> None:
+        """Parts of bucket ``b`` no gradient reached since they were fresh hold zero."""
+        for i in self._members[b]:
+            if self._fresh[i]:
+                self._grad_views[i].zero_()
+                self._fresh[i] = False
+                if not self._accumulate_by_hook:
+                    self._params[i].grad = self._grad_views[i]
 
     def _release_full_grad(self, b: int, buf: torch.Tensor) -> None:
         for i in self._members[b]:
@@ -177,19 +196,20 @@ class ZeroOptimizer(EngineBase):
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         bucket = self._slots[index].bucket
-        grad = param.grad  # read first: taking a stage-2 buffer points .grad into it
+        grad = param.grad
         self._full_grad(bucket)
         view = self._grad_views[index]
-        if self._accumulate_by_hook:  # e.g. bf16 gradients into an fp32 buffer
-            with torch.no_grad():
+        with torch.no_grad():
+            if self._fresh[index] or (grad is not view and not self._accumulate_by_hook):
+                # The step's first gradient (or autograd made a new tensor: .grad was
+                # replaced or set to None, or create_graph): it is the bucket's value.
+                if grad is not view:
+                    view.copy_(grad)  # e.g. bf16 gradients cast into an fp32 bucket
+                self._fresh[index] = False
+            elif self._accumulate_by_hook:
                 view.add_(grad)
-            param.grad = None
-        elif grad is not view:
-            # Autograd made a new tensor (.grad was replaced or set to None, or
-            # create_graph): copy it into the bucket.
-            with torch.no_grad():
-                view.copy_(grad)
-            param.grad = view
+        # Mixed dtypes: autograd makes the next gradient anew and the hook adds it.
+        param.grad = None if self._accumulate_by_hook else view
         self._seen[index] = self._has_grad[index] = True
         if not self._sync_enabled:
             # Local accumulation may overlap a sync in progress (a pipeline's
@@ -211,10 +231,11 @@ class ZeroOptimizer(EngineBase):
         # starts only once it is complete and buckets < k have started.
         while self._next_launch < len(self._pending) and self._pending[self._next_launch] == 0:
             b = self._next_launch
+            full_grad = self._full_grad(b)
+            self._zero_unwritten(b)
             release = partial(self._release_full_grad, b) if self.stage == 2 else None
-            self._handles[b] = self.flats[b].start_reduce(
-                self._full_grad(b), self.grad_reducer, key=b,
-                on_done=release)
+            self._handles[b] = self.flats[b].start_reduce(full_grad, self.grad_reducer, key=b,
+                                                          on_done=release)
             self._next_launch += 1
             if self.stage == 2:
                 # Each reduction in flight holds a full bucket of gradient: finish the
@@ -274,10 +295,16 @@ class ZeroOptimizer(EngineBase):
             self._sync_enabled = True
 
     def zero_grad(self) -> None:
-        """Zero the accumulated gradients (the full buffers, or the shards)."""
+        """Forget the accumulated gradients: the next ones overwrite the full buffers
+        (stages 0-1, see the module docstring); the shards (stage 2) are zeroed."""
         assert self._idle(), "zero_grad() while a gradient sync is in progress"
-        for flat in self.flats:
-            (flat.grad if self.stage < 2 else flat.grad_shard).zero_()
+        if self.stage < 2:
+            self._fresh = [True] * len(self._params)
+            for param in self._params:
+                param.grad = None  # autograd hands its new gradient to the hook
+        else:
+            for flat in self.flats:
+                flat.grad_shard.zero_()
         self._seen = [False] * len(self._params)
         self._has_grad = [False] * len(self._params)
 

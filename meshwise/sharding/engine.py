@@ -22,7 +22,7 @@ import torch
 from meshwise.comm import ops
 from meshwise.device.clocks import host_to_device
 from meshwise.layout.flat_runs import FlatRun
-from meshwise.sharding.adamw import AdamWConfig, SkipGate
+from meshwise.sharding.adamw import AdamWConfig, adamw_update
 
 
 class EngineBase:
@@ -108,15 +108,23 @@ class EngineBase:
         left alone, moments and weight decay included, as ``torch.optim.AdamW``
         skips a parameter whose ``.grad`` is None. ``skip``: a 0-dim bool tensor
         on the device; where true, the step changes nothing (a non-finite step,
-        found without a host read; the caller then calls ``unstep()``).
+        found without a host read; the caller then calls ``unstep()``). One fused
+        kernel per weight decay updates every buffer (``adamw_update``); then the
+        values are published (mixed precision: one cast per buffer).
         """
         self._before_update()
         self.wait_params()
         self.step_count += 1
         used = self._used_names()
-        gate = SkipGate(skip) if skip is not None else None
-        for flat in self.flats:
-            flat.adamw_step(self.step_count, lr, self.adamw, grad_scale, used, gate)
+        pieces = [piece for flat in self.flats for piece in flat.update_pieces(used)]
+        decay = self.adamw.weight_decay
+        for decays in ((True, False) if decay else (None,)):
+            chosen = [piece[1:] for piece in pieces if decays is None or piece[0] == decays]
+            if chosen:
+                params, grads, exp_avgs, exp_avg_sqs = (list(t) for t in zip(*chosen))
+                adamw_update(params, grads, exp_avgs, exp_avg_sqs, self.step_count, lr,
+                             self.adamw, weight_decay=decay if decays is not False else 0.0,
+                             grad_scale=grad_scale, skip=skip)
         self._publish()
 
     def unstep(self) -> None:

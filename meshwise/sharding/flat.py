@@ -33,7 +33,7 @@ import torch
 
 from meshwise.comm import ops, policy
 from meshwise.layout.flat_runs import FlatRun
-from meshwise.sharding.adamw import AdamWConfig, SkipGate, adamw_update, chunk_numel, squared_sum
+from meshwise.sharding.adamw import squared_sum
 from meshwise.sharding.plans import ShardPlan
 
 
@@ -120,6 +120,7 @@ class FlatParams:
         self.exp_avg = torch.zeros(hi - lo, dtype=fp32, device=device)
         self.exp_avg_sq = torch.zeros(hi - lo, dtype=fp32, device=device)
         self.grad = self.grad_shard = None
+        self._all_pieces = None  # update_pieces() of every parameter, once made
         if stage < 2:
             self.grad = torch.zeros(self.plan.padded_numel, dtype=precision.reduce_dtype,
                                     device=device)
@@ -142,9 +143,11 @@ class FlatParams:
 
     # ------------------------------------------------------------ gradients
     def new_full_grad(self, pool) -> torch.Tensor:
-        """A zeroed full-size gradient buffer (stages 2-3: only while reducing)."""
+        """A full-size gradient buffer (stages 2-3: only while reducing) whose padding is
+        zero; the caller writes every parameter's part before reducing it."""
         buf = pool.acquire(self.plan.padded_numel, self.precision.reduce_dtype, self.device)
-        return buf.zero_()
+        buf[self.numel:].zero_()
+        return buf
 
     def start_reduce(self, full_grad: torch.Tensor, reducer=None, key=None,
                      on_done=None) -> PendingReduce:
@@ -153,7 +156,8 @@ class FlatParams:
         if reducer is not None:
             handle = reducer.start(key, full_grad, self.shard_range if scatter else None)
             return PendingReduce(self, handle, full_grad, on_done=on_done)
-        if not scatter or policy.reduce_scatter_by_all_reduce(self.group):
+        # A group of one: the all-reduce returns at once and its shard is all of it.
+        if not scatter or self.group.size == 1 or policy.reduce_scatter_by_all_reduce(self.group):
             handle = ops.all_reduce(full_grad, self.group, category="grad", async_op=True)
             return PendingReduce(self, handle, full_grad, on_done=on_done)
         out = torch.empty(self.plan.shard_numel, dtype=full_grad.dtype, device=self.device)
@@ -192,45 +196,43 @@ class FlatParams:
         return total
 
     # ------------------------------------------------------------ update
-    @torch.no_grad()
-    def adamw_step(self, step: int, lr: float, cfg: AdamWConfig, grad_scale=1.0,
-                   used: set[str] | None = None, gate: SkipGate | None = None) -> None:
-        """AdamW on ``update_range``, gradients times ``grad_scale`` (a number or a
-        0-dim tensor on the device), skipping parameters not in ``used`` (no
-        gradient; ``None``: all got one) and, with ``gate``, the whole step where
-        it says so."""
-        lo = self.update_range[0]
-        grad = self.owned_grad()
-        chunk = chunk_numel(self.device)
-        scaled = torch.is_tensor(grad_scale) or grad_scale != 1.0
-        for start, end, decays in self._runs(used):
-            for s in range(start, end, chunk):
-                e = min(s + chunk, end)
-                g = grad[s - lo:e - lo]
-                g = g.to(self.master.dtype)  # bf16 gradients reduced in bf16
-                g = g * grad_scale if scaled else g
-                adamw_update(self.master[s - lo:e - lo], g, self.exp_avg[s - lo:e - lo],
-                             self.exp_avg_sq[s - lo:e - lo], step, lr, cfg,
-                             weight_decay=cfg.weight_decay if decays else 0.0, gate=gate)
+    def update_pieces(self, used: set[str] | None = None) -> list[tuple]:
+        """What AdamW updates here: ``(decays, master, grad, exp_avg, exp_avg_sq)``, views
+        of each parameter's part of ``update_range``, leaving out parameters not in
+        ``used`` (no gradient; ``None``: all got one). Gradients reduced in another
+        dtype (bf16) are cast once, for the whole buffer.
 
-    def _runs(self, used: set[str] | None) -> list[tuple[int, int, bool]]:
-        """``[start, end)`` runs of ``update_range`` to update, one weight decay each."""
+        A piece per parameter, not runs of several: the fused kernel's rounding
+        differs in a tensor's last few elements (its vector loop's remainder), so
+        a whole parameter takes exactly ``torch.optim.AdamW(fused=True)``'s step."""
+        grad = self.owned_grad()
+        cast = grad.dtype != self.master.dtype
+        if used is None and not cast and self._all_pieces is not None:
+            return self._all_pieces  # views of buffers kept for the engine's life
+        if cast:
+            grad = grad.to(self.master.dtype)
         lo, hi = self.update_range
-        runs: list[list] = []
-        for slot, a, b in self._overlaps(lo, hi):
-            if used is not None and slot.name not in used:
-                continue
-            if runs and runs[-1][1] == a and runs[-1][2] == slot.decays:
-                runs[-1][1] = b
-            else:
-                runs.append([a, b, slot.decays])
-        return [tuple(r) for r in runs]
+        pieces = [(slot.decays, self.master[a - lo:b - lo], grad[a - lo:b - lo],
+                   self.exp_avg[a - lo:b - lo], self.exp_avg_sq[a - lo:b - lo])
+                  for slot, a, b in self._overlaps(lo, hi) if used is None or slot.name in used]
+        if used is None and not cast:
+            self._all_pieces = pieces
+        return pieces
 
     # ------------------------------------------------------------ parameters
+    def whole_params(self) -> torch.Tensor | None:
+        """The compute parameters themselves where this rank's shard is all of them, in
+        the compute dtype (stage 3 over a group of one, without mixed precision): a
+        unit then uses them as they are, with nothing to gather or copy. Else None."""
+        if self.stage == 3 and self.group.size == 1 and not self.precision.mixed:
+            return self.master
+        return None
+
     def publish(self, buf: torch.Tensor | None = None):
         """Make the updated values visible in a compute buffer: ``buf`` (stage 3's
-        gathered buffer) or the persistent one. Stages 1-3 all-gather over dp
-        (returns its ``Handle``); stage 0 holds everything already (None)."""
+        gathered buffer) or the persistent one, cast from the master copy in one
+        operation. Stages 1-3 all-gather over dp (returns its ``Handle``); stage 0
+        and a group of one hold everything already (None)."""
         buf = self.params if buf is None else buf
         lo, hi = self.update_range
         if self.stage == 3:
@@ -238,7 +240,7 @@ class FlatParams:
             buf[s0:s1].copy_(self.master)  # cast to the compute dtype
         elif self.precision.mixed:
             buf[lo:hi].copy_(self.master)
-        if self.stage == 0:
+        if self.stage == 0 or self.group.size == 1:
             return None
         return self._all_gather_in_place(buf)
 

@@ -62,6 +62,7 @@ class Unit:
         self.anchor = torch.zeros(0, device=device, requires_grad=True)
         self._empty = torch.empty(0, dtype=self.param_dtype, device=device)
         self.buffer: torch.Tensor | None = None  # the gathered parameters, while gathered
+        self._pooled = False  # the buffer is the pool's (not the shard itself)
         self._gather = None  # the all-gather in flight
         self.has_grad = [False] * len(slots)  # per parameter, since zero_grad()
         self.needs_backward = False  # ran forward with autograd; backward not done yet
@@ -74,12 +75,19 @@ class Unit:
         return self.buffer is not None
 
     def gathered_bytes(self) -> int:
-        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+        """Bytes held for the gathered parameters beyond the shard."""
+        return self.buffer.numel() * self.buffer.element_size() if self._pooled else 0
 
     def start_gather(self) -> bool:
-        """Take a buffer and launch the all-gather; False if already gathered."""
+        """Take a buffer and launch the all-gather; False if already gathered. A shard
+        that is the whole unit in the compute dtype (a group of one) is used as it is."""
         if self.buffer is not None:
             return False
+        whole = self.flat.whole_params()
+        self._pooled = whole is None
+        if whole is not None:
+            self.buffer = whole
+            return True
         self.buffer = self.pool.acquire(self.flat.plan.padded_numel, self.param_dtype,
                                         self.flat.device)
         self._gather = self.flat.publish(self.buffer)
@@ -96,8 +104,9 @@ class Unit:
         if self.buffer is None:
             return False
         self.wait_gather()  # never hand out memory a transfer is writing
-        self.pool.release(self.buffer)
-        self.buffer = None
+        if self._pooled:
+            self.pool.release(self.buffer)
+        self.buffer, self._pooled = None, False
         self.hide_views()
         return True
 
@@ -132,9 +141,9 @@ class Unit:
         at the peak); the engine frees the unit without giving it back to the pool.
         """
         flat = self.flat
-        if self.buffer is not None and self.buffer.dtype == flat.precision.reduce_dtype:
+        if self._pooled and self.buffer.dtype == flat.precision.reduce_dtype:
             self.wait_gather()
-            full, self.buffer = self.buffer, None
+            full, self.buffer, self._pooled = self.buffer, None, False
             self.hide_views()
         else:
             full = self.pool.acquire(flat.plan.padded_numel, flat.precision.reduce_dtype,

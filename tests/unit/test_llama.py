@@ -185,6 +185,26 @@ def test_swiglu_keeps_its_inputs_only_and_differentiates_as_autograd():
     assert len(saved) == 2 and saved[0] is gate and saved[1] is up
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_backward_is_autograds_bit_for_bit_in_four_kernels(dtype):
+    """autograd's three (it keeps silu(gate)) and the recomputed silu: no more."""
+    from torch.profiler import profile
+
+    from meshwise.models.llama import swiglu
+
+    gate, up = (torch.randn(4, 6, 40, dtype=dtype, requires_grad=True) for _ in range(2))
+    grad = torch.randn(4, 6, 40, dtype=dtype)
+    reference = torch.autograd.grad(torch.nn.functional.silu(gate) * up, (gate, up), grad)
+    out = swiglu(gate, up)
+    with profile() as prof:
+        got = torch.autograd.grad(out, (gate, up), grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
+    plumbing = ("empty", "view", "strided", "detach", "alias", "resize")
+    kernels = [e.name for e in prof.events()
+               if e.name.startswith("aten::") and not any(w in e.name for w in plumbing)]
+    assert len(kernels) <= 4, kernels
+
+
 def test_grouped_query_attention_keeps_kv_heads_unrepeated():
     """The kv heads reach attention (and its saved tensors) as they are, not repeated."""
     from meshwise.models.llama import Llama, LlamaConfig

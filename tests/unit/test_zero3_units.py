@@ -28,7 +28,9 @@ def _reference_adamw(model):
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
               {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, foreach=False)
+    # The engines step with PyTorch's fused AdamW kernel: one process takes its steps
+    # bit for bit.
+    return torch.optim.AdamW(groups, lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, fused=True)
 
 
 class CheckpointedBlocks(nn.Module):
@@ -102,7 +104,18 @@ def test_bad_units_are_rejected_before_touching_the_model():
     assert len(list(tied.parameters())) == 3  # nothing unregistered
 
 
-def test_shard_ranges_values_and_decay_runs():
+def _pieces(flat, used=None):
+    """``(start, end, decays)`` in buffer elements of each piece AdamW updates."""
+    lo, base = flat.update_range[0], flat.master.data_ptr()
+    out = []
+    for decay, master, grad, exp_avg, exp_avg_sq in flat.update_pieces(used):
+        start = lo + (master.data_ptr() - base) // master.element_size()
+        assert grad.numel() == exp_avg.numel() == exp_avg_sq.numel() == master.numel()
+        out.append((start, start + master.numel(), decay))
+    return out
+
+
+def test_shard_ranges_values_and_decay_pieces():
     """weight (4x3=12) + bias (4) = 16: over 3 ranks padded to 18, shards of 6."""
     lin = nn.Linear(3, 4)
     slots = [ParamSlot("weight", lin.weight.shape, 0, 12, True),
@@ -116,12 +129,13 @@ def test_shard_ranges_values_and_decay_runs():
     assert middle.plan.shard_numel == 6 and middle.plan.padding == 2
     assert middle.update_range == (6, 12) and middle.params is None
     assert torch.equal(middle.master, lin.weight.detach().reshape(-1)[6:12])
-    assert middle._runs(None) == [(6, 12, True)]
+    assert _pieces(middle) == [(6, 12, True)]
     last = flat(3, 2)  # elements 12..16 and two of padding
     assert last.update_range == (12, 16) and last.master.numel() == 6
     assert torch.equal(last.master[:4], lin.bias.detach()) and not last.master[4:].any()
-    assert flat(2, 1)._runs(None) == [(8, 12, True), (12, 16, False)]
-    assert flat(2, 1)._runs({"bias"}) == [(12, 16, False)]
+    assert _pieces(flat(2, 1)) == [(8, 12, True), (12, 16, False)]
+    assert _pieces(flat(2, 1), {"bias"}) == [(12, 16, False)]
+    assert _pieces(flat(1, 0, stage=0)) == [(0, 12, True), (12, 16, False)]
     stage1 = flat(2, 0, stage=1)  # full compute buffer; the master is its own range
     assert stage1.master.data_ptr() == stage1.params.data_ptr()
     assert torch.equal(stage1.params[:12], lin.weight.detach().reshape(-1))
