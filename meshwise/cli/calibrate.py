@@ -176,8 +176,8 @@ def runtime_memory(peak_rss_bytes: float, values: dict) -> float:
     cfg = _run_config()
     shape, layout = model_shape(cfg), Layout.of(cfg)
     device = cpu_profile({**values, "overhead_bytes": 0})
-    _, flights = step_time(shape, layout, settings_of(cfg), device)
-    return peak_rss_bytes - peak_memory(shape, layout, settings_of(cfg), flights, 0.0).total
+    _, flights = step_time(shape, layout, settings_of(cfg, device), device)
+    return peak_rss_bytes - peak_memory(shape, layout, settings_of(cfg, device), flights, 0.0).total
 
 
 # Two things a rank does that make PyTorch load code it had not loaded yet, each run in a

@@ -48,7 +48,8 @@ class PlanRequest:
             raise ValueError(f"--explain {layout.flags()!r} has dp x cp x tp x pp = "
                              f"{layout.world_size} ranks, not --world {self.world}")
         layout.apply(self.cfg).validate()
-        return predict(self.shape, layout, settings_of(self.cfg), self.device, self.limit)
+        return predict(self.shape, layout, settings_of(self.cfg, self.device), self.device,
+                       self.limit)
 
     def run(self) -> list[Prediction]:
         """Every valid layout that fits, best first (NoLayoutFits when none does)."""

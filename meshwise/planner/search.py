@@ -97,7 +97,7 @@ def search(cfg: TrainConfig, shape: ModelShape, world: int, device: DeviceProfil
     Each candidate is timed with its pipeline simulated at coarse costs (one significant
     digit, so that thousands of layouts share a few simulations); the best ``REFINED``
     are timed again exactly and ranked by that."""
-    st = settings_of(cfg)
+    st = settings_of(cfg, device)
     fitting, over = [], []
     stages, modes = _valid_choices(cfg, space)
     for structure in _structures(cfg, world, space):
@@ -159,9 +159,14 @@ def _valid_choices(cfg: TrainConfig, space: Space) -> tuple[tuple, tuple]:
     return zeros, modes
 
 
-def settings_of(cfg: TrainConfig) -> Settings:
-    return Settings(seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
-                    dtype=cfg.runtime.dtype, grad_reduce_dtype=cfg.runtime.grad_reduce_dtype,
+def settings_of(cfg: TrainConfig, device: DeviceProfile) -> Settings:
+    """The settings a step's cost depends on; ``--dtype auto`` as it resolves on
+    ``device`` (bf16 on a GPU profile, fp32 on the CPU)."""
+    dtype = cfg.runtime.dtype
+    if dtype == "auto":
+        dtype = "fp32" if device.name == "cpu" else "bf16"
+    return Settings(seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size, dtype=dtype,
+                    grad_reduce_dtype=cfg.runtime.grad_reduce_dtype,
                     bucket_mb=cfg.comm.bucket_mb)
 
 

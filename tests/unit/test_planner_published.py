@@ -19,7 +19,7 @@ def test_each_published_run_is_predicted_within_20_percent(run, tmp_path):
         assert row["pred_tokens_per_gpu"] <= row["published_tokens_per_gpu"], row
 
 
-def test_the_measured_meshwise_step_on_an_h200_is_predicted_within_10_percent(tmp_path):
+def test_the_measured_step_on_an_h200_is_predicted_within_10_percent(tmp_path):
     (run,) = [r for r in PUBLISHED if r.model == "llama-1b"]
     assert abs(predict(run, tmp_path)["error"]) <= 0.10
 
