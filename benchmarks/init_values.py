@@ -32,7 +32,7 @@ def laid_out(vocab: int, tp: int, tp_rank: int):
     fam = family("llama")
     cfg = fam.make_config({**ModelConfig(preset="llama-1b").sizes(vocab), "dropout": 0.0})
     with on_meta():
-        model = fam.build(cfg, None)
+        model = fam.build(cfg)
     group = types.SimpleNamespace(rank=tp_rank, size=tp) if tp > 1 else None
     pm = parallelize(model, fam.plan(cfg), tp_group=group, vocab_size=vocab,
                      check_forward=False)
