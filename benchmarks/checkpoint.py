@@ -33,8 +33,15 @@ import torch
 # Runnable from a checkout without installing (spawned ranks re-import this file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (median, meshwise_gpt, print_json, reference_gpt,  # noqa: E402
-                               spawn, token_loss_sum, torch_param_groups)
+from benchmarks.common import (  # noqa: E402
+    median,
+    meshwise_gpt,
+    print_json,
+    reference_gpt,
+    spawn,
+    token_loss_sum,
+    torch_param_groups,
+)
 from meshwise.checkpoint.state import load, save  # noqa: E402
 from meshwise.checkpoint.store import Checkpoint  # noqa: E402
 from meshwise.comm import ops  # noqa: E402

@@ -58,11 +58,22 @@ import torch.nn.functional as F
 # Runnable from a checkout without installing (spawned ranks re-import this file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (add_gpt_args, add_round_args, adamw_config,  # noqa: E402
-                               gpt_config, median, meshwise_gpt, new_timings, print_json,
-                               record, reference_gpt, run_rounds, spawn, torch_param_groups)
-from benchmarks.pipeline_report import (SCHEDULE_OF, VARIANTS, report,  # noqa: E402
-                                        virtual_stages)
+from benchmarks.common import (  # noqa: E402
+    adamw_config,
+    add_gpt_args,
+    add_round_args,
+    gpt_config,
+    median,
+    meshwise_gpt,
+    new_timings,
+    print_json,
+    record,
+    reference_gpt,
+    run_rounds,
+    spawn,
+    torch_param_groups,
+)
+from benchmarks.pipeline_report import SCHEDULE_OF, VARIANTS, report, virtual_stages  # noqa: E402
 from meshwise.apply.parallelize import parallelize  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.mesh import Mesh, ParallelDims  # noqa: E402

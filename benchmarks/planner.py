@@ -39,6 +39,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.planner_contest import (  # noqa: E402
+    SEQUENCE,
+    contestants,
+    idle_s,
+    job_env,
+    job_flags,
+    ranking,
+    run_contest,
+    timed_job,
+)
+from benchmarks.planner_published import planning_time, published  # noqa: E402
 from meshwise.cli.calibrate import train_records  # noqa: E402
 from meshwise.cli.main import build_parser  # noqa: E402
 from meshwise.cli.plan import model_config  # noqa: E402
@@ -46,9 +57,6 @@ from meshwise.planner.devices import load_calibration  # noqa: E402
 from meshwise.planner.layout import Layout  # noqa: E402
 from meshwise.planner.plan import plan_request  # noqa: E402
 from meshwise.planner.search import Space  # noqa: E402
-from benchmarks.planner_contest import (SEQUENCE, contestants, idle_s, job_env,  # noqa: E402
-                                        job_flags, ranking, run_contest, timed_job)
-from benchmarks.planner_published import planning_time, published  # noqa: E402
 
 MODELS = {
     "gpt": ["--model", "small", "--n-layer", "8"],

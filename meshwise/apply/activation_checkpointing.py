@@ -30,8 +30,11 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 MODES = ("none", "selective", "full")
 _aten = torch.ops.aten

@@ -16,8 +16,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from meshwise.checkpoint.store import (MANIFEST, Checkpoint, CheckpointError,
-                                       complete_checkpoints, resolve, step_entries, step_of)
+from meshwise.checkpoint.store import (
+    MANIFEST,
+    Checkpoint,
+    CheckpointError,
+    complete_checkpoints,
+    resolve,
+    step_entries,
+    step_of,
+)
 
 SET_ASIDE_PREFIX = "set-aside-"
 

@@ -19,9 +19,14 @@ from pathlib import Path
 
 from meshwise.checkpoint import manifest
 from meshwise.checkpoint.lineage import Lineage
-from meshwise.checkpoint.store import (TEMP_PREFIX, TRASH_PREFIX, CheckpointError,
-                                       complete_checkpoints, step_dir_name, temp_dir)
-
+from meshwise.checkpoint.store import (
+    TEMP_PREFIX,
+    TRASH_PREFIX,
+    CheckpointError,
+    complete_checkpoints,
+    step_dir_name,
+    temp_dir,
+)
 
 
 def with_headroom(num_bytes: int) -> int:

@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 
 from meshwise.checkpoint.save_dir import SaveDir
-from meshwise.checkpoint.store import (Checkpoint, CheckpointWriteError, finalize,
-                                       write_rank_file)
+from meshwise.checkpoint.store import Checkpoint, CheckpointWriteError, finalize, write_rank_file
 from meshwise.comm import ops
 from meshwise.layout.flat_runs import FlatRun
 from meshwise.layout.pieces import Piece, pieces_in_range

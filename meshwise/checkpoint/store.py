@@ -37,8 +37,7 @@ from pathlib import Path
 import torch
 
 from meshwise.checkpoint import manifest as manifest_file
-from meshwise.checkpoint.manifest import (FORMAT, MANIFEST, VERSION,  # noqa: F401
-                                          CheckpointError)
+from meshwise.checkpoint.manifest import FORMAT, MANIFEST, VERSION, CheckpointError  # noqa: F401
 from meshwise.layout.pieces import Piece, copy_overlap
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")

@@ -20,8 +20,13 @@ from pathlib import Path
 from meshwise.checkpoint import resume
 from meshwise.checkpoint.lineage import Lineage
 from meshwise.checkpoint.lock import SaveDirLock
-from meshwise.checkpoint.save_dir import (checkpoint_bytes, human_bytes,
-                                          stale_temporaries, with_headroom, SaveDir)
+from meshwise.checkpoint.save_dir import (
+    SaveDir,
+    checkpoint_bytes,
+    human_bytes,
+    stale_temporaries,
+    with_headroom,
+)
 from meshwise.checkpoint.store import Checkpoint
 from meshwise.cli import launch
 from meshwise.train.config import TrainConfig

@@ -20,8 +20,14 @@ from typing import Iterator
 from meshwise.cli import launch
 from meshwise.data.corpus import plan_pieces, read_piece
 from meshwise.data.files import available_cpus
-from meshwise.data.readers import (DATA_FORMATS, DataFile, ReadOptions, RecordCounts,
-                                   data_files, file_documents)
+from meshwise.data.readers import (
+    DATA_FORMATS,
+    DataFile,
+    ReadOptions,
+    RecordCounts,
+    data_files,
+    file_documents,
+)
 from meshwise.data.token_files import _ours, exclusive_build, sidecar_path
 from meshwise.data.tokenizer import ByteTokenizer
 

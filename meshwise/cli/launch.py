@@ -34,8 +34,15 @@ from typing import Callable
 import torch
 
 from meshwise.cli.postmortem import JobFolder
-from meshwise.cli.ranks import (EXPECTED_ERRORS, STOP_GRACE_S, RankFailed,  # noqa: F401
-                                RankWatch, failure_message, stop_ranks, supervise)
+from meshwise.cli.ranks import (  # noqa: F401
+    EXPECTED_ERRORS,
+    STOP_GRACE_S,
+    RankFailed,
+    RankWatch,
+    failure_message,
+    stop_ranks,
+    supervise,
+)
 from meshwise.comm import ops
 from meshwise.device.choice import rank_device
 

@@ -15,14 +15,14 @@ from pathlib import Path
 from meshwise.checkpoint import resume
 from meshwise.cli import capacity, launch
 from meshwise.cli.checkpoint_dir import check_start
-from meshwise.device import choice
-from meshwise.data.files import available_cpus
 from meshwise.data.batches import BatchSource
 from meshwise.data.chat_files import resolve_chat_data
 from meshwise.data.chat_templates import load_template
 from meshwise.data.dataset import TokenDataset, read_meta, recorded_tokenizer, resolve_data
+from meshwise.data.files import available_cpus
 from meshwise.data.readers import ReadOptions
 from meshwise.data.tokenizer import ByteTokenizer, check_vocab_fits, load_tokenizer
+from meshwise.device import choice
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
 from meshwise.train.loggers import missing_extra, parse_log_to

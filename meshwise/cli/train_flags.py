@@ -19,9 +19,16 @@ import dataclasses
 
 from meshwise.data.order import DATA_ORDERS
 from meshwise.data.readers import DATA_FORMATS
-from meshwise.train.config import (ACTIVATION_CHECKPOINTING, DEVICES, DTYPES,
-                                   GRAD_REDUCE_DTYPES, MODEL_PRESETS,
-                                   ON_NAN, SCHEDULES as PIPELINE_SCHEDULES, TrainConfig)
+from meshwise.train.config import (
+    ACTIVATION_CHECKPOINTING,
+    DEVICES,
+    DTYPES,
+    GRAD_REDUCE_DTYPES,
+    MODEL_PRESETS,
+    ON_NAN,
+    TrainConfig,
+)
+from meshwise.train.config import SCHEDULES as PIPELINE_SCHEDULES
 from meshwise.train.lr_schedule import DECAY_SHAPES, SCHEDULES
 
 # (flag, config section, field, type, help). The help's default is added from

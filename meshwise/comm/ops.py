@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 
 from meshwise.comm.checks.context import CommContext, default_device
+from meshwise.comm.handle import CollectiveTimeout, CommCounters, Handle, is_timeout, timeout_error  # noqa: F401
 from meshwise.device.choice import rank_device
-from meshwise.comm.handle import (CollectiveTimeout, CommCounters, Handle,  # noqa: F401
-                                  is_timeout, timeout_error)
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

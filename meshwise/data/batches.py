@@ -21,8 +21,7 @@ import torch
 from meshwise.data.chat_files import open_chat_file, record_location
 from meshwise.data.dataset import SPLITS, VAL_MIN_SEQUENCES, TokenDataset
 from meshwise.data.order import epoch_position, window_offsets
-from meshwise.data.packing import (LONG_CONVERSATIONS, LOSS_ON, Batch, PackedRows,
-                                   separator_starts)
+from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON, Batch, PackedRows, separator_starts
 from meshwise.data.token_files import read_meta
 
 logger = logging.getLogger("meshwise")

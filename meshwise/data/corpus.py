@@ -38,8 +38,13 @@ from meshwise.data import tables
 from meshwise.data.files import SNIFF_BYTES
 from meshwise.data.readers import DataFile, ReadOptions, RecordCounts
 from meshwise.data.records import jsonl_documents, jsonl_ranges
-from meshwise.data.token_files import (ACCEPTED, TOKEN_DTYPES, _atomic_write, _write_meta,
-                                       dtype_for_vocab)
+from meshwise.data.token_files import (
+    ACCEPTED,
+    TOKEN_DTYPES,
+    _atomic_write,
+    _write_meta,
+    dtype_for_vocab,
+)
 from meshwise.data.tokenizer import Tokenizer, load_tokenizer
 from meshwise.data.workers import ordered_results
 

@@ -25,12 +25,19 @@ import torch
 
 # Re-exported: building and finding token files is part of this module's interface.
 from meshwise.data.order import window_offsets
-from meshwise.data.sources import (build_with_progress, default_cache_dir,  # noqa: F401
-                                   resolve_data)
+from meshwise.data.sources import build_with_progress, default_cache_dir, resolve_data  # noqa: F401
+
 # Re-exported: the token-file format is part of this module's interface.
-from meshwise.data.token_files import (ACCEPTED, BYTE_VOCAB_SIZE, TOKEN_DTYPE,  # noqa: F401
-                                       largest_id, read_meta, recorded_tokenizer,
-                                       resolve_vocab_size, sidecar_path)
+from meshwise.data.token_files import (  # noqa: F401
+    ACCEPTED,
+    BYTE_VOCAB_SIZE,
+    TOKEN_DTYPE,
+    largest_id,
+    read_meta,
+    recorded_tokenizer,
+    resolve_vocab_size,
+    sidecar_path,
+)
 from meshwise.data.token_files import token_dtype as dtype_of
 
 logger = logging.getLogger("meshwise")

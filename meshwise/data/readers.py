@@ -54,9 +54,16 @@ from typing import Iterator
 
 from meshwise.data import tables
 from meshwise.data.files import SNIFF_BYTES, file_problem, list_files
+
 # Re-exported: the errors and counts are part of this module's interface.
-from meshwise.data.records import (DataFormatError, RecordCounts, checked_text,  # noqa: F401
-                                   document_text, jsonl_documents, jsonl_records)
+from meshwise.data.records import (  # noqa: F401
+    DataFormatError,
+    RecordCounts,
+    checked_text,
+    document_text,
+    jsonl_documents,
+    jsonl_records,
+)
 
 logger = logging.getLogger("meshwise")
 

@@ -27,8 +27,13 @@ from meshwise.data.corpus import build_token_file
 from meshwise.data.files import list_files
 from meshwise.data.progress import Progress
 from meshwise.data.readers import DataFile, ReadOptions, data_files
-from meshwise.data.token_files import (ACCEPTED, check_tokenizer, exclusive_build, read_meta,
-                                       sidecar_path)
+from meshwise.data.token_files import (
+    ACCEPTED,
+    check_tokenizer,
+    exclusive_build,
+    read_meta,
+    sidecar_path,
+)
 from meshwise.data.tokenizer import BYTE_LEVEL, ByteTokenizer, Tokenizer
 
 logger = logging.getLogger("meshwise")

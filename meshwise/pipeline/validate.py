@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from meshwise.pipeline.replay import replay
-from meshwise.pipeline.schedules import (COMM_KINDS, COMPUTE_KINDS, Action, Schedule,
-                                         ScheduleError)
+from meshwise.pipeline.schedules import COMM_KINDS, COMPUTE_KINDS, Action, Schedule, ScheduleError
 
 
 def validate(schedule: Schedule) -> None:

@@ -35,8 +35,7 @@ from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import DTYPE_BYTES, Settings, activation_bytes_per_token
 from meshwise.planner.shapes import ModelShape
-from meshwise.planner.traffic import (LOSS_BACKWARD, LOSS_FORWARD, collect_bytes,
-                                      layer_traffic)
+from meshwise.planner.traffic import LOSS_BACKWARD, LOSS_FORWARD, collect_bytes, layer_traffic
 
 # Kernels per layer in the forward (counted in the families' code: norms, projections,
 # reshapes, attention, activations, residual adds); the backward runs about twice as many.

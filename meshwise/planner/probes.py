@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from meshwise.comm.allreduce.allreducer import probe
 from meshwise.comm.allreduce.algorithms import Topology
+from meshwise.comm.allreduce.allreducer import probe
 
 
 def _best(fn, runs: int = 7) -> float:

@@ -38,9 +38,15 @@ from torch import nn
 from meshwise.layout.init import Init, init_values, normal
 from meshwise.layout.params import mark_tp
 from meshwise.layout.pieces import Piece
-from meshwise.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
-                                               reduce_scatter_sequence, scatter_to_tp,
-                                               tp_rank_of, tp_size_of)
+from meshwise.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    scatter_to_tp,
+    tp_rank_of,
+    tp_size_of,
+)
 from meshwise.tensor_parallel.weight_grads import WeightGradStore, linear
 
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshwise.device.clocks import host_to_device
 from meshwise.context_parallel.ring import RingAttention
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import rank_slice
 from meshwise.data.packing import documents_from_starts
+from meshwise.device.clocks import host_to_device
 from meshwise.layout.sequence import SequenceShard
 from meshwise.mesh import Mesh
 from meshwise.models.attention import Positions, ScaledDotProductAttention

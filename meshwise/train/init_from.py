@@ -72,8 +72,8 @@ def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
 def check_init_from(cfg: TrainConfig) -> None:
     """Before any rank starts: every tensor is where config.json says, with its shape
     (headers only), and the tokenizer's ids fit the model's vocabulary."""
-    from meshwise.models.families import family
     from meshwise.data.tokenizer import load_tokenizer
+    from meshwise.models.families import family
 
     m = cfg.model
     if not m.init_from:

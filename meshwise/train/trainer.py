@@ -26,17 +26,23 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.comm.checks import strict
-from meshwise.device import ranges
-from meshwise.device.choice import rank_device
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
-from meshwise.mesh import Mesh
+from meshwise.device import ranges
+from meshwise.device.choice import rank_device
 from meshwise.layout.init import Init
 from meshwise.layout.plan import ParallelPlan
+from meshwise.mesh import Mesh
 from meshwise.models.families import ModelFamily
-from meshwise.train.assembly import (build_observer, build_optimizer, build_runtime, join_job,
-                                     lay_out_model, start_run)
+from meshwise.train.assembly import (
+    build_observer,
+    build_optimizer,
+    build_runtime,
+    join_job,
+    lay_out_model,
+    start_run,
+)
 from meshwise.train.batches import StepBatches
 from meshwise.train.build import dtype_resolved
 from meshwise.train.checkpointing import RunCheckpointer

@@ -3,10 +3,16 @@
 import pytest
 import torch
 
-from meshwise.comm.compression.compressors import (
-    CastCompressor, Int8Compressor, TopKCompressor, build_compressor, dequantize_int8,
-    parse_compress, quantize_int8)
 from meshwise.comm.compression.compressor import LocalComm
+from meshwise.comm.compression.compressors import (
+    CastCompressor,
+    Int8Compressor,
+    TopKCompressor,
+    build_compressor,
+    dequantize_int8,
+    parse_compress,
+    quantize_int8,
+)
 from meshwise.comm.compression.powersgd import PowerSGDCompressor, orthogonalize
 
 

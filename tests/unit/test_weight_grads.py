@@ -10,8 +10,11 @@ from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.models.llama import Llama, LlamaConfig
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from meshwise.tensor_parallel.vocab import VocabParallelHead
-from meshwise.tensor_parallel.weight_grads import (WeightGradStore, defer_weight_grads,
-                                                   defers_weight_grad)
+from meshwise.tensor_parallel.weight_grads import (
+    WeightGradStore,
+    defer_weight_grads,
+    defers_weight_grad,
+)
 
 DT = torch.float64
 

@@ -17,8 +17,17 @@ import torch
 
 from meshwise.comm import ops, policy
 from meshwise.comm.allreduce.algorithms import (
-    ALGORITHMS, Topology, _exchange, all_to_all, hierarchical_all_reduce, hierarchical_problem,
-    ring_all_gather, ring_all_reduce, ring_reduce_scatter, tree_all_reduce)
+    ALGORITHMS,
+    Topology,
+    _exchange,
+    all_to_all,
+    hierarchical_all_reduce,
+    hierarchical_problem,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    tree_all_reduce,
+)
 from meshwise.comm.timing import timed_runs
 
 log = logging.getLogger("meshwise")
