@@ -124,7 +124,8 @@ class MeshwiseRunner:
         kind = SCHEDULE_OF[key]
         pm, values = meshwise_gpt(gpt_config(args, args.vocab_size), args.seed,
                                   pp_rank=mesh.pp_rank, pp_size=S, virtual_stages=V,
-                                  stage_map=STAGE_MAP_OF.get(kind, "loop"), tie_group=mesh.tie_group)
+                                  stage_map=STAGE_MAP_OF.get(kind, "loop"),
+                                  tie_group=mesh.tie_group)
         self.engine = ZeroOptimizer(pm.named_parameters(), mesh.dp_group, stage=0,
                                     adamw=adamw_config(args), modules=pm.chunks, values=values)
         self.chunks = pm.chunks

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from meshwise.checkpoint import manifest as manifest_file
+# Re-exported: the manifest's names are part of this module's interface.
 from meshwise.checkpoint.manifest import FORMAT, MANIFEST, VERSION, CheckpointError  # noqa: F401
 from meshwise.layout.pieces import Piece, copy_overlap
 

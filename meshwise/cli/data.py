@@ -188,10 +188,11 @@ def _prepare_chat(args, options: ReadOptions, path: Path, out: Path, tokenizer) 
             stats = build_chat_file(out, path.resolve(), tokenizer, template, options)
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+    skipped = "; " + stats["skipped"] if stats["skipped"] else ""
     return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens, "
             f"{stats['conversations']:,} conversations ({stats['assistant_tokens']:,} "
             f"assistant tokens) in {stats['seconds']:.1f} s; template {template.name}; "
-            f"tokenizer {tokenizer.describe()}{'; ' + stats['skipped'] if stats['skipped'] else ''}")
+            f"tokenizer {tokenizer.describe()}{skipped}")
 
 
 def _texts(files: list[DataFile], options: ReadOptions, stats: dict) -> Iterator[str]:

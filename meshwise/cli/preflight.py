@@ -44,8 +44,9 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
             raise ValueError("--device cuda but no CUDA device is available; valid: cpu, auto")
         local = cfg.parallel.dims.world_size
         if not launch.under_torchrun() and local > torch.cuda.device_count():
-            raise ValueError(f"{cfg.parallel.axes_text} = {local} local ranks need {local} GPUs, but "
-                             f"{torch.cuda.device_count()} are visible; use fewer ranks, or "
+            raise ValueError(f"{cfg.parallel.axes_text} = {local} local ranks need {local} "
+                             f"GPUs, but {torch.cuda.device_count()} are visible; use fewer "
+                             "ranks, or "
                              "torchrun across nodes")
         check_gpu_dtypes(cfg)
     if cfg.runtime.metrics:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshwise.comm.checks.context import CommContext, default_device
+# Re-exported: handles and timeouts are part of the collectives' interface.
 from meshwise.comm.handle import CollectiveTimeout, CommCounters, Handle, is_timeout, timeout_error  # noqa: F401
 from meshwise.device.choice import rank_device
 

@@ -81,7 +81,7 @@ def block_mask(length: int, window: int = 0, ids: torch.Tensor | None = None,
     last = (first + block_size - 1).clamp(max=length - 1)
     whole = first + block_size <= length  # no padding past the sequence in it
     q_first, q_last, k_first, k_last = first[:, None], last[:, None], first[None], last[None]
-    some = k_first <= q_last                                      # (nq, nk): a key at or before a query
+    some = k_first <= q_last  # (nq, nk): a key at or before a query
     every = (k_last <= q_first) & whole[:, None] & whole[None, :]  # every key before every query
     if window:  # some pair, or every pair, less than the window apart
         some = some & (q_first - k_last < window)
@@ -94,7 +94,8 @@ def block_mask(length: int, window: int = 0, ids: torch.Tensor | None = None,
         # the causal mask and the window this is exact: a shared document's closest
         # pair is the query block's first token and the key block's last.
         some = some & (low[:, :, None] <= high[:, None, :]) & (low[:, None, :] <= high[:, :, None])
-        every = every & (low[:, :, None] == high[:, None, :]) & (high[:, :, None] == low[:, None, :])
+        every = (every & (low[:, :, None] == high[:, None, :])
+                 & (high[:, :, None] == low[:, None, :]))
     partial = some & ~every
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(every), BLOCK_SIZE=block_size,
                                     mask_mod=mask_mod(window, ids), seq_lengths=(length, length))

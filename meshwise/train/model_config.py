@@ -23,7 +23,8 @@ MODEL_PRESETS = {
     # rounded to a multiple of 128, so that tp up to the kv heads divides it.
     "llama-tiny": {"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2, "d_model": 128,
                    "ffn_hidden_size": 384, "block_size": 256, "rope_theta": 10000.0,
-                   "norm_eps": 1e-5, "tie_embeddings": False, "rope_scaling": None, **LLAMA_VARIANT},
+                   "norm_eps": 1e-5, "tie_embeddings": False, "rope_scaling": None,
+                   **LLAMA_VARIANT},
     "llama-small": {"family": "llama", "n_layer": 6, "n_head": 6, "n_kv_head": 2,
                     "d_model": 384, "ffn_hidden_size": 1024, "block_size": 512,
                     "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False,

@@ -149,8 +149,8 @@ class Trainer:
         d = self.cfg.data
         if self.is_logging_rank:
             log.info("model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step",
-                     self.model_cfg or self.model_shape, self.num_params / 1e6, self.cfg.parallel.dims,
-                     self.global_tokens)
+                     self.model_cfg or self.model_shape, self.num_params / 1e6,
+                     self.cfg.parallel.dims, self.global_tokens)
         try:  # the loggers keep what was logged, also when a step fails
             records = self._run_steps()
             val_loss = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)

@@ -165,7 +165,7 @@ def test_powersgd_low_rank_exact_and_residual_carried():
 def test_powersgd_warmup_is_uncompressed_and_warm_start_converges():
     comp = _powersgd(rank=1, warmup=2)
     g = torch.randn(3132)
-    for step in range(2):
+    for _ in range(2):
         out = g.clone()
         comp.reduce("b", out, LocalComm())
         assert torch.equal(out, g) and comp.errors == {}

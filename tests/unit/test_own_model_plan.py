@@ -122,5 +122,6 @@ def test_a_forward_that_cannot_run_on_a_shard_or_a_stage_is_caught_with_the_rule
     with pytest.raises(ValueError, match=r"layers.0.attn's forward fails on one tensor-parallel "
                                          r"shard \(tp 2\).*use -1 or the local size"):
         _laid_out(counting_heads)
-    with pytest.raises(ValueError, match="_NoSkip.s forward fails in pipeline stage 0 of 2.*must skip a module set to None"):
+    with pytest.raises(ValueError, match="_NoSkip.s forward fails in pipeline stage 0 of 2"
+                                         ".*must skip a module set to None"):
         _laid_out(_NoSkip, tp_size=1, pp_size=2, tie_group=object())

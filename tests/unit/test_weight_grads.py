@@ -170,4 +170,5 @@ def test_w_reaches_a_weight_whose_buffer_was_rewritten_since_b():
     assert anchor.grad is None
     buffer.mul_(0)  # the buffer goes back to the pool and is gathered again
     store.run(0)
-    torch.testing.assert_close(anchor.grad, (torch.ones(4, 2, dtype=DT).t() @ x.detach()).reshape(-1))
+    expected = (torch.ones(4, 2, dtype=DT).t() @ x.detach()).reshape(-1)
+    torch.testing.assert_close(anchor.grad, expected)
