@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -46,7 +47,10 @@ SPLITS = {"train": 0, "val": 1}
 VAL_MIN_SEQUENCES = 4  # the validation split holds at least this many windows
 
 
-def rank_slice(batch: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
+Rows = TypeVar("Rows", torch.Tensor, np.ndarray)  # a batch as a tensor, or a host array
+
+
+def rank_slice(batch: Rows, rank: int, num_ranks: int) -> Rows:
     """Rows ``[rank * B/num_ranks, (rank + 1) * B/num_ranks)`` of a global batch (a view)."""
     if not 0 <= rank < num_ranks:
         raise ValueError(f"rank must be in [0, {num_ranks}), got {rank}")

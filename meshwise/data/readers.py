@@ -58,6 +58,7 @@ from meshwise.data.files import SNIFF_BYTES, file_problem, list_files
 # Re-exported: the errors and counts are part of this module's interface.
 from meshwise.data.records import (  # noqa: F401
     DataFormatError,
+    LineLocation,
     RecordCounts,
     checked_text,
     document_text,
@@ -189,7 +190,8 @@ def data_files(path: str | Path, data_format: str = "auto") -> list[DataFile]:
 
 
 def iter_records(path: str | Path, data_format: str = "auto", skip_bad_records: bool = False,
-                 counts: RecordCounts | None = None) -> Iterator[tuple[str, dict]]:
+                 counts: RecordCounts | None = None
+                 ) -> Iterator[tuple[str | LineLocation, dict]]:
     """``(location, record)`` for every record under ``path``, in order."""
     counts = counts if counts is not None else RecordCounts()
     for file in data_files(path, data_format):
