@@ -34,6 +34,7 @@ from meshwise.apply.checks import (
     vocab_from_modules,
 )
 from meshwise.apply.module_init import default_inits
+from meshwise.comm import ops
 from meshwise.context_parallel.ring import RingAttention
 from meshwise.layout.init import Init, init_values
 from meshwise.layout.params import logical_piece, mark_tie
@@ -52,7 +53,7 @@ from meshwise.tensor_parallel.vocab import (
 
 # Each style's parallel form: (module, tp_group, sequence) -> module, where
 # ``sequence`` is the chunk's ``SequenceGather`` under sequence parallelism, else None.
-_SWAP = {
+_SWAP: dict[str, Callable[..., nn.Module]] = {
     "colwise": ColumnParallelLinear.from_linear,
     "rowwise": RowParallelLinear.from_linear,
     "vocab_embedding": VocabParallelEmbedding.from_embedding,
@@ -85,7 +86,7 @@ class ParallelModel:
     stages: list[int]
     num_stages: int
     plan: ParallelPlan
-    tp_group: object
+    tp_group: ops.Group | None
     vocab_size: int | None
     cross_stage_ties: list[str] = field(default_factory=list)
     local_ties: list[tuple[str, ...]] = field(default_factory=list)

@@ -138,7 +138,8 @@ def checkpoint_bytes(path: Path) -> int:
 
 
 def human_bytes(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if num_bytes < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024:
             return f"{num_bytes:.0f} B" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
+    return f"{num_bytes:.1f} TiB"

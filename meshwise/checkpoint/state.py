@@ -67,6 +67,7 @@ def save(target: str | Path | SaveDir, step: int, runs: list[FlatRun],
     if problem:
         raise CheckpointWriteError(problem)
     tmp = Path(tmp)
+    fragment: dict | str  # this rank's file, or why it could not be written
     try:
         fragment = write_rank_file(tmp, world.rank, entries)
     except CheckpointWriteError as exc:
