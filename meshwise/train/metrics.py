@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -21,7 +22,8 @@ from meshwise.comm import ops
 from meshwise.device.clocks import host_to_device
 
 log = logging.getLogger("meshwise")
-COMBINE = {"sum": sum, "max": max, "first": lambda column: column[0]}
+COMBINE: dict[str, Callable[[list[float]], float]] = {
+    "sum": sum, "max": max, "first": lambda column: column[0]}
 
 
 class RankValues:

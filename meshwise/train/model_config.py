@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 # A plain Llama; --init-from's config.json sets these for Mistral, Qwen2 and Qwen3.
 LLAMA_VARIANT = {"qkv_bias": False, "qk_norm": False, "head_size": 0, "sliding_window": 0,
                  "hf_type": "llama"}
-MODEL_PRESETS = {
+MODEL_PRESETS: dict[str, dict[str, Any]] = {  # values of each field's own type
     # name: the model family (meshwise.models.families) and its sizes
     "tiny": {"family": "gpt", "n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 256},
     "small": {"family": "gpt", "n_layer": 6, "n_head": 6, "d_model": 384, "block_size": 512},

@@ -84,7 +84,7 @@ class Trainer:
         if run is not None and resume is not None:
             raise ValueError(f"resume={resume!r} with run=: the run state names the checkpoint "
                              "a launch starts from (run.resume); valid: one of the two")
-        own = None if model is None else ModelFamily.own(model, plan, init_of)
+        own = None if model is None or plan is None else ModelFamily.own(model, plan, init_of)
         cfg.validate(own_model=own is not None)  # the layout's rules (check_layout) among them
         self.device = rank_device(cfg.runtime.device)
         self.cfg = cfg = dtype_resolved(cfg, self.device)
@@ -208,8 +208,8 @@ class Trainer:
             self.engine.zero_grad()
             micro_batches, contexts, labelled = self._micro_batches(step, "train")
             loss_part = self._forward_backward(micro_batches, contexts, labelled)
-        for hook in self.after_loss:
-            loss_part = hook(step, loss_part)
+        for loss_hook in self.after_loss:
+            loss_part = loss_hook(step, loss_part)
         with self.observer.phase("grad_sync"):
             self.grad_sync.finish()
 
