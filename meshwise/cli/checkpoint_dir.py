@@ -85,6 +85,7 @@ def check_room(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
                new_checkpoint_bytes: int) -> None:
     """One checkpoint must fit in ``--save``, counting what ``--keep-last`` may prune."""
     c, start = cfg.checkpoint, run.start
+    assert c.save is not None, "check_start checks only a run with --save"
     needed = with_headroom((checkpoint_bytes(start) if start is not None else 0)
                            or new_checkpoint_bytes)
     free = shutil.disk_usage(c.save).free

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from meshwise.cli import launch
 from meshwise.data.corpus import plan_pieces, read_piece
@@ -222,7 +222,8 @@ def _train_tokenizer(args) -> str:
     out = Path(args.out).expanduser()
     if out.is_dir():
         out = out / "tokenizer.json"
-    start, stats = time.perf_counter(), {"files": 0, "text_bytes": 0}
+    stats: dict[str, Any] = {"files": 0, "text_bytes": 0}  # and "records", by _texts
+    start = time.perf_counter()
     texts = (text for text in _texts(files, options, stats) if text)
     first = next(texts, None)
     if first is None:

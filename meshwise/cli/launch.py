@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from meshwise.cli.postmortem import JobFolder
+
 # Re-exported: callers catch launch.RankFailed and reach the rank watch through here.
 from meshwise.cli.ranks import (  # noqa: F401
     EXPECTED_ERRORS,

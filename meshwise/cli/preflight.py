@@ -114,7 +114,8 @@ def prepare_data(cfg: TrainConfig) -> Path:
     if d.format == "chat" and not str(d.path or "").endswith(".bin"):
         if d.path is None:
             raise ValueError("--format chat needs --data: chat records with 'messages'")
-        template = load_template(d.chat_template, tokenizer and tokenizer.path)
+        template = load_template(d.chat_template,
+                                 tokenizer.path if tokenizer is not None else None)
         path = resolve_chat_data(d.path, d.cache_dir, tokenizer or ByteTokenizer(), template,
                                  options)
     else:
@@ -138,7 +139,7 @@ def check_batches(cfg: TrainConfig, dataset: TokenDataset) -> None:
     if source.chat is None and d.format == "chat":
         raise ValueError(f"--format chat: --data {d.path} holds no chat records (prepare them "
                          "with meshwise data prepare --format chat)")
-    if source.chat is not None:
+    if source.chat is not None and source.rows is not None:  # the rows packed from it
         chat = read_meta(dataset.path, d.token_dtype)["chat"]
         d.format, d.chat_template = "chat", chat["template"]
         log.info("chat data (template %s): %s", chat["template"], source.summary())

@@ -326,13 +326,15 @@ def read_toml(path: str) -> dict:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"--config {path}: not a readable TOML file ({exc})") from None
     sections = sorted({f.name for f in dataclasses.fields(TrainConfig)})
-    flat, spelled = {}, {}
+    flat = {}
+    spelled: dict[str, str] = {}  # field -> where the file set it
     for key, value in raw.items():
         if isinstance(value, dict):
             if key not in sections:
                 raise ConfigError(f"--config {path}: unknown section [{key}]; valid: "
                                   f"{', '.join(sections)}")
-            items = [(name, item, key) for name, item in value.items()]
+            items: list[tuple[str, object, str | None]] = [
+                (name, item, key) for name, item in value.items()]
         else:
             items = [(key, value, None)]
         for name, item, section in items:
