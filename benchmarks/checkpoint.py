@@ -33,8 +33,15 @@ import torch
 # Runnable from a checkout without installing (spawned ranks re-import this file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (median, meshwise_gpt, print_json, reference_gpt,  # noqa: E402
-                               spawn, token_loss_sum, torch_param_groups)
+from benchmarks.common import (  # noqa: E402
+    median,
+    meshwise_gpt,
+    print_json,
+    reference_gpt,
+    spawn,
+    token_loss_sum,
+    torch_param_groups,
+)
 from meshwise.checkpoint.state import load, save  # noqa: E402
 from meshwise.checkpoint.store import Checkpoint  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
@@ -85,11 +92,13 @@ def meshwise_rank(rank: int, preset: str, zero: int, root: str, repeats: int) ->
     _, fresh, _ = _meshwise_engine(cfg, zero, group)
     saves, loads = [], []
     for i in range(repeats):
-        saves.append(_timed(group, lambda: save(root, i + 1, engine.checkpoint_runs(), pieces,
-                                                set(pieces), group, {"step": i + 1})))
+        # Each lambda runs at once, inside _timed; the defaults bind this round's values.
+        saves.append(_timed(group, lambda step=i + 1: save(root, step, engine.checkpoint_runs(),
+                                                           pieces, set(pieces), group,
+                                                           {"step": step})))
         ckpt = Checkpoint(Path(root) / f"step-{i + 1:08d}")
-        loads.append(_timed(group, lambda: load(ckpt, fresh.checkpoint_runs(), pieces,
-                                                rank, same_layout=False)))
+        loads.append(_timed(group, lambda ckpt=ckpt: load(ckpt, fresh.checkpoint_runs(), pieces,
+                                                          rank, same_layout=False)))
     return {"save_s": saves, "load_s": loads}
 
 
@@ -121,11 +130,12 @@ def torch_rank(rank: int, preset: str, root: str, repeats: int) -> dict:
     for i in range(repeats):
         path = os.path.join(root, f"dcp-{i}")
 
-        def save_dcp():
+        # Both run at once, inside _timed; the defaults bind this round's path.
+        def save_dcp(path=path):
             m, o = get_state_dict(model, opt)
             dcp.save({"model": m, "optim": o}, checkpoint_id=path)
 
-        def load_dcp():
+        def load_dcp(path=path):
             m, o = get_state_dict(fresh_model, fresh_opt)
             state = {"model": m, "optim": o}
             dcp.load(state, checkpoint_id=path)

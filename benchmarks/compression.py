@@ -89,7 +89,8 @@ def part_wide(args, workdir: Path) -> list[dict]:
     for spec, _ in VARIANTS[:6]:
         records = train(argparse.Namespace(**{**vars(args), "steps": 4}), workdir,
                         f"wide-{spec}", "--d-model", "512", "--compress", spec,
-                        "--compress-warmup-steps", "1", "--topk-ramp-steps", "0", "--warmup-steps", "2")
+                        "--compress-warmup-steps", "1", "--topk-ramp-steps", "0",
+                        "--warmup-steps", "2")
         rows.append({"compress": spec, "compress_ratio": records[-1].get("compress_ratio", 1.0),
                      "bytes_per_step": records[-1]["grad_sync_bytes"]})
     return rows
@@ -187,7 +188,8 @@ def report(mesh, wide, ddp, steps: int) -> None:
         print(f"{r['compress']:<12} {'on' if r['error_feedback'] else 'off':<4} "
               f"{r['bytes_per_step'] / 2**20:>9.3f} {r['compress_ratio']:>7.1f} "
               f"{r['bytes_vs_none']:>14.4f} {r['run_bytes_vs_none']:>10.4f} "
-              f"{r['final_loss']:>11.4f} {r['loss_vs_none']:>+8.2%} {ok:>7} {r['step_time_s'] * 1e3:>8.1f}")
+              f"{r['final_loss']:>11.4f} {r['loss_vs_none']:>+8.2%} {ok:>7} "
+              f"{r['step_time_s'] * 1e3:>8.1f}")
     if wide:
         print("\n--d-model 512 (bytes of one compressed step, dp 2)")
         for r in wide:
@@ -198,7 +200,8 @@ def report(mesh, wide, ddp, steps: int) -> None:
         print(f"{'hook':<10} {'MiB/step':>9} {'bytes vs none':>14} {'final loss':>11} "
               f"{'vs none':>8} {'step ms':>8}")
         for r in ddp:
-            print(f"{r['hook']:<10} {r['bytes_per_step'] / 2**20:>9.3f} {r['bytes_vs_none']:>14.4f} "
+            print(f"{r['hook']:<10} {r['bytes_per_step'] / 2**20:>9.3f} "
+                  f"{r['bytes_vs_none']:>14.4f} "
                   f"{r['final_loss']:>11.4f} {r['loss_vs_none']:>+8.2%} "
                   f"{r['step_time_s'] * 1e3:>8.1f}")
 

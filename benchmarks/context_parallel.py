@@ -158,7 +158,7 @@ def torch_cp_worker(rank: int, args, data: str) -> str:
         with context_parallel(mesh, buffers=[inputs, targets], buffer_seq_dims=[1, 1]):
             logits = model(inputs)
             F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    except Exception as exc:  # noqa: BLE001: the reason is the result
+    except Exception as exc:  # noqa: BLE001 - the reason is the result
         return f"{type(exc).__name__}: {exc}".splitlines()[0]
     return "ran"
 

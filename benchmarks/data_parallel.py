@@ -30,9 +30,18 @@ from torch import nn
 # Runnable from a checkout without installing (spawned ranks re-import this file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (add_round_args, median, medians, new_timings,  # noqa: E402
-                               print_json, record, run_rounds, spawn, timed_step,
-                               torch_param_groups)
+from benchmarks.common import (  # noqa: E402
+    add_round_args,
+    median,
+    medians,
+    new_timings,
+    print_json,
+    record,
+    run_rounds,
+    spawn,
+    timed_step,
+    torch_param_groups,
+)
 from meshwise.comm import ops  # noqa: E402
 from meshwise.sharding.adamw import AdamWConfig  # noqa: E402
 from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402

@@ -85,8 +85,11 @@ def torch_tp_model(cfg, mesh):
     """The plain Llama with meshwise's initial values, laid out as torchtitan does
     (without sequence parallelism: activations between blocks replicated)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from meshwise.models.families import family
 

@@ -148,7 +148,8 @@ def report(args, results: dict[str, dict], skipped: dict[str, str]) -> dict:
         for stage in (1, 2, 3):
             if f"zero{stage}" in results:
                 summary[f"zero{stage}_minus_zero0_bytes_per_param"] = (
-                    results[f"zero{stage}"]["bytes_per_param"] - results["zero0"]["bytes_per_param"])
+                    results[f"zero{stage}"]["bytes_per_param"]
+                    - results["zero0"]["bytes_per_param"])
     return summary
 
 

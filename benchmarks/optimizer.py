@@ -37,8 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from benchmarks.common import (add_round_args, median, new_timings, print_json,  # noqa: E402
-                               quartiles, run_rounds)
+from benchmarks.common import add_round_args, median, new_timings, print_json, quartiles, run_rounds  # noqa: E402
 from meshwise.cli.launch import free_port  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.sharding.adamw import AdamWConfig, decays  # noqa: E402

@@ -58,11 +58,22 @@ import torch.nn.functional as F
 # Runnable from a checkout without installing (spawned ranks re-import this file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (add_gpt_args, add_round_args, adamw_config,  # noqa: E402
-                               gpt_config, median, meshwise_gpt, new_timings, print_json,
-                               record, reference_gpt, run_rounds, spawn, torch_param_groups)
-from benchmarks.pipeline_report import (SCHEDULE_OF, VARIANTS, report,  # noqa: E402
-                                        virtual_stages)
+from benchmarks.common import (  # noqa: E402
+    adamw_config,
+    add_gpt_args,
+    add_round_args,
+    gpt_config,
+    median,
+    meshwise_gpt,
+    new_timings,
+    print_json,
+    record,
+    reference_gpt,
+    run_rounds,
+    spawn,
+    torch_param_groups,
+)
+from benchmarks.pipeline_report import SCHEDULE_OF, VARIANTS, report, virtual_stages  # noqa: E402
 from meshwise.apply.parallelize import parallelize  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.mesh import Mesh, ParallelDims  # noqa: E402
@@ -113,7 +124,8 @@ class MeshwiseRunner:
         kind = SCHEDULE_OF[key]
         pm, values = meshwise_gpt(gpt_config(args, args.vocab_size), args.seed,
                                   pp_rank=mesh.pp_rank, pp_size=S, virtual_stages=V,
-                                  stage_map=STAGE_MAP_OF.get(kind, "loop"), tie_group=mesh.tie_group)
+                                  stage_map=STAGE_MAP_OF.get(kind, "loop"),
+                                  tie_group=mesh.tie_group)
         self.engine = ZeroOptimizer(pm.named_parameters(), mesh.dp_group, stage=0,
                                     adamw=adamw_config(args), modules=pm.chunks, values=values)
         self.chunks = pm.chunks

@@ -14,9 +14,9 @@ the split-backward schedules, the paper's figure (``reference_bubble``).
 
 Noise: other processes on a 2-core machine take cores from the ranks. The report
 gives the CPU share of the compute timers (thread CPU time / wall time in F and
-B; meshwise: over the whole schedule: 1.00 when the core was the rank's alone), the bubble over the steps in which
-both ranks had at least 90% of their core, and a ratio of paired steps (the same
-round) beside the ratio of medians.
+B; meshwise: over the whole schedule: 1.00 when the core was the rank's alone),
+the bubble over the steps in which both ranks had at least 90% of their core, and
+a ratio of paired steps (the same round) beside the ratio of medians.
 """
 
 from __future__ import annotations

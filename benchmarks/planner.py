@@ -39,6 +39,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.planner_contest import (  # noqa: E402
+    SEQUENCE,
+    contestants,
+    idle_s,
+    job_env,
+    job_flags,
+    ranking,
+    run_contest,
+    timed_job,
+)
+from benchmarks.planner_published import planning_time, published  # noqa: E402
 from meshwise.cli.calibrate import train_records  # noqa: E402
 from meshwise.cli.main import build_parser  # noqa: E402
 from meshwise.cli.plan import model_config  # noqa: E402
@@ -46,9 +57,6 @@ from meshwise.planner.devices import load_calibration  # noqa: E402
 from meshwise.planner.layout import Layout  # noqa: E402
 from meshwise.planner.plan import plan_request  # noqa: E402
 from meshwise.planner.search import Space  # noqa: E402
-from benchmarks.planner_contest import (SEQUENCE, contestants, idle_s, job_env,  # noqa: E402
-                                        job_flags, ranking, run_contest, timed_job)
-from benchmarks.planner_published import planning_time, published  # noqa: E402
 
 MODELS = {
     "gpt": ["--model", "small", "--n-layer", "8"],
@@ -68,11 +76,12 @@ def layouts_to_run(request) -> list[Layout]:
         if layout.grad_accum == 1 and layout.micro_batches == wanted:
             chosen.append(layout)
     extras = []
-    pipelined = next((l for l in chosen if l.pp > 1 and l.dp * l.cp == 1 and l.tp == 1), None)
+    pipelined = next((layout for layout in chosen
+                      if layout.pp > 1 and layout.dp * layout.cp == 1 and layout.tp == 1), None)
     if pipelined is not None:
         for kind, v in (("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)):
             extras.append(dataclasses.replace(pipelined, schedule=kind, virtual_stages=v))
-    for base in [l for l in chosen if l.pp == 1 and l.zero == 0][:2]:
+    for base in [layout for layout in chosen if layout.pp == 1 and layout.zero == 0][:2]:
         for mode in ("selective", "full"):
             extras.append(dataclasses.replace(base, activation_checkpointing=mode))
     valid = []
@@ -116,8 +125,8 @@ def run_models(names: list[str], args, cache: str, saved: dict | None = None) ->
                                       row["measured"]))
             print_row(name, rows[name][-1])
     done = {name: {r["layout"] for r in rows[name]} for name in names}
-    queues = {name: [l for l in sorted(layouts_to_run(r), key=lambda l: l.zero)
-                     if l.flags() not in done[name]] for name, r in requests.items()}
+    queues = {name: [layout for layout in sorted(layouts_to_run(r), key=lambda lay: lay.zero)
+                     if layout.flags() not in done[name]] for name, r in requests.items()}
     while saved is None and any(queues.values()):
         for name in names:
             if queues[name]:
@@ -205,9 +214,9 @@ def summarize(name: str, rows: list[dict], contest: dict | None = None) -> dict:
         ranked = ranking(contest)
         order = [layout for layout, _, _ in ranked]
         ranked_by = f"contest medians over {min(len(v) for v in contest.values())} rounds"
-        out["contest"] = [{"layout": l, "median_s": t, "iqr": q} for l, t, q in ranked]
-        for l, t, q in ranked:
-            print(f"  contest {name}: {l:<66} median {t:6.3f} s (IQR {100 * q:.0f}%)")
+        out["contest"] = [{"layout": lay, "median_s": t, "iqr": q} for lay, t, q in ranked]
+        for lay, t, q in ranked:
+            print(f"  contest {name}: {lay:<66} median {t:6.3f} s (IQR {100 * q:.0f}%)")
     out.update(its_measured_rank=order.index(predicted_best) + 1, ranked_by=ranked_by,
                measured_best=order[:2])
     print(f"{name}: {len(rows)} layouts; memory within 15%: {out['mem_within_15']}/{len(rows)} "

@@ -154,7 +154,8 @@ def main() -> None:
                                      "ffn_hidden_size": 512}),
                           ("gpt", {"d_model": 256, "n_head": 4})):
         for mode in ("none", "selective", "full"):
-            print(f"{family} {mode} kernels per layer: {dict(sorted(layer_kernels(family, sizes, mode).items()))}")
+            kernels = dict(sorted(layer_kernels(family, sizes, mode).items()))
+            print(f"{family} {mode} kernels per layer: {kernels}")
 
 
 if __name__ == "__main__":

@@ -77,8 +77,11 @@ def build_torch_tp(args, reference: nn.Sequential):
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
     model = copy.deepcopy(reference)

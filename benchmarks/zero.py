@@ -55,10 +55,25 @@ from torch import nn
 # Runnable from a checkout without installing (spawned ranks re-import this file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (add_gpt_args, add_round_args, adamw_config,  # noqa: E402
-                               gpt_config, medians, meshwise_gpt, new_timings, print_json,
-                               record, reference_gpt, rel_diff, run_rounds, slowest_timings,
-                               spawn, timed_step, token_loss_sum, torch_param_groups)
+from benchmarks.common import (  # noqa: E402
+    adamw_config,
+    add_gpt_args,
+    add_round_args,
+    gpt_config,
+    medians,
+    meshwise_gpt,
+    new_timings,
+    print_json,
+    record,
+    reference_gpt,
+    rel_diff,
+    run_rounds,
+    slowest_timings,
+    spawn,
+    timed_step,
+    token_loss_sum,
+    torch_param_groups,
+)
 from benchmarks.zero_memory import memory_table, zero_formula_bytes  # noqa: E402
 from meshwise.comm import ops  # noqa: E402
 from meshwise.data.dataset import rank_slice  # noqa: E402
@@ -201,6 +216,7 @@ def build_runner(name: str, args, group, mesh):
         fully_shard(model, mesh=mesh)
     elif name == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
+
         from meshwise.models.gpt import Block
         model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
                                          use_orig_params=True)

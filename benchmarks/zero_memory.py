@@ -31,6 +31,28 @@ def zero_formula_bytes(stage: int, num_params: int, world_size: int) -> float:
             3: 16 * psi / n}[stage]
 
 
+def _stage_bytes(stage: int, group, cfg: AdamWConfig, local: torch.Tensor,
+                 global_tokens: int) -> tuple[int, int, int]:
+    """One step of ``stage`` on a fresh model: (state bytes, peak gathered bytes,
+    parameter count); the model and engine are freed when this returns."""
+    pm, values = meshwise_gpt(SMALL_PRESET)
+    (model,) = pm.chunks
+    num_params = sum(p.numel() for _, p in pm.named_parameters())
+    engine = (ZeroStage3(model, group, cfg, units=pm.layers(), values=values) if stage == 3
+              else ZeroOptimizer(pm.named_parameters(), group, stage=stage, adamw=cfg,
+                                 modules=pm.chunks, values=values))
+
+    def forward_backward():
+        loss = pm.loss(model(local[:, :-1]), local[:, 1:]) / global_tokens
+        loss.backward()
+        return loss
+
+    timed_step(engine.zero_grad, forward_backward, engine.finish_grad_sync,
+               lambda: engine.step(cfg.lr))
+    engine.wait_params()
+    return engine.state_bytes(), getattr(engine, "peak_gathered_bytes", 0), num_params
+
+
 def memory_rank_main(rank: int, world_size: int) -> dict:
     """One step of each stage on the ``small`` preset, built as ``meshwise train``
     builds it (meta device, the engine materialising its share); this rank's bytes."""
@@ -42,24 +64,10 @@ def memory_rank_main(rank: int, world_size: int) -> dict:
     global_tokens = batch[:, 1:].numel()
     out = {}
     for stage in range(4):
-        pm, values = meshwise_gpt(SMALL_PRESET)
-        (model,) = pm.chunks
-        num_params = sum(p.numel() for _, p in pm.named_parameters())
-        engine = (ZeroStage3(model, group, cfg, units=pm.layers(), values=values) if stage == 3
-                  else ZeroOptimizer(pm.named_parameters(), group, stage=stage, adamw=cfg,
-                                     modules=pm.chunks, values=values))
-
-        def forward_backward():
-            loss = pm.loss(model(local[:, :-1]), local[:, 1:]) / global_tokens
-            loss.backward()
-            return loss
-
-        timed_step(engine.zero_grad, forward_backward, engine.finish_grad_sync,
-                   lambda: engine.step(cfg.lr))
-        engine.wait_params()
-        out[stage] = (engine.state_bytes(), getattr(engine, "peak_gathered_bytes", 0))
-        del pm, model, engine
-        gc.collect()
+        state_bytes, peak_gathered, num_params = _stage_bytes(stage, group, cfg, local,
+                                                              global_tokens)
+        out[stage] = (state_bytes, peak_gathered)
+        gc.collect()  # the previous stage's model and engine, before the next is built
     return {"bytes": out, "num_params": num_params}
 
 

@@ -29,7 +29,8 @@ def cpu_unless_gpu_test(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def dist_pools():
-    """Gloo rank pools shared by every distributed test: ``dist_pools.run(world_size, fn, *args)``."""
+    """Gloo rank pools shared by every distributed test:
+    ``dist_pools.run(world_size, fn, *args)``."""
     pools = Pools()
     yield pools
     pools.close()

@@ -30,8 +30,11 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 MODES = ("none", "selective", "full")
 _aten = torch.ops.aten
@@ -68,13 +71,19 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
         if not isinstance(block, Checkpointed):
             # As FSDP2's fully_shard does: the same object, a subclass of its class, so
             # names, hooks and copies (``copy.deepcopy``) stay those of the block.
-            block.__class__ = _checkpointed_class(type(block))
+            cls: type = type(block)  # plain type: mypy takes a type[Module] for unhashable
+            block.__class__ = _checkpointed_class(cls)
+        assert isinstance(block, Checkpointed)  # as its class now says
         block._ac_inside = False
         block._ac_selective = mode == "selective"
 
 
 class Checkpointed:
     """Put in front of a block's class: its forward runs under ``checkpoint``."""
+
+    # Declared only: apply_activation_checkpointing sets them on each block.
+    _ac_inside: bool
+    _ac_selective: bool
 
     def forward(self, *args, **kwargs):
         if self._ac_inside or not torch.is_grad_enabled():

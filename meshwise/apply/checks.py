@@ -131,11 +131,16 @@ def check_forward(model: nn.Module, split, tp_size: int, num_stages: int,
     if num_stages > 1:
         x = tokens
         for stage in range(num_stages):
-            x = _run(cut(copy.deepcopy(model), stage, num_stages), x, lambda where, exc, s=stage: (
-                f"plan: {where}'s forward fails in pipeline stage {s} of {num_stages}, "
-                f"where the modules a stage does not hold are None: {_first_line(exc)}; the "
-                "forward must skip a module set to None (if self.head is not None: ...) and "
-                "take the previous stage's output in place of the token ids"))
+            x = _run(cut(copy.deepcopy(model), stage, num_stages), x,
+                     _stage_failure(stage, num_stages))
+
+
+def _stage_failure(stage: int, num_stages: int) -> Callable[[str, Exception], str]:
+    return lambda where, exc: (
+        f"plan: {where}'s forward fails in pipeline stage {stage} of {num_stages}, "
+        f"where the modules a stage does not hold are None: {_first_line(exc)}; the "
+        "forward must skip a module set to None (if self.head is not None: ...) and "
+        "take the previous stage's output in place of the token ids")
 
 
 def _shrunk(model: nn.Module, split, tp_size: int) -> nn.Module:
@@ -144,6 +149,7 @@ def _shrunk(model: nn.Module, split, tp_size: int) -> nn.Module:
         if style in ("shard_norm", "position_embedding"):  # the same shape on every rank
             continue
         bias = getattr(module, "bias", None) is not None
+        new: nn.Module
         with on_meta():
             if style == "colwise":
                 new = nn.Linear(module.in_features, module.out_features // tp_size, bias)

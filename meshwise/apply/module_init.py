@@ -51,8 +51,8 @@ def default_inits(model: nn.Module) -> dict[str, Init]:
         own = [name for name, p in module.named_parameters(recurse=False)]
         if not own:
             continue
-        inits = _module_inits(module)
-        missing = [name for name in own if inits is None or name not in inits]
+        inits = _module_inits(module) or {}
+        missing = [name for name in own if name not in inits]
         if missing:
             where = f"{path}.{missing[0]}" if path else missing[0]
             raise ValueError(

@@ -26,9 +26,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from meshwise.apply.checks import (check_divisible, check_forward, check_names, split_modules,
-                                   vocab_from_modules)
+from meshwise.apply.checks import (
+    check_divisible,
+    check_forward,
+    check_names,
+    split_modules,
+    vocab_from_modules,
+)
 from meshwise.apply.module_init import default_inits
+from meshwise.comm import ops
 from meshwise.context_parallel.ring import RingAttention
 from meshwise.layout.init import Init, init_values
 from meshwise.layout.params import logical_piece, mark_tie
@@ -36,16 +42,18 @@ from meshwise.layout.pieces import Piece
 from meshwise.layout.plan import ParallelPlan
 from meshwise.models.attention import Positions
 from meshwise.pipeline.actions import stage_index
-from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                             ShardRMSNorm)
+from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardRMSNorm
 from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
 from meshwise.tensor_parallel.sequence import SequenceGather, SequenceParallelEmbedding
-from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
-                                            vocab_parallel_cross_entropy)
+from meshwise.tensor_parallel.vocab import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    vocab_parallel_cross_entropy,
+)
 
 # Each style's parallel form: (module, tp_group, sequence) -> module, where
 # ``sequence`` is the chunk's ``SequenceGather`` under sequence parallelism, else None.
-_SWAP = {
+_SWAP: dict[str, Callable[..., nn.Module]] = {
     "colwise": ColumnParallelLinear.from_linear,
     "rowwise": RowParallelLinear.from_linear,
     "vocab_embedding": VocabParallelEmbedding.from_embedding,
@@ -78,7 +86,7 @@ class ParallelModel:
     stages: list[int]
     num_stages: int
     plan: ParallelPlan
-    tp_group: object
+    tp_group: ops.Group | None
     vocab_size: int | None
     cross_stage_ties: list[str] = field(default_factory=list)
     local_ties: list[tuple[str, ...]] = field(default_factory=list)

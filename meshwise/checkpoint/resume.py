@@ -16,8 +16,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from meshwise.checkpoint.store import (MANIFEST, Checkpoint, CheckpointError,
-                                       complete_checkpoints, resolve, step_entries, step_of)
+from meshwise.checkpoint.store import (
+    MANIFEST,
+    Checkpoint,
+    CheckpointError,
+    complete_checkpoints,
+    resolve,
+    step_entries,
+    step_of,
+)
 
 SET_ASIDE_PREFIX = "set-aside-"
 
@@ -75,7 +82,8 @@ def open_verified(path: Path, model: dict) -> Checkpoint:
 def in_the_way(save_dir: str, start_step: int) -> list[Path]:
     """``step-`` entries of ``save_dir`` a run starting after ``start_step`` could collide
     with: newer ones, complete or not."""
-    return [p for p in step_entries(save_dir) if step_of(p) > start_step]
+    return [p for p in step_entries(save_dir)
+            if (step := step_of(p)) is not None and step > start_step]
 
 
 def branch_problem(save_dir: str, start: Path | None, start_step: int,

@@ -19,9 +19,14 @@ from pathlib import Path
 
 from meshwise.checkpoint import manifest
 from meshwise.checkpoint.lineage import Lineage
-from meshwise.checkpoint.store import (TEMP_PREFIX, TRASH_PREFIX, CheckpointError,
-                                       complete_checkpoints, step_dir_name, temp_dir)
-
+from meshwise.checkpoint.store import (
+    TEMP_PREFIX,
+    TRASH_PREFIX,
+    CheckpointError,
+    complete_checkpoints,
+    step_dir_name,
+    temp_dir,
+)
 
 
 def with_headroom(num_bytes: int) -> int:
@@ -133,7 +138,8 @@ def checkpoint_bytes(path: Path) -> int:
 
 
 def human_bytes(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if num_bytes < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024:
             return f"{num_bytes:.0f} B" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
+    return f"{num_bytes:.1f} TiB"

@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 
 from meshwise.checkpoint.save_dir import SaveDir
-from meshwise.checkpoint.store import (Checkpoint, CheckpointWriteError, finalize,
-                                       write_rank_file)
+from meshwise.checkpoint.store import Checkpoint, CheckpointWriteError, finalize, write_rank_file
 from meshwise.comm import ops
 from meshwise.layout.flat_runs import FlatRun
 from meshwise.layout.pieces import Piece, pieces_in_range
@@ -68,6 +67,7 @@ def save(target: str | Path | SaveDir, step: int, runs: list[FlatRun],
     if problem:
         raise CheckpointWriteError(problem)
     tmp = Path(tmp)
+    fragment: dict | str  # this rank's file, or why it could not be written
     try:
         fragment = write_rank_file(tmp, world.rank, entries)
     except CheckpointWriteError as exc:

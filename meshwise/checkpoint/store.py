@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 
 from meshwise.checkpoint import manifest as manifest_file
-from meshwise.checkpoint.manifest import (FORMAT, MANIFEST, VERSION,  # noqa: F401
-                                          CheckpointError)
+
+# Re-exported: the manifest's names are part of this module's interface.
+from meshwise.checkpoint.manifest import FORMAT, MANIFEST, VERSION, CheckpointError  # noqa: F401
 from meshwise.layout.pieces import Piece, copy_overlap
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -105,7 +106,8 @@ def finalize(tmp_dir: str | os.PathLike, fragments: list[dict], meta: dict,
     """Write the manifest for the complete set of fragments and make the checkpoint visible
     as ``final`` (default: ``tmp_dir``'s name without the temporary prefix)."""
     tmp_dir = Path(tmp_dir)
-    files, tensors = {}, {}
+    files: dict[str, dict] = {}  # file name -> its size and digest
+    tensors: dict[str, dict] = {}  # logical tensor -> its shape, dtype and pieces
     for fragment in fragments:
         path = tmp_dir / fragment["file"]
         files[fragment["file"]] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
@@ -223,7 +225,8 @@ def step_entries(save_dir: str | os.PathLike) -> list[Path]:
     root = Path(save_dir)
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if step_of(p) is not None), key=step_of)
+    found = [(step, p) for p in root.iterdir() if (step := step_of(p)) is not None]
+    return [p for _, p in sorted(found)]
 
 
 def resolve(path: str | os.PathLike) -> Path:

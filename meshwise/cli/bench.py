@@ -74,7 +74,7 @@ def _settings(args) -> dict:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401 - only whether it is installed
         except ImportError:
             raise ValueError("--plot needs matplotlib (pip install 'meshwise[plot]')") from None
     return {"sizes": sizes, "algorithms": algorithms, "world": world, "per_node": per_node,

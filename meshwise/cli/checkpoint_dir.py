@@ -20,8 +20,13 @@ from pathlib import Path
 from meshwise.checkpoint import resume
 from meshwise.checkpoint.lineage import Lineage
 from meshwise.checkpoint.lock import SaveDirLock
-from meshwise.checkpoint.save_dir import (checkpoint_bytes, human_bytes,
-                                          stale_temporaries, with_headroom, SaveDir)
+from meshwise.checkpoint.save_dir import (
+    SaveDir,
+    checkpoint_bytes,
+    human_bytes,
+    stale_temporaries,
+    with_headroom,
+)
 from meshwise.checkpoint.store import Checkpoint
 from meshwise.cli import launch
 from meshwise.train.config import TrainConfig
@@ -80,6 +85,7 @@ def check_room(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
                new_checkpoint_bytes: int) -> None:
     """One checkpoint must fit in ``--save``, counting what ``--keep-last`` may prune."""
     c, start = cfg.checkpoint, run.start
+    assert c.save is not None, "check_start checks only a run with --save"
     needed = with_headroom((checkpoint_bytes(start) if start is not None else 0)
                            or new_checkpoint_bytes)
     free = shutil.disk_usage(c.save).free

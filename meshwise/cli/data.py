@@ -15,13 +15,19 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from meshwise.cli import launch
 from meshwise.data.corpus import plan_pieces, read_piece
 from meshwise.data.files import available_cpus
-from meshwise.data.readers import (DATA_FORMATS, DataFile, ReadOptions, RecordCounts,
-                                   data_files, file_documents)
+from meshwise.data.readers import (
+    DATA_FORMATS,
+    DataFile,
+    ReadOptions,
+    RecordCounts,
+    data_files,
+    file_documents,
+)
 from meshwise.data.token_files import _ours, exclusive_build, sidecar_path
 from meshwise.data.tokenizer import ByteTokenizer
 
@@ -182,10 +188,11 @@ def _prepare_chat(args, options: ReadOptions, path: Path, out: Path, tokenizer) 
             stats = build_chat_file(out, path.resolve(), tokenizer, template, options)
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+    skipped = "; " + stats["skipped"] if stats["skipped"] else ""
     return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens, "
             f"{stats['conversations']:,} conversations ({stats['assistant_tokens']:,} "
             f"assistant tokens) in {stats['seconds']:.1f} s; template {template.name}; "
-            f"tokenizer {tokenizer.describe()}{'; ' + stats['skipped'] if stats['skipped'] else ''}")
+            f"tokenizer {tokenizer.describe()}{skipped}")
 
 
 def _texts(files: list[DataFile], options: ReadOptions, stats: dict) -> Iterator[str]:
@@ -215,7 +222,8 @@ def _train_tokenizer(args) -> str:
     out = Path(args.out).expanduser()
     if out.is_dir():
         out = out / "tokenizer.json"
-    start, stats = time.perf_counter(), {"files": 0, "text_bytes": 0}
+    stats: dict[str, Any] = {"files": 0, "text_bytes": 0}  # and "records", by _texts
+    start = time.perf_counter()
     texts = (text for text in _texts(files, options, stats) if text)
     first = next(texts, None)
     if first is None:

@@ -11,8 +11,9 @@ rank and torchrun does the supervising.
 Ranks never outlive their launcher: each asks the kernel for SIGKILL when its
 parent dies (Linux ``PR_SET_PDEATHSIG``), so even ``kill -9`` of the launcher
 ends them. Out of memory, the kernel should kill a rank rather than the
-launcher that reports it: local ranks raise their ``oom_score_adj``. Under torchrun the parent is torchrun's agent, and a rank does the
-same as soon as it starts (``die_with_parent``). SIGTERM and Ctrl-C stop the
+launcher that reports it: local ranks raise their ``oom_score_adj``. Under
+torchrun the parent is torchrun's agent, and a rank does the same as soon as it
+starts (``die_with_parent``). SIGTERM and Ctrl-C stop the
 ranks the same way: SIGTERM, then after ``STOP_GRACE_S`` SIGKILL for what is
 still there (a stopped or hung rank), and only then the launcher reports them
 stopped. A rank interrupted on its own (SIGINT to that process only) ends the
@@ -34,8 +35,17 @@ from typing import Callable
 import torch
 
 from meshwise.cli.postmortem import JobFolder
-from meshwise.cli.ranks import (EXPECTED_ERRORS, STOP_GRACE_S, RankFailed,  # noqa: F401
-                                RankWatch, failure_message, stop_ranks, supervise)
+
+# Re-exported: callers catch launch.RankFailed and reach the rank watch through here.
+from meshwise.cli.ranks import (  # noqa: F401
+    EXPECTED_ERRORS,
+    STOP_GRACE_S,
+    RankFailed,
+    RankWatch,
+    failure_message,
+    stop_ranks,
+    supervise,
+)
 from meshwise.comm import ops
 from meshwise.device.choice import rank_device
 

@@ -126,7 +126,7 @@ def model_config(args: argparse.Namespace) -> TrainConfig:
     from meshwise.train.init_from import apply_init_from
 
     cfg, origins = TrainConfig(), {}
-    for _, section, field, _, _ in MODEL_FLAGS:
+    for _, _, field, _, _ in MODEL_FLAGS:
         if hasattr(args, field):
             setattr(cfg.model, field, getattr(args, field))
             origins[field] = "flag"

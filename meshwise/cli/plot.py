@@ -20,7 +20,7 @@ def add_plot_arguments(parser) -> None:
 def run_plot(args) -> int:
     """``meshwise plot``; bad input exits 2 with one line."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - only whether it is installed
     except ImportError:
         print("meshwise plot: error: plotting needs matplotlib: pip install 'meshwise[plot]'",
               file=sys.stderr)

@@ -15,14 +15,14 @@ from pathlib import Path
 from meshwise.checkpoint import resume
 from meshwise.cli import capacity, launch
 from meshwise.cli.checkpoint_dir import check_start
-from meshwise.device import choice
-from meshwise.data.files import available_cpus
 from meshwise.data.batches import BatchSource
 from meshwise.data.chat_files import resolve_chat_data
 from meshwise.data.chat_templates import load_template
 from meshwise.data.dataset import TokenDataset, read_meta, recorded_tokenizer, resolve_data
+from meshwise.data.files import available_cpus
 from meshwise.data.readers import ReadOptions
 from meshwise.data.tokenizer import ByteTokenizer, check_vocab_fits, load_tokenizer
+from meshwise.device import choice
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
 from meshwise.train.loggers import missing_extra, parse_log_to
@@ -44,8 +44,9 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
             raise ValueError("--device cuda but no CUDA device is available; valid: cpu, auto")
         local = cfg.parallel.dims.world_size
         if not launch.under_torchrun() and local > torch.cuda.device_count():
-            raise ValueError(f"{cfg.parallel.axes_text} = {local} local ranks need {local} GPUs, but "
-                             f"{torch.cuda.device_count()} are visible; use fewer ranks, or "
+            raise ValueError(f"{cfg.parallel.axes_text} = {local} local ranks need {local} "
+                             f"GPUs, but {torch.cuda.device_count()} are visible; use fewer "
+                             "ranks, or "
                              "torchrun across nodes")
         check_gpu_dtypes(cfg)
     if cfg.runtime.metrics:
@@ -113,7 +114,8 @@ def prepare_data(cfg: TrainConfig) -> Path:
     if d.format == "chat" and not str(d.path or "").endswith(".bin"):
         if d.path is None:
             raise ValueError("--format chat needs --data: chat records with 'messages'")
-        template = load_template(d.chat_template, tokenizer and tokenizer.path)
+        template = load_template(d.chat_template,
+                                 tokenizer.path if tokenizer is not None else None)
         path = resolve_chat_data(d.path, d.cache_dir, tokenizer or ByteTokenizer(), template,
                                  options)
     else:
@@ -137,7 +139,7 @@ def check_batches(cfg: TrainConfig, dataset: TokenDataset) -> None:
     if source.chat is None and d.format == "chat":
         raise ValueError(f"--format chat: --data {d.path} holds no chat records (prepare them "
                          "with meshwise data prepare --format chat)")
-    if source.chat is not None:
+    if source.chat is not None and source.rows is not None:  # the rows packed from it
         chat = read_meta(dataset.path, d.token_dtype)["chat"]
         d.format, d.chat_template = "chat", chat["template"]
         log.info("chat data (template %s): %s", chat["template"], source.summary())

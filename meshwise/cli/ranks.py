@@ -208,7 +208,7 @@ def memory_limit_bytes() -> int:
 
 def _cgroup_limit_files() -> list[str]:
     """This process's memory limit files, cgroup v2 and v1."""
-    found = []
+    found: list[str] = []
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:

@@ -11,7 +11,10 @@ import math
 import sys
 
 from meshwise.pipeline.schedules import (
-    SCHEDULE_KINDS, build_schedule, group_steps, validate_schedule_config,
+    SCHEDULE_KINDS,
+    build_schedule,
+    group_steps,
+    validate_schedule_config,
 )
 from meshwise.pipeline.simulator import plot_timeline, reference_bubble, render_text, simulate
 

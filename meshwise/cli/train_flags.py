@@ -19,9 +19,16 @@ import dataclasses
 
 from meshwise.data.order import DATA_ORDERS
 from meshwise.data.readers import DATA_FORMATS
-from meshwise.train.config import (ACTIVATION_CHECKPOINTING, DEVICES, DTYPES,
-                                   GRAD_REDUCE_DTYPES, MODEL_PRESETS,
-                                   ON_NAN, SCHEDULES as PIPELINE_SCHEDULES, TrainConfig)
+from meshwise.train.config import (
+    ACTIVATION_CHECKPOINTING,
+    DEVICES,
+    DTYPES,
+    GRAD_REDUCE_DTYPES,
+    MODEL_PRESETS,
+    ON_NAN,
+    TrainConfig,
+)
+from meshwise.train.config import SCHEDULES as PIPELINE_SCHEDULES
 from meshwise.train.lr_schedule import DECAY_SHAPES, SCHEDULES
 
 # (flag, config section, field, type, help). The help's default is added from
@@ -319,13 +326,15 @@ def read_toml(path: str) -> dict:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"--config {path}: not a readable TOML file ({exc})") from None
     sections = sorted({f.name for f in dataclasses.fields(TrainConfig)})
-    flat, spelled = {}, {}
+    flat = {}
+    spelled: dict[str, str] = {}  # field -> where the file set it
     for key, value in raw.items():
         if isinstance(value, dict):
             if key not in sections:
                 raise ConfigError(f"--config {path}: unknown section [{key}]; valid: "
                                   f"{', '.join(sections)}")
-            items = [(name, item, key) for name, item in value.items()]
+            items: list[tuple[str, object, str | None]] = [
+                (name, item, key) for name, item in value.items()]
         else:
             items = [(key, value, None)]
         for name, item, section in items:

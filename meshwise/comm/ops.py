@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from meshwise.comm.checks.context import CommContext, default_device
+
+# Re-exported: handles and timeouts are part of the collectives' interface.
+from meshwise.comm.handle import CollectiveTimeout, CommCounters, Handle, is_timeout, timeout_error  # noqa: F401
 from meshwise.device.choice import rank_device
-from meshwise.comm.handle import (CollectiveTimeout, CommCounters, Handle,  # noqa: F401
-                                  is_timeout, timeout_error)
 
 # torch >= 2.13 renames the flat collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -83,10 +84,9 @@ def _pg_timeout(timeout_s: float, backend_name: str) -> timedelta:
 
 def init_process_group(backend: str, timeout_s: float) -> None:
     """Initialise from the ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` env."""
-    kwargs = {}
-    if backend == "nccl":
-        kwargs["device_id"] = rank_device("cuda")
-    dist.init_process_group(backend=backend, timeout=_pg_timeout(timeout_s, backend), **kwargs)
+    device_id = rank_device("cuda") if backend == "nccl" else None
+    dist.init_process_group(backend=backend, timeout=_pg_timeout(timeout_s, backend),
+                            device_id=device_id)
 
 
 def destroy_process_group() -> None:
@@ -107,8 +107,8 @@ def context() -> CommContext:
     world = dist.group.WORLD
     current = _CONTEXT.get("current")
     if current is None or current.world_id != id(world):
-        current = CommContext(dist.get_rank(), dist.get_world_size(), _open_store)
-        current.world_id = id(world)
+        current = CommContext(dist.get_rank(), dist.get_world_size(), _open_store,
+                              world_id=id(world))
         _CONTEXT["current"] = current
     return current
 
@@ -252,8 +252,9 @@ def all_gather_object(obj, group: Group, category: str = "other") -> list:
         if is_timeout(exc):
             raise timeout_error(exc, _describe(group, "all_gather_object"), context()) from None
         raise
-    if entry is not None:
-        context().ledger.complete(entry)
+    ledger = context().ledger
+    if entry is not None and ledger is not None:
+        ledger.complete(entry)
     group.counters.calls[category] += 1
     return out
 
@@ -325,7 +326,7 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
         ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(src),
                               group=group.pg, tag=tag))
     works = list(dist.batch_isend_irecv(ops)) if ops else []
-    ops = None  # the P2POps hold the tensors too
+    del ops  # the P2POps hold the tensors too
     peers = sorted({group.global_rank(peer) for _, peer, _ in sends + recvs})
     what = f"point-to-point batch on group {group.name} (peers {peers})"
     ctx = context()

@@ -129,7 +129,8 @@ def ring_forward(q, k, v, ring, scale: float, keep_for=None, blocks_of=None):
     acc = blocks.accumulation_dtype(q.dtype)
     blocks_of = blocks_of or RingBlocks(ring.rank, ring.size, q.shape[2])
     kv = torch.stack([k, v])  # (2, B, G, L, d): one message per step
-    out = lse = None
+    out: torch.Tensor  # both set at step 0, from this rank's own block
+    lse: torch.Tensor
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
         block = blocks_of(step, src)
@@ -153,7 +154,8 @@ def ring_backward(dout, q, k, v, out, lse, ring, scale: float, keep_for=None, bl
     """``(dq, dk, dv)``: dq of this rank's queries, dk/dv of its keys and values."""
     blocks_of = blocks_of or RingBlocks(ring.rank, ring.size, q.shape[2])
     kv = torch.stack([k, v])  # (2, B, G, L, d)
-    dq = dkv = None           # dkv: the gradient of the keys held now, travelling with them
+    dq: torch.Tensor   # both set at step 0, from this rank's own block
+    dkv: torch.Tensor  # the gradient of the keys held now, travelling with them
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
         block = blocks_of(step, src)

@@ -18,11 +18,10 @@ import logging
 import numpy as np
 import torch
 
-from meshwise.data.chat_files import open_chat_file, record_location
+from meshwise.data.chat_files import ChatFile, open_chat_file, record_location
 from meshwise.data.dataset import SPLITS, VAL_MIN_SEQUENCES, TokenDataset
 from meshwise.data.order import epoch_position, window_offsets
-from meshwise.data.packing import (LONG_CONVERSATIONS, LOSS_ON, Batch, PackedRows,
-                                   separator_starts)
+from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON, Batch, PackedRows, separator_starts
 from meshwise.data.token_files import read_meta
 
 logger = logging.getLogger("meshwise")
@@ -58,16 +57,16 @@ class BatchSource:
         self.dataset, self.document_mask, self.loss_on = dataset, document_mask, loss_on
         meta = read_meta(dataset.path, dataset.dtype.name)
         self.chat = open_chat_file(dataset.path, meta)
-        self.rows = self.separator = None
+        self.rows: PackedRows | None = None  # packed from the chat file, when there is one
+        self.separator: int | None = None
         if self.chat is not None:
             self._tokens = np.memmap(dataset.path, dtype=dataset.dtype, mode="r")
             self.rows = PackedRows(self.chat.starts, self.chat.num_tokens, dataset.seq_len + 1)
-            self._check_rows(long_conversations)
+            self._check_rows(self.rows, self.chat, long_conversations)
         elif document_mask:
             self.separator = document_separator(meta, dataset.path)
 
-    def _check_rows(self, long_conversations: str) -> None:
-        rows, chat = self.rows, self.chat
+    def _check_rows(self, rows: PackedRows, chat: ChatFile, long_conversations: str) -> None:
         if rows.truncated and long_conversations == "refuse":
             number = rows.too_long
             where = record_location(chat.source, int(chat.records[number]), chat.data_format)
@@ -91,10 +90,11 @@ class BatchSource:
 
     def summary(self) -> str:
         """What packing did to the conversations ("" for text)."""
-        if self.rows is None:
+        rows, chat = self.rows, self.chat
+        if rows is None:
             return ""
-        rows = self.rows
-        text = (f"{len(self.chat.starts):,} conversations packed into {len(rows):,} rows of "
+        assert chat is not None, "rows are packed from the chat file"
+        text = (f"{len(chat.starts):,} conversations packed into {len(rows):,} rows of "
                 f"{rows.width} tokens ({rows.padding_share:.1%} padding)")
         if rows.truncated:
             text += (f"; {rows.truncated:,} longer than --seq-len + 1 truncated "
@@ -103,17 +103,18 @@ class BatchSource:
 
     def batch(self, step: int, batch_size: int, seed: int, split: str = "train") -> Batch:
         """Global batch ``step``: the same on every rank, whatever the layout."""
-        if self.rows is None:
+        packed, chat = self.rows, self.chat
+        if packed is None:
             tokens = self.dataset.global_windows(step, batch_size, seed, split)  # (B, T + 1)
             starts = None
             if self.separator is not None:
                 starts = separator_starts(tokens[:, :-1], self.separator)
             return Batch(torch.from_numpy(tokens), None, starts)
-        lo, hi = (0, len(self.rows) - self.num_val) if split == "train" else \
-            (len(self.rows) - self.num_val, len(self.rows))
+        assert chat is not None, "rows are packed from the chat file"
+        lo, hi = (0, len(packed) - self.num_val) if split == "train" else \
+            (len(packed) - self.num_val, len(packed))
         order = self.dataset.data_order if split == "train" else "random-windows"
         # Rows are items as windows are: windows of one token at a stride of one over
         # hi - lo + 1 "tokens" are the indices 0 .. hi - lo - 1.
-        rows = lo + window_offsets(order, step, batch_size, seed, SPLITS[split], hi - lo + 1, 1)
-        return self.rows.batch(rows, self._tokens, self.chat.labels, self.loss_on,
-                               self.document_mask)
+        picked = lo + window_offsets(order, step, batch_size, seed, SPLITS[split], hi - lo + 1, 1)
+        return packed.batch(picked, self._tokens, chat.labels, self.loss_on, self.document_mask)

@@ -31,8 +31,7 @@ from meshwise.data.chat_templates import ChatTemplate
 from meshwise.data.progress import Progress
 from meshwise.data.readers import ReadOptions, iter_records
 from meshwise.data.records import DataFormatError, RecordCounts
-from meshwise.data.token_files import (TOKEN_DTYPES, _atomic_write, _write_meta,
-                                       dtype_for_vocab)
+from meshwise.data.token_files import TOKEN_DTYPES, _atomic_write, _write_meta, dtype_for_vocab
 from meshwise.data.tokenizer import Tokenizer
 
 logger = logging.getLogger("meshwise")

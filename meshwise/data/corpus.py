@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -38,8 +38,13 @@ from meshwise.data import tables
 from meshwise.data.files import SNIFF_BYTES
 from meshwise.data.readers import DataFile, ReadOptions, RecordCounts
 from meshwise.data.records import jsonl_documents, jsonl_ranges
-from meshwise.data.token_files import (ACCEPTED, TOKEN_DTYPES, _atomic_write, _write_meta,
-                                       dtype_for_vocab)
+from meshwise.data.token_files import (
+    ACCEPTED,
+    TOKEN_DTYPES,
+    _atomic_write,
+    _write_meta,
+    dtype_for_vocab,
+)
 from meshwise.data.tokenizer import Tokenizer, load_tokenizer
 from meshwise.data.workers import ordered_results
 
@@ -243,7 +248,7 @@ def read_piece(piece: Piece) -> bytes:
         return f.read(piece.end - piece.start)
 
 
-def build_token_file(dest: Path, files: list[DataFile | Path], tokenizer: Tokenizer,
+def build_token_file(dest: Path, files: Sequence[DataFile | Path], tokenizer: Tokenizer,
                      source: str, num_workers: int = 1,
                      progress: Callable[[int, int, int], None] | None = None,
                      options: ReadOptions = ReadOptions()) -> dict:
@@ -259,9 +264,9 @@ def build_token_file(dest: Path, files: list[DataFile | Path], tokenizer: Tokeni
     if num_workers < 1:
         raise ValueError(f"--workers must be >= 1, got {num_workers}")
     start = time.perf_counter()
-    files = [f if isinstance(f, DataFile) else DataFile(Path(f), "text") for f in files]
+    listed = [f if isinstance(f, DataFile) else DataFile(Path(f), "text") for f in files]
     counts = RecordCounts()
-    items, stats = plan_items(files, tokenizer, options, counts)
+    items, stats = plan_items(listed, tokenizer, options, counts)
     if stats["content_bytes"] == 0:
         raise ValueError(f"data path {source!r} holds no text (empty corpus or only binary "
                          f"files); expected {ACCEPTED}")

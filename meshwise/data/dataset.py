@@ -19,18 +19,26 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 # Re-exported: building and finding token files is part of this module's interface.
 from meshwise.data.order import window_offsets
-from meshwise.data.sources import (build_with_progress, default_cache_dir,  # noqa: F401
-                                   resolve_data)
+from meshwise.data.sources import build_with_progress, default_cache_dir, resolve_data  # noqa: F401
+
 # Re-exported: the token-file format is part of this module's interface.
-from meshwise.data.token_files import (ACCEPTED, BYTE_VOCAB_SIZE, TOKEN_DTYPE,  # noqa: F401
-                                       largest_id, read_meta, recorded_tokenizer,
-                                       resolve_vocab_size, sidecar_path)
+from meshwise.data.token_files import (  # noqa: F401
+    ACCEPTED,
+    BYTE_VOCAB_SIZE,
+    TOKEN_DTYPE,
+    largest_id,
+    read_meta,
+    recorded_tokenizer,
+    resolve_vocab_size,
+    sidecar_path,
+)
 from meshwise.data.token_files import token_dtype as dtype_of
 
 logger = logging.getLogger("meshwise")
@@ -39,7 +47,10 @@ SPLITS = {"train": 0, "val": 1}
 VAL_MIN_SEQUENCES = 4  # the validation split holds at least this many windows
 
 
-def rank_slice(batch: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
+Rows = TypeVar("Rows", torch.Tensor, np.ndarray)  # a batch as a tensor, or a host array
+
+
+def rank_slice(batch: Rows, rank: int, num_ranks: int) -> Rows:
     """Rows ``[rank * B/num_ranks, (rank + 1) * B/num_ranks)`` of a global batch (a view)."""
     if not 0 <= rank < num_ranks:
         raise ValueError(f"rank must be in [0, {num_ranks}), got {rank}")

@@ -60,7 +60,7 @@ class Batch:
         return targets.masked_fill(~torch.from_numpy(self.labels), IGNORE)
 
 
-def documents_from_starts(starts: np.ndarray) -> Documents:
+def documents_from_starts(starts: np.ndarray) -> Documents[np.ndarray]:
     """The documents (host arrays) of sequences whose documents begin where ``starts``
     (B, T) is true (and at every row's first token, marked or not)."""
     starts = starts.copy()
@@ -95,7 +95,8 @@ class PackedRows:
         self.truncated = int((lengths > width).sum())
         self.dropped_tokens = int((lengths - cut).sum())
         self.too_long = int(np.argmax(lengths > width)) if self.truncated else None
-        row_start, row_len = [], []
+        row_start: list[int] = []
+        row_len: list[int] = []
         for start, length in zip(starts.tolist(), cut.tolist()):
             if row_len and row_len[-1] + length <= width:
                 row_len[-1] += length  # conversations are contiguous in the file

@@ -54,9 +54,17 @@ from typing import Iterator
 
 from meshwise.data import tables
 from meshwise.data.files import SNIFF_BYTES, file_problem, list_files
+
 # Re-exported: the errors and counts are part of this module's interface.
-from meshwise.data.records import (DataFormatError, RecordCounts, checked_text,  # noqa: F401
-                                   document_text, jsonl_documents, jsonl_records)
+from meshwise.data.records import (  # noqa: F401
+    DataFormatError,
+    LineLocation,
+    RecordCounts,
+    checked_text,
+    document_text,
+    jsonl_documents,
+    jsonl_records,
+)
 
 logger = logging.getLogger("meshwise")
 
@@ -182,7 +190,8 @@ def data_files(path: str | Path, data_format: str = "auto") -> list[DataFile]:
 
 
 def iter_records(path: str | Path, data_format: str = "auto", skip_bad_records: bool = False,
-                 counts: RecordCounts | None = None) -> Iterator[tuple[str, dict]]:
+                 counts: RecordCounts | None = None
+                 ) -> Iterator[tuple[str | LineLocation, dict]]:
     """``(location, record)`` for every record under ``path``, in order."""
     counts = counts if counts is not None else RecordCounts()
     for file in data_files(path, data_format):

@@ -82,7 +82,7 @@ def document_text(location, record: dict, text_field: str) -> str:
 # ----------------------------------------------------------------- JSON lines
 def jsonl_records(path: Path, start: int = 0, end: int | None = None,
                   skip_bad_records: bool = False, counts: RecordCounts | None = None,
-                  first_line: int | None = 1) -> Iterator[tuple[object, dict]]:
+                  first_line: int | None = 1) -> Iterator[tuple[str | LineLocation, dict]]:
     """``(location, record)`` for the lines in bytes ``[start, end)`` of a JSON-lines file
     (``start`` at a line's beginning). ``first_line``: the number of the line at
     ``start``; None (a range in a worker) counts it only when a message names it, and

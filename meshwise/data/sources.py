@@ -21,14 +21,19 @@ import os
 import platform
 import sysconfig
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from meshwise.data.corpus import build_token_file
 from meshwise.data.files import list_files
 from meshwise.data.progress import Progress
 from meshwise.data.readers import DataFile, ReadOptions, data_files
-from meshwise.data.token_files import (ACCEPTED, check_tokenizer, exclusive_build, read_meta,
-                                       sidecar_path)
+from meshwise.data.token_files import (
+    ACCEPTED,
+    check_tokenizer,
+    exclusive_build,
+    read_meta,
+    sidecar_path,
+)
 from meshwise.data.tokenizer import BYTE_LEVEL, ByteTokenizer, Tokenizer
 
 logger = logging.getLogger("meshwise")
@@ -47,7 +52,7 @@ def _hash_key(parts: Iterable[object]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build_corpus(dest: Path, files: list[DataFile | Path], source: str, tokenizer: Tokenizer,
+def _build_corpus(dest: Path, files: Sequence[DataFile | Path], source: str, tokenizer: Tokenizer,
                   num_workers: int, options: ReadOptions = ReadOptions()) -> Path:
     """Build the token file ``dest`` (and sidecar) from ``files``, atomically."""
     stats = build_with_progress(dest, files, tokenizer, source, num_workers, options)
@@ -58,7 +63,7 @@ def _build_corpus(dest: Path, files: list[DataFile | Path], source: str, tokeniz
     return dest
 
 
-def build_with_progress(dest: Path, files: list[DataFile | Path], tokenizer: Tokenizer,
+def build_with_progress(dest: Path, files: Sequence[DataFile | Path], tokenizer: Tokenizer,
                         source: str, num_workers: int,
                         options: ReadOptions = ReadOptions()) -> dict:
     """``meshwise.data.corpus.build_token_file`` with its progress shown on stderr."""

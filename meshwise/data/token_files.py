@@ -39,7 +39,7 @@ logger = logging.getLogger("meshwise")
 FORMAT_VERSION = 2
 WRITTEN_BY = "meshwise"
 SIDECAR_SUFFIX = ".meshwise.json"  # corpus.bin -> corpus.bin.meshwise.json
-TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_DTYPE = TOKEN_DTYPES["uint16"]  # the default, and the only one before sidecars said
 ACCEPTED = ("a text, JSON lines, Parquet or CSV file, a folder of them, a datasets "
             "save_to_disk folder, or a .bin of token ids (uint16 or uint32)")
@@ -245,6 +245,7 @@ def resolve_vocab_size(meta: dict, requested: int = 0,
         return requested
     if stated:
         return stated
+    assert max_token is not None, "read_meta records the largest id of a file without a vocabulary"
     if max_token < BYTE_VOCAB_SIZE:
         return max_token + 1
     raise ValueError(f"{source} holds token ids up to {max_token}, beyond the byte-level "

@@ -79,8 +79,9 @@ def llama_sizes(config: dict, where: str) -> dict:
     for key in ("rope_scaling", "rope_parameters"):
         check_types(config.get(key) or {}, ROPE_KEY_TYPES, f"{where}/config.json: {key}")
     kind = config.get("model_type")
-    architectures = config.get("architectures") or [ARCHITECTURES.get(kind, "")]
-    if kind not in ARCHITECTURES or ARCHITECTURES[kind] not in architectures:
+    expected = ARCHITECTURES.get(kind) if isinstance(kind, str) else None
+    architectures = config.get("architectures") or [expected or ""]
+    if expected is None or expected not in architectures:
         valid = ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items())
         raise ValueError(f"--init-from {where}: config.json describes model_type "
                          f"{kind!r} ({', '.join(architectures)}); valid: {valid}")
@@ -93,7 +94,8 @@ def llama_sizes(config: dict, where: str) -> dict:
     _check_supported(config, sizes, where)
     sizes.update(_variant(config, sizes, where))
     rope = dict(config.get("rope_parameters") or {})
-    theta = config.get("rope_theta", rope.get("rope_theta", DEFAULT_ROPE_THETA))
+    theta = (config["rope_theta"] if "rope_theta" in config
+             else rope.get("rope_theta", DEFAULT_ROPE_THETA))
     scaling = config.get("rope_scaling") or rope
     sizes.update(rope_theta=float(theta), norm_eps=float(sizes["norm_eps"]),
                  tie_embeddings=bool(config.get("tie_word_embeddings", False)),

@@ -18,12 +18,18 @@ the (query, key) pairs it computes and gets what one process would use.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
+if TYPE_CHECKING:  # for the host form's type only: the layout imports only torch
+    import numpy as np
+
+Array = TypeVar("Array", torch.Tensor, "np.ndarray")  # on a device, or a host array
+
 
 @dataclass(frozen=True)
-class Documents:
+class Documents(Generic[Array]):
     """Documents of ``B`` whole sequences of ``T`` tokens.
 
     ``ids``: (B, T) int64, the same for the tokens of one document, increasing
@@ -33,20 +39,20 @@ class Documents:
     where documents start).
     """
 
-    ids: torch.Tensor
-    positions: torch.Tensor
+    ids: Array
+    positions: Array
 
-    def rows(self, first: int, count: int) -> "Documents":
+    def rows(self, first: int, count: int) -> Documents[Array]:
         """Rows ``[first, first + count)`` (the sequences one forward computes)."""
         return Documents(self.ids[first:first + count], self.positions[first:first + count])
 
-    def to(self, device) -> "Documents":
+    def to(self, device) -> Documents[torch.Tensor]:
         """As tensors on ``device`` (from host arrays or tensors)."""
         return Documents(torch.as_tensor(self.ids, device=device),
                          torch.as_tensor(self.positions, device=device))
 
-    def allowed(self, q_positions: torch.Tensor, k_positions: torch.Tensor,
-                causal: bool = True) -> torch.Tensor:
+    def allowed(self: Documents[torch.Tensor], q_positions: torch.Tensor,
+                k_positions: torch.Tensor, causal: bool = True) -> torch.Tensor:
         """(B, 1, Lq, Lk) bool: which keys each query may see, by global positions
         ``q_positions`` (Lq,) and ``k_positions`` (Lk,): those of its own document, and
         with ``causal`` none after it. Dim 1 broadcasts over the heads."""

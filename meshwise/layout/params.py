@@ -27,8 +27,9 @@ from .pieces import Piece
 
 def mark_tp(param: nn.Parameter, sharded: bool, dim: int | None = None) -> nn.Parameter:
     """Set the ``tp_sharded`` / ``tp_dim`` marks described in the module docstring."""
-    param.tp_sharded = sharded
-    param.tp_dim = dim if sharded else None
+    # The marks are attributes of the parameter object, which torch's types do not declare.
+    param.tp_sharded = sharded  # type: ignore[attr-defined]
+    param.tp_dim = dim if sharded else None  # type: ignore[attr-defined]
     return param
 
 
@@ -36,8 +37,8 @@ def mark_tie(param: nn.Parameter, group) -> nn.Parameter:
     """Mark ``param`` as one copy of a tie whose other copies live on other pipeline
     stages: its gradient is summed over ``group`` (the stages holding a copy;
     ``None`` when the caller gave none: no engine can then train it)."""
-    param.cross_stage_tie = True
-    param.tie_group = group
+    param.cross_stage_tie = True  # type: ignore[attr-defined]  # a mark, as above
+    param.tie_group = group  # type: ignore[attr-defined]
     return param
 
 
@@ -60,7 +61,7 @@ def logical_piece(name: str, param: torch.Tensor, tp_rank: int, tp_size: int) ->
     shape = list(param.shape)
     if not is_tp_sharded(param):
         return Piece.whole(name, shape)
-    dim = param.tp_dim
+    dim = param.tp_dim  # type: ignore[attr-defined]  # set by mark_tp
     local = shape[dim]
     real = getattr(param, "tp_unpadded_size", local * tp_size)
     if real != local * tp_size and dim != 0:

@@ -43,7 +43,7 @@ def window_mask(num_queries: int, num_keys: int, window: int, device):
 
 
 def keys_seen(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int = 0,
-              documents: Documents | None = None) -> torch.Tensor:
+              documents: Documents[torch.Tensor] | None = None) -> torch.Tensor:
     """(B or 1, 1, Lq, Lk) bool: the keys at ``k_positions`` (Lk,) that the queries at
     ``q_positions`` (Lq,) see: at or before them, inside ``window`` (0: no window)
     and, with ``documents``, in their own document."""
@@ -81,7 +81,7 @@ def block_mask(length: int, window: int = 0, ids: torch.Tensor | None = None,
     last = (first + block_size - 1).clamp(max=length - 1)
     whole = first + block_size <= length  # no padding past the sequence in it
     q_first, q_last, k_first, k_last = first[:, None], last[:, None], first[None], last[None]
-    some = k_first <= q_last                                      # (nq, nk): a key at or before a query
+    some = k_first <= q_last  # (nq, nk): a key at or before a query
     every = (k_last <= q_first) & whole[:, None] & whole[None, :]  # every key before every query
     if window:  # some pair, or every pair, less than the window apart
         some = some & (q_first - k_last < window)
@@ -94,7 +94,8 @@ def block_mask(length: int, window: int = 0, ids: torch.Tensor | None = None,
         # the causal mask and the window this is exact: a shared document's closest
         # pair is the query block's first token and the key block's last.
         some = some & (low[:, :, None] <= high[:, None, :]) & (low[:, None, :] <= high[:, :, None])
-        every = every & (low[:, :, None] == high[:, None, :]) & (high[:, :, None] == low[:, None, :])
+        every = (every & (low[:, :, None] == high[:, None, :])
+                 & (high[:, :, None] == low[:, None, :]))
     partial = some & ~every
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(every), BLOCK_SIZE=block_size,
                                     mask_mod=mask_mod(window, ids), seq_lengths=(length, length))
@@ -109,7 +110,7 @@ def _id_range(ids: torch.Tensor, num_blocks: int, block_size: int):
     return blocks.amin(-1), blocks.amax(-1)
 
 
-def _ordered(dense: torch.Tensor):
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(count, indices) of each query block's key blocks, as ``BlockMask`` stores them:
     (B, 1, nq) and (B, 1, nq, nk) int32, the listed blocks first, in order."""
     dense = dense[:, None].to(torch.int32)  # (B, 1, nq, nk): the head dim broadcasts
@@ -137,13 +138,14 @@ class DocumentMask:
     checkpointing, which is handed the same object).
     """
 
-    def __init__(self, documents: Documents, lengths: list[list[int]] | None = None,
-                 host_ids=None):
+    def __init__(self, documents: Documents[torch.Tensor],
+                 lengths: list[list[int]] | None = None, host_ids=None):
         self.documents, self.lengths, self.host_ids = documents, lengths, host_ids
         self._made: dict = {}
 
     @classmethod
-    def of(cls, host: Documents, on_device: Documents) -> "DocumentMask":
+    def of(cls, host: Documents[np.ndarray], on_device: Documents[torch.Tensor]
+           ) -> DocumentMask:
         """The same documents as host arrays and on the device (rows of a copy made once
         per step): the lengths and ids a host decision reads come from the first."""
         return cls(on_device, document_lengths(host.ids), host.ids)

@@ -46,8 +46,13 @@ class ModelFamily:
     def create(self, cfg, seed: int = 0) -> nn.Module:
         """The whole model on one process, holding the layout-independent initial
         values of ``seed`` (what every layout starts from; a reference)."""
+        init = self.init
+        if init is None:
+            raise ValueError(f"model family {self.name!r} has no init: create() draws each "
+                             "parameter's values from it; valid: ModelFamily.own(factory, "
+                             "plan, init_of)")
         model = self.build(cfg)
-        init_module(model, lambda name: self.init(cfg, name), seed, self.plan(cfg).logical_name)
+        init_module(model, lambda name: init(cfg, name), seed, self.plan(cfg).logical_name)
         return model
 
     def make_config(self, sizes: dict):

@@ -96,7 +96,7 @@ def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     computed as Hugging Face computes them so that imported models match it."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    if rope_type_of(cfg.rope_scaling) == "llama3":
+    if cfg.rope_scaling and rope_type_of(cfg.rope_scaling) == "llama3":
         inv_freq = _llama3_scaled(inv_freq, cfg.rope_scaling)
     return inv_freq  # (head_dim / 2,)
 

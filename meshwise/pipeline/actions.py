@@ -141,6 +141,7 @@ Order = list[tuple[str, int, int]]  # one rank's compute actions as (kind, micro
 def group_steps(actions: list[Action]) -> list[Step]:
     """Split a rank's list into steps: a compute Action, or a tuple of messages (one batch)."""
     steps: list[Step] = []
-    for is_compute, run in itertools.groupby(actions, key=lambda action: action.is_compute):
-        steps += list(run) if is_compute else [tuple(run)]
+    for is_compute, group in itertools.groupby(actions, key=lambda action: action.is_compute):
+        run = list(group)
+        steps += run if is_compute else [tuple(run)]
     return steps

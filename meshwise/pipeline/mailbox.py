@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from meshwise.comm import ops
 from meshwise.pipeline.actions import Action, Schedule
 from meshwise.pipeline.p2p import Channels, Incoming, Outgoing, release_storage
+
+SentKey = tuple[dict, tuple[int, int]]  # (the outputs, (chunk, mb)) of a sent activation
+InFlight = tuple[list[ops.Handle], SentKey | None]  # a send's handles, what it frees
 
 _RECEIVES = {"F": "RECV_F", "B": "RECV_B"}  # what each compute action reads
 
@@ -37,7 +41,7 @@ class Mailbox:
         self.gradients: dict = {}  # (chunk, mb) -> a received gradient of that chunk's output
         self.to_send: dict = {}  # (chunk, mb) -> the input gradient its B made, for SEND_B
         self.arriving: dict = {}  # (kind, chunk, mb) -> the receive's handle, not waited for
-        self._in_flight: list = []
+        self._in_flight: list[InFlight] = []
 
     def _tag(self, backward: bool, receiver_stage: int, micro_batch: int) -> int:
         """The same number on both ends of a message, unique within the step."""
@@ -48,22 +52,25 @@ class Mailbox:
     def post(self, batch: tuple[Action, ...], outputs: dict) -> None:
         """Post one batch; ``outputs``: the runtime's chunk outputs by (chunk, mb), sent by
         SEND_F and freed once sent (their backward needs only the graph)."""
-        sends, recvs, sent_keys = [], [], []
+        sends: list[Outgoing] = []
+        recvs: list[Incoming] = []
+        sent_keys: list[SentKey | None] = []  # per send: the output it frees once sent
         for a in batch:
-            key, mb = (a.chunk, a.micro_batch), a.micro_batch
+            key, mb, peer = (a.chunk, a.micro_batch), a.micro_batch, a.peer
+            assert peer is not None, f"{a}: a message names its peer"
             stage = self.schedule.stage_of(self.rank, a.chunk)
             if a.kind == "SEND_F":
-                sends.append(Outgoing(outputs[key].detach(), a.peer,
+                sends.append(Outgoing(outputs[key].detach(), peer,
                                       self._tag(False, stage + 1, mb), stage, stage + 1))
                 sent_keys.append((outputs, key))
             elif a.kind == "SEND_B":
-                sends.append(Outgoing(self.to_send.pop(key), a.peer,
+                sends.append(Outgoing(self.to_send.pop(key), peer,
                                       self._tag(True, stage - 1, mb), stage, stage - 1, True))
                 sent_keys.append(None)
             else:
                 backward = a.kind == "RECV_B"
                 src = stage + 1 if backward else stage - 1
-                recvs.append(Incoming(a.peer, self._tag(backward, stage, mb), src, stage, backward))
+                recvs.append(Incoming(peer, self._tag(backward, stage, mb), src, stage, backward))
         recv_handles: list = []
         received, handles = self.channels.exchange(sends, recvs, self.device, recv_handles)
         receivers = [a for a in batch if a.kind in ("RECV_F", "RECV_B")]
@@ -77,7 +84,8 @@ class Mailbox:
         # waiting costs at most the transfer (1F1B's steady state frees each output as
         # soon as it is sent). The others wait until the next batch.
         sent = iter(zip(handles, sent_keys, strict=True))
-        now, later = [], []
+        now: list[InFlight] = []
+        later: list[InFlight] = []
         for i, a in enumerate(batch):
             if a.kind in ("SEND_F", "SEND_B"):
                 answered = any(b.kind in ("RECV_F", "RECV_B") and b.peer == a.peer

@@ -63,8 +63,8 @@ class Incoming:
 class Channels:
     """The headers a rank has sent or learned in one run, and the posting of batches."""
 
-    def __init__(self, group: ops.Group):
-        self.group = group
+    def __init__(self, group: ops.Group | None):
+        self.group = group  # None: one stage, which sends nothing
         self._meta: dict[tuple[int, int], TensorMeta] = {}  # forward edge -> its tensors
         self._meta_tag_base = 0
         self.headers_sent = self.headers_received = 0  # in this run
@@ -87,6 +87,7 @@ class Channels:
         ``recv_handles`` (a list), a receive whose header is known is not waited for:
         its ``Handle`` (or ``None``, where it has arrived) is appended in ``recvs``
         order, to wait for before the tensor is read."""
+        assert self.group is not None, "one stage alone sends and receives nothing"
         messages = [self._with_header(send) for send in sends]
         outgoing = [item for items in messages for item in items]
         received: list[torch.Tensor] = []

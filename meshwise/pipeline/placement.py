@@ -31,7 +31,8 @@ def dataflow_times(orders: list[Order], S: int, V: int, stage_map: str
                    ) -> list[list[tuple[int, int]]]:
     """(start, end) of each compute action when it starts as soon as its rank is free and its
     inputs are ready, in ticks (F = 1, B = 1 plus 1 when it has no W, W = 1)."""
-    last, finished = S * V - 1, {}
+    last = S * V - 1
+    finished: dict[tuple[str, int, int], int] = {}  # (kind, mb, stage) -> its end tick
     split = {(r, mb, c) for r in range(S) for k, mb, c in orders[r] if k == "W"}
     times: list[list[tuple[int, int]]] = [[] for _ in range(S)]
     clock, progress = [0] * S, True
@@ -59,7 +60,8 @@ def dataflow_times(orders: list[Order], S: int, V: int, stage_map: str
 
 def _gaps(times: list[tuple[int, int]]) -> tuple[list[float], list[float]]:
     """Idle intervals of a rank as (starts, ends): gap g lies just before compute action g."""
-    return [0] + [end for _, end in times], [start for start, _ in times] + [math.inf]
+    starts: list[float] = [0, *(end for _, end in times)]
+    return starts, [start for start, _ in times] + [math.inf]
 
 
 def _meeting_time(gaps_a: tuple[list, list], gaps_b: tuple[list, list], lo: int, hi: int) -> float:

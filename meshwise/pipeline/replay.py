@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable
 
-from meshwise.pipeline.schedules import COMPUTE_KINDS, Action, Schedule, ScheduleError
+from meshwise.pipeline.schedules import COMM_KINDS, COMPUTE_KINDS, Action, Schedule, ScheduleError
 
 Interval = tuple[float, float, Action]
 
@@ -28,9 +28,13 @@ def match_messages(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]
     recvs: dict[tuple[int, int], list[int]] = defaultdict(list)
     for rank, actions in enumerate(schedule.ranks):
         for index, action in enumerate(actions):
+            if action.kind not in COMM_KINDS:
+                continue
+            if action.peer is None:
+                raise ScheduleError(f"rank {rank}: {action} is a message without a peer")
             if action.kind in ("SEND_F", "SEND_B"):
                 sends[(rank, action.peer)].append(index)
-            elif action.kind in ("RECV_F", "RECV_B"):
+            else:
                 recvs[(action.peer, rank)].append(index)
     partner: dict[tuple[int, int], tuple[int, int]] = {}
     for src, dst in sorted(set(sends) | set(recvs)):

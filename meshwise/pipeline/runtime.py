@@ -46,7 +46,7 @@ from meshwise.device import ranges
 from meshwise.device.clocks import IntervalClock
 from meshwise.pipeline.mailbox import Mailbox
 from meshwise.pipeline.p2p import Channels, Incoming, Outgoing
-from meshwise.pipeline.schedules import Action, Schedule, group_steps
+from meshwise.pipeline.schedules import Action, Schedule, Step, group_steps
 from meshwise.tensor_parallel.weight_grads import WeightGradStore, defer_weight_grads
 
 
@@ -102,7 +102,7 @@ class PipelineRuntime:
         for i, b in enumerate(self.steps):
             if not isinstance(b, Action) or b.kind != "B":
                 continue
-            w = b
+            w: Step | None = b
             if self._split(b):
                 w = self.steps[i + 1] if i + 1 < len(self.steps) else None
                 if not (isinstance(w, Action) and w.kind == "W"
@@ -144,7 +144,12 @@ class PipelineRuntime:
         self.channels.start(meta_tag_base=2 * self.num_logical * len(micro_batches),
                             keep_shapes=True)
         self.mail.start(self._device)
-        self._inputs, self._outputs, self._handoff, self._handoff_grad = {}, {}, {}, {}
+        # (chunk, mb) -> a forward's input and output; (stage, mb) -> what a stage on
+        # this rank hands the next (or, backwards, the previous) one on this rank
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._handoff: dict[tuple[int, int], torch.Tensor] = {}
+        self._handoff_grad: dict[tuple[int, int], torch.Tensor] = {}
         self._micro_batches, self._loss_scale, self._sync = micro_batches, loss_scale, sync
         self._loss = torch.zeros((), dtype=torch.float64, device=self._device)
         if self.clock.cuda != (self._device.type == "cuda"):
@@ -244,6 +249,7 @@ class PipelineRuntime:
         """The weight pass of ``a``'s micro-batch and chunk (a W, or a whole B's)."""
         if (a.chunk, a.micro_batch) in self._whole:
             return  # its B computed the weight gradients already
+        assert self.weight_grads is not None, "only a schedule with W actions defers them"
         with self._syncing(a, self._last_weights):
             self.weight_grads.run((a.chunk, a.micro_batch))
 

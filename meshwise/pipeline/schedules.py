@@ -49,8 +49,18 @@ from __future__ import annotations
 
 # The data model, re-exported: the schedules' public names live here.
 from meshwise.pipeline.actions import (  # noqa: F401
-    COMM_KINDS, COMPUTE_KINDS, STAGE_MAPS, Action, Order, Schedule, ScheduleError, Step,
-    group_steps, parse_action, stage_index, stage_owner,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    STAGE_MAPS,
+    Action,
+    Order,
+    Schedule,
+    ScheduleError,
+    Step,
+    group_steps,
+    parse_action,
+    stage_index,
+    stage_owner,
 )
 from meshwise.pipeline.placement import place_messages
 from meshwise.pipeline.zero_bubble import dualpipev_order, zb_h1_order, zbv_order

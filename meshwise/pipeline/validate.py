@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from meshwise.pipeline.replay import replay
-from meshwise.pipeline.schedules import (COMM_KINDS, COMPUTE_KINDS, Action, Schedule,
-                                         ScheduleError)
+from meshwise.pipeline.schedules import COMM_KINDS, COMPUTE_KINDS, Action, Schedule, ScheduleError
 
 
 def validate(schedule: Schedule) -> None:
@@ -68,7 +67,11 @@ def _field_problem(schedule: Schedule, rank: int, action: Action) -> Optional[st
     return None if action.peer == expected else f"peer should be rank {expected}"
 
 
-def _prerequisites(schedule: Schedule, rank: int, a: Action) -> list[tuple]:
+# What must come earlier than an action: ((kind, micro_batch, chunk), peer, why).
+Need = tuple[tuple[str, int, int], Optional[int], str]
+
+
+def _prerequisites(schedule: Schedule, rank: int, a: Action) -> list[Need]:
     """What must come earlier on ``rank`` than ``a``: ((kind, micro_batch, chunk), peer, why)."""
     mb, chunk = a.micro_batch, a.chunk
     if a.kind in ("SEND_F", "SEND_B"):
@@ -78,7 +81,7 @@ def _prerequisites(schedule: Schedule, rank: int, a: Action) -> list[tuple]:
     if a.kind not in ("F", "B"):
         return []
     stage, forward = schedule.stage_of(rank, chunk), a.kind == "F"
-    needs = [] if forward else [(("F", mb, chunk), None, "backward needs its forward")]
+    needs: list[Need] = [] if forward else [(("F", mb, chunk), None, "backward needs its forward")]
     if (stage > 0) if forward else (stage < schedule.num_logical - 1):
         other_rank, other_chunk = schedule.owner(stage + (-1 if forward else 1))
         if other_rank != rank:

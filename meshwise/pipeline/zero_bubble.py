@@ -123,7 +123,7 @@ def dualpipev_order(S: int, M: int, V: int, rank: int) -> Order:
         c.backward(1, split=True)
         c.weight()
         c.forward(1)
-    for i in range(M - 2 * S + rank + 1):                # 4: F of one chunk with B of the other
+    for _ in range(M - 2 * S + rank + 1):                # 4: F of one chunk with B of the other
         c.forward(0)  # (the last rank's first pair runs unpaired; the order is the same)
         c.backward(1)
         c.forward(1)

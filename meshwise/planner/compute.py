@@ -35,8 +35,7 @@ from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import DTYPE_BYTES, Settings, activation_bytes_per_token
 from meshwise.planner.shapes import ModelShape
-from meshwise.planner.traffic import (LOSS_BACKWARD, LOSS_FORWARD, collect_bytes,
-                                      layer_traffic)
+from meshwise.planner.traffic import LOSS_BACKWARD, LOSS_FORWARD, collect_bytes, layer_traffic
 
 # Kernels per layer in the forward (counted in the families' code: norms, projections,
 # reshapes, attention, activations, residual adds); the backward runs about twice as many.
@@ -107,8 +106,9 @@ def _elementwise_s(shape, layout: Layout, st: Settings, device: DeviceProfile,
     over the activations a layer keeps (the CPU's calibration measured against these)."""
     if device.counted_traffic:
         traffic = layer_traffic(shape, layout, st.dtype)
-        return tuple(traffic[phase] * n / device.memory_bandwidth
-                     for phase in ("forward", "backward", "recompute"))
+        forward, backward, recompute = (traffic[phase] * n / device.memory_bandwidth
+                                        for phase in ("forward", "backward", "recompute"))
+        return forward, backward, recompute
     act = activation_bytes_per_token(shape, layout, st.dtype)["none"] * n
     forward = ELEMENTWISE_PASSES * act / device.memory_bandwidth
     return forward, 2 * forward, forward

@@ -145,6 +145,7 @@ def peak_memory(shape: ModelShape, layout: Layout, settings: Settings, in_flight
         b = _rank_memory(shape, layout, settings, rank, in_flight[rank], overhead)
         if worst is None or b.total > worst.total:
             worst = b
+    assert worst is not None, "a layout has at least one pipeline rank"
     return worst
 
 

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from meshwise.planner.devices import DeviceProfile, device_profile
 from meshwise.planner.layout import Layout
-from meshwise.planner.search import (Prediction, Space, memory_limit, predict, search,
-                                     settings_of)
+from meshwise.planner.search import Prediction, Space, memory_limit, predict, search, settings_of
 from meshwise.planner.shapes import ModelShape, model_shape
 from meshwise.train.config import TrainConfig
 

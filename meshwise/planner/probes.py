@@ -24,11 +24,12 @@ other work on the machine does not count), the least of several runs:
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
-from meshwise.comm.allreduce.allreducer import probe
 from meshwise.comm.allreduce.algorithms import Topology
+from meshwise.comm.allreduce.allreducer import probe
 
 
 def _best(fn, runs: int = 7) -> float:
@@ -89,7 +90,7 @@ def optimizer_seconds_per_param(numel: int = 2**21) -> float:
 
 
 # One layer of each family, timed whole (forward and backward) at these sizes.
-LAYER_SIZES = {"gpt": {"preset": "tiny", "n_head": 4, "d_model": 256},
+LAYER_SIZES: dict[str, dict[str, Any]] = {"gpt": {"preset": "tiny", "n_head": 4, "d_model": 256},
                "llama": {"preset": "llama-tiny", "n_head": 4, "n_kv_head": 2, "d_model": 256,
                          "ffn_hidden_size": 768}}
 LAYER_TOKENS = 512
@@ -104,12 +105,16 @@ def layer_seconds(family_name: str) -> float:
     sizes = {k: v for k, v in LAYER_SIZES[family_name].items() if k != "preset"}
     x = torch.randn(1, LAYER_TOKENS, sizes["d_model"], requires_grad=True)
     if family_name == "gpt":
-        layer = Block(GPTConfig(n_layer=1, block_size=LAYER_TOKENS, **sizes), 0)
-        run = lambda: layer(x)  # noqa: E731
+        block = Block(GPTConfig(n_layer=1, block_size=LAYER_TOKENS, **sizes), 0)
+
+        def run():
+            return block(x)
     else:
         cfg = LlamaConfig(n_layer=1, block_size=LAYER_TOKENS, **sizes)
-        layer, rotary = DecoderLayer(cfg), Rotary(cfg)
-        run = lambda: layer(x, lambda n, device, dtype: rotary(torch.arange(n), dtype))  # noqa
+        decoder, rotary = DecoderLayer(cfg), Rotary(cfg)
+
+        def run():
+            return decoder(x, lambda n, device, dtype: rotary(torch.arange(n), dtype))
 
     return _best(lambda: run().sum().backward(), runs=5)
 
@@ -192,11 +197,11 @@ def comm_probe() -> dict:
     group = ops.world_group(timeout_s=120.0)
     model = probe(group, Topology.of(tuple(range(group.size)), group.size), large=8 * 2**20,
                   repeats=7)
-    link = model.links["intra"]
+    link, native = model.links["intra"], model.native
+    assert native is not None, "probe measures the native all-reduce"
     return {"size": group.size,
             "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte},
-            "all_reduce": {"alpha_s": model.native.alpha_s,
-                           "beta_s_per_byte": model.native.beta_s_per_byte},
+            "all_reduce": {"alpha_s": native.alpha_s, "beta_s_per_byte": native.beta_s_per_byte},
             "drift": rank_drift(group)}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshwise.apply.activation_checkpointing import MODES
@@ -98,11 +99,12 @@ def search(cfg: TrainConfig, shape: ModelShape, world: int, device: DeviceProfil
     digit, so that thousands of layouts share a few simulations); the best ``REFINED``
     are timed again exactly and ranked by that."""
     st = settings_of(cfg, device)
-    fitting, over = [], []
+    fitting: list[Prediction] = []
+    over: list[Prediction] = []
     stages, modes = _valid_choices(cfg, space)
     for structure in _structures(cfg, world, space):
         # ZeRO over one rank shards nothing: stage 0 stands for them all
-        zeros = stages if structure.dp * structure.cp > 1 else stages[:1]
+        zeros: Sequence[int] = stages if structure.dp * structure.cp > 1 else stages[:1]
         for mode in modes:
             base = _replace(structure, activation_checkpointing=mode)
             pipe = _pipe(shape, base, st, device)
@@ -117,7 +119,7 @@ def search(cfg: TrainConfig, shape: ModelShape, world: int, device: DeviceProfil
     fitting.sort(key=_rank_key)
     top = [predict(shape, p.layout, st, device, limit) for p in fitting[:REFINED]]
     fitting[:REFINED] = sorted(top, key=_rank_key)
-    _pipe.cache_clear()
+    _pipe_cached.cache_clear()
     over.sort(key=lambda p: p.memory.total)
     return fitting + over
 
@@ -145,10 +147,8 @@ def _pipe(shape: ModelShape, structure: Layout, st: Settings, device: DeviceProf
     return _pipe_cached(shape, structure, st, id(device))
 
 
-_pipe.cache_clear = _pipe_cached.cache_clear
 
-
-def _valid_choices(cfg: TrainConfig, space: Space) -> tuple[tuple, tuple]:
+def _valid_choices(cfg: TrainConfig, space: Space) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The ZeRO stages and checkpointing modes of the space that the configuration check
     accepts. The check has no rule that ties either to the axes, so each is checked once
     (tests/unit/test_planner.py validates every layout listed: a rule that ties them

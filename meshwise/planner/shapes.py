@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from meshwise.train.config import TrainConfig
 from meshwise.train.flops import matmul_params
@@ -85,7 +86,7 @@ def _shape(items: tuple) -> ModelShape:
     from meshwise.layout.init import on_meta
     from meshwise.models.families import family
 
-    sizes = {k: dict(v) if isinstance(v, tuple) else v for k, v in items}
+    sizes: dict[str, Any] = {k: dict(v) if isinstance(v, tuple) else v for k, v in items}
     fam = family(sizes["family"])
     full = fam.make_config(sizes)
     one = fam.make_config({**sizes, "n_layer": 1})

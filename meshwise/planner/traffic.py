@@ -25,7 +25,7 @@ from meshwise.planner.shapes import ModelShape
 # key/value width and of the MLP width (inside). GPT: (between, inside) per element of
 # d_model. "recompute": what selective and full checkpointing add to the backward (the
 # element-wise forward again). Counted in torch 2.13.
-LAYER_TRAFFIC = {
+LAYER_TRAFFIC: dict[tuple[str, str], dict[str, tuple[float, ...]]] = {
     ("llama", "bf16"): {"forward": (84.0, 20.5, 20.7, 10.3),
                         "backward": (222.0, 24.5, 24.7, 24.3),
                         "recompute": (78.0, 20.6, 20.7, 10.4)},

@@ -88,6 +88,8 @@ def _copy_tokenizer(ckpt, out: Path) -> None:
         log.warning("meshwise export: the tokenizer %s is gone or changed since training; "
                     "copy it into the export yourself", path)
         return
+    if tokenizer.path is None:  # byte-level: no file to copy
+        return
     source = Path(tokenizer.path)
     shutil.copyfile(source, out / "tokenizer.json")
     for name in ("tokenizer_config.json", "special_tokens_map.json"):

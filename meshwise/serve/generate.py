@@ -18,7 +18,7 @@ from meshwise.data.chat import generation_prompt
 from meshwise.data.chat_templates import ChatTemplate, load_template
 from meshwise.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from meshwise.models.kv_cache import LayerCache
-from meshwise.serve.model import load_model
+from meshwise.serve.model import load_model, model_config
 
 
 def continue_prompt(checkpoint: str | os.PathLike, prompt_text: str, max_new_tokens: int,
@@ -31,10 +31,10 @@ def continue_prompt(checkpoint: str | os.PathLike, prompt_text: str, max_new_tok
     with the chat template the model was fine-tuned with (or ``chat_template``), and
     the answer is the assistant's message, up to its end-of-turn marker."""
     ckpt = open_checkpoint(checkpoint)
-    model = load_model(ckpt)
+    model, cfg = load_model(ckpt), model_config(ckpt)  # the config the model was built from
     data = ckpt.meta.get("config", {}).get("data", {})
     tokenizer = checkpoint_tokenizer(data, tokenizer_path)
-    vocab_size = model.cfg.vocab_size
+    vocab_size = cfg.vocab_size
     if tokenizer.kind == ByteTokenizer.kind and vocab_size != tokenizer.vocab_size:
         raise ValueError(f"the checkpoint's vocabulary has {vocab_size} tokens and it names no "
                          "tokenizer; --prompt text would be encoded byte-level (256): pass "
@@ -47,12 +47,14 @@ def continue_prompt(checkpoint: str | os.PathLike, prompt_text: str, max_new_tok
         template = chat_template_of(data, chat_template, tokenizer)
         prompt, end = generation_prompt(template, tokenizer,
                                         [{"role": "user", "content": prompt_text}])
-    if not prompt or len(prompt) >= model.cfg.block_size:
+    if not prompt or len(prompt) >= cfg.block_size:
         raise ValueError(f"--prompt is {len(prompt)} tokens; the model's context holds 1 to "
-                         f"{model.cfg.block_size - 1}")
+                         f"{cfg.block_size - 1}")
 
     def ended(tokens: list[int]) -> bool:
-        return bool(end) and end in tokenizer.decode_continuation(prompt, tokens)
+        if not end:
+            return False
+        return end in tokenizer.decode_continuation(prompt, tokens)
 
     tokens = generate(model, prompt, max_new_tokens, temperature, top_k, seed, stop=ended)
     text = tokenizer.decode_continuation(prompt, tokens)

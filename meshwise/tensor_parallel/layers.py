@@ -32,15 +32,23 @@ looked up, masked out of the loss, and so keep zero gradients.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from meshwise.layout.init import Init, init_values, normal
 from meshwise.layout.params import mark_tp
 from meshwise.layout.pieces import Piece
-from meshwise.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
-                                               reduce_scatter_sequence, scatter_to_tp,
-                                               tp_rank_of, tp_size_of)
+from meshwise.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    scatter_to_tp,
+    tp_rank_of,
+    tp_size_of,
+)
 from meshwise.tensor_parallel.weight_grads import WeightGradStore, linear
 
 
@@ -70,8 +78,8 @@ def sharded_param(full_shape, dim: int, group, dtype, device, init: Init | None 
     start = rank * local[dim]
     param = mark_tp(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), True, dim)
     real = full_shape[dim] if real_rows is None else real_rows
-    if real_rows is not None:
-        param.tp_unpadded_size = real_rows
+    if real_rows is not None:  # a mark (meshwise.layout.params) torch's types do not declare
+        param.tp_unpadded_size = real_rows  # type: ignore[attr-defined]
     count = max(0, min(local[dim], real - start))  # real (unpadded) entries we hold
     if param.device.type == "meta" or count == 0 or (source is None and init is None):
         return param
@@ -79,7 +87,7 @@ def sharded_param(full_shape, dim: int, group, dtype, device, init: Init | None 
         target = param.narrow(dim, 0, count)
         if source is not None:
             target.copy_(source.detach().narrow(dim, start, count))
-        else:
+        elif init is not None:
             real_shape = list(full_shape)
             real_shape[dim] = real
             offsets = [0] * len(full_shape)
@@ -211,6 +219,16 @@ class RowParallelLinear(nn.Module):
 
 
 # ---------------------------------------------------------------- norms on a shard
+class RMSNormLike(Protocol):
+    """What ``ShardRMSNorm.from_norm`` reads of a norm (``nn.RMSNorm`` or a model's own)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def eps(self) -> float | None: ...
+
+
 class ShardRMSNorm(nn.Module):
     """An RMSNorm over the last dim of a tensor-parallel shard (Qwen3's per-head
     q/k norms: each rank normalises its own heads). The weight is replicated, but
@@ -226,7 +244,7 @@ class ShardRMSNorm(nn.Module):
         self.weight = replicated_param((dim,), dtype, device, source)
 
     @classmethod
-    def from_norm(cls, norm: nn.Module, tp_group, sequence=None) -> "ShardRMSNorm":
+    def from_norm(cls, norm: RMSNormLike, tp_group, sequence=None) -> ShardRMSNorm:
         """From an RMSNorm (``weight`` of one dim and ``eps``; ``nn.RMSNorm`` included);
         ``sequence``: the chunk's ``SequenceGather`` under sequence parallelism."""
         eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps

@@ -27,8 +27,7 @@ from torch import nn
 
 from meshwise.layout.sequence import sequence_run
 from meshwise.tensor_parallel.layers import replicated_param
-from meshwise.tensor_parallel.mappings import (_all_gather, _reduce_scatter, tp_rank_of,
-                                               tp_size_of)
+from meshwise.tensor_parallel.mappings import _all_gather, _reduce_scatter, tp_rank_of, tp_size_of
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 

@@ -14,10 +14,16 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.layout.init import normal
-from meshwise.tensor_parallel.layers import sharded_param, padded_vocab_size
-from meshwise.tensor_parallel.mappings import (CATEGORY, copy_to_tp, gather_from_tp,
-                                               reduce_from_tp, reduce_scatter_sequence,
-                                               tp_rank_of, tp_size_of)
+from meshwise.tensor_parallel.layers import padded_vocab_size, sharded_param
+from meshwise.tensor_parallel.mappings import (
+    CATEGORY,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    tp_rank_of,
+    tp_size_of,
+)
 from meshwise.tensor_parallel.weight_grads import WeightGradStore, linear
 
 

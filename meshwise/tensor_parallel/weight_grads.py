@@ -68,8 +68,10 @@ class WeightGradStore:
         return key in self._jobs
 
     @torch.no_grad()
-    def _weight_grads(self, key: Hashable) -> tuple[list, list]:
-        weights, grads, where = [], [], {}
+    def _weight_grads(self, key: Hashable) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        weights: list[GradientEdge] = []
+        grads: list[torch.Tensor] = []
+        where: dict[tuple[int, int], int] = {}  # a gradient edge -> its place in the lists
         for weight, inputs, grad_output in self._jobs.pop(key, []):
             # dW = dY^T X over every row of the micro-batch: (out, rows) @ (rows, in)
             grad = grad_output.reshape(-1, grad_output.shape[-1]).t() @ \
@@ -127,6 +129,11 @@ def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 class _DefersWeightGrad:
     """Put in front of ``nn.Linear``'s class: its forward goes through :func:`linear`."""
+
+    # Declared only: the linear class it is put in front of, and defer_weight_grads, set them.
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    weight_grads: WeightGradStore | None
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return linear(inputs, self.weight, self.bias, self.weight_grads)

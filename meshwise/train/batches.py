@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshwise.device.clocks import host_to_device
 from meshwise.context_parallel.ring import RingAttention
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import rank_slice
 from meshwise.data.packing import documents_from_starts
+from meshwise.device.clocks import host_to_device
 from meshwise.layout.sequence import SequenceShard
 from meshwise.mesh import Mesh
 from meshwise.models.attention import Positions, ScaledDotProductAttention
@@ -72,7 +72,7 @@ class StepBatches:
         if not self.with_context:
             return micro_batches, [None] * num, batch.num_labelled
         starts = None
-        if self.source.document_mask:
+        if self.source.document_mask and batch.starts is not None:  # always, when masking
             starts = rank_slice(batch.starts, dp_rank, dp)
         contexts = self._contexts(step, seed, dp_rank * rows, rows // num, num, starts)
         return micro_batches, contexts, batch.num_labelled
@@ -81,7 +81,7 @@ class StepBatches:
                   starts: np.ndarray | None) -> list[ForwardContext]:
         """The contexts of ``num`` micro-batches of ``rows`` sequences each, from global
         sample ``first``; ``starts``: where their documents begin, or None."""
-        documents = [None] * num
+        documents: list[DocumentMask | None] = [None] * num
         if starts is not None:
             host = documents_from_starts(starts)
             on_device = host.to(self.device)  # one copy for the step; rows are views of it

@@ -19,22 +19,27 @@ from pathlib import Path
 
 from meshwise.apply.activation_checkpointing import MODES as ACTIVATION_CHECKPOINTING
 from meshwise.comm.allreduce.algorithms import ALGORITHMS
-from meshwise.comm.compression.compressors import COMPRESS_WARMUP_STEPS, TOPK_RAMP_STEPS, parse_compress
-from meshwise.device.choice import DEVICES
-from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON
+from meshwise.comm.compression.compressors import (
+    COMPRESS_WARMUP_STEPS,
+    TOPK_RAMP_STEPS,
+    parse_compress,
+)
 from meshwise.data.order import DATA_ORDERS
+from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON
 from meshwise.data.readers import DATA_FORMATS
+from meshwise.device.choice import DEVICES
 from meshwise.layout.sequence import SequenceShard
 from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
 from meshwise.pipeline.schedules import SCHEDULE_KINDS
-from meshwise.train.loggers import parse_log_to
 from meshwise.train.layout_rules import ZERO_STAGES, check_layout  # noqa: F401 (ZERO_STAGES)
+from meshwise.train.loggers import parse_log_to
 from meshwise.train.lr_schedule import check_schedule
-from meshwise.train.profiling import parse_steps
-from meshwise.train.value_checks import choice, flag_name, non_negative, positive
+
 # The model section and its presets, part of this module's interface.
 from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
+from meshwise.train.profiling import parse_steps
+from meshwise.train.value_checks import choice, flag_name, non_negative, positive
 
 SCHEDULES = SCHEDULE_KINDS
 DTYPES = ("auto", "fp32", "bf16")

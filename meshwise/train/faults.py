@@ -58,8 +58,8 @@ def injected_fault() -> Fault | None:
     spec = os.environ.get(ENV)
     if not spec:
         return None
-    rank, step, *kind = spec.split(":")
-    kind = kind[0] if kind else "raise"
+    rank, step, *rest = spec.split(":")
+    kind = rest[0] if rest else "raise"
     if kind not in KINDS:
         raise ValueError(f"{ENV}={spec!r}: kind {kind!r}; valid: {', '.join(KINDS)}")
     return Fault(int(rank), int(step), kind)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from meshwise.comm.allreduce.algorithms import Topology
-from meshwise.comm.compression.compressors import build_compressor
-from meshwise.comm.compression.compressor import Compressor
 from meshwise.comm.allreduce.reducer import GradReducer
+from meshwise.comm.compression.compressor import Compressor
+from meshwise.comm.compression.compressors import build_compressor
 from meshwise.mesh import Mesh
 from meshwise.train.config import TrainConfig
 

@@ -32,7 +32,7 @@ LLAMA = ("llama", "llama-tiny")
 def _read_sizes(where: str) -> tuple[tuple[str, str], dict, dict]:
     """(family and preset, our sizes, their config.json key of each size)."""
     config = read_config(where)
-    family_preset = FAMILY_OF.get(config.get("model_type"), LLAMA)
+    family_preset = FAMILY_OF.get(config.get("model_type") or "", LLAMA)
     if family_preset[0] == "gpt":
         return family_preset, gpt2_sizes(config, where), GPT2_SIZES
     return family_preset, llama_sizes(config, where), SIZES
@@ -72,8 +72,8 @@ def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
 def check_init_from(cfg: TrainConfig) -> None:
     """Before any rank starts: every tensor is where config.json says, with its shape
     (headers only), and the tokenizer's ids fit the model's vocabulary."""
-    from meshwise.models.families import family
     from meshwise.data.tokenizer import load_tokenizer
+    from meshwise.models.families import family
 
     m = cfg.model
     if not m.init_from:

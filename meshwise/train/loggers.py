@@ -142,7 +142,9 @@ class _TensorBoard:
 
         # One event per step holding every scalar (add_scalar writes one event each).
         summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-        self.writer.file_writer.add_summary(summary, step)
+        file_writer = self.writer.file_writer
+        assert file_writer is not None, "the writer is open until close()"
+        file_writer.add_summary(summary, step)
 
     def close(self) -> None:
         self.writer.close()
@@ -216,4 +218,5 @@ def flatten_config(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-_BACKENDS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _MLflow}
+_BACKENDS: dict[str, type[_TensorBoard | _Wandb | _MLflow]] = {
+    "tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _MLflow}

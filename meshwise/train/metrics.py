@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -21,7 +22,8 @@ from meshwise.comm import ops
 from meshwise.device.clocks import host_to_device
 
 log = logging.getLogger("meshwise")
-COMBINE = {"sum": sum, "max": max, "first": lambda column: column[0]}
+COMBINE: dict[str, Callable[[list[float]], float]] = {
+    "sum": sum, "max": max, "first": lambda column: column[0]}
 
 
 class RankValues:
@@ -162,8 +164,9 @@ class MetricsLog:
             return "no steps run"
         rates = [r["tokens_per_s"] for r in self.history[1:]] or [self.history[0]["tokens_per_s"]]
         first, last = self.history[0], self.history[-1]
+        elapsed = _format_duration(time.perf_counter() - self.start)
         lines = [
-            f"trained {len(self.history)} steps in {_format_duration(time.perf_counter() - self.start)}",
+            f"trained {len(self.history)} steps in {elapsed}",
             f"  loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
             f"(step {last['step']})",
             f"  median throughput {statistics.median(rates):,.0f} tokens/s",

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 # A plain Llama; --init-from's config.json sets these for Mistral, Qwen2 and Qwen3.
 LLAMA_VARIANT = {"qkv_bias": False, "qk_norm": False, "head_size": 0, "sliding_window": 0,
                  "hf_type": "llama"}
-MODEL_PRESETS = {
+MODEL_PRESETS: dict[str, dict[str, Any]] = {  # values of each field's own type
     # name: the model family (meshwise.models.families) and its sizes
     "tiny": {"family": "gpt", "n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 256},
     "small": {"family": "gpt", "n_layer": 6, "n_head": 6, "d_model": 384, "block_size": 512},
@@ -23,7 +24,8 @@ MODEL_PRESETS = {
     # rounded to a multiple of 128, so that tp up to the kv heads divides it.
     "llama-tiny": {"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2, "d_model": 128,
                    "ffn_hidden_size": 384, "block_size": 256, "rope_theta": 10000.0,
-                   "norm_eps": 1e-5, "tie_embeddings": False, "rope_scaling": None, **LLAMA_VARIANT},
+                   "norm_eps": 1e-5, "tie_embeddings": False, "rope_scaling": None,
+                   **LLAMA_VARIANT},
     "llama-small": {"family": "llama", "n_layer": 6, "n_head": 6, "n_kv_head": 2,
                     "d_model": 384, "ffn_hidden_size": 1024, "block_size": 512,
                     "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False,

@@ -42,7 +42,7 @@ class StepProfiler:
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._activities = activities
-        self._profiler = None
+        self._profiler: torch.profiler.profile | None = None
         self.written: Path | None = None
 
     def step(self, step: int) -> None:
@@ -58,7 +58,7 @@ class StepProfiler:
             self.finish()
 
     def finish(self) -> None:
-        if self._profiler is None:
+        if self._profiler is None or self.steps is None:  # started only with steps to profile
             return
         ranges.recording(False)
         self._profiler.__exit__(None, None, None)

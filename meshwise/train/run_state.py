@@ -71,8 +71,9 @@ class RunState:
     def at_launch(cls, cfg: TrainConfig, data_path: str | Path, run_id: str) -> "RunState":
         """What ``meshwise train`` decides before its ranks start, all but where they start
         from (``starting_from``); the launcher names the run, so every rank agrees."""
-        return cls(run_id=run_id, **data_digests(cfg, data_path),
-                   **run_names(cfg.runtime, cfg.checkpoint.save))
+        names = run_names(cfg.runtime, cfg.checkpoint.save)
+        return cls(run_id=run_id, **data_digests(cfg, data_path), run_name=names["run_name"],
+                   log_dir=names["log_dir"], profile_dir=names["profile_dir"])
 
     @classmethod
     def in_rank(cls, cfg: TrainConfig, data_path: str | Path) -> "RunState":

@@ -26,17 +26,23 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.comm.checks import strict
-from meshwise.device import ranges
-from meshwise.device.choice import rank_device
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
-from meshwise.mesh import Mesh
+from meshwise.device import ranges
+from meshwise.device.choice import rank_device
 from meshwise.layout.init import Init
 from meshwise.layout.plan import ParallelPlan
+from meshwise.mesh import Mesh
 from meshwise.models.families import ModelFamily
-from meshwise.train.assembly import (build_observer, build_optimizer, build_runtime, join_job,
-                                     lay_out_model, start_run)
+from meshwise.train.assembly import (
+    build_observer,
+    build_optimizer,
+    build_runtime,
+    join_job,
+    lay_out_model,
+    start_run,
+)
 from meshwise.train.batches import StepBatches
 from meshwise.train.build import dtype_resolved
 from meshwise.train.checkpointing import RunCheckpointer
@@ -78,7 +84,7 @@ class Trainer:
         if run is not None and resume is not None:
             raise ValueError(f"resume={resume!r} with run=: the run state names the checkpoint "
                              "a launch starts from (run.resume); valid: one of the two")
-        own = None if model is None else ModelFamily.own(model, plan, init_of)
+        own = None if model is None or plan is None else ModelFamily.own(model, plan, init_of)
         cfg.validate(own_model=own is not None)  # the layout's rules (check_layout) among them
         self.device = rank_device(cfg.runtime.device)
         self.cfg = cfg = dtype_resolved(cfg, self.device)
@@ -143,8 +149,8 @@ class Trainer:
         d = self.cfg.data
         if self.is_logging_rank:
             log.info("model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step",
-                     self.model_cfg or self.model_shape, self.num_params / 1e6, self.cfg.parallel.dims,
-                     self.global_tokens)
+                     self.model_cfg or self.model_shape, self.num_params / 1e6,
+                     self.cfg.parallel.dims, self.global_tokens)
         try:  # the loggers keep what was logged, also when a step fails
             records = self._run_steps()
             val_loss = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
@@ -202,8 +208,8 @@ class Trainer:
             self.engine.zero_grad()
             micro_batches, contexts, labelled = self._micro_batches(step, "train")
             loss_part = self._forward_backward(micro_batches, contexts, labelled)
-        for hook in self.after_loss:
-            loss_part = hook(step, loss_part)
+        for loss_hook in self.after_loss:
+            loss_part = loss_hook(step, loss_part)
         with self.observer.phase("grad_sync"):
             self.grad_sync.finish()
 

@@ -10,8 +10,8 @@ import torch
 from meshwise.comm import ops
 from meshwise.comm.allreduce.algorithms import Topology
 from meshwise.comm.allreduce.allreducer import AllReducer
-from meshwise.comm.compression.compressors import build_compressor
 from meshwise.comm.allreduce.reducer import GradReducer
+from meshwise.comm.compression.compressors import build_compressor
 
 WORLD = 5
 SIZES = (1, 4, 7, 100, 1001)  # fewer elements than ranks, uneven chunks, larger

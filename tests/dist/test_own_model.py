@@ -34,8 +34,15 @@ def test_the_example_trains_like_plain_pytorch_on_every_layout(dist_pools, data_
 def _pipeline_by_hand(data_path: str, steps: int) -> list[float]:
     """The lower-level path docs/own-model.md shows: parallelize, an engine, the pipeline
     runtime, finish_grad_sync, step. The cross-stage tie is summed by the engine."""
-    from meshwise import (AdamWConfig, Mesh, ParallelDims, PipelineRuntime, ZeroOptimizer,
-                          build_schedule, parallelize)
+    from meshwise import (
+        AdamWConfig,
+        Mesh,
+        ParallelDims,
+        PipelineRuntime,
+        ZeroOptimizer,
+        build_schedule,
+        parallelize,
+    )
     from meshwise.comm import ops
     from meshwise.data.dataset import TokenDataset
     from meshwise.train.lr_schedule import lr_at

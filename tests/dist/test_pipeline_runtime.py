@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import meshwise.pipeline.mailbox as mailbox_module
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.mesh import Mesh, ParallelDims
-import meshwise.pipeline.mailbox as mailbox_module
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
 from meshwise.tensor_parallel.weight_grads import WeightGradStore

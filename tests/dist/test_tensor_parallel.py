@@ -14,11 +14,17 @@ from torch import nn
 
 from meshwise.layout.params import is_tp_sharded
 from meshwise.mesh import Mesh, ParallelDims
-from meshwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                             padded_vocab_size)
+from meshwise.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    padded_vocab_size,
+)
 from meshwise.tensor_parallel.mappings import gather_from_tp, scatter_to_tp
-from meshwise.tensor_parallel.vocab import (VocabParallelEmbedding, VocabParallelHead,
-                                            vocab_parallel_cross_entropy)
+from meshwise.tensor_parallel.vocab import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    vocab_parallel_cross_entropy,
+)
 
 DT = torch.float64
 TOL = dict(rtol=1e-12, atol=1e-13)

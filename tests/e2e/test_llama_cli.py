@@ -33,8 +33,8 @@ def test_init_from_train_save_export_round_trip(tmp_path, hf_dir, corpus):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from meshwise.checkpoint.store import open_checkpoint
-    from meshwise.serve.model import load_model
     from meshwise.data.tokenizer import load_tokenizer
+    from meshwise.serve.model import load_model
 
     result = run_cli("train", "--init-from", hf_dir, "--tp", 2, "--data", corpus, *RUN,
                      "--save", tmp_path / "ckpt", "--metrics", tmp_path / "m.jsonl",

@@ -22,8 +22,12 @@ import json
 
 import pytest
 
-from meshwise.cli.calibrate import (RUN_FLAGS, checkpointing_memory, given_gradient_memory,
-                                    runtime_memory)
+from meshwise.cli.calibrate import (
+    RUN_FLAGS,
+    checkpointing_memory,
+    given_gradient_memory,
+    runtime_memory,
+)
 from meshwise.planner.devices import save_calibration
 from tests.e2e.conftest import read_metrics, run_cli, run_main
 

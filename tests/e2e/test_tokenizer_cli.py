@@ -132,9 +132,9 @@ def test_an_unreadable_tokenizer_exits_2(tmp_path, tok):
 
 
 def test_a_prepared_bin_brings_its_tokenizer_and_resume_checks_it(tmp_path, tok, corpus):
-    from meshwise.train.config import TrainConfig
     from meshwise.cli.preflight import check_same_tokenizer, prepare_data
     from meshwise.data.tokenizer import load_tokenizer
+    from meshwise.train.config import TrainConfig
 
     result = run_main("data", "prepare", corpus, "--out", tmp_path / "c.bin", "--tokenizer", tok,
                       cwd=tmp_path)

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "meshwise"
 
 # Top to bottom: a wing may import only from the wings after it.
-FLOORS = ["cli", "planner", "train", "serve", "apply", "hf", "sharding", "pipeline", "tensor_parallel",
-          "context_parallel", "models", "checkpoint", "mesh", "comm", "device", "data", "layout"]
+FLOORS = ["cli", "planner", "train", "serve", "apply", "hf", "sharding", "pipeline",
+          "tensor_parallel", "context_parallel", "models", "checkpoint", "mesh", "comm", "device",
+          "data", "layout"]
 
 
 def _module_name(path: Path) -> str:

@@ -89,7 +89,8 @@ def test_random_plans_keep_every_invariant():
             assert order == sorted(order, reverse=True)
             for name in bucket.names:  # contiguous, non-overlapping slots
                 slot = plan.slots[name]
-                assert (slot.bucket, slot.offset, slot.numel) == (index, offset, numels[int(name[1:])])
+                numel = numels[int(name[1:])]
+                assert (slot.bucket, slot.offset, slot.numel) == (index, offset, numel)
                 offset += slot.numel
             seen.extend(bucket.names)
         assert sorted(seen) == sorted(s.name for s in specs)

@@ -14,8 +14,13 @@ from meshwise.data.packing import PackedRows
 from meshwise.data.readers import ReadOptions
 from meshwise.data.records import DataFormatError
 from meshwise.data.tokenizer import ByteTokenizer, load_tokenizer
-from tests.chat_data import (conversations, hf_conversation, hf_tokenizer, save_chat_tokenizer,
-                             write_chat_jsonl)
+from tests.chat_data import (
+    conversations,
+    hf_conversation,
+    hf_tokenizer,
+    save_chat_tokenizer,
+    write_chat_jsonl,
+)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from meshwise.checkpoint.save_dir import prune
-from meshwise.checkpoint.store import (Checkpoint, CheckpointError, complete_checkpoints,
-                                       finalize, resolve, temp_dir, write_rank_file)
+from meshwise.checkpoint.store import (
+    Checkpoint,
+    CheckpointError,
+    complete_checkpoints,
+    finalize,
+    resolve,
+    temp_dir,
+    write_rank_file,
+)
 from meshwise.layout.pieces import Piece, copy_overlap, pieces_in_range
 
 SHAPES = {"emb": (10, 6), "w": (6, 12), "b": (12,), "norm": (), "cube": (4, 6, 5)}

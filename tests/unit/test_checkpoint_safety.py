@@ -15,8 +15,13 @@ from meshwise.checkpoint.lineage import Lineage
 from meshwise.checkpoint.lock import SaveDirBusy, SaveDirLock
 from meshwise.checkpoint.manifest import DIGEST, MANIFEST
 from meshwise.checkpoint.save_dir import SaveDir, with_headroom
-from meshwise.checkpoint.store import (CheckpointError, complete_checkpoints, finalize,
-                                       temp_dir, write_rank_file)
+from meshwise.checkpoint.store import (
+    CheckpointError,
+    complete_checkpoints,
+    finalize,
+    temp_dir,
+    write_rank_file,
+)
 from meshwise.cli.ranks import Outcome, blame, describe
 from meshwise.layout.pieces import Piece
 

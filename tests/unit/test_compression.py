@@ -3,10 +3,16 @@
 import pytest
 import torch
 
-from meshwise.comm.compression.compressors import (
-    CastCompressor, Int8Compressor, TopKCompressor, build_compressor, dequantize_int8,
-    parse_compress, quantize_int8)
 from meshwise.comm.compression.compressor import LocalComm
+from meshwise.comm.compression.compressors import (
+    CastCompressor,
+    Int8Compressor,
+    TopKCompressor,
+    build_compressor,
+    dequantize_int8,
+    parse_compress,
+    quantize_int8,
+)
 from meshwise.comm.compression.powersgd import PowerSGDCompressor, orthogonalize
 
 
@@ -159,7 +165,7 @@ def test_powersgd_low_rank_exact_and_residual_carried():
 def test_powersgd_warmup_is_uncompressed_and_warm_start_converges():
     comp = _powersgd(rank=1, warmup=2)
     g = torch.randn(3132)
-    for step in range(2):
+    for _ in range(2):
         out = g.clone()
         comp.reduce("b", out, LocalComm())
         assert torch.equal(out, g) and comp.errors == {}

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshwise.data import corpus, files as data_files
+from meshwise.data import corpus
+from meshwise.data import files as data_files
 from meshwise.data.bpe import save_tokenizer, train_bpe
 from meshwise.data.dataset import TokenDataset, read_meta, resolve_data, sidecar_path
-from meshwise.data.token_files import (_atomic_write, _write_meta, check_tokenizer,
-                                       exclusive_build)
+from meshwise.data.token_files import _atomic_write, _write_meta, check_tokenizer, exclusive_build
 from meshwise.data.tokenizer import load_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from meshwise.data.dataset import (ACCEPTED, TokenDataset, rank_slice, read_meta, resolve_data,
-                           resolve_vocab_size, sidecar_path)
+from meshwise.data.dataset import (
+    ACCEPTED,
+    TokenDataset,
+    rank_slice,
+    read_meta,
+    resolve_data,
+    resolve_vocab_size,
+    sidecar_path,
+)
 
 
 def _tokens(path):

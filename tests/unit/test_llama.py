@@ -12,10 +12,22 @@ from meshwise.hf.safetensors_dir import SafetensorsDir
 from meshwise.layout.pieces import Piece
 from meshwise.models.families import family
 from meshwise.models.kv_cache import LayerCache
-from meshwise.models.llama import (Llama, LlamaConfig, check_llama_tp, llama_plan,
-                                   rope_inverse_frequencies)
-from tests.hf_llama import (ATOL, LLAMA3_SCALING, hf_logits, laid_out, materialize,
-                            save_hf_llama, token_ids)
+from meshwise.models.llama import (
+    Llama,
+    LlamaConfig,
+    check_llama_tp,
+    llama_plan,
+    rope_inverse_frequencies,
+)
+from tests.hf_llama import (
+    ATOL,
+    LLAMA3_SCALING,
+    hf_logits,
+    laid_out,
+    materialize,
+    save_hf_llama,
+    token_ids,
+)
 
 pytest.importorskip("transformers")
 

@@ -122,5 +122,18 @@ def test_a_forward_that_cannot_run_on_a_shard_or_a_stage_is_caught_with_the_rule
     with pytest.raises(ValueError, match=r"layers.0.attn's forward fails on one tensor-parallel "
                                          r"shard \(tp 2\).*use -1 or the local size"):
         _laid_out(counting_heads)
-    with pytest.raises(ValueError, match="_NoSkip.s forward fails in pipeline stage 0 of 2.*must skip a module set to None"):
+    with pytest.raises(ValueError, match="_NoSkip.s forward fails in pipeline stage 0 of 2"
+                                         ".*must skip a module set to None"):
         _laid_out(_NoSkip, tp_size=1, pp_size=2, tie_group=object())
+
+
+def test_an_own_family_builds_a_reference_only_with_its_init_function():
+    from meshwise.models.families import ModelFamily
+
+    with pytest.raises(ValueError, match="model family 'own' has no init"):
+        ModelFamily.own(TinyLM, PLAN).create(None)  # not a TypeError from calling None
+    drawn = ModelFamily.own(TinyLM, PLAN, lambda name: normal(0.02)).create(None, seed=1)
+    again = ModelFamily.own(TinyLM, PLAN, lambda name: normal(0.02)).create(None, seed=1)
+    for (name, param), (_, same) in zip(drawn.named_parameters(), again.named_parameters()):
+        assert torch.equal(param, same), name
+    assert abs(drawn.final_norm.weight.std().item() - 0.02) < 0.01

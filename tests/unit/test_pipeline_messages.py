@@ -7,8 +7,16 @@ from meshwise.comm.tensor_meta import MAX_DIMS, MESSAGE_LEN, TensorMeta
 from meshwise.pipeline.p2p import release_storage
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
-from tests.dist.test_pipeline_runtime import (DT, ROWS, T, NoSyncEngine, _batch, _reference,
-                                              _stages, loss_fn)
+from tests.dist.test_pipeline_runtime import (
+    DT,
+    ROWS,
+    NoSyncEngine,
+    T,
+    _batch,
+    _reference,
+    _stages,
+    loss_fn,
+)
 
 
 @pytest.mark.parametrize("shape, dtype", [

@@ -6,8 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from meshwise.data.readers import (DataFormatError, RecordCounts, data_files, iter_documents,
-                                   iter_records)
+from meshwise.data.readers import (
+    DataFormatError,
+    RecordCounts,
+    data_files,
+    iter_documents,
+    iter_records,
+)
 from meshwise.data.records import jsonl_documents, jsonl_ranges
 
 TEXTS = [f"document {i}: {'é' * (i % 3)} line\nsecond line" for i in range(7)]

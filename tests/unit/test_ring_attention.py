@@ -42,7 +42,7 @@ def run_ring(size: int, fn):
     def body(rank):
         try:
             results[rank] = fn(LocalRing(rank, size, mailbox, barrier))
-        except BaseException as exc:  # noqa: BLE001: re-raised below
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
             barrier.abort()
 
@@ -71,7 +71,8 @@ def _inputs(B=2, H=6, G=2, T=48, d=8, seed=0):
 
 def _reference(q, k, v, dout):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                         enable_gqa=k.shape[1] != q.shape[1])
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 

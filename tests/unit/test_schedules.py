@@ -5,8 +5,15 @@ import pytest
 
 from meshwise.pipeline.replay import match_messages
 from meshwise.pipeline.schedules import (
-    SCHEDULE_KINDS, Action, Schedule, ScheduleError, build_schedule, from_compute_orders,
-    group_steps, parse_action, validate_schedule_config,
+    SCHEDULE_KINDS,
+    Action,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    from_compute_orders,
+    group_steps,
+    parse_action,
+    validate_schedule_config,
 )
 from meshwise.pipeline.simulator import ideal_bubble_fraction, render_text, simulate
 from meshwise.pipeline.validate import validate

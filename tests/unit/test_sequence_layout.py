@@ -3,8 +3,13 @@
 import pytest
 import torch
 
-from meshwise.layout.sequence import (SequenceShard, padded_length, position_owner,
-                                      zigzag_positions, zigzag_slice)
+from meshwise.layout.sequence import (
+    SequenceShard,
+    padded_length,
+    position_owner,
+    zigzag_positions,
+    zigzag_slice,
+)
 from meshwise.models.context import ForwardContext
 from meshwise.models.dropout import keep_mask
 

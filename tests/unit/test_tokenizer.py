@@ -5,8 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from meshwise.data.bpe import (END_OF_TEXT, MIN_VOCAB_SIZE, check_vocab_size, save_tokenizer,
-                               train_bpe)
+from meshwise.data.bpe import (
+    END_OF_TEXT,
+    MIN_VOCAB_SIZE,
+    check_vocab_size,
+    save_tokenizer,
+    train_bpe,
+)
 from meshwise.data.tokenizer import ByteTokenizer, check_vocab_fits, decode_sample, load_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

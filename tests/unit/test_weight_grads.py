@@ -10,8 +10,11 @@ from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.models.llama import Llama, LlamaConfig
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from meshwise.tensor_parallel.vocab import VocabParallelHead
-from meshwise.tensor_parallel.weight_grads import (WeightGradStore, defer_weight_grads,
-                                                   defers_weight_grad)
+from meshwise.tensor_parallel.weight_grads import (
+    WeightGradStore,
+    defer_weight_grads,
+    defers_weight_grad,
+)
 
 DT = torch.float64
 
@@ -167,4 +170,5 @@ def test_w_reaches_a_weight_whose_buffer_was_rewritten_since_b():
     assert anchor.grad is None
     buffer.mul_(0)  # the buffer goes back to the pool and is gathered again
     store.run(0)
-    torch.testing.assert_close(anchor.grad, (torch.ones(4, 2, dtype=DT).t() @ x.detach()).reshape(-1))
+    expected = (torch.ones(4, 2, dtype=DT).t() @ x.detach()).reshape(-1)
+    torch.testing.assert_close(anchor.grad, expected)

@@ -6,9 +6,15 @@ import json
 import pytest
 
 from meshwise.pipeline.actions import stage_index, stage_owner
-from meshwise.pipeline.schedules import (SCHEDULE_KINDS, SPLIT_BACKWARD, ScheduleError,
-                                         build_schedule, from_compute_orders, parse_action,
-                                         validate_schedule_config)
+from meshwise.pipeline.schedules import (
+    SCHEDULE_KINDS,
+    SPLIT_BACKWARD,
+    ScheduleError,
+    build_schedule,
+    from_compute_orders,
+    parse_action,
+    validate_schedule_config,
+)
 from meshwise.pipeline.simulator import reference_bubble, render_text, simulate
 from meshwise.pipeline.validate import validate
 

@@ -17,8 +17,17 @@ import torch
 
 from meshwise.comm import ops, policy
 from meshwise.comm.allreduce.algorithms import (
-    ALGORITHMS, Topology, _exchange, all_to_all, hierarchical_all_reduce, hierarchical_problem,
-    ring_all_gather, ring_all_reduce, ring_reduce_scatter, tree_all_reduce)
+    ALGORITHMS,
+    Topology,
+    _exchange,
+    all_to_all,
+    hierarchical_all_reduce,
+    hierarchical_problem,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    tree_all_reduce,
+)
 from meshwise.comm.timing import timed_runs
 
 log = logging.getLogger("meshwise")
@@ -117,13 +126,13 @@ def probe(group, topology: Topology, small: int = 8, large: int = 2**20,
     A collective: every rank of ``group`` calls it and all get the same model
     (each value is the maximum over ranks, so every rank picks alike).
     """
-    pairs = {}
+    pairs: dict[str, tuple[int, int]] = {}
     for node in topology.node_members:
         if len(node) > 1:
             pairs["intra"] = (node[0], node[1])
             break
     if topology.num_nodes > 1:
-        pairs["inter"] = tuple(topology.leaders[:2])
+        pairs["inter"] = (topology.leaders[0], topology.leaders[1])
     values = []
     for a, b in pairs.values():
         values += [_ping_pong(group, a, b, small, repeats), _ping_pong(group, a, b, large, repeats)]
@@ -181,6 +190,7 @@ class AllReducer:
         if self.group.size == 1:
             return "native"
         if self.algorithm == "adaptive":
+            assert self.cost is not None, "adaptive probes its cost model when built"
             return self.cost.choose(nbytes, self.topology)
         return self.algorithm
 

@@ -10,6 +10,7 @@ world sizes; latency is the time of the smallest size.
 from __future__ import annotations
 
 import statistics
+from functools import partial
 
 import torch
 
@@ -34,7 +35,7 @@ def measure(group: ops.Group, settings: dict) -> dict:
             cost = reducer.cost
         for nbytes in settings["sizes"]:
             buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-            runs = timed_runs(lambda: reducer.all_reduce(buf), settings["repeats"], device, group)
+            runs = timed_runs(partial(reducer.all_reduce, buf), settings["repeats"], device, group)
             t = statistics.median(slowest(runs, group, device))
             row = {"algorithm": algorithm, "bytes": nbytes, "time_s": t,
                    "busbw_gbps": nbytes / t * 2 * (p - 1) / p / 1e9}

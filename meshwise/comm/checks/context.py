@@ -54,8 +54,10 @@ WATCHDOG_JOIN_S = 10.0  # longer than one tick's store calls; bounded if the sto
 class CommContext:
     """One rank's ledger, NCCL-rule state and cross-rank exchange."""
 
-    def __init__(self, rank: int, world_size: int, store_factory=None):
+    def __init__(self, rank: int, world_size: int, store_factory=None,
+                 world_id: int | None = None):
         self.rank, self.world_size = rank, world_size
+        self.world_id = world_id  # id() of the default process group it belongs to
         self.strict = strict.enabled()
         folder = os.environ.get(LEDGER_DIR_ENV)
         path = os.path.join(folder, f"rank-{rank:05d}.ledger") if folder else None

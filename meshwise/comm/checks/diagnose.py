@@ -151,8 +151,8 @@ def _culprit(ranks, ends, seq: int, entries) -> int | None:
             return ranked[0][0]
     for r in ends:  # two ranks: the call site the other never shows
         site = ranks[r][seq]["site"] if seq in ranks[r] else None
-        others = {e["site"] for o in ends if o != r for e in entries[o]}
-        if site is not None and site not in others:
+        other_sites = {e["site"] for o in ends if o != r for e in entries[o]}
+        if site is not None and site not in other_sites:
             return r
     return None
 

@@ -35,6 +35,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 _COMM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # meshwise/comm
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(_COMM_DIR))
@@ -51,7 +52,7 @@ def call_site() -> str:
     """Who asked for an operation: ``file.py:123 in function`` of the innermost frame
     outside the modules that issue it, and when that frame is itself inside
     ``meshwise/comm`` (an algorithm, a compressor), the first frame outside it too."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename in _ISSUING:
         frame = frame.f_back
     if frame is None:

@@ -71,34 +71,41 @@ class _Waits:
     def __init__(self):
         self.lock = threading.Lock()
         self._tokens = itertools.count(1)
-        self._stacks: dict[int, tuple[threading.Thread, list[tuple[int, str]]]] = {}
+        # Keyed by the thread itself (threads hash by identity): an ident is reused once
+        # its thread ended, a Thread object is not.
+        self._stacks: dict[threading.Thread, list[tuple[int, str]]] = {}
 
     @contextlib.contextmanager
     def waiting(self, site: str):
         me = threading.current_thread()
         with self.lock:
-            self._stacks.setdefault(me.ident, (me, []))[1].append((next(self._tokens), site))
+            self._stacks.setdefault(me, []).append((next(self._tokens), site))
         try:
             yield
         finally:
             with self.lock:
-                stack = self._stacks[me.ident][1]
+                stack = self._stacks[me]
                 stack.pop()  # waits on one thread nest: this one is the innermost
                 if not stack:
-                    del self._stacks[me.ident]
+                    del self._stacks[me]
 
     # The rest is asked with ``lock`` held.
     def innermost(self, thread: threading.Thread) -> tuple[int, str] | None:
-        entry = self._stacks.get(thread.ident)
-        return entry[1][-1] if entry and entry[0] is thread else None
+        stack = self._stacks.get(thread)
+        return stack[-1] if stack else None
 
-    def active(self, thread: threading.Thread, token: int) -> bool:
-        entry = self._stacks.get(thread.ident)
-        return bool(entry) and entry[0] is thread and any(t == token for t, _ in entry[1])
+    def innermost_site(self, thread: threading.Thread) -> str:
+        """Where ``thread``, known to be waiting, waits."""
+        wait = self.innermost(thread)
+        assert wait is not None, f"thread {thread.name!r} is not waiting in a backward"
+        return wait[1]
+
+    def active(self, thread: threading.Thread, token: int | None) -> bool:
+        return any(t == token for t, _ in self._stacks.get(thread, []))
 
     def latest_other(self, me: threading.Thread):
         """The thread other than ``me`` whose innermost wait began last, and that wait."""
-        others = [(stack[-1], thread) for thread, stack in self._stacks.values()
+        others = [(stack[-1], thread) for thread, stack in self._stacks.items()
                   if thread is not me]
         return max(others, key=lambda o: o[0][0], default=None)
 
@@ -168,13 +175,13 @@ class GroupRules:
         head = (f"NCCL rule (one issuing thread per group at a time): {site} issues an "
                 f"operation on group {self.name} from thread {me.name!r}")
         if any(link.thread is me for link in chain):  # it waits while `last` issues for it
-            why = (f", which waits in a backward ({_WAITS.innermost(me)[1]}) while thread "
+            why = (f", which waits in a backward ({_WAITS.innermost_site(me)}) while thread "
                    f"{last.thread.name!r} issues on the group for it ({last.site})")
         elif len(chain) > 1:
             waiter = chain[-2].thread
             why = (f", while thread {last.thread.name!r} issues on the group ({last.site}) for "
                    f"thread {waiter.name!r}, which waits in a backward "
-                   f"({_WAITS.innermost(waiter)[1]}): one thread at most may issue for it")
+                   f"({_WAITS.innermost_site(waiter)}): one thread at most may issue for it")
         else:
             why = (f", while thread {last.thread.name!r} issues on it too ({last.site}) and "
                    "does not wait for it in a backward (meshwise.comm.checks.strict.backward)")
