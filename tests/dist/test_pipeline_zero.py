@@ -25,7 +25,7 @@ from meshwise.pipeline.schedules import build_schedule
 from meshwise.sharding.adamw import AdamWConfig, decays
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.flat import Precision
-from meshwise.sharding.zero3_pipeline import PipelineZeroStage3
+from meshwise.sharding.zero3 import PipelineZeroStage3
 
 DT = torch.float64
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -12,9 +12,8 @@ from torch.utils.checkpoint import checkpoint
 from meshwise.comm.ops import CommCounters
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.sharding.adamw import AdamWConfig, decays
-from meshwise.sharding.binding import values_of
+from meshwise.sharding.binding import cut_into_units, values_of
 from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
-from meshwise.sharding.units import cut_into_units
 from meshwise.sharding.zero3 import ZeroStage3
 
 CFG = AdamWConfig(lr=1e-2, weight_decay=0.1)
