@@ -45,7 +45,7 @@ class Block(nn.Module):
         return x + torch.tanh(self.fc(self.ln(x)))
 
 
-def _stages(num_logical: int, checkpointing: bool) -> list[nn.Sequential]:
+def _stages(num_logical: int, checkpointing) -> list[nn.Sequential]:
     torch.manual_seed(0)
     stages = []
     for s in range(num_logical):
