@@ -1,4 +1,5 @@
-"""Where engine storage meets the model: initial values, parameter owners, buffer reuse.
+"""Where engine storage meets the model: initial values, parameter owners, ZeRO-3's
+units, buffer reuse.
 
 Engines never need a model's full parameters to exist: they ask a *values*
 function for the elements each rank keeps, ``values(name, start, end)`` (the
@@ -11,6 +12,7 @@ parameters already hold values, ``values_of`` reads them.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -107,6 +109,78 @@ class BufferPool:
     def release(self, buf: torch.Tensor) -> None:
         base = buf if buf._base is None else buf._base
         self._free[(base.dtype, str(base.device))].append(base)
+
+
+def cut_into_units(model: nn.Module, units: list[nn.Module] | None,
+                   cap_bytes: float | None = None, alone=()):
+    """Cut ``model``'s trainable parameters into units, which own them from then on (they
+    are unregistered from their modules).
+
+    ``units``: the layers (default ``model.blocks``), consecutive ones merged while
+    within ``cap_bytes`` except the modules in ``alone`` (a tied embedding, whose
+    shards must line up with its partner's). Returns ``[(name, modules, params)]``
+    for units holding parameters and the root's ``params``, each ``(name, param,
+    [(module, attr), ...])`` in ``named_parameters`` order.
+    """
+    layers = _resolve_layers(model, units)
+    groups = _assign_params(model, [m for _, m in layers])
+    merged: list[list] = []
+    for (name, module), params in zip(layers, groups):
+        if not params:
+            continue  # a parameter-free layer needs no gathering
+        size = sum(p.numel() * p.element_size() for _, p, _ in params)
+        last = merged[-1] if merged else None
+        mergeable = last and module not in alone and last[1][-1] not in alone
+        if mergeable and cap_bytes and last[3] + size <= cap_bytes:
+            last[0], last[1], last[2], last[3] = (f"{last[0]}+{name}", last[1] + [module],
+                                                  last[2] + params, last[3] + size)
+        else:
+            merged.append([name, [module], params, size])
+    return [(name, modules, params) for name, modules, params, _ in merged], groups[-1]
+
+
+def _resolve_layers(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of each layer, checked to be disjoint submodules."""
+    names = {id(m): n for n, m in model.named_modules()}
+    if units is None:
+        blocks = getattr(model, "blocks", None)
+        if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) and len(blocks) > 0:
+            units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+        else:
+            warnings.warn(f"{type(model).__name__} has no `blocks`: ZeRO-3 treats the whole "
+                          "model as one unit, so every parameter is gathered at once; pass "
+                          "`units` to shard the peak", stacklevel=4)
+            return []
+    resolved = []
+    for module in units:
+        if id(module) not in names:
+            raise ValueError(f"unit {type(module).__name__} is not a submodule of the model")
+        resolved.append((names[id(module)] or "model", module))
+    inside = [id(sub) for _, m in resolved for sub in m.modules()]
+    if len(inside) != len(set(inside)):
+        raise ValueError("units must be disjoint: one unit is inside another or listed twice")
+    return resolved
+
+
+def _assign_params(model: nn.Module, unit_modules: list[nn.Module]) -> list[list]:
+    """Per unit (then the root last): ``(name, param, [(module, attr), ...])``. A tied
+    parameter lists every (module, attribute) holding it and must stay within one unit."""
+    unit_of = {id(sub): i for i, m in enumerate(unit_modules) for sub in m.modules()}
+    owners = param_owners([model])
+    groups: list[list] = [[] for _ in range(len(unit_modules) + 1)]
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue  # frozen parameters stay ordinary, unsharded parameters
+        held_by = {unit_of.get(id(module), len(unit_modules)) for module, _ in owners[id(p)]}
+        if len(held_by) > 1:
+            raise ValueError(f"parameter {name!r} is shared by several units; "
+                             "tied parameters must live in one unit")
+        groups[held_by.pop()].append((name, p, owners[id(p)]))
+    # Only once everything is validated: the units' flat buffers now own them.
+    for _, _, held in (param for group in groups for param in group):
+        for module, attr in held:
+            del module._parameters[attr]
+    return groups
 
 
 def device_of(params) -> torch.device:

@@ -1,37 +1,32 @@
-"""ZeRO-3 units: how a model is cut into them, and one unit's gathered parameters.
+"""One ZeRO-3 unit's parameters: sharded at rest, gathered for use.
 
-``cut_into_units`` assigns every trainable parameter to a unit (a group of
-consecutive layers) or to the root unit (everything else: embeddings, final
-norm, head). A ``Unit`` keeps its parameters' shard (a ``FlatParams`` at stage
-3) and, only while gathered, a full buffer taken from a ``BufferPool``.
-
-Modules see their parameters as views of that buffer, made by one autograd
-function (``_UnitViews``) whose backward runs once the gradients of every view
-are complete: it copies them into one flat gradient buffer, ready to be
-reduce-scattered, without any flat parameter or ``AccumulateGrad`` of its own.
-Because the gathered buffer is handed to another unit once this one is freed,
-tensors autograd saves in forward must not hold on to it: ``Unit.pack`` and
-``Unit.unpack`` (saved-tensor hooks, installed by the engine) store a view's
-place in the buffer instead and rebuild it from the unit's buffer of the
-moment, which the backward's pre-hook has gathered again.
+A ``Unit`` (consecutive layers, or a root of the rest: ``binding.cut_into_units``)
+keeps its parameters' shard (a stage-3 ``FlatParams``) and, while gathered, a
+full buffer from a ``BufferPool``, which modules see through views made by one
+autograd function (``_UnitViews``): its backward hands the views' gradients to
+the engine in one call, with no flat parameter or ``AccumulateGrad``. A freed
+buffer goes to another unit, so ``saved_views`` keeps a saved view as its place
+in the buffer, rebuilt from the unit's buffer once gathered again.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-import torch.nn as nn
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
+from meshwise.comm import ops
+from meshwise.device import ranges
 from meshwise.sharding.adamw import decays
 from meshwise.sharding.flat import FlatParams, ParamSlot
+from meshwise.tensor_parallel.weight_grads import defers_weight_grad
 
 ROOT = "root"
 
 
 class _UnitViews(torch.autograd.Function):
-    """Forward: the unit's parameters as views of its buffer. Backward: the unit's
-    gradient is complete; hand it over (nothing flows to ``anchor``)."""
+    """Forward: the unit's parameters as views of its buffer. Backward: the views'
+    gradients of that forward are in; hand them over (nothing flows to ``anchor``)."""
 
     @staticmethod
     def forward(ctx, anchor, unit):
@@ -41,17 +36,27 @@ class _UnitViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.gradient_ready(grads, ctx)
+        ctx.unit.on_gradient(ctx.unit, grads, ctx)
         return None, None
+
+
+class Gathered(dict):
+    """An engine's gathered units by buffer storage, what its units did (``events``) and
+    the most bytes gathered at once (``peak``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+        self.peak = 0
 
 
 class Unit:
     """Sharded storage, gathered buffer and gradient hand-off of one ZeRO-3 unit."""
 
     def __init__(self, name: str, modules: list[nn.Module], params, group, precision,
-                 device, values, pool, on_gradient):
-        self.name, self.modules, self.pool = name, modules, pool
-        self.on_gradient = on_gradient  # called with (unit, flat gradient buffer)
+                 device, values, pool, gathered: Gathered, on_gradient):
+        self.name, self.modules, self.pool, self.gathered = name, modules, pool, gathered
+        self.on_gradient = on_gradient  # called with (unit, grads per parameter, ctx)
         slots, offset = [], 0
         for pname, p, _ in params:
             slots.append(ParamSlot(pname, p.shape, offset, p.numel(), decays(pname, p)))
@@ -65,8 +70,8 @@ class Unit:
         self._pooled = False  # the buffer is the pool's (not the shard itself)
         self._gather = None  # the all-gather in flight
         self.has_grad = [False] * len(slots)  # per parameter, since zero_grad()
-        self.needs_backward = False  # ran forward with autograd; backward not done yet
-        self.in_backward = False  # between its pre-backward hook and its gradient
+        self.pending = 0  # forwards run with autograd whose backward has not ended
+        self.in_backward = False  # between its pre-backward hook and the end of that backward
         self.hide_views()
 
     # -- gather / free -----------------------------------------------------------
@@ -87,11 +92,20 @@ class Unit:
         self._pooled = whole is None
         if whole is not None:
             self.buffer = whole
-            return True
-        self.buffer = self.pool.acquire(self.flat.plan.padded_numel, self.param_dtype,
-                                        self.flat.device)
-        self._gather = self.flat.publish(self.buffer)
+        else:
+            self.buffer = self.pool.acquire(self.flat.plan.padded_numel, self.param_dtype,
+                                            self.flat.device)
+            self._gather = self.flat.publish(self.buffer)
+        self.gathered[self.buffer.untyped_storage().data_ptr()] = self
+        self.gathered.events.append(("gather_start", self.name))
+        live = sum(u.gathered_bytes() for u in self.gathered.values())
+        self.gathered.peak = max(self.gathered.peak, live)
         return True
+
+    def ensure_gathered(self) -> None:
+        self.start_gather()
+        with ranges.named(f"zero3/gather {self.name}"):
+            self.wait_gather()
 
     def wait_gather(self) -> None:
         assert self.buffer is not None, f"unit {self.name}: wait_gather() before start_gather()"
@@ -99,16 +113,26 @@ class Unit:
             self._gather.wait()
             self._gather = None
 
-    def free(self) -> bool:
-        """Give the buffer back to the pool; False if it was not gathered."""
+    def free(self, take: bool = False) -> torch.Tensor | None:
+        """Give the buffer (if any) back to the pool, or with ``take`` return it."""
         if self.buffer is None:
-            return False
+            return None
         self.wait_gather()  # never hand out memory a transfer is writing
-        if self._pooled:
-            self.pool.release(self.buffer)
+        del self.gathered[self.buffer.untyped_storage().data_ptr()]
+        self.gathered.events.append(("free", self.name))
+        buffer, pooled = self.buffer, self._pooled
         self.buffer, self._pooled = None, False
         self.hide_views()
-        return True
+        if take:
+            return buffer
+        if pooled:
+            self.pool.release(buffer)
+        return None
+
+    def can_hold_gradient(self) -> bool:
+        """Whether the gathered buffer may take the unit's gradient once its backward is
+        over (the pool's, in the reduction dtype): one buffer less at the peak."""
+        return self._pooled and self.buffer.dtype == self.flat.precision.reduce_dtype
 
     # -- views ---------------------------------------------------------------------
     def plain_views(self) -> list[torch.Tensor]:
@@ -132,115 +156,77 @@ class Unit:
                 setattr(module, attr, self._empty)
 
     # -- gradients -----------------------------------------------------------------
-    @torch.no_grad()
-    def gradient_ready(self, grads, ctx=None) -> None:
-        """Every view's gradient is complete: one flat buffer in the reduction dtype.
+    def merge_parts(self, grads, ctx, waiting: dict) -> list | None:
+        """The views' gradients of one forward, or None while W's part is to come: under
+        a split backward (``meshwise.tensor_parallel.weight_grads``) B brings the norms'
+        and biases', W the deferred linear weights'; B's part waits on ``ctx`` (and in
+        ``waiting``) for the rest."""
+        grads = list(grads)
+        if getattr(ctx, "partial", None) is not None:
+            grads = [g if p is None else (p if g is None else p + g)
+                     for g, p in zip(grads, ctx.partial)]
+            ctx.partial = None
+            waiting.pop(id(ctx), None)
+        deferred = [any(defers_weight_grad(m, a) for m, a in owners) for owners in self.owners]
+        if ctx is not None and any(d and g is None for d, g in zip(deferred, grads)):
+            ctx.partial = grads
+            waiting[id(ctx)] = (self, ctx)
+            return None
+        return grads
 
-        The unit's backward is over, so its gathered parameters are not needed any
-        more: when the dtypes agree their buffer takes the gradient (one buffer less
-        at the peak); the engine frees the unit without giving it back to the pool.
-        """
+    @torch.no_grad()
+    def add_gradient(self, grads, full: torch.Tensor | None = None,
+                     buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """``grads`` (per parameter; None: none) added into the flat gradient ``full``,
+        or written into a new one (``buffer``, else the pool's), zero where none came."""
         flat = self.flat
-        if self._pooled and self.buffer.dtype == flat.precision.reduce_dtype:
-            self.wait_gather()
-            full, self.buffer, self._pooled = self.buffer, None, False
-            self.hide_views()
-        else:
-            full = self.pool.acquire(flat.plan.padded_numel, flat.precision.reduce_dtype,
-                                     flat.device)
+        fresh = full is None
+        if fresh:
+            full = buffer if buffer is not None else self.pool.acquire(
+                flat.plan.padded_numel, flat.precision.reduce_dtype, flat.device)
+            full[flat.numel:].zero_()  # padding
         for i, (slot, grad) in enumerate(zip(flat.slots, grads)):
             part = full[slot.offset:slot.offset + slot.numel]
-            if grad is None:
-                part.zero_()
-            else:
-                part.copy_(grad.reshape(-1))
+            if grad is not None:
+                (part.copy_ if fresh else part.add_)(grad.reshape(-1))
                 self.has_grad[i] = True
-        full[flat.numel:].zero_()  # padding
-        self.on_gradient(self, full)
+            elif fresh:
+                part.zero_()
+        return full
 
 
-def cut_into_units(model: nn.Module, units: list[nn.Module] | None,
-                   cap_bytes: float | None = None, alone=()):
-    """Cut ``model``'s trainable parameters into units.
+def saved_views(gathered: Gathered) -> saved_tensors_hooks:
+    """Saved-tensor hooks that keep a view of a gathered buffer as its place in its
+    unit, rebuilt from the unit's buffer when used."""
+    def pack(tensor: torch.Tensor):
+        unit = gathered.get(tensor.untyped_storage().data_ptr()) \
+            if tensor.layout == torch.strided else None
+        return tensor if unit is None else (unit, tensor.size(), tensor.stride(),
+                                             tensor.storage_offset())
 
-    ``units``: the layers (default ``model.blocks``); consecutive layers are merged
-    into one unit while it stays within ``cap_bytes`` (``None``: a unit per
-    layer), except the modules in ``alone``, which always make a unit of their own
-    (a tied embedding whose shards must line up with its partner's on another
-    stage). Returns ``[(name, modules, params), ...]`` for units holding
-    parameters and the root's ``params``; ``params`` are ``(name, param,
-    [(module, attr), ...])`` in ``named_parameters`` order. The parameters are
-    unregistered from their modules: the units own them.
-    """
-    layers = _resolve_layers(model, units)
-    groups = _assign_params(model, [m for _, m in layers])
-    merged: list[list] = []
-    for (name, module), params in zip(layers, groups):
-        if not params:
-            continue  # a parameter-free layer needs no gathering
-        size = sum(p.numel() * p.element_size() for _, p, _ in params)
-        last = merged[-1] if merged else None
-        mergeable = last and module not in alone and last[1][-1] not in alone
-        if mergeable and cap_bytes and last[3] + size <= cap_bytes:
-            last[0], last[1], last[2], last[3] = (f"{last[0]}+{name}", last[1] + [module],
-                                                  last[2] + params, last[3] + size)
-        else:
-            merged.append([name, [module], params, size])
-    return [(name, modules, params) for name, modules, params, _ in merged], groups[-1]
+    def unpack(packed):
+        if not isinstance(packed, tuple):
+            return packed
+        unit, size, stride, offset = packed
+        assert unit.is_gathered, f"unit {unit.name}: a saved view was needed while it is freed"
+        unit.wait_gather()
+        return unit.buffer.as_strided(size, stride, offset)
+
+    return saved_tensors_hooks(pack, unpack)
 
 
-def _resolve_layers(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of each layer, checked to be disjoint submodules."""
-    names = {id(m): n for n, m in model.named_modules()}
-    if units is None:
-        blocks = getattr(model, "blocks", None)
-        if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) and len(blocks) > 0:
-            units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
-        else:
-            warnings.warn(f"{type(model).__name__} has no `blocks`: ZeRO-3 treats the whole "
-                          "model as one unit, so every parameter is gathered at once; pass "
-                          "`units` to shard the peak", stacklevel=4)
-            return []
-    resolved = []
-    for module in units:
-        if id(module) not in names:
-            raise ValueError(f"unit {type(module).__name__} is not a submodule of the model")
-        resolved.append((names[id(module)] or "model", module))
-    inside = [id(sub) for _, m in resolved for sub in m.modules()]
-    if len(inside) != len(set(inside)):
-        raise ValueError("units must be disjoint: one unit is inside another or listed twice")
-    return resolved
-
-
-def _assign_params(model: nn.Module, unit_modules: list[nn.Module]) -> list[list]:
-    """Per unit (then the root last): ``(name, param, [(module, attr), ...])``.
-
-    A tied parameter lists every (module, attribute) holding it and must stay
-    within one unit.
-    """
-    owner_unit = {id(sub): i for i, m in enumerate(unit_modules) for sub in m.modules()}
-    root = len(unit_modules)
-    slots: dict[int, list] = {}
-    units_of: dict[int, set] = {}
-    for module in model.modules():
-        for attr, p in list(module._parameters.items()):
-            if p is None or not p.requires_grad:
-                continue  # frozen parameters stay ordinary, unsharded parameters
-            slots.setdefault(id(p), []).append((module, attr))
-            units_of.setdefault(id(p), set()).add(owner_unit.get(id(module), root))
-    groups: list[list] = [[] for _ in range(root + 1)]
-    for name, p in model.named_parameters():
-        if id(p) not in slots:
-            continue
-        if len(units_of[id(p)]) > 1:
-            raise ValueError(f"parameter {name!r} is shared by several units; "
-                             "tied parameters must live in one unit")
-        groups[next(iter(units_of[id(p)]))].append((name, p, slots[id(p)]))
-    # Only once everything is validated: the units' flat buffers now own them.
-    for owners in slots.values():
-        for module, attr in owners:
-            del module._parameters[attr]
-    return groups
+def check_same_units(units: list[Unit], ran: list[Unit], group) -> None:
+    """Every dp rank must have run the same ``units`` in a forward, or their collectives
+    pair up wrongly (wrong gradients or a hang): one small all-reduce, read on the host
+    (so, once); a later change shows in the collective ledger, with rank and call site."""
+    used = torch.tensor([float(u in ran) for u in units], device=units[0].flat.device)
+    bounds = torch.stack([used, -used])  # max of both: (max, -min) over ranks
+    ops.all_reduce(bounds, group, op="max", category="check")
+    differ = [u.name for u, hi, neg_lo in zip(units, bounds[0], bounds[1]) if hi != -neg_lo]
+    if differ:
+        raise RuntimeError(f"ZeRO-3 units {', '.join(differ)} ran on some dp ranks but not on "
+                           "others in this forward; every dp rank must run the same units "
+                           "(use ZeRO 0-2, whose buckets allow it)")
 
 
 def grad_tensors(output) -> list[torch.Tensor]:

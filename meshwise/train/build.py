@@ -22,8 +22,7 @@ from meshwise.pipeline.schedules import STAGE_MAP_OF
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.flat import Precision
-from meshwise.sharding.zero3 import ZeroStage3
-from meshwise.sharding.zero3_pipeline import PipelineZeroStage3
+from meshwise.sharding.zero3 import ZeroStage3, reshard_policy
 from meshwise.train.config import TrainConfig
 
 
@@ -68,35 +67,23 @@ def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: Adam
     reductions to ``grad_reducer`` when one is given. Parameters are replicated
     over dp and cp, so both sum (and shard) over ``mesh.dp_cp_group``."""
     precision, p = precision_of(cfg), cfg.parallel
-    if p.zero == 3 and p.pp > 1:
-        return _pipeline_zero3(model, mesh, cfg, adamw, values, device, grad_reducer)
-    if p.zero == 3:
-        (chunk,) = model.chunks
-        return ZeroStage3(chunk, mesh.dp_cp_group, adamw, units=model.layers(), precision=precision,
-                          values=values, device=device, unit_cap_mb=cfg.comm.bucket_mb,
-                          grad_reducer=grad_reducer)
+    if p.zero == 3:  # the layers are units, the rest the root unit
+        target, units, alone = model.chunks[0], model.layers(), []
+        if p.pp > 1:  # per chunk; its end modules (a tied embedding) never share a unit
+            target, units = model.chunks, []
+            for chunk in model.chunks:
+                first, last = model.end_modules(chunk)
+                units.append(first + list(getattr(chunk, model.plan.layers).values()) + last)
+                alone += first + last
+        return ZeroStage3(target, mesh.dp_cp_group, adamw, units,
+                          reshard=reshard_policy(p.pp > 1, p.reshard_after_forward),
+                          alone=alone, precision=precision, values=values, device=device,
+                          unit_cap_mb=cfg.comm.bucket_mb, grad_reducer=grad_reducer)
     tied = list(model.cross_stage_ties) + [n for group in model.local_ties for n in group]
     return ZeroOptimizer(model.named_parameters(), mesh.dp_cp_group, stage=p.zero,
                          adamw=adamw, bucket_cap_mb=cfg.comm.bucket_mb, precision=precision,
                          modules=model.chunks, values=values, device=device,
                          grad_reducer=grad_reducer, reduce_once=p.pp > 1, own_buckets=tied)
-
-
-def _pipeline_zero3(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig,
-                    values, device, grad_reducer) -> PipelineZeroStage3:
-    """ZeRO-3 over this rank's pipeline chunks: per chunk, its first-stage modules, its
-    layers and its last-stage modules are units; the end modules (a tied embedding
-    among them) never share a unit."""
-    units, alone = [], []
-    for chunk in model.chunks:
-        first, last = model.end_modules(chunk)
-        units.append(first + list(getattr(chunk, model.plan.layers).values()) + last)
-        alone += first + last
-    return PipelineZeroStage3(model.chunks, mesh.dp_cp_group, adamw, units,
-                              reshard_after_forward=cfg.parallel.reshard_after_forward,
-                              alone=alone, precision=precision_of(cfg), values=values,
-                              device=device, unit_cap_mb=cfg.comm.bucket_mb,
-                              grad_reducer=grad_reducer)
 
 
 def own_model_shape(model: ParallelModel, data_vocab_size: int) -> dict:

@@ -4,7 +4,8 @@ Every rank builds the whole stack (an input layer, LayerNorm + Linear blocks, a
 head) from one seed and runs its chunks under a schedule, its dp slice of each
 micro-batch, with a ZeRO-2 ``ZeroOptimizer`` (gradients reduce-scattered once per
 step) or a ``PipelineZeroStage3`` (units gathered once per step, or per
-micro-batch with ``reshard_after_forward``). After three AdamW steps every
+micro-batch with ``reshard_after_forward``, or kept from each forward to its
+backward with ``reshard="after-backward"``). After three AdamW steps every
 parameter must equal the stack trained in one process by ``torch.optim.AdamW``.
 The blocks mix a norm (its gradient comes in B) with linear layers (theirs, under
 a split backward, in W), so a unit's gradient arrives in two parts.
@@ -25,7 +26,7 @@ from meshwise.pipeline.schedules import build_schedule
 from meshwise.sharding.adamw import AdamWConfig, decays
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.flat import Precision
-from meshwise.sharding.zero3_pipeline import PipelineZeroStage3
+from meshwise.sharding.zero3 import PipelineZeroStage3, ZeroStage3
 
 DT = torch.float64
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -44,13 +45,14 @@ class Block(nn.Module):
         return x + torch.tanh(self.fc(self.ln(x)))
 
 
-def _stages(num_logical: int, checkpointing: bool) -> list[nn.Sequential]:
+def _stages(num_logical: int, checkpointing) -> list[nn.Sequential]:
     torch.manual_seed(0)
     stages = []
     for s in range(num_logical):
         blocks = [Block(), Block()]
-        if checkpointing:
-            apply_activation_checkpointing(blocks, "full")
+        if checkpointing:  # True: "full"
+            apply_activation_checkpointing(blocks, "full" if checkpointing is True
+                                           else checkpointing)
         layers = ([("inp", nn.Linear(D_IN, D, dtype=DT))] if s == 0 else []) + \
             [(f"block{2 * s + i}", block) for i, block in enumerate(blocks)]
         if s == num_logical - 1:
@@ -96,6 +98,8 @@ def _engine(kind: str, chunks, mesh: Mesh, reshard: bool):
         return ZeroOptimizer(named, mesh.dp_group, 2, CFG, bucket_cap_mb=300 / 2**20,
                              precision=precision, modules=chunks, reduce_once=True)
     units = [[m for m in chunk if next(m.parameters(), None) is not None] for chunk in chunks]
+    if isinstance(reshard, str):  # a policy by name
+        return ZeroStage3(chunks, mesh.dp_group, CFG, units, reshard=reshard, precision=precision)
     return PipelineZeroStage3(chunks, mesh.dp_group, CFG, units, reshard_after_forward=reshard,
                               precision=precision)
 
@@ -148,6 +152,9 @@ def _train_and_compare(engine_kind, schedule_kind, num_virtual, num_micro_batche
                              ("zero3", "zb-h1", 1, 4, True, False),
                              ("zero3", "zbv", 2, 4, False, True),
                              ("zero3", "dualpipev", 2, 4, True, True),
+                             ("zero3", "interleaved-1f1b", 2, 4, False, "selective"),
+                             ("zero3", "zbv", 2, 4, "after-backward", "selective"),
+                             ("zero3", "zb-h1", 1, 4, "after-backward", False),
                          ])
 def test_pipeline_zero_matches_one_process(dist_pools, engine_kind, schedule_kind, num_virtual,
                                            num_micro_batches, reshard, checkpointing):

@@ -1,5 +1,6 @@
 """ZeRO-3 on gloo ranks against a single-process torch.optim.AdamW reference."""
 
+import contextlib
 import copy
 import gc
 import warnings
@@ -133,11 +134,16 @@ def test_matches_single_process_adamw(dist_pools, world_size, micro_steps, clip)
         assert res["clipped"] == (clip is not None)
 
 
-@pytest.mark.parametrize("micro_steps", [1, 2])
-def test_activation_checkpointing_recomputes_gathered_units(dist_pools, micro_steps):
-    """Each block runs again inside backward, on parameters gathered for it there."""
+@pytest.mark.parametrize("micro_steps, mode, reshard", [
+    (1, "full", "after-forward"), (2, "full", "after-forward"),
+    (2, "selective", "after-forward"), (2, "selective", "after-backward"),
+    (1, "selective", "after-step")])
+def test_activation_checkpointing_recomputes_gathered_units(dist_pools, micro_steps, mode,
+                                                            reshard):
+    """Each block runs again inside backward, on parameters gathered for it there (or kept);
+    selective checkpointing's replay meets none of the engine's own operations."""
     results = dist_pools.run(2, _train_and_compare, Net, 3, micro_steps, 0.05,
-                             activation_checkpointing="full")
+                             activation_checkpointing=mode, reshard=reshard)
     for res in results:
         assert res["param_diff"] < 1e-10 and res["norm_diff"] < 1e-10
         assert res["block_forwards"] == 3 * micro_steps * 3 * 2  # steps x micro x blocks x 2
@@ -265,6 +271,46 @@ def test_peak_gathered_bytes_is_about_two_units_plus_root(dist_pools):
         assert peak < 0.5 * whole
     for peak, root, block, whole in dist_pools.run(2, _peak, False):
         assert peak == root + block
+
+
+def _policy_events(reshard: str, micro_steps: int):
+    mesh, zero, _, _ = _build(lambda: Net(num_blocks=3), reshard=reshard)
+    x, y = _batch(0)
+    xs, ys = x.chunk(2 * micro_steps)[mesh.dp_rank::2], y.chunk(2 * micro_steps)[mesh.dp_rank::2]
+    events = []
+    zero.zero_grad()
+    for i, (xm, ym) in enumerate(zip(xs, ys)):
+        with zero.no_sync() if i < micro_steps - 1 else contextlib.nullcontext():
+            _loss(zero, xm, ym).backward()
+        events += zero.events
+    zero.step(CFG.lr)
+    whole = sum(u.flat.plan.padded_numel * 8 for u in zero.units)
+    return events, zero.peak_gathered_bytes, whole
+
+
+@pytest.mark.parametrize("reshard", ["after-backward", "after-step"])
+def test_a_unit_kept_past_its_forward_is_gathered_once(dist_pools, reshard):
+    """after-backward: one all-gather per unit and micro-step, kept from its forward to its
+    backward, reduced every micro-step; after-step: one all-gather and one reduction per
+    unit and step (the backwards under no_sync add up unsharded). Both hold every unit."""
+    results = dist_pools.run(2, _train_and_compare, Net, 3, 2, 0.05, reshard=reshard)
+    for res in results:
+        assert res["param_diff"] < 1e-10 and res["norm_diff"] < 1e-10 and res["all_freed"]
+    names = ["root"] + [f"blocks.{i}" for i in range(3)]
+    per_step = {"after-backward": 2, "after-step": 1}[reshard]
+    for events, peak, whole in dist_pools.run(2, _policy_events, reshard, 2):
+        for name in names:
+            assert events.count(("gather_start", name)) == per_step
+            assert events.count(("reduce_scatter", name)) == per_step
+            forward, backward = events.index(("forward", name)), events.index(("backward", name))
+            assert ("free", name) not in events[forward:backward]
+        assert peak == whole
+
+
+def test_an_unknown_reshard_policy_is_refused():
+    with pytest.raises(ValueError, match="reshard 'never' is not valid; valid: after-forward, "
+                                         "after-backward, after-step"):
+        ZeroStage3(Net(), None, CFG, reshard="never")
 
 
 class _SkipsABlock(nn.Module):

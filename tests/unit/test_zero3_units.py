@@ -9,12 +9,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.comm.ops import CommCounters
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.sharding.adamw import AdamWConfig, decays
-from meshwise.sharding.binding import values_of
+from meshwise.sharding.binding import cut_into_units, values_of
 from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
-from meshwise.sharding.units import cut_into_units
 from meshwise.sharding.zero3 import ZeroStage3
 
 CFG = AdamWConfig(lr=1e-2, weight_decay=0.1)
@@ -49,7 +49,14 @@ def _gpt():
     return GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8, vocab_size=32)).double()
 
 
-@pytest.mark.parametrize("make", [_gpt, lambda: CheckpointedBlocks().double()])
+def _gpt_selective():
+    """Selective checkpointing's replay must meet the model's operations only."""
+    model = _gpt()
+    apply_activation_checkpointing(model.blocks, "selective")
+    return model
+
+
+@pytest.mark.parametrize("make", [_gpt, _gpt_selective, lambda: CheckpointedBlocks().double()])
 def test_single_rank_matches_adamw(make):
     torch.manual_seed(0)
     model = make()
