@@ -16,10 +16,11 @@ plans, checkpoints and ZeRO units see the same modules.
 The recompute goes through the block's ``__call__`` again, so hooks registered
 on the block run for it too: ZeRO-3's pre-backward hook has already pointed the
 block at its gathered unit, so the recompute runs none of the engine's operations
-(``meshwise.sharding.zero3``); the forward hooks of the first run are not run twice. The recompute is called with the first run's
-arguments, its ``ForwardContext`` among them (``meshwise.models.context``), so
-it draws the same keyed dropout masks and reads the same documents, also under
-a pipeline, where other micro-batches run forwards before this one's backward.
+(``meshwise.sharding.zero3``); the forward hooks of the first run are not run
+twice. The recompute is called with the first run's arguments, its
+``ForwardContext`` among them (``meshwise.models.context``), so it draws the same
+keyed dropout masks and reads the same documents, also under a pipeline, where
+other micro-batches run forwards before this one's backward.
 """
 
 from __future__ import annotations

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence, cast
 
 import torch
 from torch import nn
 
+from meshwise.comm import ops
 from meshwise.layout.params import cross_stage_tie
 
 Values = Callable[[str, int, int], torch.Tensor]
@@ -130,8 +131,8 @@ def cut_into_units(model: nn.Module, units: list[nn.Module] | None,
             continue  # a parameter-free layer needs no gathering
         size = sum(p.numel() * p.element_size() for _, p, _ in params)
         last = merged[-1] if merged else None
-        mergeable = last and module not in alone and last[1][-1] not in alone
-        if mergeable and cap_bytes and last[3] + size <= cap_bytes:
+        mergeable = last is not None and module not in alone and last[1][-1] not in alone
+        if last is not None and mergeable and cap_bytes and last[3] + size <= cap_bytes:
             last[0], last[1], last[2], last[3] = (f"{last[0]}+{name}", last[1] + [module],
                                                   last[2] + params, last[3] + size)
         else:
@@ -188,7 +189,7 @@ def device_of(params) -> torch.device:
     return next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
 
 
-def tie_groups(named: list[tuple[str, torch.Tensor]]) -> list[tuple[int, object]]:
+def tie_groups(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, ops.Group]]:
     """``(index in named, group)`` of each cross-stage tie copy (marked by
     ``meshwise.apply.parallelize``); ValueError for one marked without a group,
     whose gradient nothing would sum with its other copy's."""
@@ -200,5 +201,5 @@ def tie_groups(named: list[tuple[str, torch.Tensor]]) -> list[tuple[int, object]
                              "parallelize was given no group to sum their gradients over; "
                              "pass mesh= (or tie_group=mesh.tie_group) to parallelize")
         if tied:
-            out.append((i, group))
+            out.append((i, cast(ops.Group, group)))  # the mesh's group parallelize attached
     return out

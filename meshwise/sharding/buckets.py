@@ -49,8 +49,14 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.sharding.adamw import AdamWConfig, decays
-from meshwise.sharding.binding import (BufferPool, device_of, param_owners, rebind, tie_groups,
-                                      values_of)
+from meshwise.sharding.binding import (
+    BufferPool,
+    device_of,
+    param_owners,
+    rebind,
+    tie_groups,
+    values_of,
+)
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
 from meshwise.sharding.plans import BucketPlan, ParamSpec
@@ -108,7 +114,7 @@ class ZeroOptimizer(EngineBase):
         self.reduce_once = reduce_once and stage == 2
         self.plan = BucketPlan(specs, bucket_cap_mb, pad_to=dp_group.size)
         self._slots = [self.plan.slots[n] for n in self._names]
-        self._members = [[] for _ in self.plan.buckets]  # bucket -> param indices
+        self._members: list[list[int]] = [[] for _ in self.plan.buckets]  # bucket -> params
         for i, slot in enumerate(self._slots):
             self._members[slot.bucket].append(i)
         self.flats = [self._make_flat(b, named, values, device) for b in self.plan.buckets]
@@ -126,7 +132,7 @@ class ZeroOptimizer(EngineBase):
                        for i, p in enumerate(self._params)]
         self._gathers: list = [None] * len(self.flats)
         self._wait_in_forward = bool(modules) and stage > 0
-        if self._wait_in_forward:
+        if modules and self._wait_in_forward:
             self._register_forward_waits(modules)
         self._sync_enabled = True
         self._warned_unused = False
@@ -169,11 +175,12 @@ class ZeroOptimizer(EngineBase):
     def _zero_unwritten(self, b: int) -> None:
         """Parts of bucket ``b`` no gradient reached since they were fresh hold zero."""
         for i in self._members[b]:
-            if self._fresh[i]:
-                self._grad_views[i].zero_()
+            view = self._grad_views[i]
+            if self._fresh[i] and view is not None:
+                view.zero_()
                 self._fresh[i] = False
                 if not self._accumulate_by_hook:
-                    self._params[i].grad = self._grad_views[i]
+                    self._params[i].grad = view
 
     def _release_full_grad(self, b: int, buf: torch.Tensor) -> None:
         for i in self._members[b]:
@@ -199,6 +206,7 @@ class ZeroOptimizer(EngineBase):
         grad = param.grad
         self._full_grad(bucket)
         view = self._grad_views[index]
+        assert grad is not None and view is not None, "a gradient hook fired without one"
         with torch.no_grad():
             if self._fresh[index] or (grad is not view and not self._accumulate_by_hook):
                 # The step's first gradient (or autograd made a new tensor: .grad was
@@ -304,7 +312,7 @@ class ZeroOptimizer(EngineBase):
                 param.grad = None  # autograd hands its new gradient to the hook
         else:
             for flat in self.flats:
-                flat.grad_shard.zero_()
+                flat.shard_grad().zero_()
         self._seen = [False] * len(self._params)
         self._has_grad = [False] * len(self._params)
 
@@ -314,8 +322,9 @@ class ZeroOptimizer(EngineBase):
     def grad_of(self, name: str) -> torch.Tensor:
         """The reduced full gradient of parameter ``name`` (stages 0-1 hold one)."""
         assert self.stage < 2, "stage 2 keeps gradient shards only"
-        i = self._names.index(name)
-        return self._grad_views[i]
+        view = self._grad_views[self._names.index(name)]
+        assert view is not None, f"{name}'s bucket has no gradient view"
+        return view
 
     def tie_grad(self, name: str) -> torch.Tensor:
         """What a tie sums across its members: the full reduced gradient (stages 0-1),
@@ -324,7 +333,7 @@ class ZeroOptimizer(EngineBase):
             return self.grad_of(name)
         flat = self.flats[self._slots[self._names.index(name)].bucket]
         assert [s.name for s in flat.slots] == [name], f"{name} needs a bucket of its own"
-        return flat.grad_shard
+        return flat.shard_grad()
 
     # ------------------------------------------------------------ parameters after a step
     def _publish(self) -> None:

@@ -75,17 +75,20 @@ class PendingReduce:
 
     def __init__(self, flat: "FlatParams", handle, full_grad: torch.Tensor, out=None,
                  on_done=None):
-        self.flat, self._handle, self._full, self._out = flat, handle, full_grad, out
+        self.flat, self._handle = flat, handle
+        self._full: torch.Tensor | None = full_grad
+        self._out: torch.Tensor | None = out
         self._on_done = on_done
 
     def finish(self) -> None:
+        full, out = self._full, self._out
+        assert full is not None, "a reduction finished twice"
         self._handle.wait()
         if self.flat.stage >= 2:  # accumulate our chunk into the fp32 shard
             s0, s1 = self.flat.shard_range
-            reduced = self._full[s0:s1] if self._out is None else self._out
-            self.flat.grad_shard.add_(reduced)
+            self.flat.shard_grad().add_(full[s0:s1] if out is None else out)
         if self._on_done is not None:
-            self._on_done(self._full)
+            self._on_done(full)
         self._full = self._out = None
 
 
@@ -106,12 +109,12 @@ class FlatParams:
         lo, hi = self.update_range
         self.device = device
         fp32 = precision.master_dtype
-        self.params = None  # the persistent compute buffer (stages 0-2)
+        self.params: torch.Tensor | None = None  # the persistent compute buffer (stages 0-2)
         if stage < 3:
             self.params = torch.zeros(self.plan.padded_numel, dtype=precision.param_dtype,
                                       device=device)
             self._fill(self.params, 0, self.numel, values)
-        if stage < 3 and not precision.mixed:
+        if self.params is not None and not precision.mixed:
             self.master = self.params[lo:hi]  # the optimizer updates the compute values
         else:  # stage 3 keeps its whole (padded) shard: the all-gather's input
             size = hi - lo if stage < 3 else self.plan.shard_numel
@@ -119,8 +122,10 @@ class FlatParams:
             self._fill(self.master, lo, hi, values)
         self.exp_avg = torch.zeros(hi - lo, dtype=fp32, device=device)
         self.exp_avg_sq = torch.zeros(hi - lo, dtype=fp32, device=device)
-        self.grad = self.grad_shard = None
-        self._all_pieces = None  # update_pieces() of every parameter, once made
+        # the reduced gradient: whole (stages 0-1, ``grad``) or this rank's shard (2-3)
+        self.grad: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self._all_pieces: list[tuple] | None = None  # update_pieces() of every parameter
         if stage < 2:
             self.grad = torch.zeros(self.plan.padded_numel, dtype=precision.reduce_dtype,
                                     device=device)
@@ -164,10 +169,20 @@ class FlatParams:
         handle = ops.reduce_scatter(out, full_grad, self.group, category="grad", async_op=True)
         return PendingReduce(self, handle, full_grad, out, on_done=on_done)
 
+    def full_grad(self) -> torch.Tensor:
+        """The whole reduced-gradient buffer (stages 0-1)."""
+        assert self.grad is not None, f"stage {self.stage} keeps a gradient shard"
+        return self.grad
+
+    def shard_grad(self) -> torch.Tensor:
+        """This rank's fp32 shard of the reduced gradient (stages 2-3)."""
+        assert self.grad_shard is not None, f"stage {self.stage} keeps the whole gradient"
+        return self.grad_shard
+
     def owned_grad(self) -> torch.Tensor:
         """The reduced gradient of ``update_range`` (the full buffer's part, or the shard)."""
         lo, hi = self.update_range
-        return self.grad[lo:hi] if self.stage < 2 else self.grad_shard[:hi - lo]
+        return self.full_grad()[lo:hi] if self.stage < 2 else self.shard_grad()[:hi - lo]
 
     def held_grads(self, names: set[str]) -> list[torch.Tensor]:
         """Views of the reduced gradient this rank holds of the parameters ``names``, in
@@ -175,9 +190,11 @@ class FlatParams:
         Ranks whose buffers hold the same parameters at the same offsets (tp ranks
         of one dp rank) get views of the same elements."""
         if self.stage < 2:
-            return [self.grad[s.offset:s.offset + s.numel] for s in self.slots if s.name in names]
+            grad = self.full_grad()
+            return [grad[s.offset:s.offset + s.numel] for s in self.slots if s.name in names]
         lo, hi = self.update_range
-        return [self.grad_shard[a - lo:b - lo] for slot, a, b in self._overlaps(lo, hi)
+        shard = self.shard_grad()
+        return [shard[a - lo:b - lo] for slot, a, b in self._overlaps(lo, hi)
                 if slot.name in names]
 
     def grad_sq_sum(self, include=None) -> torch.Tensor:
@@ -187,7 +204,7 @@ class FlatParams:
         One pass over the whole buffer, less the parameters ``include`` leaves out
         (few: replicas counted on another rank), each subtracted in float64."""
         lo, hi = (0, self.numel) if self.stage < 2 else self.update_range
-        grad = self.grad[:self.numel] if self.stage < 2 else self.grad_shard[:hi - lo]
+        grad = self.full_grad()[:self.numel] if self.stage < 2 else self.shard_grad()[:hi - lo]
         total = squared_sum(_upcast(grad))
         if include is not None:
             for slot, a, b in self._overlaps(lo, hi):
@@ -234,6 +251,7 @@ class FlatParams:
         operation. Stages 1-3 all-gather over dp (returns its ``Handle``); stage 0
         and a group of one hold everything already (None)."""
         buf = self.params if buf is None else buf
+        assert buf is not None, "stage 3 publishes into a gathered buffer"
         lo, hi = self.update_range
         if self.stage == 3:
             s0, s1 = self.shard_range
@@ -260,7 +278,7 @@ class FlatParams:
         lo = self.update_range[0]
         # fp32 stages 0-2 update the compute buffer itself: every rank loads all of it.
         shared = self.stage < 3 and not self.precision.mixed
-        param = (self.params, 0) if shared else (self.master, lo)
+        param = (self.params, 0) if shared and self.params is not None else (self.master, lo)
         return FlatRun([(s.name, s.offset, s.numel) for s in self.slots],
                        self.plan.owned_range(self.group.rank),
                        {"param": param, "exp_avg": (self.exp_avg, lo),

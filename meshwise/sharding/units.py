@@ -81,7 +81,8 @@ class Unit:
 
     def gathered_bytes(self) -> int:
         """Bytes held for the gathered parameters beyond the shard."""
-        return self.buffer.numel() * self.buffer.element_size() if self._pooled else 0
+        buf = self.buffer
+        return buf.numel() * buf.element_size() if self._pooled and buf is not None else 0
 
     def start_gather(self) -> bool:
         """Take a buffer and launch the all-gather; False if already gathered. A shard
@@ -132,11 +133,14 @@ class Unit:
     def can_hold_gradient(self) -> bool:
         """Whether the gathered buffer may take the unit's gradient once its backward is
         over (the pool's, in the reduction dtype): one buffer less at the peak."""
-        return self._pooled and self.buffer.dtype == self.flat.precision.reduce_dtype
+        return (self._pooled and self.buffer is not None
+                and self.buffer.dtype == self.flat.precision.reduce_dtype)
 
     # -- views ---------------------------------------------------------------------
     def plain_views(self) -> list[torch.Tensor]:
-        return [self.buffer[s.offset:s.offset + s.numel].view(s.shape) for s in self.flat.slots]
+        buf = self.buffer
+        assert buf is not None, f"unit {self.name}: its views were asked for while freed"
+        return [buf[s.offset:s.offset + s.numel].view(s.shape) for s in self.flat.slots]
 
     def use_views(self) -> None:
         """Point module attributes at views of the gathered buffer; with autograd on,
@@ -181,7 +185,7 @@ class Unit:
         or written into a new one (``buffer``, else the pool's), zero where none came."""
         flat = self.flat
         fresh = full is None
-        if fresh:
+        if full is None:
             full = buffer if buffer is not None else self.pool.acquire(
                 flat.plan.padded_numel, flat.precision.reduce_dtype, flat.device)
             full[flat.numel:].zero_()  # padding

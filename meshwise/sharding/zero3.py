@@ -21,16 +21,21 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from meshwise.comm import ops, policy
 from meshwise.sharding.adamw import AdamWConfig
-from meshwise.sharding.binding import (BufferPool, cut_into_units, device_of, tie_groups,
-                                      values_of)
+from meshwise.sharding.binding import BufferPool, cut_into_units, device_of, tie_groups, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
-from meshwise.sharding.units import (ROOT, Gathered, Unit, check_same_units, grad_tensors,
-                                     saved_views)
+from meshwise.sharding.units import (
+    ROOT,
+    Gathered,
+    Unit,
+    check_same_units,
+    grad_tensors,
+    saved_views,
+)
 
 RESHARD = ("after-forward", "after-backward", "after-step")
 
@@ -68,11 +73,11 @@ class ZeroStage3(EngineBase):
                  units=None, prefetch: bool = True, *, reshard: str | None = None, alone=(),
                  precision: Precision | None = None, values=None, device=None,
                  unit_cap_mb: float | None = None, grad_reducer=None):
-        pipelined = isinstance(model, (list, tuple))
+        modules = [model] if isinstance(model, nn.Module) else list(model)
+        pipelined = not isinstance(model, nn.Module)
         reshard = reshard_policy(pipelined) if reshard is None else reshard
         if reshard not in RESHARD:
             raise ValueError(f"reshard {reshard!r} is not valid; valid: {', '.join(RESHARD)}")
-        modules = list(model) if pipelined else [model]
         named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
         super().__init__(dp_group, 3, adamw, precision or Precision.of(named[0][1].dtype),
                          grad_reducer)
@@ -105,7 +110,8 @@ class ZeroStage3(EngineBase):
         self._pending: deque = deque()  # reductions in flight
         self._accumulated: dict[Unit, torch.Tensor] = {}  # after-step: unsharded gradients
         self._partials: dict = {}  # a split backward's B parts, waiting for W's
-        self._saved_hooks, self._sync_enabled, self._last_step_peak = None, True, None
+        self._saved_hooks: saved_tensors_hooks | None = None
+        self._sync_enabled, self._last_step_peak = True, None
         self._ties = [(named[i][0], group) for i, group in tie_groups(named)]
         for name, _ in self._ties:
             self.tie_grad(name)  # ValueError unless it has a unit of its own
@@ -138,10 +144,11 @@ class ZeroStage3(EngineBase):
             self.events.clear()  # a new micro-step begins
         chunk.ran = []
         if self.reshard == "after-forward":  # saved views of freed units: rebuilt when regathered
-            self._saved_hooks = saved_views(self.gathered)
-            self._saved_hooks.__enter__()
+            self._saved_hooks = hooks = saved_views(self.gathered)
+            hooks.__enter__()
         if chunk.root is not None:
-            self._pre_forward(chunk, chunk.root, True, (chunk.blocks or [None])[0], module, args)
+            following = chunk.blocks[0] if chunk.blocks else None
+            self._pre_forward(chunk, chunk.root, True, following, module, args)
 
     def _chunk_post_forward(self, chunk: _Chunk, module, args, output) -> None:
         if self._saved_hooks is not None:
@@ -169,7 +176,7 @@ class ZeroStage3(EngineBase):
         if inputs:
             # The gradient of its input ends the unit's backward, also when each of its
             # parameters waits for a W (no gradient reaches its views in B).
-            register_multi_grad_hook(inputs, partial(self._end_backward, unit))
+            register_multi_grad_hook(inputs, partial(self._input_grad_ready, unit))
         self.events.append(("forward", unit.name))
 
     def _post_forward(self, chunk: _Chunk, unit: Unit, module, args, output) -> None:
@@ -194,6 +201,9 @@ class ZeroStage3(EngineBase):
         if self.prefetch and previous is not None and previous.pending:
             previous.start_gather()  # its backward comes next
         self.events.append(("backward", unit.name))
+
+    def _input_grad_ready(self, unit: Unit, grads) -> None:
+        self._end_backward(unit, grads)
 
     def _end_backward(self, unit: Unit, grads=None, take: bool = False) -> torch.Tensor | None:
         """A backward of ``unit`` ended: free it if its policy says so (``take``: its buffer
@@ -284,7 +294,7 @@ class ZeroStage3(EngineBase):
     def zero_grad(self) -> None:
         self._complete()
         for unit in self.units:
-            unit.flat.grad_shard.zero_()
+            unit.flat.shard_grad().zero_()
             unit.has_grad = [False] * len(unit.has_grad)
 
     def _gradient_flags(self) -> tuple[list[str], list[bool]]:
@@ -295,7 +305,7 @@ class ZeroStage3(EngineBase):
         """The reduced gradient shard of parameter ``name``, which has a unit of its own."""
         for unit in self.units:
             if [s.name for s in unit.flat.slots] == [name]:
-                return unit.flat.grad_shard
+                return unit.flat.shard_grad()
         raise ValueError(f"{name} is tied across pipeline stages and needs a unit of its own, "
                          "so that its dp shard lines up with its partner's; pass its module "
                          "in alone=")

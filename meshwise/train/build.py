@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
 from meshwise.apply.parallelize import ParallelModel, parallelize
 from meshwise.device.choice import resolve_dtype, takes_bf16
@@ -68,13 +69,16 @@ def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: Adam
     over dp and cp, so both sum (and shard) over ``mesh.dp_cp_group``."""
     precision, p = precision_of(cfg), cfg.parallel
     if p.zero == 3:  # the layers are units, the rest the root unit
-        target, units, alone = model.chunks[0], model.layers(), []
+        target: nn.Module | list[nn.Module] = model.chunks[0]
+        units: list = model.layers()
+        alone: list[nn.Module] = []
         if p.pp > 1:  # per chunk; its end modules (a tied embedding) never share a unit
-            target, units = model.chunks, []
+            per_chunk = []
             for chunk in model.chunks:
                 first, last = model.end_modules(chunk)
-                units.append(first + list(getattr(chunk, model.plan.layers).values()) + last)
+                per_chunk.append(first + list(getattr(chunk, model.plan.layers).values()) + last)
                 alone += first + last
+            target, units = model.chunks, per_chunk
         return ZeroStage3(target, mesh.dp_cp_group, adamw, units,
                           reshard=reshard_policy(p.pp > 1, p.reshard_after_forward),
                           alone=alone, precision=precision, values=values, device=device,
