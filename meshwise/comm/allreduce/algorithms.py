@@ -1,20 +1,10 @@
-"""All-reduce algorithms built from point-to-point transfers.
+"""All-reduce algorithms built from point-to-point transfers (``ops.batch_p2p``, so counted).
 
-Every transfer goes through ``meshwise.comm.ops`` (``batch_p2p``), so bytes and
-waits are counted there like any collective's. Sums are taken in the tensor's
-own dtype, for any group size (odd ones included) and any number of elements
-(chunks may be uneven or empty).
-
-- ring (Patarasuk & Yuan 2009): reduce-scatter then all-gather around a ring,
-  ``2 (p-1)`` steps of ``N/p`` bytes: bandwidth-optimal.
-- tree: binomial-tree reduce to the first rank, then binomial broadcast,
-  ``2 ceil(log2 p)`` steps of ``N`` bytes: latency-optimal (Thakur et al. 2005).
-- hierarchical (Horovod's / NCCL's two-level scheme, leader variant): a tree
-  reduce inside each node to its leader (its first rank), a ring all-reduce
-  among the leaders, a tree broadcast inside each node; only ``N``-sized
-  messages per leader cross the slow links, once each way.
-- adaptive: per message size, the cheapest of the others under a measured
-  cost model (``meshwise.comm.allreduce.allreducer``, which also runs them).
+ring (Patarasuk & Yuan 2009): ``2 (p-1)`` steps of ``N/p``, bandwidth-optimal; tree
+(Thakur et al. 2005): binomial reduce and broadcast, ``2 ceil(log2 p)`` steps of ``N``,
+latency-optimal; hierarchical (Horovod's and NCCL's two-level scheme): tree inside each
+node, ring among node leaders. Sums in the tensor's dtype, any group size, uneven chunks.
+See docs/compression.md.
 """
 
 from __future__ import annotations
@@ -182,6 +172,8 @@ def tree_all_reduce(flat: torch.Tensor, group, members=None, category: str = "gr
 def hierarchical_all_reduce(flat: torch.Tensor, group, topology: Topology,
                             category: str = "grad") -> None:
     """Reduce inside the node, ring all-reduce across node leaders, broadcast inside."""
+    # A node's leader is its first rank; only N-sized messages per leader cross the slow
+    # links, once each way.
     node = next(m for m in topology.node_members if group.rank in m)
     tree_reduce(flat, group, node, category)
     if group.rank == node[0] and topology.num_nodes > 1:
