@@ -1,13 +1,9 @@
 """Chat records rendered into tokens, with the assistant's tokens marked.
 
-A chat record holds ``messages``: a list of ``{"role": ..., "content": ...}``
-with roles among ``ROLES``. Each conversation is rendered by a chat template
-(``meshwise.data.chat_templates``) into one text, encoded whole by the
-tokenizer (so the tokens are those of ``apply_chat_template(tokenize=True)``),
-and each token is marked when it ends inside the text an assistant message
-adds after its generation prompt: its content and the template's end-of-turn
-marker, what a fine-tuned model must learn to generate. Those are the labels of
-``--loss-on assistant``.
+A conversation (``messages`` with roles among ``ROLES``) is rendered by its template
+and encoded whole (the tokens of ``apply_chat_template(tokenize=True)``); the tokens
+each assistant message adds after its generation prompt are the labels of
+``--loss-on assistant`` (docs/fine-tuning.md "Fine-tuning on chat data").
 """
 
 from __future__ import annotations
