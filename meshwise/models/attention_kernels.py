@@ -142,7 +142,8 @@ def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         lengths: list[list[int]], window: int = 0) -> torch.Tensor:
     """Causal attention inside each document, each on its own (what flash attention's varlen
     kernels do in one launch): no work across documents, no (T, T) mask. ``lengths``: each
-    row's document lengths (host integers, summing to T); q (B, H, T, d), k, v (B, G, T, d).
+    row's document lengths (host integers, summing to T); q (B, H, T, d), k, v (B, G, T, d);
+    ``window``: a sliding window inside each document (0: none).
     """
     grouped = k.shape[1] != q.shape[1]
     rows = []
