@@ -1,15 +1,9 @@
 """What one collective costs over a link model (Hockney's alpha-beta per message).
 
-A collective is also a meeting: each rank waits there for peers whose compute since
-the last one ran slower (``sync_wait_s``), which a probe of back-to-back calls
-never sees and a CPU shared with other work shows most.
-
-A ring over ``p`` ranks moves a tensor of ``n`` bytes in ``p - 1`` steps of
-``n / p`` (reduce-scatter, all-gather) or ``2 (p - 1)`` (all-reduce; Thakur
-et al. 2005), each step ``alpha + (n / p) beta`` on the slowest link the ring
-crosses. On gloo meshwise runs reduce-scatter and all-gather as all-reduces
-(``meshwise.comm.policy``), and a measured all-reduce per group size replaces
-the ring's estimate where the calibration holds one.
+A ring over ``p`` ranks moves ``n`` bytes in ``p - 1`` steps of ``n / p``, or ``2 (p - 1)`` for
+an all-reduce (Thakur et al. 2005), on the slowest link it crosses; on gloo a measured
+all-reduce replaces that where calibrated. Each collective also waits for peers that
+drifted behind (``sync_wait_s``), which back-to-back probes never see.
 """
 
 from __future__ import annotations
@@ -49,16 +43,13 @@ def p2p_s(device: DeviceProfile, nbytes: float, link: str) -> float:
 
 def sync_wait_s(device: DeviceProfile, size: int, syncs: float, compute_s: float,
                 world: int) -> float:
-    """What a rank waits at ``syncs`` blocking collectives of a group of ``size`` ranks,
-    spread evenly over ``compute_s`` seconds of its compute, for peers that drifted behind
-    since the last one: ``drift x sqrt(compute between two)`` each, so ``drift x
-    sqrt(syncs x compute_s)`` in all (``DeviceProfile.drift``).
+    """What a rank waits at ``syncs`` blocking collectives of ``size`` ranks, spread over
+    ``compute_s`` of its compute: ``drift x sqrt(syncs x compute_s)`` (``DeviceProfile.drift``).
 
-    A collective waits for the slowest of its group: with the ranks' drifts independent
-    and alike, the expected maximum of ``size`` of them, so a drift measured on ``n``
-    ranks scales by ``max_of(size) / max_of(n)``. On a CPU the ranks of the job
-    (``world``) share the machine's cores, and how they share them sets how far each
-    drifts, whatever the group: the drift measured with that many ranks is the base."""
+    A collective waits for the slowest of its group: a drift measured on ``n`` ranks scales by
+    ``max_of(size) / max_of(n)``. On a CPU the job's ``world`` ranks share the cores, which sets
+    the base drift whatever the group.
+    """
     if size <= 1 or syncs <= 0 or compute_s <= 0:
         return 0.0
     drift, measured_on = device.drift_at(world if device.cores is not None else size)

@@ -1,29 +1,10 @@
 """The time of one micro-batch's forward and backward on one rank, by action.
 
-Each layer is a list of work a device rates separately (a roofline per kind of
-work, as vTrain and Proteus time operators): matrix multiplies at the device's
-matmul rate, attention at that rate times its efficiency (causal blocks
-skipped, so half the ``T x T`` product), element-wise work at the memory
-bandwidth (on a GPU the bytes the family's eager kernels move, counted in
-``meshwise.planner.traffic``; on the CPU passes over the kept activations, which
-its calibration is measured against), and each kernel a fixed launch or
-dispatch cost. The backward splits as the zero-bubble schedules split it: ``B``
-the input gradients (attention's whole backward, about 2.5 forwards of it,
-FlashAttention-2's count), ``W`` the weight gradients (one more pass of the
-matmuls, and on a GPU the gradients' copy into the engines' flat buffers).
-Activation recomputation adds a forward (``full``) or its element-wise part
-(``selective``) to ``B``.
-
-Tensor parallelism adds two all-reduces of the layer's activations to each
-forward and backward (Megatron-LM; with ``--sp`` an all-gather and a
-reduce-scatter in their place, and the backward's re-gather of the column
-layers' inputs; a recompute repeats the forward's up to the last one it needs),
-and at each a wait for the other tp ranks (``sync_wait_s``); context
-parallelism passes key/value blocks around the ring ``cp - 1`` times (their
-gradients too in the backward, and again in a recompute), hidden behind
-attention where the device overlaps communication (slowing it meanwhile:
-``DeviceProfile.overlap_slowdown``), else exposed with a wait for the ring's
-neighbours at each exchange.
+A roofline per kind of work (as vTrain and Proteus time operators): matmuls at the
+matmul rate, attention at its efficiency (half the T x T product), element-wise work at
+memory bandwidth, a launch cost per kernel; B and W split as zero-bubble schedules split
+them (attention's backward about 2.5 forwards, FlashAttention-2's count), recomputation
+added to B; tp's and cp's communication per layer with waits for their peers.
 """
 
 from __future__ import annotations
