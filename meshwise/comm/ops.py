@@ -1,10 +1,6 @@
-"""The one module that calls ``torch.distributed``.
-
-Each operation is entered in this rank's ``CommContext`` (NCCL's rules, the ledger),
-issued, and its ``Handle`` marks it complete once waited for. A ``Group`` counts the
-bytes this rank puts on the wire per category at the ring cost (Patarasuk & Yuan
-2009; Thakur et al. 2005): all-reduce ``2 (n-1)/n`` of the buffer, reduce-scatter and
-all-gather ``(n-1)/n`` of the full buffer, a send its payload.
+"""The one module that calls ``torch.distributed``: each operation is entered in this rank's
+``CommContext`` (NCCL's rules, the ledger), issued, and counted per category in its
+``Group``'s counters; its ``Handle`` marks it complete once waited for.
 """
 
 from __future__ import annotations
@@ -181,6 +177,9 @@ def backend(group: Group) -> str:
     return str(dist.get_backend(group.pg))
 
 
+# Bytes on the wire are counted at the bandwidth-optimal ring cost (Patarasuk & Yuan 2009;
+# Thakur et al. 2005): all-reduce 2 (n-1)/n of the buffer, reduce-scatter and all-gather
+# (n-1)/n of the full buffer, a send its whole payload.
 def _ring_fraction(group: Group) -> float:
     return (group.size - 1) / group.size
 

@@ -1,10 +1,7 @@
-"""All-reduce algorithms built from point-to-point transfers (``ops.batch_p2p``, so counted).
-
-ring (Patarasuk & Yuan 2009): ``2 (p-1)`` steps of ``N/p``, bandwidth-optimal; tree
-(Thakur et al. 2005): binomial reduce and broadcast, ``2 ceil(log2 p)`` steps of ``N``,
-latency-optimal; hierarchical (Horovod's and NCCL's two-level scheme): tree inside each
-node, ring among node leaders. Sums in the tensor's dtype, any group size, uneven chunks.
-See docs/compression.md.
+"""All-reduce algorithms from point-to-point transfers: ring (Patarasuk & Yuan 2009,
+bandwidth-optimal), binomial tree (Thakur et al. 2005, latency-optimal) and hierarchical
+(Horovod's and NCCL's two-level scheme); any group size and uneven chunks, summed in the
+tensor's dtype. See docs/compression.md.
 """
 
 from __future__ import annotations
@@ -129,6 +126,7 @@ def ring_all_gather(chunks: list[torch.Tensor], group, members=None,
 
 
 def ring_all_reduce(flat: torch.Tensor, group, members=None, category: str = "grad") -> None:
+    # reduce-scatter then all-gather: 2 (p-1) steps of N/p bytes
     members, _ = _me(group, members)
     chunks = list(torch.tensor_split(flat, len(members)))
     ring_reduce_scatter(chunks, group, members, category)
@@ -165,6 +163,7 @@ def tree_broadcast(flat: torch.Tensor, group, members=None, category: str = "gra
 
 
 def tree_all_reduce(flat: torch.Tensor, group, members=None, category: str = "grad") -> None:
+    # binomial reduce to the first member, then broadcast: 2 ceil(log2 p) steps of N bytes
     tree_reduce(flat, group, members, category)
     tree_broadcast(flat, group, members, category)
 

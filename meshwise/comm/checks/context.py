@@ -1,9 +1,6 @@
-"""What one process knows about its communication: its ledger, the NCCL rules per group,
-and the exchange and watchdog that compare ledgers across ranks.
-
-``meshwise.comm.ops`` keeps one ``CommContext`` per default process group (one per
-rank, like a logger) and asks it about every operation before issuing it (``begin``).
-Settings come from the environment, so they reach every rank (docs/gpus.md).
+"""What one process knows about its communication (one ``CommContext`` per default process
+group, asked about every operation before ``ops`` issues it): its ledger, the NCCL rules
+per group, and the exchange and watchdog; settings come from the environment.
 """
 
 from __future__ import annotations

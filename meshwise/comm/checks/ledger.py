@@ -1,10 +1,7 @@
-"""What each rank asked of each group, in order: the collective ledger (pure bookkeeping).
-
-Every operation ``ops`` issues is an entry of a channel: a group's collectives
-(``dp[0,2]``), or one direction's transfers (``pp[0,1] 0->1``). Its signature is what
-NCCL matches (element counts and dtypes, not shapes) and its call site the first frame
-outside ``meshwise/comm``. Per channel a count and a running CRC-32 of the signatures
-tell whether two ranks agree; the kept entries say where they part. See docs/gpus.md.
+"""The collective ledger: what each rank asked of each channel (a group's collectives, or
+one direction's transfers), in order, with NCCL's signature (counts and dtypes) and the
+call site. A count and a running CRC-32 per channel tell whether ranks agree; the kept
+entries say where they part (pure bookkeeping; docs/gpus.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""NCCL's rules enforced on any backend (``MESHWISE_COMM_CHECK=nccl``), as CI has no GPU.
-
-Every operation ``ops`` issues is checked: (1) one stream per pair (an unbatched
-transfer completes before the next with that peer), (2) one issuing thread per group at
-a time, (3) tensors on the group's device, (4) NCCL's types and reductions. The same
-order on every rank is the ledger's job. What each catches: docs/gpus.md.
+"""NCCL's rules enforced on any backend (``MESHWISE_COMM_CHECK=nccl``): (1) one stream per
+pair, (2) one issuing thread per group at a time, (3) tensors on the group's device,
+(4) NCCL's types and reductions; the same order on every rank is the ledger's job.
+What each catches: docs/gpus.md "NCCL's rules, enforced on any backend".
 """
 
 from __future__ import annotations

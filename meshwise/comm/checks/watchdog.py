@@ -1,9 +1,6 @@
-"""Comparing ranks' ledgers through the launch's key-value store, and the watchdog thread.
-
-The store is independent of every process group, so ranks compare while a group is
-stuck: ``LedgerExchange.check`` every few steps (summaries, then the entries where
-they disagree), and ``Watchdog`` when an operation has been in flight ``stall_s``.
-A divergence ends the rank at once, before the collective timeout (docs/gpus.md).
+"""Comparing ranks' ledgers through the launch's key-value store, independent of every
+process group: ``LedgerExchange.check`` every few steps, and the ``Watchdog`` thread when an
+operation is in flight ``stall_s``. A divergence ends the rank at once (docs/gpus.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What every gradient compressor shares: error feedback and the state kept across steps.
-
-Error feedback (Seide et al. 2014; Karimireddy et al. 2019): this rank's residual
-``(g + e) - decompressed`` is kept per bucket and added next step, so what was applied
-plus what is held sums to the gradients (``tests/unit/test_compression.py``).
-No communication here; nothing imports ``torch.distributed``.
+"""What every gradient compressor shares: error feedback (Seide et al. 2014; Karimireddy
+et al. 2019; the residual ``(g + e) - decompressed`` added next step, so nothing is lost)
+and the state kept across steps. No ``torch.distributed`` here.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Gradient compressors (fp16, bf16, int8, top-k) and the choice by ``--compress`` name.
-
-A compressor reduces one flat bucket through a ``comm`` (an ``AllReducer``) and writes
-the decompressed sum back, identical on every rank; with ``scatter=True`` (ZeRO's
-reduce-scatter) only this rank's chunk must be right. What each sends, and how it
-scatters: docs/compression.md. No communication of its own (only through ``comm``).
+"""Gradient compressors (fp16, bf16, int8, top-k) and the choice by ``--compress`` name. Each
+reduces a flat bucket through a ``comm`` (an ``AllReducer``) into the same decompressed sum
+on every rank (with ``scatter=True``, this rank's chunk). See docs/compression.md.
 """
 
 from __future__ import annotations
