@@ -1,9 +1,6 @@
-"""Global batches with what they carry: labels for the loss, document starts for masking.
-
-``BatchSource`` wraps a ``TokenDataset``: a text token file gives its windows, every
-target labelled, documents split by end-of-text tokens; a chat token file gives rows
-packed from whole conversations (``PackedRows``), labelled per ``loss_on``, drawn in the
-``--data-order`` windows are, its last rows held out for validation.
+"""Global batches with labels and document starts (``BatchSource``): a text token file's
+windows, every target labelled; a chat token file's rows packed from conversations,
+labelled per ``loss_on``, drawn as windows are, the last rows held out for validation.
 """
 
 from __future__ import annotations

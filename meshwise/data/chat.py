@@ -1,9 +1,6 @@
-"""Chat records rendered into tokens, with the assistant's tokens marked.
-
-A conversation (``messages`` with roles among ``ROLES``) is rendered by its template
-and encoded whole (the tokens of ``apply_chat_template(tokenize=True)``); the tokens
-each assistant message adds after its generation prompt are the labels of
-``--loss-on assistant`` (docs/fine-tuning.md "Fine-tuning on chat data").
+"""Chat records rendered into tokens, each conversation encoded whole (the tokens of
+``apply_chat_template(tokenize=True)``), with the tokens each assistant message adds after
+its generation prompt marked as labels (docs/fine-tuning.md "Fine-tuning on chat data").
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Chat token files: the conversations' tokens, their assistant labels, where each starts.
-
-``FILE.bin`` is a token file whose sidecar adds ``chat`` (the template's name and digest,
-the counts); ``FILE.bin.labels`` holds one byte per token, 1 for an assistant token;
-``FILE.bin.conversations`` int64 pairs: each conversation's first token and its
-record's number (from 0 over every record read), to name a conversation too long.
+"""Chat token files: ``FILE.bin`` (sidecar with ``chat``: the template and counts),
+``FILE.bin.labels`` (a byte per token, 1 for the assistant's) and ``FILE.bin.conversations``
+(int64 pairs: each conversation's first token and its record's number from 0).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Chat templates: a conversation (a list of ``{role, content}``) rendered as text.
-
-A template is a Jinja2 program (the tokenizer's, ``chatml``, or a ``.jinja`` file)
-rendered in a sandbox set up as transformers sets up ``apply_chat_template``, so the
-text is the same here and there. ``ChatTemplate.assistant_spans`` finds the labels of
-supervised fine-tuning. See docs/fine-tuning.md.
+"""Chat templates: a conversation rendered as text by a Jinja2 program (the tokenizer's,
+``chatml`` or a ``.jinja`` file) in a sandbox set up as transformers sets up
+``apply_chat_template``; ``assistant_spans`` finds the labels. See docs/fine-tuning.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Token files built from documents: encoded by worker processes, written in order.
-
-The sources are cut into tasks of about ``TASK_BYTES`` (a long text file after line
-breaks where the tokenizer cuts cleanly, JSON lines by byte ranges of whole lines,
-columnar rows a batch at a time), and each task's tokens are written in task order: the
-file holds exactly the tokens of encoding every document whole, whatever the workers.
-See docs/data.md.
+"""Token files built from documents by worker processes: tasks of about ``TASK_BYTES`` (long
+texts cut where the tokenizer cuts cleanly, JSON lines by ranges of whole lines), written
+in task order, so the tokens are those of each document encoded whole whatever the
+workers. See docs/data.md.
 """
 
 from __future__ import annotations

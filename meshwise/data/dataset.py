@@ -1,9 +1,6 @@
-"""Token files and deterministic global batches.
-
-``resolve_data`` (re-exported) turns what the user gave into a token file once, before
-the ranks start; every rank then memory-maps it with ``TokenDataset``. Global batch
-``step`` is a pure function of (seed, step) (``meshwise.data.order``), so any layout and
-a resumed run read the same batches; ``rank_slice`` cuts a dp rank's contiguous rows.
+"""Token files and deterministic global batches: ``TokenDataset`` memory-maps the file
+``resolve_data`` built, and global batch ``step`` is a pure function of (seed, step), so
+any layout and a resumed run read the same batches.
 """
 
 from __future__ import annotations

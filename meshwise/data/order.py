@@ -1,10 +1,6 @@
-"""Which windows of a token split global batch ``step`` reads: a pure function of
-(seed, step), so a resumed run, on any layout, reads what it would have.
-
-``random-windows`` draws starts with replacement; ``epochs`` reads each window of
-``seq_len + 1`` tokens at stride ``seq_len`` once per epoch, in a permutation computed per
-index (a four-round Feistel network with cycle walking, Black & Rogaway 2002,
-"Ciphers with arbitrary finite domains"): nothing stored. See docs/data.md.
+"""Which windows global batch ``step`` reads, a pure function of (seed, step): random
+windows, or every window once per epoch in a permutation computed per index (a Feistel
+network with cycle walking, Black & Rogaway 2002), nothing stored. See docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What a global batch carries: tokens, which targets count in the loss, where documents start.
-
-``Batch``: ``B`` sequences of ``T + 1`` tokens with ``labels`` (the targets in the loss;
-the mean is over those of the global batch, counted once) and ``starts`` (the inputs
-that begin a document), host arrays so nothing decided from them reads a device.
-Text documents end at end-of-text tokens; chat rows are packed by ``PackedRows``.
+"""What a global batch carries: tokens, ``labels`` (the targets in the loss) and ``starts``
+(the inputs that begin a document), as host arrays so nothing decided from them reads a
+device; chat rows packed from whole conversations (``PackedRows``).
 """
 
 from __future__ import annotations

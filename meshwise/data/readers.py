@@ -1,10 +1,7 @@
-"""Reading data as users hold it: each record of a file is one document.
-
-``iter_records``, ``iter_documents`` and ``data_files`` read JSON lines, Parquet,
-``datasets`` folders, CSV, JSON arrays and text (``FORMATS``, told apart by
-``detect_format``); bad input raises ``DataFormatError``, one line naming the file and
-line or row. Formats, folders and the interface: docs/data.md "Records" and
-"Reading records from Python".
+"""Reading data as users hold it, each record one document: ``iter_records``,
+``iter_documents`` and ``data_files`` over JSON lines, Parquet, ``datasets`` folders, CSV,
+JSON arrays and text. Formats, folders, errors: docs/data.md "Records" and "Reading
+records from Python".
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What the user gave as data, turned into a token file: built once, cached.
-
-``resolve_data`` encodes the default corpus, text or records with the run's tokenizer
-and caches the result atomically under a key of every file's name, size and
-modification time, its format, the tokenizer's digest and the ``ReadOptions``; a
-``.bin`` is used as is. Call it once before spawning ranks.
+"""What the user gave as data, turned into a token file once before the ranks start, cached
+atomically under a key of every file's name, size and mtime, its format, the tokenizer's
+digest and the ``ReadOptions``; a ``.bin`` is used as is.
 """
 
 from __future__ import annotations

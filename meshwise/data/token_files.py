@@ -1,10 +1,6 @@
-"""Token files: a flat little-endian array of ids (``.bin``, uint16 up to 65,536 ids, else
-uint32) and meshwise's JSON sidecar ``<name>.bin.meshwise.json`` beside it.
-
-The sidecar holds ``num_tokens``, ``vocab_size`` (null for a ``.bin`` meshwise did not
-build), ``max_token`` as of ``scanned`` (size and mtime), ``source``, ``dtype``,
-``tokenizer``, ``format`` and ``written_by``: a file of that name meshwise did not write is
-never read or replaced. Every write is atomic (a temp file, then ``os.replace``).
+"""Token files: a flat little-endian array of ids (``.bin``: uint16 up to 65,536 ids, else
+uint32) and meshwise's JSON sidecar ``<name>.bin.meshwise.json`` (keys at ``_write_meta``),
+each written atomically (a temp file, then ``os.replace``). See docs/data.md.
 """
 
 from __future__ import annotations
@@ -102,6 +98,9 @@ def _umask() -> int:
 
 def _write_meta(bin_path: Path, meta: dict) -> None:
     """Write the JSON sidecar of ``bin_path`` atomically."""
+    # Keys: num_tokens, vocab_size (null for a .bin meshwise did not build), max_token as of
+    # scanned (the file's size and mtime then), source, dtype, tokenizer, format, and
+    # written_by: a sidecar meshwise did not write is never read or replaced.
     meta = {**meta, "format": FORMAT_VERSION, "written_by": WRITTEN_BY}
     _atomic_write(sidecar_path(bin_path), [json.dumps(meta, indent=1).encode()])
 

@@ -1,9 +1,6 @@
-"""Tokenizers: byte-level (the default) and Hugging Face ``tokenizer.json`` files.
-
-Both answer what meshwise asks: ``encode``/``decode``, ``vocab_size``, ``digest`` (the
-SHA-256 of the file's bytes, stable across library versions: caches and sidecars carry
-it), ``separator`` (between documents: ``\\n`` byte-level, else end-of-text; no BOS per
-document) and ``splits_at_lines``. See docs/data.md.
+"""Tokenizers, byte-level (the default) and Hugging Face ``tokenizer.json``: ``encode``,
+``decode``, ``vocab_size``, ``digest`` (SHA-256 of the file's bytes, stable across library
+versions), ``separator`` between documents and ``splits_at_lines``. See docs/data.md.
 """
 
 from __future__ import annotations
