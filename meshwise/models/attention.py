@@ -1,9 +1,6 @@
-"""The two pieces of a transformer that see where its tokens are in their sequence.
-
-``Positions`` (the global positions a forward holds) and ``ScaledDotProductAttention``
-(causal, grouped-query, windowed, with keyed dropout) hold no parameters, so a plan
-swaps them for their context-parallel forms (``positions``, ``ring_attention``) without
-renaming anything. Both read the forward's ``ForwardContext`` (documents included).
+"""The two pieces of a transformer that see where its tokens are: ``Positions`` and
+``ScaledDotProductAttention``. They hold no parameters, so a plan swaps them for their
+context-parallel forms without renaming anything; both read the ``ForwardContext``.
 """
 
 from __future__ import annotations

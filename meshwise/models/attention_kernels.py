@@ -1,9 +1,6 @@
-"""Which kernel computes an attention call, and the kernels themselves.
-
-``attention`` takes what a call needs (causal, window, documents, a dropout keep-mask)
-and ``choose_kernel`` picks from those, the device and the dtype; on CUDA none forms a
-(T, T) score matrix (docs/gpus.md "Attention on CUDA"). ``kernel=`` forces a path, so
-the CUDA ones are tested on the CPU.
+"""Which kernel computes an attention call (``choose_kernel``: from causality, window,
+documents, dropout, device and dtype; none forms a (T, T) matrix on CUDA, docs/gpus.md),
+and the kernels themselves; ``kernel=`` forces one, so CUDA's are tested on the CPU.
 """
 
 from __future__ import annotations

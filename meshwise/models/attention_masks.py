@@ -1,9 +1,6 @@
-"""Which keys each query sees (causal, a sliding window, documents), in the forms kernels take.
-
-Boolean masks over (query, key) positions, and ``BlockMask``s for ``flex_attention``
-(Dong et al. 2024) built block by block from each block's positions and document ids,
-never from the (T, T) mask. A sliding window (Beltagy et al. 2020; Mistral) shows the
-query and the ``window - 1`` keys before it. ``DocumentMask`` builds each once a forward.
+"""Which keys each query sees (causal, a sliding window as Beltagy et al. 2020 and Mistral,
+documents), as boolean masks and as ``flex_attention`` ``BlockMask``s (Dong et al. 2024)
+built block by block, never from the (T, T) mask; ``DocumentMask`` makes each once.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""What one forward computes, handed to the model as an argument (``context=``).
-
-Which global samples (for keyed dropout), tokens (cp, sp), heads (tp) and documents a
-forward's inputs are; nothing is set on a module per batch (as torchtitan's pipeline
-passes positions and masks). Every rank draws the whole global batch, so any stage or
-recompute makes the same context with nothing sent; ``ForwardContext()`` is one process.
+"""What one forward computes (its global samples, tokens, heads and documents), handed to
+the model as ``context=`` rather than set on modules (as torchtitan's pipeline passes
+positions and masks). Every rank draws the whole global batch, so every stage and
+recompute makes the same context with nothing sent.
 """
 
 from __future__ import annotations

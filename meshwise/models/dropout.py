@@ -1,9 +1,7 @@
-"""Dropout whose masks do not depend on the layout.
-
-Each element's draw is a hash (SplitMix64's finaliser, Steele et al. 2014) of what it
-is: seed, step, global sample, site, head, and global position in its sample, computed
-on the device. Any layout (dp, tp, pp, cp, sp, micro-batches, ZeRO) drops exactly what
-one process drops, beyond Megatron-LM's RNG tracker; masks are saved for the backward.
+"""Dropout whose masks do not depend on the layout: each element's draw is a hash
+(SplitMix64's finaliser, Steele et al. 2014) of what it is (seed, step, global sample,
+site, head, global position), computed on the device, so any layout drops exactly what
+one process drops, beyond what Megatron-LM's RNG tracker guarantees.
 """
 
 from __future__ import annotations
@@ -93,7 +91,7 @@ class KeyedDropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         mask = keep_mask(context or WHOLE, self.site, x.shape, self.p, x.device)
-        return x * mask.to(x.dtype)
+        return x * mask.to(x.dtype)  # autograd saves the mask for the backward: never redrawn
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}"

@@ -1,9 +1,7 @@
-"""A Llama decoder (Touvron et al. 2023), plain single-device code.
-
-RMSNorm (Zhang & Sennrich 2019), rotary positions (Su et al. 2021) in Hugging Face's
-rotate-half layout, SwiGLU (Shazeer 2020), grouped-query attention (Ainslie et al.
-2023), no biases; Qwen2's q/k/v biases, Qwen3's q/k norms and head size and Mistral's
-sliding window are switches. Modules carry Hugging Face's names without ``model.``.
+"""A Llama decoder (Touvron et al. 2023), plain single-device code: RMSNorm (Zhang &
+Sennrich 2019), rotary positions (Su et al. 2021) in Hugging Face's rotate-half layout,
+SwiGLU (Shazeer 2020), grouped-query attention (Ainslie et al. 2023); Qwen2, Qwen3 and
+Mistral as switches. Modules carry Hugging Face's names without ``model.``.
 """
 
 from __future__ import annotations

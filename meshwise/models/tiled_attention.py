@@ -1,9 +1,7 @@
-"""Attention over a few keys at a time, with its log-sum-exp, in plain PyTorch operations.
-
-The online softmax (Milakov & Gimelshein 2018) across tiles as FlashAttention computes
-it (Dao et al. 2022; its algorithm 4 for the backward): scores of (B, H, Lq, tile) at a
-time, each tile merged by its log-sum-exp. It keeps attention dropout exact at
-O(Lq x tile) memory, and serves ring attention's blocks where no fused kernel does.
+"""Attention over a tile of keys at a time, with its log-sum-exp, in plain PyTorch: the
+online softmax (Milakov & Gimelshein 2018) as FlashAttention computes it (Dao et al.
+2022, algorithm 4 for the backward). It keeps attention dropout exact at O(Lq x tile)
+memory and serves ring attention's blocks where no fused kernel does.
 """
 
 from __future__ import annotations
