@@ -1,9 +1,6 @@
-"""The data a pipeline schedule is made of: actions, per-rank lists, the stage map (pure).
-
-Compute actions (Qi et al. 2024, section 2): ``F``; ``B``, only the input's gradient
-when a ``W`` of the same micro-batch and chunk follows, else the whole backward; ``W``.
-Stage maps: ``loop`` (Narayanan et al. 2021, section 2.2.2) and ``v`` (ZB-V, DualPipeV).
-The contract: docs/pipelines.md "The schedule's contract".
+"""The data a pipeline schedule is made of (pure): ``F``, ``B`` and ``W`` actions (Qi et al.
+2024, section 2) and messages, per-rank lists, and the ``loop`` (Narayanan et al. 2021)
+and ``v`` stage maps. See docs/pipelines.md "The schedule's contract".
 """
 from __future__ import annotations
 

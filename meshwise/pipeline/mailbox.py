@@ -1,9 +1,6 @@
-"""One run's pipeline messages: the batches of a schedule posted, what arrived, sends in flight.
-
-``post`` sends a batch with one ``batch_isend_irecv``; a receive is waited for only when
-the compute action that reads it is next (``wait_for``), and sends are waited for and
-freed at the latest in the next batch, as torch's pipelining does. Waiting later than
-the validator's runtime only lets a rank reach each post sooner: still deadlock-free.
+"""One run's pipeline messages: each batch posted at once, a receive waited for only by the
+action that reads it, sends freed by the next batch, as torch's pipelining does (later
+waits than the validator's runtime: still deadlock-free).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Pipeline messages that carry their own shape and dtype, and freeing what was sent.
-
-The first activation on each forward edge of a run is preceded by a ``TensorMeta``
-header (nanotron's p2p does the same); later ones reuse it, and a changed shape raises.
-Gradients need none. Both ends decide alike, with no extra round trip in the steady
-state. See docs/pipelines.md "Running a schedule on your own stages".
+"""Pipeline messages that carry their own shape and dtype (a ``TensorMeta`` header on each
+forward edge's first message, as nanotron's p2p sends), and freeing what was sent.
+See docs/pipelines.md "Running a schedule on your own stages".
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Where the sends and receives of a schedule go, so that its batches cannot deadlock (pure).
-
-Each message meets on an ideal dataflow timeline, when possible at an instant both
-ranks are idle; both ends post it in their first gap at or after it, in meeting order.
-Every rank meets its messages in one global order, so the batches complete in it
-whatever the costs (Megatron-LM's ``send_forward_recv_backward`` pairs, generalised).
+"""Where a schedule's sends and receives go (pure): each message meets on an ideal dataflow
+timeline and both ends post it in their first gap after, so every rank meets its
+messages in one global order and no batch can deadlock, whatever the costs.
 """
 from __future__ import annotations
 

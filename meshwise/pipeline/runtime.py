@@ -1,10 +1,7 @@
-"""Executes one rank's pipeline schedule: compute, hand-offs and point-to-point.
-
-The runtime walks its rank's list top to bottom, each run of messages one batch
-(``mailbox``), each micro-batch's ``ForwardContext`` passed to every chunk's forward as
-``context=``, so messages carry activations and gradients only. A schedule with W
-actions splits its backwards per linear layer (``WeightGradStore``); a B whose W follows
-with nothing between runs whole. See docs/pipelines.md.
+"""Executes one rank's pipeline schedule: compute, local hand-offs and batched messages,
+each micro-batch's ``ForwardContext`` passed to its forwards (messages carry activations
+and gradients only), backwards split per linear layer where the schedule has W actions.
+See docs/pipelines.md.
 """
 
 from __future__ import annotations

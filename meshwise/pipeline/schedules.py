@@ -1,9 +1,6 @@
-"""Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B, and with a split backward
-ZB-H1, ZB-V and DualPipeV (pure; checked by ``validate``).
-
-A ``Schedule`` holds each rank's ordered actions, communication included, placed by
-``placement`` so that no batch can deadlock. The contract a runtime follows (stages,
-actions, batches, matching): docs/pipelines.md "The schedule's contract".
+"""Pipeline schedules as data (pure): GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V and
+DualPipeV, each rank's actions with messages placed so no batch can deadlock. The
+contract a runtime follows: docs/pipelines.md "The schedule's contract".
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Time a pipeline ``Schedule`` on a model of the machine (pure: validated, then replayed).
-
-Costs are a rank's per micro-batch (F, the input part B and the weight part W of a
-backward, split evenly over its V chunks; default 1, 1, 1). With balanced stages and free
-communication the bubble equals ``(S - 1) / (V * M + S - 1)`` (Huang et al. 2019; Narayanan
-et al. 2021, sections 2.2.1-2.2.2) for GPipe and 1F1B at any M, interleaved at M a
-multiple of S; ``reference_bubble`` gives the literature's figure per kind.
+"""Time a pipeline ``Schedule`` on a model of the machine (pure: validated, then replayed),
+with a rank's F, B and W costs per micro-batch. Balanced stages and free communication
+give ``(S - 1) / (V * M + S - 1)`` (Huang et al. 2019; Narayanan et al. 2021, section 2.2);
+``reference_bubble`` gives the literature's figure per kind.
 """
 from __future__ import annotations
 
@@ -78,9 +75,10 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
     A rank waits for a batch's receives only; ``blocking_sends=True`` times a runtime that
     waits for whole batches. ``check=False`` skips the validation (a schedule timed often).
     """
-    # With blocking sends GPipe and 1F1B still meet the formula; interleaved 1F1B can lose
-    # time where a producer and its consumer are never idle at the same instant (measured:
-    # S = 2, 5, 8 with M > S).
+    # Balanced and free of communication, GPipe and 1F1B meet the formula at every M >= 1,
+    # interleaved 1F1B at every M that is a multiple of S. With blocking sends GPipe and
+    # 1F1B still meet it; interleaved 1F1B can lose time where a producer and its consumer
+    # are never idle at the same instant (measured: S = 2, 5, 8 with M > S).
     if check:
         validate(schedule)
     V = schedule.num_virtual_stages
