@@ -1,9 +1,6 @@
-"""What one collective costs over a link model (Hockney's alpha-beta per message).
-
-A ring over ``p`` ranks moves ``n`` bytes in ``p - 1`` steps of ``n / p``, or ``2 (p - 1)`` for
-an all-reduce (Thakur et al. 2005), on the slowest link it crosses; on gloo a measured
-all-reduce replaces that where calibrated. Each collective also waits for peers that
-drifted behind (``sync_wait_s``), which back-to-back probes never see.
+"""What one collective costs over a link model (Hockney's alpha-beta; ring steps as Thakur
+et al. 2005 count them), and the wait for peers that drifted behind (``sync_wait_s``),
+which back-to-back probes never see.
 """
 
 from __future__ import annotations
@@ -26,12 +23,14 @@ def collective_s(device: DeviceProfile, kind: str, nbytes: float, size: int, lin
     tensor of ``nbytes`` over ``size`` ranks on ``link``."""
     if size <= 1 or nbytes <= 0:
         return 0.0
+    # gloo runs gathers and reduce-scatters as all-reduces (meshwise.comm.policy), and a
+    # calibrated all-reduce of this group size replaces the ring's estimate.
     measured = device.all_reduce.get(size) if link == "intra" else None
     if device.collectives_as_all_reduce:
         kind = "all_reduce"
     if measured is not None and kind == "all_reduce":
         return measured.time(nbytes) * device.collective_factor.get(kind, 1.0)
-    step = device.link(link)
+    step = device.link(link)  # a ring step: n / p bytes over the slowest link it crosses
     steps = 2 * (size - 1) if kind == "all_reduce" else size - 1
     return steps * step.time(nbytes / size) * device.collective_factor.get(kind, 1.0)
 

@@ -1,10 +1,7 @@
-"""The time of one micro-batch's forward and backward on one rank, by action.
-
-A roofline per kind of work (as vTrain and Proteus time operators): matmuls at the
-matmul rate, attention at its efficiency (half the T x T product), element-wise work at
-memory bandwidth, a launch cost per kernel; B and W split as zero-bubble schedules split
-them (attention's backward about 2.5 forwards, FlashAttention-2's count), recomputation
-added to B; tp's and cp's communication per layer with waits for their peers.
+"""The time of one micro-batch's forward and backward on one rank, by action: a roofline
+per kind of work (as vTrain and Proteus time operators), the backward split into B and
+W as zero-bubble schedules split it, recomputation added to B, and tp's and cp's
+communication per layer with the waits for their peers.
 """
 
 from __future__ import annotations
@@ -57,6 +54,7 @@ def action_costs(shape: ModelShape, layout: Layout, st: Settings, device: Device
     ew_forward, ew_backward, ew_recompute = _elementwise_s(shape, layout, st, device, n)
     kernels = KERNELS_PER_LAYER.get(shape.family, 30) * device.op_overhead_s
     forward = matmul + attention + ew_forward + kernels
+    # attention's backward: about 2.5 forwards of it (FlashAttention-2's count)
     backward = matmul + 2.5 * attention + ew_backward + 2 * kernels
     mode = layout.activation_checkpointing
     backward += forward if mode == "full" else (ew_recompute + kernels if mode == "selective"

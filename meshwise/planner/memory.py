@@ -1,9 +1,6 @@
-"""Peak memory of one rank, predicted from the model's shapes and the layout.
-
-At the rank's peak (its first backward after the most forwards): model state by ZeRO
-stage over what it holds (docs/memory.md), ZeRO's transient buffers, activations per
-layer times the micro-batches the simulator says it keeps, the last stage's logits,
-and the runtime's measured overhead (docs/choosing-a-layout.md "What the prediction counts").
+"""Peak memory of one rank (its first backward after the most forwards) from the model's
+shapes and the layout: model state, ZeRO's buffers, activations times micro-batches in
+flight, logits, the runtime (docs/choosing-a-layout.md "What the prediction counts").
 """
 
 from __future__ import annotations

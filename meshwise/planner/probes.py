@@ -1,9 +1,6 @@
-"""Short measurements of this machine for the CPU profile (``meshwise plan --calibrate``).
-
-Each probe times on one thread, as a rank runs, in the thread's own CPU time, the least
-of several runs: matmul rates, attention's efficiency, memory bandwidth, an op's dispatch,
-AdamW per parameter, one layer of each family against the roofline, and per group its
-links, all-reduce and drift between ranks (``rank_drift``).
+"""Short measurements of this machine for the CPU profile (``meshwise plan --calibrate``),
+each on one thread in its own CPU time, the least of several runs: matmuls, attention,
+bandwidth, dispatch, AdamW, a layer of each family, links and drift between ranks.
 """
 
 from __future__ import annotations

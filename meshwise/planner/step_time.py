@@ -1,9 +1,6 @@
-"""Step time of one layout: compute, the pipeline's bubble, communication, optimizer.
-
-Per-action compute (``compute``) timed through the pipeline simulator, the activations'
-transfer as its latency; the gradient collectives by ZeRO stage (Rajbhandari et al.
-2019), hidden behind backward where the device overlaps, else exposed with the waits for
-drifting peers; AdamW and the norm. Ranks sharing too few CPU cores share their work.
+"""Step time of one layout: per-action compute through the pipeline simulator, the
+gradient collectives by ZeRO stage (Rajbhandari et al. 2019) hidden or exposed as the
+device overlaps, waits for drifting peers, AdamW and the norm.
 """
 
 from __future__ import annotations
