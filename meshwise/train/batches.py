@@ -1,10 +1,6 @@
-"""What a rank feeds one step: its micro-batches of the global batch, their contexts, and
-the loss's divisor.
-
-Every rank draws the whole global batch, takes its dp rows, micro-batches and cp tokens;
-the divisor is the labelled targets of the GLOBAL batch, counted on the host, so no
-collective and the same on every layout (DESIGN section 1). Each micro-batch comes
-with its ``ForwardContext``.
+"""What a rank feeds one step: its micro-batches of the global batch with their contexts,
+and the loss's divisor, the labelled targets of the GLOBAL batch counted on the host
+from the batch every rank draws (no collective; DESIGN section 1).
 """
 
 from __future__ import annotations

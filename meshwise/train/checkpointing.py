@@ -1,9 +1,6 @@
-"""The trainer's side of checkpoints: what a run saves beside the engine's state.
-
-The manifest records the step (which fixes the learning rate and the next batch), the
-optimizer's step count, the model's shape, the layout, the configuration, the run state
-and the lineage; with ``--compress`` each rank stores what its compressor carries, so a
-resume continues bit-exactly (docs/checkpoints.md).
+"""The trainer's side of checkpoints: beside the engine's state, the step (which fixes the
+learning rate and next batch), the model's shape, the layout, configuration, run state,
+lineage and each rank's compressor state, so a resume continues bit-exactly.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Every rank must run the same job: compare what each was started with.
-
-Under torchrun each node parses its own command line, so every rank sends a fingerprint
-of its configuration, run state, token file and meshwise's source; a difference stops
-the job naming the first key. Paths are left out: contents stand for them (digests,
-the resumed step and manifest, the checkpoints ``--save`` holds).
+"""Every rank must run the same job: under torchrun each node parses its own command line,
+so ranks compare fingerprints of their configuration, run state, token file and
+meshwise's source (contents, not paths) and stop naming the first key that differs.
 """
 
 from __future__ import annotations

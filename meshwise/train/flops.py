@@ -1,9 +1,6 @@
-"""FLOPs per token from a model's own shapes, the device's peak, and MFU.
-
-Model FLOPs as PaLM counts them (Chowdhery et al. 2022, appendix B; torchtitan,
-Megatron-LM): 6 per linear-layer parameter and ``12 x layers x d_model x seq_len`` of
-attention, the whole T x T product. Hardware FLOPs add recomputation's forward. The peak:
-a GPU's data sheet, or a CPU's matrix multiply measured at start-up (docs/watching.md).
+"""FLOPs per token from a model's own shapes (PaLM's convention, Chowdhery et al. 2022,
+appendix B, as torchtitan and Megatron-LM report), the device's peak, and MFU and HFU.
+See docs/watching.md "FLOPs and MFU".
 """
 
 from __future__ import annotations

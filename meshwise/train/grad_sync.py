@@ -1,10 +1,6 @@
-"""Gradient synchronisation across all four axes, and the global gradient norm.
-
-The one place that states, per parameter, across which axes it is replicated and how
-its gradient stays consistent: summed over dp x cp by the engine, nothing for tp
-shards, over tp for sequence-parallel partials, over the tie group for a tie across
-stages (Megatron-LM section 3); the norm counts each unique parameter once. The rules:
-docs/layouts.md "How gradients are kept consistent".
+"""Gradient synchronisation across all four axes, and the global gradient norm: the one
+place that states how each parameter's gradient stays consistent over dp x cp, tp and
+tied pipeline stages (docs/layouts.md "How gradients are kept consistent").
 """
 
 from __future__ import annotations

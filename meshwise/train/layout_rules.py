@@ -1,9 +1,6 @@
-"""Which layouts train: the rules that tie the axes, the schedule, the sequence, the batch
-and the gradients' group together, and the table of supported compositions.
-
-``check_layout`` is the one place that decides (``TrainConfig.validate`` before any rank
-starts and in every rank; the planner keeps what it accepts); what only a rank or the
-launcher knows is checked where it is known (``parallelize``, ``preflight``, ``Mesh.build``).
+"""Which layouts train, and the table of supported compositions: ``check_layout`` is the one
+place that decides (``TrainConfig.validate`` before any rank starts and in every rank; the
+planner keeps what it accepts). What only a rank or the launcher knows is checked there.
 """
 
 from __future__ import annotations

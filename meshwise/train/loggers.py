@@ -1,9 +1,6 @@
-"""Experiment loggers: TensorBoard, Weights & Biases and MLflow, through their own libraries.
-
-Every metric of every step and the configuration go to each, from the logging rank; a
-resume with the same ``--log-dir`` continues the same runs (``meshwise-run.json``). The
-libraries are called from a thread of their own, one step as one batch each, so the
-loop only queues a record. See docs/watching.md.
+"""Experiment loggers (TensorBoard, Weights & Biases, MLflow) through their own libraries,
+called from a thread of their own so the loop only queues a record; a resume with the
+same ``--log-dir`` continues the same runs (``meshwise-run.json``). See docs/watching.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The learning rate of each step: a pure function of the step and the recorded settings.
-
-After a linear warmup: ``cosine`` (Loshchilov & Hutter 2017, no restarts), ``wsd``
-(Hu et al. 2024, MiniCPM; sqrt decay: Hägele et al. 2024) or ``constant``. ``start`` is
-where a schedule begins (``--lr-restart``); ``continues`` checks that a resume keeps
-every past step's rate. See docs/fine-tuning.md "Learning-rate schedules".
+"""The learning rate of each step, a pure function of the step and the recorded settings:
+warmup, then ``cosine`` (Loshchilov & Hutter 2017), ``wsd`` (Hu et al. 2024; sqrt decay,
+Hägele et al. 2024) or ``constant``; ``continues`` checks a resume keeps every past rate.
+See docs/fine-tuning.md "Learning-rate schedules".
 """
 
 from __future__ import annotations

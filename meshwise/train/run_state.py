@@ -1,9 +1,6 @@
-"""Run state: what the launcher decided for one launch, apart from the settings.
-
-The run id, the checkpoint started from (step, manifest digest), the schedule's start,
-the data's tokenizer and template digests, the log folders: computed once before the
-ranks start (``in_rank`` without a launcher). Records keep these at the keys they had as
-settings (``RECORDED_AT``), so older records read alike.
+"""Run state: what the launcher decided for one launch, apart from the settings (run id,
+checkpoint started from, schedule start, data digests, log folders), computed once before
+the ranks start; records keep these at the keys they had as settings (``RECORDED_AT``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The training loop: builds everything from a ``TrainConfig`` and runs it.
-
-One optimizer step, top to bottom (``train_step``): the learning rate; this rank's
-micro-batches of global batch ``step``; forward and backward of each, its token-loss
-sum divided by the GLOBAL batch's labelled tokens (DESIGN section 1), syncing on the
-last; the global norm, clipping and the optimizer step; metrics, written by rank 0.
+"""The training loop, built from a ``TrainConfig``: per step (``train_step``, top to bottom)
+the learning rate, this rank's micro-batches, forward and backward of each (its loss sum
+over the GLOBAL batch's labelled tokens, DESIGN section 1), the global norm, clipping and
+the optimizer step, then metrics written by rank 0.
 """
 
 from __future__ import annotations
