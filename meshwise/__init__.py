@@ -1,10 +1,8 @@
 """meshwise: 3D-parallel training for PyTorch (data, tensor, pipeline, context) with ZeRO.
 
-Public names: the layout (``ParallelDims``, ``Mesh``, ``launch``), a plan applied to a
-plain model (``ParallelPlan``, ``parallelize``), ZeRO around any module
-(``ZeroOptimizer``, ``ZeroStage3``, ``Precision``), tensor-parallel layers, pipelines
-(``build_schedule``, ``PipelineRuntime``) and training (``Trainer``, ``TrainConfig``, ...):
-docs/own-model.md. Each loads on first use (PEP 562): ``meshwise.comm.ops`` alone is light.
+Public names (``__all__``): the mesh and ``launch``, ``ParallelPlan`` and ``parallelize``, the
+ZeRO engines, tensor-parallel layers, pipeline schedules and runtime, ``Trainer``
+(docs/own-model.md). Each loads on first use (PEP 562): ``meshwise.comm.ops`` alone is light.
 """
 
 from __future__ import annotations

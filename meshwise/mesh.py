@@ -1,9 +1,6 @@
-"""Rank topology: ``world_size`` ranks as dp x pp x cp x tp, one process group per axis.
-
-Ranks are numbered tp fastest, then cp, pp, dp, so the axes that talk most are
-neighbours (Megatron-LM's order; docs/layouts.md "Rank order"). Gradients are summed,
-and ZeRO shards kept, over ``dp_cp`` (torchtitan's ``dp_shard_cp``). ``ParallelDims`` and
-the rank arithmetic are pure; only ``Mesh.build`` needs a live ``torch.distributed``.
+"""Rank topology: ``world_size`` ranks as dp x pp x cp x tp, tp fastest (Megatron-LM's
+order; docs/layouts.md "Rank order"), one process group per axis and ``dp_cp`` for the
+gradients (torchtitan's ``dp_shard_cp``). Only ``Mesh.build`` needs ``torch.distributed``.
 """
 
 from __future__ import annotations

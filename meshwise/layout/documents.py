@@ -1,9 +1,7 @@
-"""Documents packed into sequences: each token's document and its position in it (pure).
-
-Under document masking a token attends only to its own document and counts its
-position from the document's start (Krell et al. 2021; Megatron-LM's
-``--reset-attention-mask --reset-position-ids``). Masks are asked for by global
-positions, so a cp rank gets what one process uses. See docs/fine-tuning.md.
+"""Documents packed into sequences (pure): each token's document and its position in it,
+for document masking (Krell et al. 2021; Megatron-LM's ``--reset-attention-mask
+--reset-position-ids``), asked for by global positions so a cp rank sees what one
+process does. See docs/fine-tuning.md "Packing with document masks".
 """
 
 from __future__ import annotations

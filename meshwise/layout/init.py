@@ -1,9 +1,6 @@
-"""Initial values that do not depend on the layout, drawn piece by piece (DESIGN section 1).
-
-The row-major flattening of each logical tensor is cut into blocks of ``BLOCK``
-elements, and block ``j`` of parameter ``name`` is drawn from a generator seeded by
-``(seed, name, j)``: a rank draws only the blocks its piece (a tp slice, a ZeRO-3
-shard) touches, threads draw them side by side, and no rank builds the whole tensor.
+"""Initial values that do not depend on the layout (DESIGN section 1): block ``j`` of
+``BLOCK`` elements of a logical tensor's row-major flattening is drawn from a generator
+seeded by ``(seed, name, j)``, so a rank draws only the blocks its piece touches.
 """
 
 from __future__ import annotations

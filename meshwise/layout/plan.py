@@ -1,9 +1,7 @@
-"""Parallel plans: what parallelism does to a plain single-device model (pure data).
-
-A family's plan names the tensor-parallel styles, context-parallel swaps, pipeline
-layers and ties; ``meshwise.apply.parallelize`` applies it without touching the
-model's code (torchtitan's ``parallelize_module`` plans, picotron's
-``apply_tensor_parallel``). Entry by entry: docs/own-model.md.
+"""Parallel plans (pure data): what parallelism does to a plain model, applied by
+``meshwise.apply.parallelize`` without touching its code (as torchtitan's
+``parallelize_module`` and picotron's ``apply_tensor_parallel``). Entry by entry:
+docs/own-model.md "The plan, entry by entry".
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Which tokens of a sequence a rank holds under context and sequence parallelism (pure).
-
-cp rank ``r`` of ``N`` holds chunks ``r`` and ``2N - 1 - r`` of ``2N`` (the zigzag
-of Megatron-LM and Llama 3, Meta 2024, section 3.3.2), in order; ``--sp`` splits
-those again over tp (Korthikanti et al. 2022). This is the one place the split is
+"""Which tokens of a sequence a rank holds (pure): cp rank ``r`` of ``N`` chunks ``r`` and
+``2N - 1 - r`` of ``2N`` (Megatron-LM's and Llama 3's zigzag, Meta 2024, section 3.3.2),
+split again over tp under ``--sp`` (Korthikanti et al. 2022). The one place the split is
 worked out: batches, positions, dropout keys and the ring's blocks all ask it.
 """
 
