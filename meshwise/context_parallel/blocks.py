@@ -1,9 +1,6 @@
-"""Attention of one block of queries over one block of keys, with its log-sum-exp.
-
-Ring attention merges the blocks by log-sum-exp (the online softmax of Milakov &
-Gimelshein 2018, FlashAttention's across tiles, Dao et al. 2022); a block's backward
-takes the row's *final* out and lse (Dao et al. 2022, algorithm 4). Without dropout a
-block runs as PyTorch's fused kernels; with it, as ``tiled_attention`` over ``KV_TILE`` keys.
+"""Attention of one block of queries over one block of keys with its log-sum-exp, and its
+backward from the row's final out and lse (Dao et al. 2022, algorithm 4), for the ring:
+PyTorch's fused kernels without dropout, ``tiled_attention`` with it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Ring attention over the cp group, on load-balanced (zigzag) chunks.
-
-Keys and values pass around the ring (Liu et al. 2023, "Ring attention with blockwise
-transformers"), each block merged by log-sum-exp; the zigzag (Megatron-LM's and Llama
-3's load balancing) makes every step after the first half a block, and blocks no query
-sees are skipped, decided on the host. The backward sends dK/dV around with them; each
-exchange is one ``ops.batch_p2p``. See docs/long-sequences.md.
+"""Ring attention over the cp group (Liu et al. 2023) on zigzag chunks (Megatron-LM's and
+Llama 3's load balancing): every step after the first is half a block, blocks no query
+sees are skipped (decided on the host), and the backward sends dK/dV around, one
+``ops.batch_p2p`` per exchange. See docs/long-sequences.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Tensor-parallel linear layers (Shoeybi et al. 2019, Megatron-LM, section 3).
-
-A column layer (output features split, no communication) then a row layer (input
-features split, one all-reduce) cost one all-reduce forward and one backward. A layer
-draws only its slice of the single-process tensor of ``init_seed`` (give each layer its
-own), carries ``meshwise.layout.params``'s marks, and at tp 1 equals ``nn.Linear``.
+"""Tensor-parallel linear layers (Shoeybi et al. 2019, Megatron-LM, section 3): a column
+layer then a row layer cost one all-reduce forward and one backward. A layer draws only
+its slice of the single-process tensor of ``init_seed`` (give each layer its own), carries
+``meshwise.layout.params``' marks, and at tp 1 equals ``nn.Linear``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Communication at the edges of tensor-parallel regions, as paired autograd functions.
-
-Megatron-LM's ``f`` (:func:`copy_to_tp`: identity forward, all-reduce backward) and
-``g`` (:func:`reduce_from_tp`: the reverse) (Shoeybi et al. 2019, section 3), scatter and
-gather along a dim, and sequence parallelism's pair (Korthikanti et al. 2022, section
-4.2.2): :func:`gather_sequence` and :func:`reduce_scatter_sequence`. A tp group of None or
-size 1 returns the input with no autograd node; traffic counts under ``"tp"``.
+"""Communication at the edges of tensor-parallel regions, as paired autograd functions:
+Megatron-LM's ``f`` and ``g`` (Shoeybi et al. 2019, section 3), scatter and gather along a
+dim, and sequence parallelism's pair (Korthikanti et al. 2022, section 4.2.2). A tp group
+of None or size 1 returns the input with no autograd node.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Sequence parallelism at the input of column-parallel layers (Korthikanti et al. 2022).
-
-``SequenceGather`` gives the column layers that read one activation (Llama's q/k/v,
-gate/up) one all-gather, whose backward is one reduce-scatter, and each keeps only its
-slice, gathered again for the backward (section 4.2.2): the activations take 1/tp.
-``SequenceParallelEmbedding``: learned positions looked up for this rank's slice only.
+"""Sequence parallelism at the input of column-parallel layers (Korthikanti et al. 2022):
+one all-gather for every layer that reads an activation, each keeping only its slice
+and gathering it again for the backward (section 4.2.2), so the activations take 1/tp;
+and learned positions looked up for this rank's slice only.
 """
 
 from __future__ import annotations

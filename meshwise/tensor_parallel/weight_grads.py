@@ -1,10 +1,7 @@
-"""A split backward: the weight gradients of linear layers computed later, in a W pass.
-
-Zero-bubble schedules (Qi et al. 2024) split a backward into B (dX) and W (dW =
-dY^T X); the split is made per linear layer, as DeepSeek's DualPipe ``WeightGradStore``
-does, not by cutting the autograd graph (``torch.distributed.pipelining``'s
-``stage_backward_weight``: a checkpointed block would be recomputed again in W, or fail,
-pytorch#136766). Why, and what it costs: docs/pipelines.md "Zero-bubble schedules".
+"""A split backward: linear layers' weight gradients (W) computed after their input
+gradients (B), as zero-bubble schedules need (Qi et al. 2024). Split per layer as
+DeepSeek's DualPipe ``WeightGradStore`` does, not by cutting the autograd graph, which
+recomputes checkpointed blocks again (pytorch#136766). See docs/pipelines.md.
 """
 
 from __future__ import annotations
