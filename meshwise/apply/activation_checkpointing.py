@@ -1,10 +1,6 @@
-"""Activation checkpointing applied from outside the model (as torchtitan does).
-
-``full`` recomputes each block in backward (Chen et al. 2016; ``torch.utils.checkpoint``,
-non-reentrant); ``selective`` keeps matmul and fused-attention outputs and recomputes the
-rest (Korthikanti et al. 2022, section 4.2, per op). A block stays the same object, its
-class swapped, so names, plans and ZeRO units are untouched; the recompute goes through
-``__call__`` (ZeRO-3's hooks run) with the first run's arguments, its context among them.
+"""Activation checkpointing applied from outside the model (as torchtitan does): ``full``
+(Chen et al. 2016) or ``selective`` (Korthikanti et al. 2022, section 4.2, per op). A block
+stays the same object, its class swapped, so names, plans and ZeRO units are untouched.
 """
 
 from __future__ import annotations

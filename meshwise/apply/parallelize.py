@@ -1,9 +1,7 @@
-"""Apply a ``ParallelPlan`` to a plain model: pipeline chunks, tensor parallelism, ties.
-
-In torchtitan's order: the pipeline cut (each chunk a copy of the model without what it
-does not hold), then tensor and context parallelism per chunk; activation checkpointing
-and sharding are the caller's. Build the model on the meta device, so no rank allocates
-what it will not keep; engines fill their buffers from ``ParallelModel.init_values``.
+"""Apply a ``ParallelPlan`` to a plain model built on the meta device, in torchtitan's order:
+the pipeline cut, then tensor and context parallelism per chunk (activation
+checkpointing and sharding are the caller's); engines fill their buffers from
+``ParallelModel.init_values``.
 """
 
 from __future__ import annotations

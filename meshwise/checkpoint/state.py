@@ -1,10 +1,6 @@
-"""Saving and loading a training run's sharded state, whatever the layout.
-
-Each rank writes its dp shard of each ``FlatRun`` for the parameters it writes (tp
-replicas on tp rank 0, a tie on its first stage): every logical element once, nothing
-gathered; loading fills each tensor from the stored pieces that overlap it. Names:
-``model.<param>``, ``optim.exp_avg.<param>``, ``optim.exp_avg_sq.<param>``, ``rng.rank<r>``,
-``<group>.rank<r>.<name>`` (``comm``: what compression carries between steps).
+"""Saving and loading a run's sharded state whatever the layout: each rank writes its dp
+shard of the parameters it writes (each logical element once, nothing gathered), and
+loading fills each tensor from the stored pieces that overlap it.
 """
 
 from __future__ import annotations
@@ -21,6 +17,9 @@ from meshwise.comm import ops
 from meshwise.layout.flat_runs import FlatRun
 from meshwise.layout.pieces import Piece, pieces_in_range
 
+# Stored names: model.<param>, optim.exp_avg.<param>, optim.exp_avg_sq.<param> (<param>
+# the single-process name), rng.rank<r> (a rank's CPU generator), and <group>.rank<r>.<name>
+# for other per-rank state (comm: what gradient compression carries between steps).
 KIND_PREFIX = {"param": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
 PARAM_PREFIX = KIND_PREFIX["param"]
 

@@ -1,9 +1,7 @@
-"""Checkpoint directories on disk: per-rank safetensors files plus one manifest.
-
-Not ``torch.distributed.checkpoint``: its planners describe a shard as a box, while a
-ZeRO shard is a flat run cutting through parameters; a ``Piece`` is both. A checkpoint is
-written into a job's temporary directory and renamed once complete, removed by renaming
-to ``.trash-`` first (docs/checkpoints.md "What is on disk"). No communication here.
+"""Checkpoint directories: per-rank safetensors files plus one manifest, written under a
+temporary name and renamed once complete, removed by renaming to ``.trash-`` first. Not
+``torch.distributed.checkpoint``, whose shards are boxes: a ZeRO shard is a flat run
+cutting through parameters, and a ``Piece`` is both. No communication here.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""``meshwise plan --calibrate``: measure this machine once and store it for ``--device cpu``.
-
-Probes on one thread (``meshwise.planner.probes``), all-reduces, links and drift on 2 and 4
-gloo ranks, short ``meshwise train`` runs measured from outside (the runtime's memory, the
-optimizer's cost), and fresh processes for what a first backward from a given gradient
-or a first checkpointed one loads; into ``CACHE/planner-calibration.json``.
+"""``meshwise plan --calibrate``: measure this machine once (probes, all-reduces and drift on
+2 and 4 gloo ranks, short training runs measured from outside, what a first backward
+loads) and store it in ``CACHE/planner-calibration.json`` for ``--device cpu``.
 """
 
 from __future__ import annotations

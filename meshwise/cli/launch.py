@@ -1,9 +1,7 @@
-"""Start the ranks of a job: spawn them locally, or join a ``torchrun`` launch.
-
-Locally every rank is a child process (even one), so the first that fails is named and
-the others stopped (``ranks``). Ranks never outlive their launcher (``PR_SET_PDEATHSIG``,
-also under torchrun's agent), raise their ``oom_score_adj`` so the out-of-memory killer
-spares the launcher, and are stopped by SIGTERM, then SIGKILL after ``STOP_GRACE_S``.
+"""Start the ranks of a job: spawn them locally, each a child process so the first failure
+is named, or join a ``torchrun`` launch. Ranks never outlive their launcher
+(``PR_SET_PDEATHSIG``), the out-of-memory killer picks them first (``oom_score_adj``), and
+a stop is SIGTERM, then SIGKILL after ``STOP_GRACE_S``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Hugging Face's Llama ``config.json`` and tensor names, to and from ours (pure).
-
-Mistral, Qwen2 and Qwen3 are the same decoder with switches, each read and written
-under its own ``model_type``. Names map by the ``model.`` prefix alone. ``config.json`` is
-read as transformers 4 writes it (``rope_theta``, ``rope_scaling``) and as 5 does
-(``rope_parameters``); exports use the first, which both read.
+"""Hugging Face's Llama, Mistral, Qwen2 and Qwen3 ``config.json`` and tensor names, to and
+from ours (pure). ``config.json`` is read as transformers 4 writes it (``rope_theta``,
+``rope_scaling``) and as 5 does (``rope_parameters``); exports use the first, read by both.
 """
 
 from __future__ import annotations
