@@ -37,7 +37,8 @@ def enabled() -> bool:
 
 
 def wait_s() -> float:
-    """How long an unbatched transfer may wait for its peer before the pair is named."""
+    """How long an unbatched transfer may wait for its peer before the pair is named
+    (``MESHWISE_COMM_CHECK_WAIT_S``, default 5 s)."""
     return float(os.environ.get(WAIT_ENV, "5"))
 
 
