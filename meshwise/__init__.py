@@ -1,24 +1,8 @@
-"""meshwise: 3D-parallel training for PyTorch (data, tensor, pipeline) with ZeRO.
+"""meshwise: 3D-parallel training for PyTorch (data, tensor, pipeline, context) with ZeRO.
 
-The public names, grouped by what they are for:
-
-* layout: ``ParallelDims``, ``Mesh`` (one process group per axis), ``launch``
-  (spawn local ranks or join torchrun);
-* parallelism applied to a plain model: ``ParallelPlan`` (what a model family
-  splits, cuts and ties), ``parallelize`` (a model on the meta device -> this
-  rank's pipeline chunks with tensor-parallel layers);
-* data parallel and ZeRO around any ``nn.Module``: ``ZeroOptimizer`` (stages
-  0-2, overlapped gradient buckets), ``ZeroStage3`` (parameters sharded too),
-  ``Precision`` (bf16 compute with fp32 master weights);
-* tensor parallel layers: ``ColumnParallelLinear``, ``RowParallelLinear``,
-  ``VocabParallelEmbedding``, ``VocabParallelHead``,
-  ``vocab_parallel_cross_entropy``;
-* pipeline: ``build_schedule`` (schedules as data), ``PipelineRuntime``;
-* training: ``AdamWConfig``, ``GPT``, ``GPTConfig``, ``TrainConfig``, ``Trainer``.
-
-Each name is imported on first use (PEP 562), so ``import meshwise.comm.ops``
-loads the collectives and nothing of the trainer, the models or the command
-line.
+Public names (``__all__``): the mesh and ``launch``, ``ParallelPlan`` and ``parallelize``, the
+ZeRO engines, tensor-parallel layers, pipeline schedules and runtime, ``Trainer``
+(docs/own-model.md). Each loads on first use (PEP 562): ``meshwise.comm.ops`` alone is light.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""Rank topology: how ``world_size`` ranks are laid out as dp x pp x cp x tp.
-
-Ranks are numbered with tp fastest, then cp, then pp, then dp, so the axes that
-talk the most are neighbours (tensor-parallel peers exchange activations in
-every layer, context-parallel peers pass keys and values around a ring in
-every attention), as Megatron-LM orders tp before cp:
-
-    rank = ((dp_rank * pp_size + pp_rank) * cp_size + cp_rank) * tp_size + tp_rank
-
-With ``cp_size`` 1 this is the dp x pp x tp order of before, rank for rank.
-Parameters are replicated over dp and cp alike (a cp rank holds every
-parameter and a slice of every sequence), so their gradients are summed, and
-under ZeRO sharded, over the ``dp_cp`` group: the ranks that differ only in dp
-and cp (torchtitan's ``dp_shard_cp``).
-
-``ParallelDims`` and the rank arithmetic are pure; ``Mesh.build`` creates one
-process group per axis through ``meshwise.comm.ops`` and is the only part that
-needs a live ``torch.distributed``.
+"""Rank topology: ``world_size`` ranks as dp x pp x cp x tp, tp fastest (Megatron-LM's
+order; docs/layouts.md "Rank order"), one process group per axis and ``dp_cp`` for the
+gradients (torchtitan's ``dp_shard_cp``). Only ``Mesh.build`` needs ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -106,15 +91,11 @@ class ParallelDims:
 class Mesh:
     """This rank's place in the layout and one process group per axis.
 
-    ``dims`` holds the axes' sizes (``dims.tp``), the mesh their groups
-    (``tp_group``) and this rank's coordinate on each (``tp_rank``).
-    ``cp_group`` is ``None`` when cp is 1; ``dp_cp_group`` is the group gradients
-    are summed (and ZeRO shards kept) over: ``dp_group`` itself when cp is 1 and
-    ``cp_group`` itself when dp is 1; ``tie_group`` pairs the first and last
-    pipeline stage of this (dp, cp, tp) position, which both hold a tied token
-    embedding (``None`` when pp is 1). Built with ``Mesh.build(dims)`` after
-    ``torch.distributed`` is initialised (see ``meshwise.cli.launch``). Pass it
-    explicitly to whatever needs a group.
+    ``dims.tp`` is an axis's size, ``tp_group`` its group, ``tp_rank`` this rank's
+    coordinate. ``cp_group`` is None when cp is 1; ``dp_cp_group`` is ``dp_group`` when cp is
+    1 and ``cp_group`` when dp is 1; ``tie_group`` pairs the first and last pipeline stage of
+    this (dp, cp, tp) position (None when pp is 1). Build it after ``torch.distributed`` is
+    initialised (``Mesh.build(dims)``) and pass it explicitly.
     """
 
     def __init__(self, dims: ParallelDims, rank: int, world_group, dp_group, pp_group,

@@ -1,26 +1,6 @@
-"""Activation checkpointing applied from outside the model (as torchtitan does).
-
-``apply_activation_checkpointing(blocks, "full")`` makes each given block keep
-only its input during the forward and recompute everything else when the
-backward reaches it (Chen et al. 2016, "Training deep nets with sublinear memory
-cost"; ``torch.utils.checkpoint`` with ``use_reentrant=False``). ``"selective"``
-keeps the outputs of the matrix multiplies and of fused attention and recomputes
-only the cheap rest, the element-wise ops, norms and activations (Korthikanti et
-al. 2022, "Reducing activation recomputation in large transformer models",
-section 4.2, applied per op as torchtitan's selective policy does): most of the
-memory of full checkpointing's savings at little of its time. The model's code
-and its parameter names are untouched: each block stays the same object, its
-class swapped for a subclass whose ``forward`` checkpoints the original one, so
-plans, checkpoints and ZeRO units see the same modules.
-
-The recompute goes through the block's ``__call__`` again, so hooks registered
-on the block run for it too: ZeRO-3's pre-backward hook has already pointed the
-block at its gathered unit, so the recompute runs none of the engine's operations
-(``meshwise.sharding.zero3``); the forward hooks of the first run are not run
-twice. The recompute is called with the first run's arguments, its
-``ForwardContext`` among them (``meshwise.models.context``), so it draws the same
-keyed dropout masks and reads the same documents, also under a pipeline, where
-other micro-batches run forwards before this one's backward.
+"""Activation checkpointing applied from outside the model (as torchtitan does): ``full``
+(Chen et al. 2016) or ``selective`` (Korthikanti et al. 2022, section 4.2, per op). A block
+stays the same object, its class swapped, so names, plans and ZeRO units are untouched.
 """
 
 from __future__ import annotations
@@ -55,11 +35,8 @@ def _selective_contexts():
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> None:
-    """Recompute each of ``blocks`` in backward when ``mode`` is ``"full"``, or the
-    cheap parts of each when it is ``"selective"``.
-
-    ``blocks``: the transformer blocks, in any order (of a whole model or of this
-    rank's pipeline chunks).
+    """Recompute each of ``blocks`` (in any order, of a model or this rank's chunks) in
+    backward: whole for ``"full"``, the cheap parts for ``"selective"``.
     """
     if mode not in MODES:
         raise ValueError(f"activation checkpointing {mode!r} is not valid; valid: "
@@ -93,7 +70,10 @@ class Checkpointed:
             if self._ac_inside:  # the first run, inside this forward's __call__
                 return super(Checkpointed, self).forward(*args, **kwargs)
             # The recompute, inside backward: through __call__ so the block's hooks
-            # run, with the first run's arguments (its forward context among them).
+            # run (ZeRO-3's pre-backward hook has already pointed the block at its
+            # gathered unit: they only check it), with the first run's arguments: its
+            # forward context among them, so the same dropout masks and documents,
+            # also under a pipeline.
             with self._ac_entered():
                 return self(*args, **kwargs)
 

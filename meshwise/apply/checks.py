@@ -1,17 +1,6 @@
-"""What ``parallelize`` checks before it lays a model out, so a plan cannot be silently wrong.
-
-- every module and parameter the plan names exists, and each tensor-parallel
-  style fits its module's type (``colwise``/``rowwise``/``vocab_head``: an
-  ``nn.Linear``; ``vocab_embedding``: an ``nn.Embedding``); tied parameters have
-  one shape and split dimensions divide by tp;
-- the vocabulary comes from the modules the plan splits over it (their sizes
-  must agree with each other and with a vocabulary the caller gives);
-- the model's forward runs on shards and stage cuts: a copy on the meta device
-  (shapes only, nothing computed or allocated) with each split module shrunk to
-  one rank's size, and the pipeline's stage copies run one after another. A
-  reshape that counts the whole model's heads, or a forward that calls a
-  module a stage set to ``None``, fails there and is reported with the module
-  and the rule to follow.
+"""What ``parallelize`` checks first, so a plan cannot be silently wrong: names and styles,
+ties, split sizes, the vocabulary, and the forward on meta copies of a tp shard and of
+each stage (docs/own-model.md).
 """
 
 from __future__ import annotations

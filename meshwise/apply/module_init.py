@@ -1,19 +1,8 @@
 """Each parameter's own initialisation, as its module's ``reset_parameters()`` draws it.
 
-A model built on the meta device holds shapes only, so its values come later,
-from ``meshwise.layout.init``: drawn block by block from the seed, the same
-whatever the layout. Without an init function of the user's, a parameter gets
-the distribution its module type gives it in PyTorch:
-
-- ``nn.Linear``: weight and bias U(-1/sqrt(in_features), 1/sqrt(in_features))
-  (``kaiming_uniform_(a=sqrt(5))`` reduces to that bound);
-- ``nn.Embedding``: N(0, 1);
-- ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``: weight ones, bias zeros.
-
-The distribution matches PyTorch's; the values are meshwise's own draws (PyTorch's
-global generator depends on construction order, which a layout cannot keep). A
-module type not listed here with parameters of its own has no known default:
-the caller is told to give an init function.
+PyTorch's distributions (``nn.Linear`` uniform, ``nn.Embedding`` N(0, 1), norms ones and
+zeros) drawn by ``meshwise.layout.init``, not by PyTorch's generator, whose values depend
+on construction order. Another module type with parameters needs an init function.
 """
 
 from __future__ import annotations
@@ -30,6 +19,7 @@ _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 def _module_inits(module: nn.Module) -> dict[str, Init] | None:
     """``{parameter attribute: Init}`` for a known module type; None if unknown."""
     if isinstance(module, nn.Linear):
+        # kaiming_uniform_(a=sqrt(5)), nn.Linear's own, reduces to U(-1/sqrt(in), 1/sqrt(in))
         bound = 1.0 / math.sqrt(module.in_features) if module.in_features else 0.0
         return {"weight": uniform(bound), "bias": uniform(bound)}
     if isinstance(module, nn.Embedding):

@@ -1,20 +1,7 @@
-"""Apply a ``ParallelPlan`` to a plain model: pipeline chunks, tensor parallelism, ties.
-
-``parallelize(model, plan, mesh)`` takes a single-device model, best built on
-the meta device (``with torch.device("meta"): model = GPT(cfg)``) so that no
-rank ever allocates what it will not keep, and returns this rank's
-``ParallelModel``: its pipeline chunks with tensor-parallel layers swapped in,
-and what the rest of meshwise needs to know about them (each parameter's
-logical name and tensor-parallel box, ties across stages, the loss). Engines
-(``meshwise.sharding``) then allocate the parameters this rank keeps and fill
-them from ``ParallelModel.init_values`` (or a checkpoint's values).
-
-The order follows torchtitan's: the pipeline cut first (each chunk is a copy of
-the model with the layers and end modules it does not hold removed), then
-tensor parallelism (with sequence parallelism: the activations between its
-layers hold a slice of the sequence) and context parallelism (this rank's
-positions, ring attention) on each chunk, then activation checkpointing and
-sharding by the caller.
+"""Apply a ``ParallelPlan`` to a plain model built on the meta device, in torchtitan's order:
+the pipeline cut, then tensor and context parallelism per chunk (activation
+checkpointing and sharding are the caller's); engines fill their buffers from
+``ParallelModel.init_values``.
 """
 
 from __future__ import annotations
@@ -71,15 +58,10 @@ _CP_SWAP = {
 class ParallelModel:
     """This rank's part of a model laid out by a plan.
 
-    ``chunks``: one module per virtual pipeline stage held here, in order
-    (``stages`` their logical stage indices, of ``num_stages``). Parameter names
-    are the single-process model's (a chunk keeps its layers' global keys).
-    Ties across stages: ``cross_stage_ties`` are members held here whose partners
-    live on another rank; ``local_ties`` groups of members held here in different
-    chunks (the first and the last stage of a V both sit on rank 0).
-    ``sequence_parallel``: whether the activations between tensor-parallel
-    layers hold a slice of the sequence (then every tp-replicated parameter's
-    gradient is a partial sum over tp).
+    ``chunks``: one module per virtual stage held here (``stages``: their logical indices),
+    named as the single-process model. ``cross_stage_ties``: members whose partners live on
+    another rank; ``local_ties``: members held here in different chunks (a V's ends).
+    ``sequence_parallel``: every tp-replicated parameter's gradient is a partial sum over tp.
     """
 
     chunks: list[nn.Module]
@@ -202,28 +184,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
                 sequence_parallel: bool = False, cp_group=None,
                 stage_map: str = "loop", *, mesh=None, tie_group=None,
                 check_forward: bool = True) -> ParallelModel:
-    """This rank's ``ParallelModel`` of ``model`` (which is consumed: chunks reuse it).
+    """This rank's ``ParallelModel`` of ``model`` (consumed: chunks reuse it).
 
-    ``mesh``: a ``meshwise.Mesh``, which gives the groups and pipeline position
-    below; or, one by one:
-    ``tp_group``: the tensor-parallel group (``None`` or size 1: none);
-    ``pp_rank``/``pp_size``/``virtual_stages``: the pipeline position; ``stage_map``
-    (``meshwise.pipeline.actions``): ``loop``, chunk ``v`` is logical stage
-    ``v * pp_size + pp_rank`` (Narayanan et al. 2021), or ``v``, the V of ZB-V and
-    DualPipeV (chunk 1 is stage ``2 * pp_size - 1 - pp_rank``);
-    ``sequence_parallel``: split the sequence between the tensor-parallel
-    layers (needs tp > 1); ``cp_group``: the context-parallel group (``None``
-    or size 1: none).
-    ``tie_group``: the group of the stages a tie spans (``mesh.tie_group``), over
-    which the engines sum a cross-stage tie's gradients (an engine refuses a
-    cross-stage tie without it).
-    ``vocab_size``: read from the modules the plan splits over the vocabulary; a
-    value given must agree. The plan is checked against the model first
-    (``meshwise.apply.checks``): a mistake is a ``ValueError`` naming the module.
-    ``check_forward``: that check includes the model's forward on meta copies of a
-    tp shard and of each pipeline stage (a second or two per process: running
-    meta tensors imports torch's compiler); the trainer skips it for the families
-    meshwise ships, whose plans its tests run on every layout.
+    ``mesh`` gives the groups and pipeline position, or one by one: ``tp_group``,
+    ``pp_rank``/``pp_size``/``virtual_stages``, ``stage_map`` (``loop`` or ``v``,
+    ``meshwise.pipeline.actions``), ``sequence_parallel`` (tp > 1), ``cp_group`` (None or size
+    1: none), ``tie_group`` (over which engines sum a cross-stage tie; they refuse one
+    without it). ``vocab_size``, when given, must agree with the plan's modules. The plan is
+    checked first (a ``ValueError`` names the module); ``check_forward`` adds the forward on
+    meta copies (a second or two: meta tensors import torch's compiler; the trainer skips it
+    for the families meshwise ships).
     """
     if mesh is not None:
         tp_group = mesh.tp_group if mesh.dims.tp > 1 else None

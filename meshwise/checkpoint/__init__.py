@@ -1,5 +1,3 @@
-"""Checkpoints on disk: store and load flat runs whatever the layout, resume, prune.
-
-It knows pieces of logical tensors and flat runs (``meshwise.layout``), never a
-model, a plan or a layer class.
+"""Checkpoints on disk: flat runs stored and loaded whatever the layout, resume, prune
+(docs/checkpoints.md). It knows pieces and flat runs, never a model, plan or layer.
 """

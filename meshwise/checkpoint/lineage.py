@@ -1,15 +1,8 @@
 """Which run wrote a checkpoint, and which checkpoints a run may call its own.
 
-Every job gets a run id. A checkpoint's manifest records it with the run's
-ancestry: for each run it descends from, the step it branched off at
-(``{"run": id, "ancestors": [[parent_id, step], [grandparent_id, step], ...]}``).
-A run's lineage is its own checkpoints plus, for each ancestor, that
-ancestor's checkpoints up to the step it branched off at. ``--keep-last``
-prunes only inside the lineage, so resuming step 2 of a directory that also
-holds an abandoned step 6 never counts step 6 as newer, and never deletes it.
-
-Manifests written before lineages existed count as one run with no id; a run
-resumed from one of them adopts its older checkpoints the same way.
+A manifest records ``{"run": id, "ancestors": [[parent_id, step], ...]}``; a run's lineage
+is its own checkpoints plus each ancestor's up to the step it branched off at, and
+``--keep-last`` prunes only inside it (docs/checkpoints.md "Lineages and branches").
 """
 
 from __future__ import annotations
@@ -33,7 +26,8 @@ class Lineage:
 
     @classmethod
     def of(cls, meta: dict) -> "Lineage":
-        """The lineage recorded in a checkpoint's metadata (a nameless run if none)."""
+        """The lineage recorded in a checkpoint's metadata; a nameless run if none (written
+        before lineages existed: a run resumed from one adopts its older checkpoints alike)."""
         recorded = meta.get(KEY)
         if not isinstance(recorded, dict):
             return cls(None)

@@ -1,13 +1,8 @@
 """One job at a time per ``--save`` directory: an exclusive lock on ``DIR/.meshwise-lock``.
 
-The launcher takes it before any rank starts and holds it until the job ends,
-then removes the file (``meshwise.data.file_lock``). A crash cannot leave the
-directory locked, only the file, which says who held it (process, host, run
-id, start time): a second job is refused naming the live holder, and a job
-that finds the file but not the lock knows its previous holder died without
-cleaning up (its leftovers are then stale and safe to remove). Ranks forked
-from the launcher share its open file, so the directory stays locked while any
-of them still runs.
+The launcher holds it for the whole job (``meshwise.data.file_lock``); ranks forked from
+it share the open file, so the directory stays locked while any runs. The file names its
+holder; found without its lock, its holder died and its leftovers are safe to remove.
 """
 
 from __future__ import annotations

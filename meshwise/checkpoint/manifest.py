@@ -1,16 +1,8 @@
 """A checkpoint's ``manifest.json``: written with its own digest, read only when sound.
 
-The manifest lists every file with its size and SHA-256 and every logical
-tensor with its pieces. It is the one file the per-file checksums do not
-cover, so it gets its own: ``manifest.sha256`` holds the SHA-256 of the
-manifest's bytes and is written last, just before the directory is renamed
-into place. Reading checks that digest, then the manifest's shape: every key a
-loader will use present, of its type and in its range (a piece inside its
-tensor, a file it names listed), so damage stops the job before any rank starts
-instead of surfacing as a ``KeyError`` inside one.
-
-Version 1 manifests (written before the digest existed) are read without it,
-their shape still checked.
+``manifest.sha256`` (written last) covers the manifest, which the per-file checksums do
+not; reading checks it, then every key a loader uses (present, typed, in range), so
+damage stops the job before any rank starts, not as a ``KeyError`` inside one.
 """
 
 from __future__ import annotations
@@ -60,7 +52,7 @@ def read(directory: Path) -> dict:
     if version not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: version {version!r} is not one this meshwise reads "
                               f"({', '.join(map(str, READABLE_VERSIONS))})")
-    if version >= 2:
+    if version >= 2:  # version 1 was written before the digest: its shape is still checked
         _check_digest(directory, data)
     try:
         validate(manifest)

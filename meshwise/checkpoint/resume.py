@@ -1,13 +1,5 @@
-"""Checks made before any rank starts: where to save, what to resume from.
-
-Everything here runs in the launching process, so a bad ``--save`` directory or
-a damaged checkpoint ends the job with one line (exit 2) before training.
-
-Resuming step S into a ``--save`` directory that holds newer ``step-`` entries
-(another branch of the run, or a damaged checkpoint) would sooner or later
-collide with them. That is refused before training, unless the run branches
-explicitly (``--branch``): the newer entries are then moved, untouched, into
-``DIR/set-aside-<run id>/``, where ``--resume`` can still name them.
+"""Checks made in the launching process before any rank starts: where to save, what to
+resume from, and ``--branch`` setting newer checkpoints aside (docs/checkpoints.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""One job's view of its ``--save`` directory: where its saves go, what it may prune,
-and room for the next checkpoint.
-
-A job names its temporary directories after its run id, so two jobs can never
-write into the same one; it prunes only its lineage's older checkpoints
-(``meshwise.checkpoint.lineage``), never the checkpoint it resumed from, and
-removes links as links. Before writing, the rank that decides makes room: when
-the checkpoint would not fit, ``--keep-last`` prunes first what it would have
-pruned after the save, and if that is not enough the save fails with one line
-naming the directory and the space it needs, before anything is written.
+"""One job's view of its ``--save`` directory: its temporary directories (named by run id),
+what it may prune (its lineage, never the checkpoint resumed, links as links), and
+room for the next checkpoint (docs/checkpoints.md "Disk space").
 """
 
 from __future__ import annotations

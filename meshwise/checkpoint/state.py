@@ -1,23 +1,6 @@
-"""Saving and loading a training run's sharded state, whatever the layout.
-
-Engines describe what they hold as ``FlatRun``s: a flat buffer's parameter
-layout (engine names and offsets), the range this rank writes, and the tensors
-that cover parts of it (parameters, AdamW's two moments). Together with each
-parameter's ``Piece`` (its tensor-parallel box inside the logical tensor) that
-is all the format needs:
-
-- saving, each rank writes the part of each run it owns as a dp shard, for the
-  parameters it is the writer of (tp replicas on tp rank 0, the tied
-  embedding on the first pipeline stage), so every logical element is stored
-  exactly once and no rank gathers anything;
-- loading, each rank fills every tensor it holds from whichever stored pieces
-  overlap it, so the saving layout does not matter.
-
-Stored names: ``model.<param>``, ``optim.exp_avg.<param>``,
-``optim.exp_avg_sq.<param>`` (``<param>`` the single-process name),
-``rng.rank<r>`` for each rank's CPU generator state, and ``<group>.rank<r>.<name>``
-for other per-rank state (``comm``: what gradient compression carries between
-steps).
+"""Saving and loading a run's sharded state whatever the layout: each rank writes its dp
+shard of the parameters it writes (each logical element once, nothing gathered), and
+loading fills each tensor from the stored pieces that overlap it.
 """
 
 from __future__ import annotations
@@ -34,6 +17,9 @@ from meshwise.comm import ops
 from meshwise.layout.flat_runs import FlatRun
 from meshwise.layout.pieces import Piece, pieces_in_range
 
+# Stored names: model.<param>, optim.exp_avg.<param>, optim.exp_avg_sq.<param> (<param>
+# the single-process name), rng.rank<r> (a rank's CPU generator), and <group>.rank<r>.<name>
+# for other per-rank state (comm: what gradient compression carries between steps).
 KIND_PREFIX = {"param": "model.", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
 PARAM_PREFIX = KIND_PREFIX["param"]
 
@@ -47,11 +33,9 @@ def save(target: str | Path | SaveDir, step: int, runs: list[FlatRun],
          rank_tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
     """Write a checkpoint of ``step`` (a collective over ``world``); rank 0 returns its path.
 
-    ``target``: the ``--save`` directory, or a job's view of it; ``pieces``: every
-    engine parameter name -> its ``logical_piece``; ``writers``: the names this rank
-    writes; ``rank_tensors``: group -> name -> tensor of this rank's own state,
-    stored as ``<group>.rank<r>.<name>``. Raises ``CheckpointWriteError`` on every
-    rank, with the same one line, when the checkpoint cannot be written.
+    ``target``: the ``--save`` directory or a job's view of it; ``pieces``: engine parameter
+    name -> ``logical_piece``; ``writers``: the names this rank writes; ``rank_tensors``: group
+    -> name -> this rank's own state. Raises ``CheckpointWriteError`` alike on every rank.
     """
     save_dir = target if isinstance(target, SaveDir) else SaveDir(Path(target))
     entries = _entries(runs, pieces, writers, world.rank, rank_tensors)

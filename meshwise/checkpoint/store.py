@@ -1,28 +1,7 @@
-"""Checkpoint directories on disk: per-rank safetensors files plus one manifest.
-
-Why not ``torch.distributed.checkpoint``: its resharding planners describe a
-shard as a box (offsets and sizes) of a tensor, while a ZeRO flat shard is a
-contiguous run of a flat buffer that starts and ends in the middle of
-parameters. Here a stored piece is a box plus a flat range inside it
-(``pieces.Piece``), which covers tensor-parallel boxes, ZeRO runs and both at
-once, and lets any layout read any other.
-
-Layout of one checkpoint (``step-00000120/``)::
-
-    manifest.json           format, version, run metadata, every file with its
-                            size and SHA-256, every logical tensor with its pieces
-    rank-00000.safetensors  the pieces rank 0 wrote (keys p0, p1, ...)
-    rank-00001.safetensors  ...
-
-    manifest.sha256         the manifest's own digest, written last
-
-Writing is atomic: ranks write into a temporary directory of their job
-(``.tmp-step-00000120-<run id>/``); once every rank has finished, one rank
-writes the manifest there and renames the directory, so a checkpoint is either
-complete and listed or absent. Removing one is atomic too: it is renamed to a
-hidden ``.trash-`` name first. This module does no communication: the caller
-gathers the per-rank fragments (``write_rank_file``'s return values) and calls
-``finalize`` on one rank.
+"""Checkpoint directories: per-rank safetensors files plus one manifest, written under a
+temporary name and renamed once complete, removed by renaming to ``.trash-`` first. Not
+``torch.distributed.checkpoint``, whose shards are boxes: a ZeRO shard is a flat run
+cutting through parameters, and a ``Piece`` is both. No communication here.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """``meshwise train --layout auto``: the planner's best layout for the launched world.
 
-Resolved in the launcher, before any rank starts: the world is torchrun's, else
-the product of the axis flags given (``--dp 4`` plans 4 ranks), else one rank
-per visible GPU, else the CPU demo's 2 ranks. The other layout flags given
-(``--zero``, ``--schedule``, ``--activation-checkpointing``, ``--compress``)
-are kept and narrow the search. The device profile is the GPU's (matched by
-name) or this machine's calibrated CPU. The choice and why (its predicted
-memory and step time beside the next best) is logged.
+Resolved in the launcher before any rank starts; the world is torchrun's, else the
+product of the axis flags given, else one rank per GPU, else 2 CPU ranks. Layout flags
+given narrow the search; the choice and the next best are logged (docs/choosing-a-layout.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""``meshwise bench comm``: bandwidth and latency of each all-reduce algorithm per size.
-
-Runs on local ranks (spawned, gloo on CPU) or joins a ``torchrun`` launch (then
-node grouping comes from ``LOCAL_WORLD_SIZE``). The measuring is
-``meshwise.comm.allreduce.bench.measure``; here are the flags, the launch and the report.
+"""``meshwise bench comm``: the flags, the launch (local gloo ranks, or joined to torchrun,
+nodes from ``LOCAL_WORLD_SIZE``) and the report of ``meshwise.comm.allreduce.bench``.
 """
 
 from __future__ import annotations

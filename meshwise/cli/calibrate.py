@@ -1,30 +1,6 @@
-"""``meshwise plan --calibrate``: measure this machine once and store it for ``--device cpu``.
-
-Four kinds of measurement, each of what the cost model rates:
-
-- probes on one thread in this process (``meshwise.planner.probes``): matmul
-  FLOP/s per dtype, attention's efficiency, memory bandwidth, an op's dispatch;
-- the all-reduce's and a link's alpha-beta on 2 and 4 local gloo ranks
-  (``meshwise.comm.allreduce.allreducer.probe``, as ``bench comm``'s adaptive algorithm
-  measures them), and how far those ranks drift apart between collectives
-  (``meshwise.planner.probes.rank_drift``);
-- short ``meshwise train`` runs of a small GPT on 2 ranks, measured from
-  outside as every benchmark is (peak RSS of the worst rank, with
-  ``MALLOC_MMAP_THRESHOLD_=65536``; each step's optimizer time, in two more
-  runs without that setting, as users run, at two model sizes): the runtime's
-  fixed memory is its peak RSS less what the planner predicts for the model,
-  and the optimizer's cost, a fixed part and a part per parameter, is the
-  trainer's own optimizer phase (gradient norm, clipping and the update
-  together), the share of the CPU other jobs took meanwhile taken out of its
-  clock;
-- in fresh processes, the resident memory a first backward from a given
-  gradient adds (PyTorch loads its symbolic-shape code then): what a pipeline
-  rank before the last stage holds beyond a data-parallel rank; and what a first
-  checkpointed backward adds (``torch.utils.checkpoint`` loads the compiler's
-  front end, the symbolic-shape code with it): what a rank holds more under
-  activation checkpointing.
-
-The results go to ``CACHE/planner-calibration.json``.
+"""``meshwise plan --calibrate``: measure this machine once (probes, all-reduces and drift on
+2 and 4 gloo ranks, short training runs measured from outside, what a first backward
+loads) and store it in ``CACHE/planner-calibration.json`` for ``--device cpu``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """What a run needs before it starts: memory for its state, disk for a checkpoint.
 
-Both are lower bounds from the parameter count (the model built on the meta
-device, nothing allocated): training keeps at least the parameters, their
-gradients and AdamW's two moments, 16 bytes per parameter, once across all
-ranks whatever the layout (ZeRO-3 shards exactly that; every other layout
-replicates more). A run whose bound exceeds what the machine has, memory and
-swap together, cannot train: it is refused with one line instead of dying in
-an allocation. A checkpoint stores the fp32 parameters and both moments (12
-bytes per parameter) plus, with error-feedback compression, each dp rank's
-carried error (4 bytes per parameter per dp replica).
+Lower bounds from the parameter count (meta device): at least 16 bytes per parameter
+across all ranks whatever the layout, refused in one line when more than memory and swap;
+a checkpoint 12 bytes per parameter plus, with error feedback, 4 per dp replica.
 """
 
 from __future__ import annotations
@@ -25,6 +19,8 @@ from meshwise.train.config import TrainConfig
 
 # fp32 parameter, gradient, AdamW's two moments: the README's table, held once across all
 # ranks at ZeRO-3 (the least any layout holds; meshwise plan counts the rest)
+# Parameters, gradients and AdamW's moments once across all ranks: what ZeRO-3 shards
+# exactly; every other layout replicates more.
 TRAIN_STATE_BYTES_PER_PARAM = model_state_bytes_per_param(3, 1, "fp32", "fp32")
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 parameter (the master copy) and both moments
 

@@ -1,12 +1,8 @@
 """``--save`` and ``--resume`` before any rank starts: the lock, leftovers, collisions, room.
 
-The launching process (under torchrun: global rank 0) holds the save
-directory's lock for the whole job (``meshwise.checkpoint.lock``), so it alone
-may clean up or move what is there: the hidden leftovers of saves that died
-(safe to delete once the lock is ours) and, with ``--branch``, checkpoints
-newer than the one resumed. Other ranks only check. Whatever cannot work ends
-the job here with one line: a directory another job uses, a resume that would
-collide with newer checkpoints, a disk without room for one checkpoint.
+The launching process (under torchrun global rank 0) holds the lock for the whole job,
+so it alone removes dead saves' leftovers and, with ``--branch``, moves newer checkpoints
+aside; other ranks only check. What cannot work ends the job here with one line.
 """
 
 from __future__ import annotations

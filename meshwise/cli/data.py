@@ -1,11 +1,5 @@
-"""``meshwise data prepare`` and ``meshwise data train-tokenizer``.
-
-``prepare`` encodes documents (text files, or the records of JSON lines,
-Parquet, CSV or ``datasets`` sources: ``meshwise.data.readers``) into a token
-file (``meshwise.data.corpus``) that ``meshwise train --data FILE.bin`` reads;
-``train-tokenizer`` learns a byte-level BPE (``meshwise.data.bpe``) whose
-``tokenizer.json`` both ``prepare`` and ``train`` take as ``--tokenizer``. Bad
-input exits 2 with one line.
+"""``meshwise data prepare`` (documents to a token file) and ``meshwise data train-tokenizer``
+(a byte-level BPE); bad input exits 2 with one line. See docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""Start the ranks of a job: spawn them locally, or join a ``torchrun`` launch.
-
-Locally, ``world_size`` processes are started on loopback with a free port,
-one child process per rank even when there is only one, so that the launcher
-can report how any rank ended (``meshwise.cli.ranks``). The first rank that
-fails ends the job: its rank and traceback (or the signal that killed it) are
-printed, the other ranks are terminated, and the exit status is non-zero.
-Under ``torchrun`` (its environment variables present) this process is one
-rank and torchrun does the supervising.
-
-Ranks never outlive their launcher: each asks the kernel for SIGKILL when its
-parent dies (Linux ``PR_SET_PDEATHSIG``), so even ``kill -9`` of the launcher
-ends them. Out of memory, the kernel should kill a rank rather than the
-launcher that reports it: local ranks raise their ``oom_score_adj``. Under
-torchrun the parent is torchrun's agent, and a rank does the same as soon as it
-starts (``die_with_parent``). SIGTERM and Ctrl-C stop the
-ranks the same way: SIGTERM, then after ``STOP_GRACE_S`` SIGKILL for what is
-still there (a stopped or hung rank), and only then the launcher reports them
-stopped. A rank interrupted on its own (SIGINT to that process only) ends the
-job naming that rank.
+"""Start the ranks of a job: spawn them locally, each a child process so the first failure
+is named, or join a ``torchrun`` launch. Ranks never outlive their launcher
+(``PR_SET_PDEATHSIG``), the out-of-memory killer picks them first (``oom_score_adj``), and
+a stop is SIGTERM, then SIGKILL after ``STOP_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -131,12 +115,8 @@ def prefer_for_oom_kill() -> None:
 
 
 def die_with_torchrun() -> None:
-    """Under torchrun, end this rank when its agent dies, even by ``kill -9``.
-
-    torchrun's agent is the rank's parent: it supervises the ranks of its node,
-    and without it nothing would stop this process. Peers on other nodes then
-    fail at their next collective (their connection to this rank closes), within
-    ``--timeout-s`` at the latest.
+    """Under torchrun, end this rank when its agent (its parent) dies, even by ``kill -9``;
+    peers on other nodes then fail at their next collective, within ``--timeout-s``.
     """
     if under_torchrun():
         die_with_parent(os.getppid())
@@ -163,23 +143,17 @@ def _spawned_child(local_rank: int, world_size: int, port: int, fn: Callable, ar
 def start_method(device: str) -> str:
     """How local ranks start: forked on the CPU, spawned for CUDA.
 
-    A forked rank starts with the launcher's imports instead of importing torch
-    again (2 ranks: 3.0 instead of 5.4 s to the end of a short run; 8 ranks: 8
-    instead of 17 s on 2 cores). That is safe because the launcher has run no
-    parallel torch op (no thread pool exists to be copied half-alive), holds no
-    process group and has not used CUDA; a CUDA rank must be spawned, as CUDA
-    cannot be used in a child forked after the parent touched it.
+    Forked ranks skip importing torch again (2 ranks: 3.0 instead of 5.4 s to the end of a
+    short run; 8 ranks: 8 instead of 17 s on 2 cores), safe as the launcher ran no parallel
+    torch op, holds no group and never used CUDA; CUDA ranks must be spawned.
     """
     return "spawn" if device == "cuda" else "fork"
 
 
 def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: float,
            ledger_out: str | os.PathLike | None = None) -> None:
-    """Run ``fn(*args)`` on every rank; raise ``RankFailed`` if any rank fails.
-
-    ``fn`` must be importable (a module-level function): CUDA ranks are spawned.
-    ``ledger_out``: where the ranks' collective ledgers go when a local rank fails
-    in a way its ledger explains (``meshwise.cli.postmortem``).
+    """Run ``fn(*args)`` (importable: CUDA ranks are spawned) on every rank; raise ``RankFailed``
+    if any fails. ``ledger_out``: where the ledgers go when they explain a local failure.
     """
     if under_torchrun():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

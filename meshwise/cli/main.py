@@ -1,9 +1,5 @@
-"""The ``meshwise`` command: ``train``, ``schedule``, ``export``, ``generate``, ``data``, ``bench``,
-``plot``, ``plan``.
-
-The entry point only parses and hands over to each subcommand's module in
-``meshwise.cli``; bad input exits with status 2 and one line before any rank
-starts.
+"""The ``meshwise`` command: parses and hands over to each subcommand's module; bad input
+exits 2 with one line before any rank starts.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""``meshwise plan``: which layout to run on N devices, with memory and step time predicted.
-
-The model comes from the same flags as ``meshwise train`` (a preset and its
-overrides, or ``--init-from``'s config.json); the search and the cost model are
-``meshwise.planner``; ``--calibrate`` measures this machine
-(``meshwise.cli.calibrate``). Bad input exits 2 with one line, as ``train`` does.
+"""``meshwise plan``: which layout to run on N devices, memory and step time predicted by
+``meshwise.planner``, the model from ``meshwise train``'s flags (docs/choosing-a-layout.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What the launcher learns after a local rank failed: its last words and every ledger.
 
-The ranks of a local launch share a temporary folder: each keeps its collective
-ledger there as a file, current at every operation (``MESHWISE_LEDGER_DIR``),
-and a rank ended by its watchdog leaves its one-line reason there
-(``MESHWISE_FAILURE_DIR``). A rank killed by a signal (gloo aborts the process
-on a collective whose sizes do not match) says nothing itself; its ledger and
-its peers' still name the rank that diverged and both call sites.
+The ranks share a folder holding each one's ledger file (``MESHWISE_LEDGER_DIR``) and a
+watchdog's one-line reason (``MESHWISE_FAILURE_DIR``); a rank killed by a signal (gloo
+aborting on mismatched sizes) says nothing, but the ledgers still name who diverged.
 """
 
 from __future__ import annotations

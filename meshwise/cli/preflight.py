@@ -1,10 +1,6 @@
-"""Checks made in the launching process before any rank starts.
-
-``prepare`` runs once, before the ranks: it builds (or finds) the token file,
-so ranks never race to build it, checks what only the data, the devices, the
-checkpoints or the launch environment can tell, and computes the run state the
-ranks get (``meshwise.train.run_state``). Whatever fails here ends the job with
-one line and exit status 2.
+"""Checks made in the launching process before any rank starts: ``prepare`` builds or finds
+the token file (ranks never race to), checks the data, devices, checkpoints and launch,
+and computes the run state; a failure exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -98,13 +94,9 @@ def check_torchrun(cfg: TrainConfig) -> None:
 
 
 def prepare_data(cfg: TrainConfig) -> Path:
-    """The token file for ``--data``, encoded with ``--tokenizer`` when given.
-
-    Records the tokenizer's path in ``cfg.data`` (its digest goes into the run
-    state), so the metrics' config file and every checkpoint's manifest name it,
-    and takes the model's vocabulary from it when ``--vocab-size`` is not given.
-    A ``.bin`` prepared with a tokenizer brings it along when ``--tokenizer`` is
-    not given.
+    """The token file for ``--data``, encoded with ``--tokenizer`` (or the one a ``.bin`` brings);
+    records the tokenizer's path in ``cfg.data`` and takes the vocabulary from it when
+    ``--vocab-size`` is not given.
     """
     d = cfg.data
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None

@@ -1,13 +1,8 @@
 """Local rank processes watched from the launcher: how each one ended, and why the job did.
 
-Every local rank is a child process, even when there is only one, so the
-launcher outlives whatever ends a rank and can say what it was: a traceback, an
-interruption, or a signal such as the SIGKILL of an out-of-memory killer (with
-the rank's peak resident memory, sampled from ``/proc`` while it ran).
-
-When one rank fails, its peers usually fail a moment later because their
-connections to it closed. The blame goes to the first rank, in the order they
-ended, whose failure is not such a consequence; the others are stopped.
+A traceback, an interruption, or a signal (an out-of-memory SIGKILL, with the peak
+resident memory sampled from ``/proc``). The blame goes to the first rank, in the order
+they ended, whose failure is not a consequence of a peer's (a closed connection).
 """
 
 from __future__ import annotations
@@ -86,10 +81,8 @@ def supervise(processes, error_files: list[str], watch: RankWatch,
               explain: Callable[..., str] | None = None) -> None:
     """Wait for every rank; on the first failure stop the rest and raise ``RankFailed``.
 
-    ``error_files[i]`` holds rank i's pickled traceback when it raised
-    (``torch.multiprocessing``'s convention). ``explain(rank, message, silent=...)``
-    may add to the blamed rank's line what the job's ledgers say
-    (``meshwise.cli.postmortem.JobFolder.explain``); ``silent``: it left no traceback.
+    ``error_files[i]``: rank i's pickled traceback (``torch.multiprocessing``'s convention).
+    ``explain(rank, message, silent=...)`` may add what the ledgers say (``postmortem``).
     """
     pending = {p.sentinel: rank for rank, p in enumerate(processes)}
     ended: list[int] = []

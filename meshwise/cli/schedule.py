@@ -1,7 +1,5 @@
-"""``meshwise schedule``: print (or plot) a pipeline schedule and its simulated bubble.
-
-Pure apart from matplotlib, which is imported only for ``--plot``.  ``meshwise.cli.main`` wires
-:func:`add_schedule_arguments` and :func:`run_schedule` into its subcommand.
+"""``meshwise schedule``: print (or ``--plot``, with matplotlib) a pipeline schedule and its
+simulated bubble.
 """
 from __future__ import annotations
 

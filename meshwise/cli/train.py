@@ -1,12 +1,6 @@
-"""``meshwise train``: the configuration from flags, checks, then the ranks.
-
-``run_train`` reads the flags (and ``--config``), validates the configuration,
-runs the checks that need the data (``meshwise.cli.preflight``), which also
-compute the run state, then starts every rank (or joins torchrun's) with
-``train``, handing each the configuration and the run state; ``train``
-restarts a failed job from its newest checkpoint when ``--max-restarts``
-allows. Configuration errors exit with status 2 and one line before any rank
-starts.
+"""``meshwise train``: flags (and ``--config``) to a validated configuration, the checks and
+run state of ``preflight``, then every rank started (or torchrun's joined); bad
+configuration exits 2 with one line before any rank starts.
 """
 
 from __future__ import annotations
@@ -130,11 +124,9 @@ def record_config(cfg: TrainConfig, run: RunState, origins: dict[str, str]) -> N
 
 
 def train(cfg: TrainConfig, run: RunState, data_path: Path) -> None:
-    """Start every rank (or join torchrun's) and train; raises ``launch.RankFailed``.
-
-    With ``--max-restarts N``, a failed job is torn down and started again from
-    the newest checkpoint in ``--save``, at most N times: each launch's run state
-    starts from the checkpoint that launch resumes.
+    """Start every rank (or join torchrun's) and train; raises ``launch.RankFailed``. With
+    ``--max-restarts N`` a failed job starts again from the newest checkpoint, N times at most,
+    each launch's run state starting from the checkpoint it resumes.
     """
     device = choice.resolve_device(cfg.runtime.device)
     c = cfg.checkpoint

@@ -1,15 +1,8 @@
 """The flags of ``meshwise train``, their TOML form, and where each value came from.
 
-One table (``TRAIN_FLAGS``) drives the argument parser, the TOML reader, the
-help text and the README's flag table (``tests/unit/test_config.py`` checks
-that every flag is documented there). Defaults live only in the dataclasses of
-``meshwise.train.config``; the help shows them. To add a setting: a field (with
-its default) in its section's dataclass, checked in ``TrainConfig.validate``,
-then one row here and one in the README.
-
-TOML files use the flag names, flat (``batch-size = 32``) or under their
-section (``[data]`` ``batch_size = 32``); a value must already have the field's
-type (``dp = 2.7`` is refused, not truncated).
+One table (``TRAIN_FLAGS``) drives the parser, the TOML reader and the help; defaults live
+only in ``meshwise.train.config``'s dataclasses. A new setting: a field with its default,
+its check in ``TrainConfig.validate``, a row here and one in docs/flags.md (tested).
 """
 
 from __future__ import annotations

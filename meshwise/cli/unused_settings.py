@@ -1,9 +1,5 @@
-"""Settings a user gave that change nothing in the layout or data they run with.
-
-``meshwise train`` logs one warning per such setting before any rank starts
-(the run goes on): a flag without effect is usually a misunderstanding worth
-knowing about, such as a schedule without a pipeline or a WSD option under
-cosine.
+"""Settings a user gave that change nothing in the run (a schedule without a pipeline, a
+WSD option under cosine): one warning each before any rank starts.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """An operation in flight, the counters it feeds, and the one-line timeout error.
 
-Split from ``meshwise.comm.ops`` (which creates them) so that ops holds only the
-calls into ``torch.distributed``.
+Apart from ``meshwise.comm.ops`` (which creates them) so that ops holds only calls.
 """
 
 from __future__ import annotations

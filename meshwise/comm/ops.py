@@ -1,17 +1,6 @@
-"""The one module that calls ``torch.distributed``.
-
-Every collective and point-to-point transfer in meshwise goes through here, so
-byte counting, timing of exposed waits, NCCL's rules (``meshwise.comm.checks.strict``)
-and the collective ledger (``meshwise.comm.checks.ledger``) live in one place: each
-operation is first entered in this rank's ``CommContext`` (``_begin``), then
-issued, and its ``Handle`` marks it complete once waited for.
-
-A ``Group`` wraps a process group with this rank's position in it and a shared
-``CommCounters``. Counters record the bytes *this rank* puts on the wire per
-category (``"grad"``, ``"param"``, ``"p2p"``, ...), using the bandwidth-optimal
-ring cost of each collective (Patarasuk & Yuan 2009; Thakur et al. 2005):
-all-reduce sends ``2 (n-1)/n`` of the buffer, reduce-scatter and all-gather
-``(n-1)/n`` of the full buffer, a send its whole payload.
+"""The one module that calls ``torch.distributed``: each operation is entered in this rank's
+``CommContext`` (NCCL's rules, the ledger), issued, and counted per category in its
+``Group``'s counters; its ``Handle`` marks it complete once waited for.
 """
 
 from __future__ import annotations
@@ -188,6 +177,9 @@ def backend(group: Group) -> str:
     return str(dist.get_backend(group.pg))
 
 
+# Bytes on the wire are counted at the bandwidth-optimal ring cost (Patarasuk & Yuan 2009;
+# Thakur et al. 2005): all-reduce 2 (n-1)/n of the buffer, reduce-scatter and all-gather
+# (n-1)/n of the full buffer, a send its whole payload.
 def _ring_fraction(group: Group) -> float:
     return (group.size - 1) / group.size
 
@@ -303,16 +295,12 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
               recv_handles: list | None = None) -> list[Handle]:
     """Post several sends and receives together: ``(tensor, group_rank, tag)`` each.
 
-    Posting them at once (rather than one blocking call after another) is what
-    lets two neighbours exchange in both directions without deadlock, and what
-    NCCL needs for any exchange (``batch_isend_irecv``). Returns after the
-    receives complete; with ``wait_sends=False`` the sends may still be in
-    flight: one ``Handle`` per send, in order (each keeps its tensor alive until
-    waited for), or none where the backend completed the whole batch as one.
-    With ``recv_handles`` (a list) the receives are not waited for: one ``Handle``
-    per receive is appended to it, to wait for before its tensor is read (where
-    the backend made the batch one work, NCCL, every receive gets that work's
-    handle: wait for it once, ``if not handle.done``).
+    Posted at once (``batch_isend_irecv``), two neighbours exchange without deadlock, as
+    NCCL needs. Returns after the receives complete; with ``wait_sends=False``, one
+    ``Handle`` per send in order, each keeping its tensor alive until waited for (none where
+    the backend made the batch one work). With ``recv_handles`` (a list) a ``Handle`` per
+    receive is appended instead of waiting, to wait for before reading (one shared work on
+    NCCL: wait for it once, ``if not handle.done``).
     """
     ops, keep, send_entries, recv_entries = [], [], [], []
     for tensor, dst, tag in sends:

@@ -1,13 +1,8 @@
 """A tensor's shape and dtype as a small fixed-size message, sent ahead of the tensor.
 
-A receiver must allocate a buffer before it can receive, so a peer that does not
-know what is coming first receives this header (nanotron's pipeline p2p does the
-same: metadata first, then the payload). The header has a fixed length, so both
-ends agree on its size without knowing anything about the tensor.
-
-Layout (int64): ``[MAGIC, dtype code, ndim, size_0, ..., size_{ndim-1}, 0 ...]``,
-``MESSAGE_LEN`` entries. The magic number catches a header that is in fact some
-other message (two peers out of step) instead of trusting garbage sizes.
+A receiver must allocate before it receives (nanotron's pipeline p2p sends metadata
+first too). int64 layout: ``[MAGIC, dtype code, ndim, sizes..., 0 ...]``, ``MESSAGE_LEN``
+entries; the magic number catches two peers out of step.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Timing collectives from outside: the device finished, every rank started together.
 
-On an accelerator a collective is queued, not done, when the call returns: a
-host clock read then measures the launch. Every time taken here waits for the
-device before each clock read (``devices.synchronize``; a no-op on the CPU),
-and a collective's runs start after a barrier of its group, so no rank's time
-includes waiting for a late peer. The adaptive all-reduce's probe and
-``meshwise bench comm`` both time through here.
+Each clock read waits for the device first (on an accelerator a returned call is only
+queued), and a collective's runs start after a barrier of its group, so no time
+includes a late peer. The adaptive all-reduce's probe and ``bench comm`` time here.
 """
 
 from __future__ import annotations

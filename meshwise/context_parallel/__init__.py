@@ -1,4 +1,3 @@
-"""Context parallelism: every sequence split across the cp ranks (load-balanced
-zigzag chunks, ``meshwise.layout.sequence``), attention over the whole of it by
-a ring of key/value blocks (``ring``), and each block's attention and its
-log-sum-exp (``blocks``)."""
+"""Context parallelism: sequences split over the cp ranks in zigzag chunks, attention as a
+ring of key/value blocks (``ring``), each block with its log-sum-exp (``blocks``).
+"""

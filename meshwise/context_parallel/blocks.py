@@ -1,39 +1,6 @@
-"""Attention of one block of queries over one block of keys, with its log-sum-exp.
-
-Ring attention (``meshwise.context_parallel.ring``) computes a rank's attention
-block by block as the keys and values come by, and merges the blocks' results
-with their log-sum-exp (the online softmax of Milakov & Gimelshein 2018, as
-FlashAttention does across tiles, Dao et al. 2022). Each block needs:
-
-- ``block_forward(q, k, v, causal, scale)``: ``out = softmax(q k^T scale) v``
-  and ``lse = log sum exp(q k^T scale)`` per query;
-- ``block_backward(dout, q, k, v, out, lse, ...)``: the block's part of dq, dk,
-  dv, given the *final* ``out`` and ``lse`` of the whole row (FlashAttention's
-  backward, Dao et al. 2022, algorithm 4: ``P = exp(S - lse)``,
-  ``dS = P (dP - rowsum(dout * out))``).
-
-Queries are (B, H, Lq, d); keys and values (B, G, Lk, d) with G dividing H.
-``causal`` masks key j for query i when j > i (blocks of equal, aligned
-positions only); ``mask`` (B or 1, 1, Lq, Lk) bool, in its place, says which
-keys each query sees (document masking, a sliding window): a query that sees
-none of the block's keys gets a zero output and a log-sum-exp of -inf, so
-merging ignores it.
-
-With no dropout a block runs as one of PyTorch's fused kernels that return
-their log-sum-exp and whose backward takes a given ``out`` and ``lse``: on the
-CPU its flash-attention kernel for the CPU (grouped heads as they are); on
-CUDA the flash-attention kernel (bf16 / fp16, no mask) or the memory-efficient
-one (fp32, or with a mask as an additive bias; a masked block's backward runs
-in fp32), both given equal head counts: the key/value heads are expanded and
-their gradients summed over each group.
-These are private aten operators, the ones PyTorch's own context parallelism
-calls (``torch.distributed.tensor.experimental``): no public API returns the
-log-sum-exp with a backward that takes it (``flex_attention``'s
-``return_lse`` has no gradient input for it). With dropout (``keep``: the
-keep-mask of a range of key columns, scaled by 1/(1-p), as FlashAttention
-applies it to P), and on other devices, plain PyTorch operations over
-``KV_TILE`` keys at a time (``meshwise.models.tiled_attention``) keep the
-memory O(Lq x tile).
+"""Attention of one block of queries over one block of keys with its log-sum-exp, and its
+backward from the row's final out and lse (Dao et al. 2022, algorithm 4), for the ring:
+PyTorch's fused kernels without dropout, ``tiled_attention`` with it.
 """
 
 from __future__ import annotations
@@ -67,7 +34,13 @@ def _fused(q: torch.Tensor, keep) -> bool:
 
 
 def block_forward(q, k, v, causal: bool, scale: float, keep=None, mask=None):
-    """``(out, lse)``: out (B, H, Lq, d) in q's dtype, lse (B, H, Lq) accumulated."""
+    """``(out, lse)``: out (B, H, Lq, d) in q's dtype, lse (B, H, Lq) accumulated.
+
+    q (B, H, Lq, d); k, v (B, G, Lk, d), G dividing H. ``causal`` masks key j for query i when
+    j > i (equal, aligned blocks); ``mask`` (B or 1, 1, Lq, Lk) bool in its place (documents,
+    a window): a query that sees no key gets a zero output and lse -inf, which merging
+    ignores. ``keep``: the dropout keep-mask of key columns, scaled by 1/(1-p).
+    """
     if not _fused(q, keep):
         return tiled_forward(q, k, v, causal, scale, keep, _columns(mask), KV_TILE)
     if q.device.type == "cuda":
@@ -105,6 +78,12 @@ def _columns(mask):
 
 
 # ---------------------------------------------------------------- CUDA's fused kernels
+# The fused kernels that return their log-sum-exp and whose backward takes a given out and
+# lse are private aten operators, the ones PyTorch's own context parallelism calls: no
+# public API has both (flex_attention's return_lse has no gradient input for it). On the
+# CPU, its flash kernel (grouped heads as they are); on CUDA, flash (bf16 / fp16, no mask)
+# or memory-efficient (fp32, or a mask as an additive bias), with equal head counts: the
+# key/value heads are expanded and their gradients summed over each group.
 def _flash(q: torch.Tensor, mask) -> bool:
     """Whether the flash kernel serves the block (else the memory-efficient one)."""
     d = q.shape[-1]

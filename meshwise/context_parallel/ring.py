@@ -1,37 +1,7 @@
-"""Ring attention over the cp group, on load-balanced (zigzag) chunks.
-
-Each of the N cp ranks holds two chunks of every sequence, ``r`` and
-``2N - 1 - r`` of ``2N`` (``meshwise.layout.sequence``), with their queries,
-keys and values. Attention over the whole sequence passes the keys and values
-around the ring (Liu et al. 2023, "Ring attention with blockwise
-transformers"): at step ``s`` rank ``r`` holds those of rank ``(r - s) mod N``,
-attends its queries to them and merges the result into its running output by
-log-sum-exp (``blocks.merge``), while sending them on to rank ``r + 1``.
-Under the causal mask the zigzag layout makes every step but the first cost
-half a block on every rank (Megatron-LM's and Llama 3's load balancing):
-
-- step 0, its own chunks: causal attention of all its queries (its positions
-  increase, so the global mask restricted to them is the causal mask);
-- keys from an earlier rank (``src < r``): all queries see the first of the
-  two key chunks (chunk ``src``); the second (``2N - 1 - src``) lies after both;
-- keys from a later rank (``src > r``): only the second query chunk
-  (``2N - 1 - r``) sees them, and sees both chunks whole.
-
-Under document masking (``meshwise.layout.documents``) each block's mask
-comes from the documents of its query and key positions, which the forward's
-context holds for the whole sequence on every rank (each rank draws the whole
-global batch): nothing more travels with the keys. A sliding window's mask comes from the positions
-alone. After step 0 a block's keys all lie before its queries, so when the
-document of its last key does not run on to its first query in any sequence,
-or its last key lies a window or more before its first query, no query sees
-any of its keys and the block is skipped (decided on the host, from a CPU
-copy of the documents and the chunks' positions: no device read).
-
-The backward sends the keys and values around again, each with the gradient
-dK/dV accumulated for it so far; after N steps every gradient is back at its
-owner. Grouped-query attention passes only the key/value heads. Every
-exchange is one ``ops.batch_p2p`` (send to the next rank, receive from the
-previous), as NCCL requires.
+"""Ring attention over the cp group (Liu et al. 2023) on zigzag chunks (Megatron-LM's and
+Llama 3's load balancing): every step after the first is half a block, blocks no query
+sees are skipped (decided on the host), and the backward sends dK/dV around, one
+``ops.batch_p2p`` per exchange. See docs/long-sequences.md.
 """
 
 from __future__ import annotations
@@ -70,7 +40,12 @@ class GroupRing:
 
 
 def _block(step: int, src: int, rank: int, length: int) -> tuple[slice, slice, bool]:
-    """(query rows, key columns, causal) of this step's block; see the module docstring."""
+    """(query rows, key columns, causal) of this step's block."""
+    # Zigzag chunks make every step after the first half a block on every rank. Step 0,
+    # its own chunks: causal over all its queries (its positions increase). Keys from an
+    # earlier rank (src < rank): every query sees their first chunk (src), and their
+    # second (2N - 1 - src) lies after both. Keys from a later rank: only the second query
+    # chunk (2N - 1 - rank) sees them, both chunks whole.
     half = length // 2
     if step == 0:
         return slice(None), slice(None), True
@@ -195,13 +170,9 @@ class _RingAttention(torch.autograd.Function):
 
 
 class RingAttention(nn.Module):
-    """``ScaledDotProductAttention`` over the cp group: this rank's zigzag chunks of
-    queries over every rank's keys (``ring_attention`` style of a plan).
-
-    Dropout on the attention weights (``p``) draws the masks one process draws:
-    keyed by sample, head and the (query, key) pair's global positions. With
-    documents in the forward's ``context`` attention stays inside each document,
-    and with a ``window`` inside it."""
+    """``ScaledDotProductAttention`` over the cp group (a plan's ``ring_attention`` style): this
+    rank's zigzag queries over every rank's keys; dropout masks and documents as one process.
+    """
 
     def __init__(self, cp_group: ops.Group, p: float = 0.0, site: str = ""):
         super().__init__()

@@ -1,14 +1,6 @@
-"""Global batches with what they carry: labels for the loss, document starts for masking.
-
-``BatchSource`` wraps a ``TokenDataset``. A token file of text gives the
-dataset's windows (``TokenDataset.global_batch``), every target labelled, and
-under document masking the documents its end-of-text tokens separate. A chat
-token file (``meshwise.data.chat_files``) gives rows packed from whole
-conversations (``meshwise.data.packing.PackedRows``), labelled on the
-assistant's tokens (``loss_on="assistant"``) or on all (``"all"``), the
-conversations' starts under document masking. Its rows are drawn in the order
-the windows of text are (``--data-order``, ``meshwise.data.order``): a row is
-an item as a window is; the last rows are held out for validation.
+"""Global batches with labels and document starts (``BatchSource``): a text token file's
+windows, every target labelled; a chat token file's rows packed from conversations,
+labelled per ``loss_on``, drawn as windows are, the last rows held out for validation.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Train a byte-level BPE tokenizer locally with the ``tokenizers`` library.
 
-The result is GPT-2's recipe (Radford et al. 2019, section 2.2): text is split
-into words by GPT-2's pattern, each word's UTF-8 bytes are mapped to printable
-symbols, and merges are learned over those symbols. Every byte is in the
-initial alphabet, so any text encodes (no unknown token) and decoding gives
-the text back exactly. ``<|endoftext|>`` is id 0; ``meshwise data prepare``
-puts it between documents.
+GPT-2's recipe (Radford et al. 2019, section 2.2): every byte in the initial alphabet,
+so any text encodes and decodes back exactly; ``<|endoftext|>`` is id 0 (docs/data.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Chat records rendered into tokens, with the assistant's tokens marked.
-
-A chat record holds ``messages``: a list of ``{"role": ..., "content": ...}``
-with roles among ``ROLES``. Each conversation is rendered by a chat template
-(``meshwise.data.chat_templates``) into one text, encoded whole by the
-tokenizer (so the tokens are those of ``apply_chat_template(tokenize=True)``),
-and each token is marked when it ends inside the text an assistant message
-adds after its generation prompt: its content and the template's end-of-turn
-marker, what a fine-tuned model must learn to generate. Those are the labels of
-``--loss-on assistant``.
+"""Chat records rendered into tokens, each conversation encoded whole (the tokens of
+``apply_chat_template(tokenize=True)``), with the tokens each assistant message adds after
+its generation prompt marked as labels (docs/fine-tuning.md "Fine-tuning on chat data").
 """
 
 from __future__ import annotations

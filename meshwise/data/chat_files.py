@@ -1,18 +1,6 @@
-"""Chat token files: the conversations' tokens, their assistant labels, where each starts.
-
-``FILE.bin`` holds every conversation's tokens back to back, each rendered by
-its chat template (``meshwise.data.chat``), as any token file (its sidecar
-names the tokenizer and adds ``chat``: the template's name and digest, the
-counts). Beside it:
-
-- ``FILE.bin.labels``: one byte per token, 1 where the token belongs to an
-  assistant message (``--loss-on assistant`` trains on those only);
-- ``FILE.bin.conversations``: int64 pairs per conversation, its first token and
-  the number of its record in the input (counted from 0 over every record read),
-  so a conversation can be named by its record's place when it is too long.
-
-The three are written under temporary names and renamed once complete, the
-sidecar last but one and the token file last, as for text corpora.
+"""Chat token files: ``FILE.bin`` (sidecar with ``chat``: the template and counts),
+``FILE.bin.labels`` (a byte per token, 1 for the assistant's) and ``FILE.bin.conversations``
+(int64 pairs: each conversation's first token and its record's number from 0).
 """
 
 from __future__ import annotations
@@ -113,7 +101,7 @@ def build_chat_file(dest: Path, source: Path, tokenizer: Tokenizer, template: Ch
                                     "conversations": len(starts),
                                     "assistant_tokens": stats["assistant_tokens"]}})
 
-    try:
+    try:  # each file renamed once complete: the sidecar last but one, the tokens last
         _atomic_write(dest, chunks(), before_replace=finish)
     finally:
         bar.close()

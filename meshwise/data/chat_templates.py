@@ -1,19 +1,6 @@
-"""Chat templates: a conversation (a list of ``{role, content}``) rendered as text.
-
-A template is a Jinja2 program, as Hugging Face ships them: the tokenizer's own
-(``chat_template`` in the ``tokenizer_config.json`` beside its
-``tokenizer.json``, a string or a list of named templates, or a
-``chat_template.jinja`` file there), a built-in one by name (``BUILT_IN``:
-``chatml``, the format of OpenAI's ChatML that Qwen and many fine-tunes use),
-or a ``.jinja`` file. It renders in a sandbox set up as transformers sets up
-``apply_chat_template``'s (``trim_blocks``, ``lstrip_blocks``, ``tojson``,
-``raise_exception``, ``strftime_now``, the tokenizer's ``bos_token`` and
-``eos_token``), so a conversation renders to the same text here and there; a
-``{% generation %}`` block renders its body.
-
-``ChatTemplate.assistant_spans`` finds, in the rendered conversation, the text
-each assistant message adds after its generation prompt (its content and the
-template's end-of-turn marker): the labels of supervised fine-tuning.
+"""Chat templates: a conversation rendered as text by a Jinja2 program (the tokenizer's,
+``chatml`` or a ``.jinja`` file) in a sandbox set up as transformers sets up
+``apply_chat_template``; ``assistant_spans`` finds the labels. See docs/fine-tuning.md.
 """
 
 from __future__ import annotations

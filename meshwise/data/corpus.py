@@ -1,24 +1,7 @@
-"""Token files built from documents: encoded by worker processes, written in order.
-
-A corpus is a sorted list of sources (``meshwise.data.readers``): a text file
-is one document, every record of a JSON-lines, Parquet, CSV or ``datasets``
-source is one (its text field). Documents are joined by the tokenizer's
-``separator``. The work is cut into items, grouped into tasks of about
-``TASK_BYTES`` for the workers (``meshwise.data.workers``):
-
-- a text file longer than ``PIECE_BYTES`` is cut into pieces just after line
-  breaks where the tokenizer gives the same tokens cut as whole (checked at
-  each cut), when it ``splits_at_lines``;
-- a JSON-lines file is cut into byte ranges of whole lines, each read and
-  parsed by the worker that encodes it (line numbers are counted only for a
-  message);
-- a columnar source is read here, a batch of rows at a time, and its texts go
-  to the workers (``Texts``): memory holds the batches in flight, never the file.
-
-Each task comes back as one array, its documents joined by separators, and is
-written in task order, so the file holds exactly the tokens of encoding every
-document whole, whatever the number of workers. Workers find the tokenizer by
-its path, each parsing it once.
+"""Token files built from documents by worker processes: tasks of about ``TASK_BYTES`` (long
+texts cut where the tokenizer cuts cleanly, JSON lines by ranges of whole lines), written
+in task order, so the tokens are those of each document encoded whole whatever the
+workers. See docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""Token files and deterministic global batches.
-
-A token file is a flat little-endian array of uint16 (or, past 65,536 ids,
-uint32) token ids (``.bin``) with meshwise's JSON sidecar
-(``meshwise.data.token_files``). ``resolve_data`` (``meshwise.data.sources``,
-re-exported here) turns what the user gave into such a file, once, before the
-ranks start; every rank then opens the result with ``TokenDataset``, which
-only memory-maps it.
-
-Global batch ``step``'s windows are a pure function of (seed, step)
-(``meshwise.data.order``: random windows, or epochs): the same in every process
-and layout, and independent of how many batches came before, so a resumed run
-sees exactly the batches it would have.
-The trainer cuts each dp rank's contiguous rows with ``rank_slice``.
+"""Token files and deterministic global batches: ``TokenDataset`` memory-maps the file
+``resolve_data`` built, and global batch ``step`` is a pure function of (seed, step), so
+any layout and a resumed run read the same batches.
 """
 
 from __future__ import annotations
@@ -61,17 +50,12 @@ def rank_slice(batch: Rows, rank: int, num_ranks: int) -> Rows:
 
 
 class TokenDataset:
-    """Windows of ``seq_len + 1`` tokens from a memory-mapped token file, in the
-    ``data_order`` of ``meshwise.data.order`` (validation: random windows).
+    """Windows of ``seq_len + 1`` tokens from a memory-mapped token file, in ``data_order``
+    (validation: random windows); ``token_dtype`` for a file without a sidecar.
 
-    The file is read with the dtype its sidecar records (uint16 or uint32), or
-    ``token_dtype`` for a file without one (``read_meta``).
-
-    The last ``val_fraction`` of the tokens (at least ``VAL_MIN_SEQUENCES``
-    windows' worth; none when ``val_fraction`` is 0) is the validation split;
-    train windows end before it, so no train window overlaps it. Opening is
-    cheap (a read-only memmap and the sidecar), and pickling reopens the file
-    instead of copying it.
+    The last ``val_fraction`` of the tokens (at least ``VAL_MIN_SEQUENCES`` windows; none
+    at 0) is the validation split, which no train window overlaps. Opening is cheap, and
+    pickling reopens the file instead of copying it.
     """
 
     def __init__(self, path: str | os.PathLike, seq_len: int, val_fraction: float = 0.01,

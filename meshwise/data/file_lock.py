@@ -1,11 +1,8 @@
 """An exclusive lock on a file (``flock``) that is removed when released.
 
-The kernel drops a ``flock`` when its holder dies, however it dies, so a crash
-never leaves a lock held; only the file stays behind. Removing the file on a
-clean release is safe because a taker checks, once it holds the lock, that the
-file it locked is still the one at that path; one that locked a file removed
-meanwhile starts over. Token files use it beside what they build, checkpoints
-on their ``--save`` directory.
+The kernel drops a ``flock`` however its holder dies, so a crash leaves only the file;
+removing it on release is safe, as a taker checks that the file it locked is still
+the one at that path. Used beside token files being built and on ``--save`` folders.
 """
 
 from __future__ import annotations

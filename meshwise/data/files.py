@@ -32,11 +32,10 @@ def list_files(root: Path, suffix: str = "", skip_dirs: frozenset = frozenset(),
                strict: bool = True) -> list[str]:
     """Sorted POSIX relative paths of the regular files under ``root``.
 
-    Hidden entries and meshwise's own sidecars are skipped, so a token file
-    written inside the folder it came from does not feed the next build. So are
-    FIFOs, sockets and devices (named in a warning: reading one could block
-    forever). A symbolic link to nothing, a loop or an unreadable entry is an
-    error naming it when ``strict`` (the user's own folder), else skipped.
+    Hidden entries and meshwise's sidecars are skipped (a token file written inside its
+    source folder does not feed the next build), and FIFOs, sockets and devices with a
+    warning. A dangling link, a loop or an unreadable entry raises when ``strict`` (the
+    user's own folder), else is skipped.
     """
     found = []
     for dirpath, dirnames, filenames in os.walk(root):

@@ -1,26 +1,6 @@
-"""Which windows of a token split global batch ``step`` reads: a pure function of
-(seed, step), so a resumed run, on any layout, reads what it would have.
-
-Two orders (``DATA_ORDERS``):
-
-- ``random-windows``: each window's start drawn uniformly from
-  ``numpy.random.default_rng([seed, step, split_id])``, with replacement (a token
-  may be seen twice before another is seen once).
-- ``epochs``: the split is tiled by ``num_windows`` windows of ``seq_len + 1``
-  tokens at a stride of ``seq_len`` (window ``w`` starts at ``w * seq_len``; each
-  token is an input once and a target once; the fewer than ``seq_len`` tokens past
-  the last whole window are left out). Epoch ``e`` reads the windows in a
-  permutation fixed by (seed, e), and the run reads epoch after epoch: the
-  ``p``-th window of the run (``p = (step - 1) * batch_size + row``, steps
-  1-based) is window ``permutation_e(p mod num_windows)`` of epoch
-  ``p // num_windows``. A batch may straddle two epochs.
-
-The permutation is computed per index, never stored (memory and time do not grow
-with the corpus): a four-round Feistel network on the smallest even power of two
-that holds ``num_windows``, keyed by (seed, epoch), with cycle walking to stay
-below ``num_windows`` (Black & Rogaway 2002, "Ciphers with arbitrary finite
-domains"). A Feistel network is a bijection whatever its round function, so every
-window is read exactly once per epoch.
+"""Which windows global batch ``step`` reads, a pure function of (seed, step): random
+windows, or every window once per epoch in a permutation computed per index (a Feistel
+network with cycle walking, Black & Rogaway 2002), nothing stored. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -45,6 +25,8 @@ def window_offsets(order: str, step: int, batch_size: int, seed: int, split_id: 
     if step < 1:
         raise ValueError(f"step must be >= 1 for --data-order epochs (1-based), got {step}")
     count = num_windows(num_tokens, seq_len)
+    # The p-th window of the run is window permuted(p mod count) of epoch p // count, so
+    # a batch may straddle two epochs.
     positions = (step - 1) * batch_size + np.arange(batch_size, dtype=np.int64)
     epochs, index = np.divmod(positions, count)
     windows = np.empty(batch_size, dtype=np.int64)

@@ -1,22 +1,6 @@
-"""What a global batch carries: tokens, which targets count in the loss, where documents start.
-
-``Batch`` is a global batch of ``B`` sequences of ``T + 1`` tokens (inputs
-``tokens[:, :-1]``, targets ``tokens[:, 1:]``) with, where they apply (host
-arrays: what is decided from them reads nothing from a device):
-
-- ``labels`` (B, T) bool: the targets the loss is over (``None``: all of them).
-  The loss is the mean over the labelled targets of the global batch, counted
-  once (``num_labelled``), whatever the layout (DESIGN section 1);
-- ``starts`` (B, T) bool: the inputs that begin a document, for document
-  masking (``None``: not masked).
-
-Token files of text keep their documents apart with the tokenizer's
-end-of-text token: a document ends with it and the next begins after it
-(``separator_starts``). Chat token files (``meshwise.data.chat_files``) record
-where each conversation starts; their sequences are packed from whole
-conversations (``PackedRows``): consecutive conversations fill a row of
-``T + 1`` tokens as long as the next one fits, the rest is padding (no label,
-a document of its own), and a conversation longer than a row is cut to it.
+"""What a global batch carries: tokens, ``labels`` (the targets in the loss) and ``starts``
+(the inputs that begin a document), as host arrays so nothing decided from them reads a
+device; chat rows packed from whole conversations (``PackedRows``).
 """
 
 from __future__ import annotations
@@ -81,11 +65,9 @@ def separator_starts(inputs: np.ndarray, separator: int) -> np.ndarray:
 class PackedRows:
     """Whole conversations packed into rows of ``width`` tokens, in file order.
 
-    ``starts``: each conversation's first token in the file; ``num_tokens``: the
-    file's. Row ``r`` is tokens ``[row_start[r], row_start[r] + row_len[r])``,
-    then padding. A conversation longer than ``width`` is cut to it
-    (``truncated`` of them, ``dropped_tokens`` lost), or, with ``refuse``,
-    ``too_long`` names the first one.
+    ``starts``: each conversation's first token in the file; ``num_tokens``: the file's.
+    Row ``r`` is tokens ``[row_start[r], row_start[r] + row_len[r])``, then padding. A longer
+    conversation is cut (``truncated``, ``dropped_tokens``), or ``too_long`` names it.
     """
 
     def __init__(self, starts: np.ndarray, num_tokens: int, width: int):

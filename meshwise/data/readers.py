@@ -1,47 +1,7 @@
-"""Reading data as users hold it: each record of a file is one document.
-
-Formats (``FORMATS``), told apart by ``detect_format`` from the name and, where
-the name leaves it open, the first bytes:
-
-- ``jsonl``: one JSON object per line (``.jsonl``, ``.ndjson``; a ``.json``
-  whose first line is a whole object). Blank lines are ignored.
-- ``parquet``: a column of a Parquet file, read a batch of rows at a time
-  (``pyarrow``, row groups streamed: never the whole file in memory).
-- ``hf-disk``: a folder written by ``datasets``' ``save_to_disk`` (its
-  ``train`` split, or its only one, for a ``DatasetDict``), memory-mapped.
-- ``json`` (a ``.json`` holding an array) and ``csv`` (``.csv``, ``.tsv``):
-  through ``datasets.load_dataset`` from the local file, streamed.
-- ``text``: any other file, read whole as one document (one record
-  ``{"text": ...}``). A file that looks like JSON lines (its first line is a
-  JSON object) is never read as text by guess: ``detect_format`` refuses it
-  unless the format is named (``data_format="text"`` or ``"jsonl"``).
-
-A folder is read file by file in sorted order (hidden files, FIFOs and the like
-skipped, ``meshwise.data.files``). When it holds ``.jsonl``, ``.ndjson`` or
-``.parquet`` files it is data: those and its ``.json``, ``.csv`` and ``.tsv``
-files are read, any other file (a README, say) is skipped, named in a
-warning. Otherwise it is text, every file a document (binary ones skipped).
-
-The interface::
-
-    for location, record in iter_records("chat.jsonl"):   # ("chat.jsonl:12", {...})
-        ...
-    for text in iter_documents("shards/", text_field="text"):
-        ...
-    data_files("shards/")  # [DataFile(path, format), ...]: what would be read, checked
-
-``data_format`` (``--data-format``) names the format of every file instead of
-detecting it. ``document_text(location, record, field)`` is a record's text, or
-the error naming the fields it has.
-
-``location`` names the file and the line (``data.jsonl:12``) or row
-(``part-0.parquet row 57``, counted from 0 in the file). Bad input raises
-``DataFormatError`` (a ``ValueError``) whose message is one line naming the
-file, the line or row, and for a missing field the fields the record has.
-With ``skip_bad_records`` a malformed line, or a record without a string in
-the field, is skipped instead and counted in ``counts`` (``RecordCounts``).
-``pyarrow`` and ``datasets`` are imported only when a file needs them;
-without them the error names the ``pip install`` to run.
+"""Reading data as users hold it, each record one document: ``iter_records``,
+``iter_documents`` and ``data_files`` over JSON lines, Parquet, ``datasets`` folders, CSV,
+JSON arrays and text. Formats, folders, errors: docs/data.md "Records" and "Reading
+records from Python".
 """
 
 from __future__ import annotations
@@ -165,10 +125,8 @@ def data_files(path: str | Path, data_format: str = "auto") -> list[DataFile]:
     """The files of ``path`` (a file, a folder, a ``save_to_disk`` folder) with their
     formats, sorted. Raises ``DataFormatError`` naming a file that cannot be read.
 
-    A folder holding ``.jsonl``, ``.ndjson`` or ``.parquet`` files is read as data:
-    those, its ``.json``, ``.csv`` and ``.tsv`` files; any other file is skipped,
-    named in a warning. Any other folder is text, file by file (a ``.json`` file
-    there is text too, unless its first line is a JSON object).
+    A folder holding ``.jsonl``, ``.ndjson`` or ``.parquet`` files is data (those and its
+    ``.json``, ``.csv``, ``.tsv``; anything else skipped with a warning); any other is text.
     """
     path = Path(path).expanduser()
     if is_saved_dataset(path) or not path.is_dir():

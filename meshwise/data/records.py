@@ -1,12 +1,7 @@
-"""Records and their problems: the JSON-lines reader, the counts of bad records.
+"""What every reader shares: ``DataFormatError``, ``RecordCounts``, ``document_text``;
+and the JSON-lines reader, from any byte range that starts at a line (``jsonl_ranges``).
 
-The pieces every reader shares (``meshwise.data.readers`` is the interface):
-``DataFormatError``, whose message is one line naming the file and the line or
-row; ``RecordCounts``, what ``skip_bad_records`` skipped; ``document_text``,
-a record's text field or the error naming the fields it has. JSON lines are
-read here, from any byte range that starts at a line (``jsonl_ranges`` cuts a
-file into such ranges for worker processes); a line's number is counted from
-the start of the file only when a message names it.
+A line's number is counted from the file's start only when a message names it.
 """
 
 from __future__ import annotations

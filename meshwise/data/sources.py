@@ -1,16 +1,6 @@
-"""What the user gave as data, turned into a token file: built once, cached.
-
-``resolve_data`` takes nothing (the default corpus: the standard library's
-sources), a file or folder in any format ``meshwise.data.readers`` reads (text,
-JSON lines, Parquet, a ``datasets`` folder, CSV), or a ``.bin`` token file. All
-but the last are encoded with the run's tokenizer (byte-level by default,
-``meshwise.data.tokenizer``) by ``meshwise.data.corpus`` and cached once,
-atomically (temp file in the same folder, then ``os.replace``), so concurrent
-builders or a crash never leave a half-written file. The cache key holds every
-file's name, size and modification time, its format where it is not text, the
-tokenizer's digest and how records are read (``ReadOptions``). Call it once
-before spawning ranks; every rank then opens the result with
-``meshwise.data.dataset.TokenDataset``, which only memory-maps it.
+"""What the user gave as data, turned into a token file once before the ranks start, cached
+atomically under a key of every file's name, size and mtime, its format, the tokenizer's
+digest and the ``ReadOptions``; a ``.bin`` is used as is.
 """
 
 from __future__ import annotations
@@ -78,11 +68,8 @@ def build_with_progress(dest: Path, files: Sequence[DataFile | Path], tokenizer:
 
 
 def _cached(dest: Path, build) -> Path:
-    """``dest`` if it is already built (with its sidecar), else ``build()``.
-
-    Builders of the same file take turns on a lock file beside it, so processes
-    started together (every rank of a torchrun node) tokenize once: the first
-    builds, the others find its result.
+    """``dest`` if it is already built (with its sidecar), else ``build()``; builders take
+    turns on a lock beside it, so ranks started together tokenize once.
     """
     if dest.is_file() and sidecar_path(dest).is_file():
         logger.info("using cached corpus %s", dest)
@@ -147,15 +134,10 @@ def resolve_data(path: str | os.PathLike | None, cache_dir: str | os.PathLike | 
                  token_dtype: str | None = None, options: ReadOptions = ReadOptions()) -> Path:
     """Path of the token ``.bin`` for ``path``, building and caching it if needed.
 
-    ``None`` selects the default corpus (the standard library's sources); a file
-    or a folder the readers know (``options``: the text field, the format, bad
-    records) is encoded with ``tokenizer`` (default
-    byte-level, vocab 256) by ``num_workers`` processes and cached in
-    ``cache_dir`` (default ``default_cache_dir()``), the key including the
-    tokenizer's digest; a ``.bin`` is used as is, after checking that
-    ``tokenizer`` (when given) is the one that wrote it. Use ``read_meta`` on the
-    result for its vocabulary size. Raises ValueError for a missing path, an
-    empty corpus or another tokenizer's token file.
+    ``None`` is the default corpus; a file or folder the readers know is encoded with
+    ``tokenizer`` (default byte-level) by ``num_workers`` processes into ``cache_dir``; a
+    ``.bin`` is checked against ``tokenizer`` when given. Raises ValueError for a missing
+    path, an empty corpus or another tokenizer's token file.
     """
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if path is not None:

@@ -1,12 +1,6 @@
-"""Columnar data: Parquet through ``pyarrow``; ``datasets`` folders and local files.
-
-Each is read a batch of rows at a time, so memory stays bounded whatever the
-file's size: Parquet with a buffered stream and no pre-buffering (pages are
-read as the batch needs them, also inside one large row group); a
-``save_to_disk`` folder memory-mapped by ``datasets.load_from_disk``; a CSV or
-a JSON array by ``datasets.load_dataset(..., streaming=True)`` (nothing is
-written to its cache). Rows are counted from 0 in each file. The libraries are
-imported only here and only when such a file is read.
+"""Columnar data, a batch of rows at a time: Parquet through ``pyarrow`` (pages read as
+needed), ``save_to_disk`` folders memory-mapped, CSV and JSON arrays streamed by
+``datasets.load_dataset``. Rows count from 0 per file; the libraries load only here.
 """
 
 from __future__ import annotations
@@ -132,7 +126,7 @@ def _loaded_batches(path: Path, data_format: str, column: str | None) -> Iterato
     options = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
     try:
         loaded = datasets.load_dataset(data_format, data_files=[str(path)], split="train",
-                                       streaming=True, **options)
+                                       streaming=True, **options)  # nothing cached
         first = True
         for batch in loaded.iter(batch_size=BATCH_ROWS):
             if first:

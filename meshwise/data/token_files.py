@@ -1,21 +1,6 @@
-"""Token files: a flat array of token ids (``.bin``) and meshwise's JSON sidecar beside it.
-
-The ids are little-endian uint16 when the vocabulary fits (at most 65,536
-ids), uint32 above (Llama 3's 128,256). The sidecar ``<name>.bin.meshwise.json``
-holds ``{"num_tokens", "vocab_size", "max_token", "scanned", "source", "dtype",
-"tokenizer", "format", "written_by"}``. ``vocab_size`` is the tokenizer's when
-it is known (256 for byte-level corpora) and ``null`` for a ``.bin`` meshwise
-did not build; ``max_token`` is the largest id in the file as of ``scanned``
-(the file's size and modification time then): every load checks it against
-the model's vocabulary, scanning again only a file that changed since.
-``tokenizer`` is what wrote the file (``meshwise.data.tokenizer``: kind, path,
-digest, vocab_size, separator), absent for a scanned file. A sidecar without
-``dtype`` (written before there was a choice) means uint16; a ``.bin`` without
-a sidecar is uint16 unless its contents could be uint32 ids, in which case the
-dtype must be given (``meshwise.data.token_scan``). The sidecar's name is ours
-alone and ``written_by`` marks it: a file of that name that meshwise did not
-write is never read or replaced. Every write is atomic (a temp file in the
-same folder, then ``os.replace``).
+"""Token files: a flat little-endian array of ids (``.bin``: uint16 up to 65,536 ids, else
+uint32) and meshwise's JSON sidecar ``<name>.bin.meshwise.json`` (keys at ``_write_meta``),
+each written atomically (a temp file, then ``os.replace``). See docs/data.md.
 """
 
 from __future__ import annotations
@@ -113,6 +98,9 @@ def _umask() -> int:
 
 def _write_meta(bin_path: Path, meta: dict) -> None:
     """Write the JSON sidecar of ``bin_path`` atomically."""
+    # Keys: num_tokens, vocab_size (null for a .bin meshwise did not build), max_token as of
+    # scanned (the file's size and mtime then), source, dtype, tokenizer, format, and
+    # written_by: a sidecar meshwise did not write is never read or replaced.
     meta = {**meta, "format": FORMAT_VERSION, "written_by": WRITTEN_BY}
     _atomic_write(sidecar_path(bin_path), [json.dumps(meta, indent=1).encode()])
 
@@ -132,10 +120,9 @@ def _ours(side: Path) -> dict | None:
 def read_meta(path: str | os.PathLike, dtype: str | None = None) -> dict:
     """Metadata of a token file: its sidecar, or computed once from the tokens.
 
-    ``dtype`` (``--token-dtype``) is what the ids are when no sidecar says; it
-    must agree with one that does. Without a (valid) sidecar the file is scanned
-    once for its largest id; the sidecar is then written next to it if that
-    folder is writable, and otherwise the result is kept in memory.
+    ``dtype`` (``--token-dtype``) must agree with a sidecar that records one. Without a valid
+    sidecar the file is scanned once; the result is written beside it where the folder
+    allows, else kept in memory.
     """
     path = Path(path)
     check_regular(path)
@@ -221,11 +208,9 @@ def resolve_vocab_size(meta: dict, requested: int = 0,
                        path: str | os.PathLike | None = None) -> int:
     """The vocabulary a model of this data needs, checked against the tokens.
 
-    ``requested`` (``--vocab-size``, 0 for none) wins when given; it must hold
-    every token id. Without it: the tokenizer's vocabulary from the sidecar, or
-    for a ``.bin`` of unknown origin its largest id + 1 while that stays within
-    the byte default; past it the vocabulary must be stated, so a stray large id
-    cannot silently grow the model.
+    ``requested`` (``--vocab-size``, 0 for none) must hold every id; else the sidecar's
+    tokenizer vocabulary, or for a ``.bin`` of unknown origin its largest id + 1 within the
+    byte default: past it the size must be stated, so a stray id cannot grow the model.
     """
     stated, max_token = meta.get("vocab_size"), meta.get("max_token")
     source = meta.get("source", "the data")

@@ -1,15 +1,8 @@
 """Scans of a token file's ids: its largest id, and whether its dtype is settled.
 
-Both are one chunked pass over a memory map (a few hundred MB/s), and both
-results are cached on the file's path, size and modification time, in memory
-here and in meshwise's sidecar by the caller, so a file is scanned again only
-when it changed.
-
-A ``.bin`` without meshwise's sidecar does not say whether its ids are uint16
-or uint32. Read as uint16, a uint32 file of ids below 2**20 shows its high
-halves as every other id, all small and mostly zero; a uint16 file of real
-tokens does not (its odd positions are tokens like the others). Such a file is
-ambiguous and must be named with ``--token-dtype``; any other is uint16.
+One chunked pass over a memory map, cached on path, size and mtime. Read as uint16, a
+uint32 file of ids below 2**20 shows every other id small and mostly zero; such a file
+without a sidecar is ambiguous and needs ``--token-dtype`` (docs/data.md).
 """
 
 from __future__ import annotations

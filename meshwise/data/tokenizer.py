@@ -1,20 +1,6 @@
-"""Tokenizers: byte-level (the default) and Hugging Face ``tokenizer.json`` files.
-
-Both kinds answer the same few questions, which is all the rest of meshwise asks:
-``encode`` / ``decode``, ``vocab_size`` (largest id + 1), ``digest`` (a stable
-identity: cache keys and token-file sidecars carry it, so a corpus is never read
-with another tokenizer than the one that wrote it), ``separator`` (the ids put
-between two documents) and ``splits_at_lines`` (whether a long document may be
-encoded in pieces cut after line breaks, where ``cuts_cleanly`` says so).
-
-Documents are joined by ``separator``: ``\\n`` for byte-level (what meshwise
-always did, so existing corpora keep their tokens), else the tokenizer's
-end-of-text token (the first of ``END_OF_TEXT`` it knows), else the encoding of
-``\\n``. Text is encoded without the tokenizer's own special tokens (no BOS
-per document): the separator is the only boundary marker.
-
-The digest of a ``tokenizer.json`` is the SHA-256 of its bytes, not of the parsed
-tokenizer: it does not change when the ``tokenizers`` library is upgraded.
+"""Tokenizers, byte-level (the default) and Hugging Face ``tokenizer.json``: ``encode``,
+``decode``, ``vocab_size``, ``digest`` (SHA-256 of the file's bytes, stable across library
+versions), ``separator`` between documents and ``splits_at_lines``. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -175,11 +161,8 @@ class HFTokenizer(Tokenizer):
 
 @contextlib.contextmanager
 def serial_tokenizers() -> Iterator[None]:
-    """Run the ``tokenizers`` library on this thread only.
-
-    Our parallelism is processes (``--workers``); its own thread pool would
-    compete with them, and once used it makes every later fork of this process
-    (the training ranks) print a warning and switch it off.
+    """Run the ``tokenizers`` library on this thread only: our parallelism is processes, and
+    once its pool is used every later fork (the ranks) warns and switches it off.
     """
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

@@ -1,11 +1,8 @@
 """Tasks run by worker processes, their results taken in task order.
 
-Workers are forked where the platform allows it: they start in milliseconds
-(a spawned one would import torch through the package first). At most two
-tasks per worker are in flight, so a stream of tasks produced as it goes (the
-rows of a Parquet file, read here) holds only those in memory. Ctrl-C or
-SIGTERM, or a task that raises, ends the workers at once: their work is lost
-anyway, and a tokenizer busy in native code could not be interrupted.
+Workers are forked where allowed (a spawned one imports torch first); at most two
+tasks per worker are in flight, so a stream of tasks holds only those in memory.
+Ctrl-C, SIGTERM or a failed task ends the workers at once, not waited for.
 """
 
 from __future__ import annotations
@@ -51,7 +48,9 @@ def ordered_results(function: Callable[[T], R], tasks: Iterable[T], num_workers:
             yield task, result
         finished = True
     finally:
-        if not finished:  # interrupted, or a task failed: do not wait for the others
+        # Interrupted, or a task failed: their work is lost anyway, and a tokenizer busy in
+        # native code could not be interrupted, so kill rather than wait.
+        if not finished:
             _stop_workers(pool)
         pool.shutdown(wait=True, cancel_futures=True)
 

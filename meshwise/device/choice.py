@@ -68,10 +68,8 @@ def gpu_facts() -> dict:
 def rank_device(kind: str) -> torch.device:
     """The device this rank computes on: the CPU, or for ``cuda`` its local rank's GPU.
 
-    ``LOCAL_RANK`` (set by ``meshwise train`` and by torchrun) indexes the GPUs
-    this process sees, which ``CUDA_VISIBLE_DEVICES`` has already renumbered.
-    Where a scheduler shows each process only its own GPU, that one GPU is the
-    rank's whatever its ``LOCAL_RANK``.
+    ``LOCAL_RANK`` indexes the GPUs this process sees (already renumbered by
+    ``CUDA_VISIBLE_DEVICES``); a process that sees one GPU uses it whatever its local rank.
     """
     if kind != "cuda":
         return torch.device(kind)

@@ -1,9 +1,8 @@
 """Waiting for a device, and timing its work with the device's own clock.
 
-Accelerators run kernels asynchronously: a host clock read after a call
-measures how fast the host queued it. ``Stopwatch`` and ``IntervalClock`` record
-CUDA events on a GPU (a host clock on the CPU); ``synchronize`` waits for the
-device; ``host_to_device`` copies host numbers without waiting for it.
+``Stopwatch`` and ``IntervalClock`` record CUDA events on a GPU (a host clock on the
+CPU); ``synchronize`` waits for the device; ``host_to_device`` copies host numbers
+without waiting for it.
 """
 
 from __future__ import annotations
@@ -15,11 +14,8 @@ import torch
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait until the work queued on ``device`` has finished; a no-op on CPU.
-
-    Accelerators run kernels asynchronously: a clock read right after a step
-    measures how fast the host queued it, not how long it ran. Read clocks after
-    this.
+    """Wait until the work queued on ``device`` has finished (a no-op on CPU); read clocks after
+    this, or they measure how fast the host queued the work.
     """
     device = torch.device(device)
     if device.type in ("cpu", "meta"):
@@ -48,10 +44,9 @@ def host_to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
 class Stopwatch:
     """Seconds spent in marked intervals of a device's work.
 
-    On the CPU a host clock. On a GPU each interval is a pair of CUDA events
-    recorded on the current stream, so it measures when the work ran, not when
-    the host queued it; ``seconds()`` adds up the intervals whose events have
-    completed (all of them after a read that waited for the device)."""
+    A host clock on the CPU; on a GPU a pair of CUDA events per interval on the current
+    stream, and ``seconds()`` adds up those whose events have completed.
+    """
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
@@ -88,11 +83,9 @@ class Stopwatch:
 class IntervalClock:
     """Start and end of marked intervals of a device's work, in seconds from ``start()``.
 
-    On the CPU a host clock. On a GPU each mark is a CUDA event recorded on the
-    current stream (one at ``start()`` too), so it says when the work ran, not
-    when the host queued it; ``intervals()`` turns them into seconds once the
-    device has passed them (after the step's one host read), and recording
-    never waits for the device."""
+    A host clock on the CPU; on a GPU a CUDA event per mark on the current stream, turned
+    into seconds by ``intervals()`` once the device passed them. Recording never waits.
+    """
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"

@@ -1,11 +1,6 @@
-"""Named ranges in ``torch.profiler`` traces, free when no trace is being recorded.
+"""Named ranges in ``torch.profiler`` traces (``named``), free when no trace is recorded.
 
-The forward, backward, optimizer step, pipeline actions, ZeRO-3 gathers,
-checkpoint saves and every collective (named by its group, so each axis's
-communication shows as such) are marked with ``named(name)``. While no trace
-is recorded ``named`` returns one shared null context: no allocation, no call
-into the profiler. Whether a trace is being recorded is one switch per process,
-as torch's profiler itself is (``recording``).
+Off, ``named`` returns one shared null context: no allocation, no profiler call.
 """
 
 from __future__ import annotations

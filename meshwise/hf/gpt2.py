@@ -1,12 +1,8 @@
 """Hugging Face's GPT-2 (``GPT2LMHeadModel``) read into meshwise's GPT, slice by slice.
 
-Our GPT is GPT-2's architecture (pre-LayerNorm, tanh GELU, learned positions, a
-tied head); two layouts differ. GPT-2 keeps its linear weights as ``Conv1D``,
-``(in, out)``, the transpose of ours; and its fused ``c_attn`` columns are
-``(3, n_head, head_dim)`` where our ``qkv`` rows are ``(n_head, 3, head_dim)``
-(so a tensor-parallel split of the rows gives whole heads). A piece of one of
-our tensors is read as the stored blocks it maps to, rearranged: a rank reads
-the rows and columns of its box, never the whole model.
+Its ``Conv1D`` weights are ``(in, out)``, our transpose, and its ``c_attn`` columns are
+``(3, n_head, head_dim)`` where our ``qkv`` rows are ``(n_head, 3, head_dim)`` (whole heads
+per tp split): a rank reads the stored blocks its box maps to, never the whole model.
 """
 
 from __future__ import annotations

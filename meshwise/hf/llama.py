@@ -1,16 +1,6 @@
-"""Hugging Face's Llama ``config.json`` and tensor names, to and from ours (pure).
-
-Mistral, Qwen2 and Qwen3 are the same decoder with switches (``LlamaConfig``:
-sliding window, q/k/v biases, q/k norms and head size) and the same tensor
-names, so they are read and written here too, each under its own
-``model_type`` and architecture.
-
-Our module names are Hugging Face's without the ``model.`` prefix that
-``LlamaForCausalLM`` puts before its decoder (``lm_head`` has none), so a
-tensor's name maps by that prefix alone. ``config.json`` is read in both the
-format transformers 4 writes (``rope_theta`` and ``rope_scaling`` at the top)
-and the one transformers 5 writes (``rope_parameters``); exports use the first,
-which both versions read.
+"""Hugging Face's Llama, Mistral, Qwen2 and Qwen3 ``config.json`` and tensor names, to and
+from ours (pure). ``config.json`` is read as transformers 4 writes it (``rope_theta``,
+``rope_scaling``) and as 5 does (``rope_parameters``); exports use the first, read by both.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""A Hugging Face weights folder, read slice by slice.
-
-A folder holds ``model.safetensors``, or shards listed by
-``model.safetensors.index.json`` (its ``weight_map``: tensor name -> file).
-Checking a folder reads only the files' headers. Reading a ``Piece`` (a box of
-the logical tensor and a flat run inside it: a rank's tensor-parallel slice, or
-the part of it in a ZeRO shard) asks safetensors for just the rows the run
-covers (``safe_open(...).get_slice``), so no rank reads a whole tensor it does
-not keep.
+"""A Hugging Face weights folder (``model.safetensors`` or an index of shards), read slice
+by slice: checking reads only headers, and a ``Piece`` asks ``get_slice`` for just its rows.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Documents packed into sequences: which document each token belongs to (pure).
-
-A packed sequence holds several documents, or pieces of them, one after
-another. Under document masking each token attends only to the tokens of its
-own document up to itself (block-diagonal causal attention) and its position
-counts from its document's first token, so every document is computed as if
-it were alone (Megatron-LM's ``--reset-attention-mask --reset-position-ids``,
-torchtitan's document mask; Krell et al. 2021, "Efficient sequence packing
-without cross-contamination").
-
-``Documents`` holds, for whole sequences, each token's document (ids that
-never decrease along a row) and its position inside it. Attention masks are
-asked for by global positions (``allowed``), so a context-parallel rank, which
-holds some chunks of every sequence (``meshwise.layout.sequence``), asks for
-the (query, key) pairs it computes and gets what one process would use.
+"""Documents packed into sequences (pure): each token's document and its position in it,
+for document masking (Krell et al. 2021; Megatron-LM's ``--reset-attention-mask
+--reset-position-ids``), asked for by global positions so a cp rank sees what one
+process does. See docs/fine-tuning.md "Packing with document masks".
 """
 
 from __future__ import annotations

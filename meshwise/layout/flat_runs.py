@@ -1,10 +1,4 @@
-"""A flat buffer of parameters as seen from outside its engine (pure).
-
-Engines (``meshwise.sharding``) keep parameters back to back in flat buffers,
-each rank owning one contiguous range of every buffer (its dp shard).
-Checkpoints and the 3D gradient sync only need to know which parameter sits
-where in a buffer and which tensors hold which part of it: a ``FlatRun``.
-"""
+"""A flat buffer of parameters as checkpoints and the 3D gradient sync see it (pure)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""Initial values that do not depend on the layout, drawn piece by piece.
-
-A parameter starts as the tensor a single process would build from the run's
-seed (DESIGN section 1). To let a rank draw only what it keeps (a tensor-parallel
-slice, a ZeRO-3 shard of it) without ever building the whole tensor, the values
-are defined block by block: the row-major flattening of the logical tensor is cut
-into blocks of ``BLOCK`` elements, and block ``j`` of parameter ``name`` is drawn
-from a generator seeded by ``(seed, name, j)``. Any piece (a box of the logical
-tensor, and a flat range inside that box; see ``meshwise.layout.pieces``) is
-then produced from the blocks it touches.
-
-Most pieces are evenly spaced runs of the flattening (``Piece.rows``): a whole
-tensor or a row slice is one run, a column slice one run per row. A block a run
-covers whole is drawn straight into its place in the output; rows closer than a
-block are drawn as the span that holds them and taken out as a strided view.
-Blocks have generators of their own, so threads draw them side by side, each a
-window at a time: memory stays at the piece plus a window per thread. Other
-pieces (a box cut in two outer dimensions) go element by element through their
-logical indices.
+"""Initial values that do not depend on the layout (DESIGN section 1): block ``j`` of
+``BLOCK`` elements of a logical tensor's row-major flattening is drawn from a generator
+seeded by ``(seed, name, j)``, so a rank draws only the blocks its piece touches.
 """
 
 from __future__ import annotations

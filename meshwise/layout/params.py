@@ -1,20 +1,8 @@
 """Where a parameter sits across tensor-parallel ranks, and its piece of the logical tensor.
 
-Every parameter that a tensor-parallel layer creates carries marks that
-gradient synchronisation, the gradient norm and checkpoints read:
-
-* ``param.tp_sharded: bool``: ``True`` if the parameter is a slice of a full
-  tensor split across tp ranks (each rank holds a different slice), ``False``
-  if it is replicated (identical on every tp rank). It describes the kind of
-  parameter, so it is the same for every layout, ``True`` even at tp=1;
-* ``param.tp_dim: int | None``: the dim along which the full tensor is split,
-  in rank order (``None`` when replicated);
-* ``param.tp_unpadded_size: int``, only on padded parameters (the embedding):
-  the real size of the full tensor along ``tp_dim``; rows beyond it are padding
-  (a checkpoint stores only the real rows; a rank of another tp size loading it
-  keeps its own zero padding).
-
-A parameter without the marks (LayerNorm, ...) counts as replicated.
+Tensor-parallel layers mark their parameters (``tp_sharded``, ``tp_dim``, and
+``tp_unpadded_size`` on the padded embedding); gradient sync, the gradient norm and
+checkpoints read the marks. An unmarked parameter (a LayerNorm's) is replicated.
 """
 
 from __future__ import annotations
@@ -26,7 +14,9 @@ from .pieces import Piece
 
 
 def mark_tp(param: nn.Parameter, sharded: bool, dim: int | None = None) -> nn.Parameter:
-    """Set the ``tp_sharded`` / ``tp_dim`` marks described in the module docstring."""
+    """Mark ``param``: ``tp_sharded`` if tp ranks hold different slices of it (a property of
+    its kind, so ``True`` even at tp 1), ``tp_dim`` the dim split in rank order (None if not).
+    """
     # The marks are attributes of the parameter object, which torch's types do not declare.
     param.tp_sharded = sharded  # type: ignore[attr-defined]
     param.tp_dim = dim if sharded else None  # type: ignore[attr-defined]

@@ -1,20 +1,8 @@
 """Where a stored or wanted slice sits inside its logical tensor (pure).
 
-A checkpoint stores each *logical* tensor (the one a single process would hold)
-as pieces written by whichever ranks held them. Every layout's shard is one
-``Piece``:
-
-- a tensor-parallel shard is a *box*: per-dimension offsets and sizes inside the
-  logical tensor (``box_offsets``, ``box_sizes``);
-- a ZeRO flat shard cuts a contiguous range out of the row-major flattening of
-  what the rank holds, so a piece is a box plus a flat range ``[flat_start,
-  flat_end)`` inside that box (the whole box when the range is the full one).
-
-Loading into another layout copies, for each wanted piece, the elements it
-shares with each stored piece. Flat ranges of row-major boxes visit logical
-indices in increasing order, which keeps the overlap a sorted-array
-intersection; equal boxes (the same tp degree) and whole-box pieces take
-cheaper paths of plain slicing.
+A ``Piece`` is a tensor-parallel box of the logical tensor plus a flat range inside
+it (a ZeRO shard cuts the row-major flattening), so every layout's shard is one piece
+and loading into another layout copies what two pieces share.
 """
 
 from __future__ import annotations
@@ -174,6 +162,8 @@ def _copy_box_overlap(dst, dst_piece: Piece, src, src_piece: Piece) -> int:
 
 
 def _copy_index_overlap(dst, dst_piece: Piece, src, src_piece: Piece) -> int:
+    # A flat range of a row-major box visits logical indices in increasing order, so
+    # the overlap is a sorted-array intersection.
     dst_index = dst_piece.logical_indices()
     src_index = src_piece.logical_indices()
     if dst_index.numel() == 0 or src_index.numel() == 0:

@@ -1,66 +1,7 @@
-"""Parallel plans: how a plain single-device model is laid out (pure data).
-
-A model is written for one device (``meshwise.models``); its family's plan says
-what parallelism does to it, and ``meshwise.apply.parallelize`` applies the plan
-without touching the model's code (as torchtitan's ``parallelize_module`` plans
-and picotron's ``apply_tensor_parallel`` do):
-
-- ``tp``: which modules become tensor parallel, by path pattern (``*`` matches
-  one component, e.g. ``blocks.*.attn.qkv``) and style:
-
-  ``colwise``
-      an ``nn.Linear`` whose output features are split (Megatron's column
-      parallel layer); its output stays split.
-  ``rowwise``
-      an ``nn.Linear`` whose input features are split; the partial outputs are
-      summed over tp (row parallel); its bias is added once, after the sum.
-  ``vocab_embedding``
-      an ``nn.Embedding`` whose rows (the vocabulary) are split, padded to a
-      multiple of tp.
-  ``vocab_head``
-      the output ``nn.Linear`` over the vocabulary, split like the embedding;
-      its logits stay split and the loss is computed from the shards.
-  ``shard_norm``
-      an RMSNorm (``weight`` and ``eps``) applied to each head of a split
-      activation (Qwen3's q/k norms): replicated, its gradient summed over tp.
-  ``position_embedding``
-      an ``nn.Embedding`` of learned positions, replicated; under sequence
-      parallelism each rank looks up only the positions of its slice.
-
-  With sequence parallelism (``--sp``, Korthikanti et al. 2022) the
-  activations between those layers, of shape (batch, sequence, features), hold
-  ``1/tp`` of the sequence: a column-parallel layer and the head all-gather
-  their input along it, a row-parallel layer and the vocabulary embedding
-  reduce-scatter their output along it, and every replicated parameter (norms,
-  row-parallel biases, positions) sees only its rank's tokens, so its gradient
-  is summed over tp.
-
-- ``cp``: what context parallelism (``--cp``) swaps, by path pattern and style:
-
-  ``positions``
-      the model's ``Positions`` module: the positions of this rank's tokens.
-  ``ring_attention``
-      a ``ScaledDotProductAttention``: ring attention over the cp group.
-
-  A plan without a ``ring_attention`` entry cannot run with ``--cp``.
-
-- ``layers``: the ``nn.ModuleDict`` of repeated layers, keyed by their global
-  index, in order. Pipeline stages are cut from it (a stage keeps its layers
-  under their global keys, so parameter names never depend on the layout), and
-  each layer is a ZeRO-3 unit.
-- ``first_stage`` / ``last_stage``: the modules that run before / after the
-  layers; a pipeline stage that does not hold them has them set to ``None``, so
-  the model's forward must skip a missing module (``if self.wte is not None``).
-- ``ties``: parameters that are one tensor (a tied embedding and output head).
-  The first name of a tie is its logical name (what checkpoints store); when a
-  pipeline puts the members on different stages (only the first and the last
-  stage may share a tie), each holds a copy and their gradients are summed.
-
-The model's own code must use ``-1`` (or the local size) where a split dimension
-is reshaped (``view(B, T, -1, head_dim)``), so the same code runs on a shard,
-and take the sequence length from the tensor it reshapes (a column-parallel
-layer's output holds the whole sequence under sequence parallelism, its input
-a slice).
+"""Parallel plans (pure data): what parallelism does to a plain model, applied by
+``meshwise.apply.parallelize`` without touching its code (as torchtitan's
+``parallelize_module`` and picotron's ``apply_tensor_parallel``). Entry by entry:
+docs/own-model.md "The plan, entry by entry".
 """
 
 from __future__ import annotations

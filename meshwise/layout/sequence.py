@@ -1,23 +1,7 @@
-"""Which tokens of a sequence a rank holds under context and sequence parallelism (pure).
-
-Context parallelism (``--cp N``) cuts every sequence of ``T`` tokens into
-``2N`` chunks of ``T / 2N`` and gives cp rank ``r`` chunks ``r`` and
-``2N - 1 - r`` (the "zigzag" or head-tail layout of Megatron-LM's context
-parallelism and of Llama 3's, Meta 2024, section 3.3.2): under a causal mask an
-early chunk attends to few keys and a late one to many, so pairing them gives
-every rank the same work. A rank keeps its two chunks in order, so its own
-positions increase and a causal mask over its local tokens is exactly the
-global mask restricted to them.
-
-Sequence parallelism (``--sp``) then splits a rank's tokens again across the
-tp ranks, in ``tp`` contiguous runs of its local order, between the
-tensor-parallel layers (Korthikanti et al. 2022).
-
-``SequenceShard`` answers, for one rank, which tokens it is fed and the global
-position of every token it holds in either region. This module is the one place
-the split is worked out: the trainer cuts its batches with it, and positions
-(learned and rotary), dropout's keys, the ring's blocks and sequence
-parallelism's position lookup all ask it, so none depends on the layout.
+"""Which tokens of a sequence a rank holds (pure): cp rank ``r`` of ``N`` chunks ``r`` and
+``2N - 1 - r`` of ``2N`` (Megatron-LM's and Llama 3's zigzag, Meta 2024, section 3.3.2),
+split again over tp under ``--sp`` (Korthikanti et al. 2022). The one place the split is
+worked out: batches, positions, dropout keys and the ring's blocks all ask it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,3 @@
-"""Plain single-device models (GPT, Llama), each with its ``ParallelPlan``.
-
-``families`` is the registry the trainer, checkpoints and export look models up in.
+"""Plain single-device models (GPT, Llama), each with its ``ParallelPlan``; ``families`` is
+the registry the trainer, checkpoints and export look them up in.
 """

@@ -1,25 +1,6 @@
-"""The two pieces of a transformer that see where its tokens are in their sequence.
-
-On one process a forward holds whole sequences; under context parallelism a
-rank holds some chunks of each (``meshwise.layout.sequence``). Both families
-therefore ask two small modules, which a plan may swap for their
-context-parallel forms, instead of assuming ``arange(T)``:
-
-- ``Positions``: the global positions of the tokens a forward holds (learned
-  position embeddings and rotary angles are looked up at them); the plan's
-  ``positions`` style gives it a cp rank's ``SequenceShard``;
-- ``ScaledDotProductAttention``: causal attention of the queries a forward
-  holds over the keys of the whole sequence, with grouped-query attention
-  (fewer key/value heads than query heads), a sliding window and keyed
-  attention dropout (``meshwise.models.dropout``), each call run by the
-  kernel ``meshwise.models.attention_kernels`` chooses for it; the plan's
-  ``ring_attention`` style swaps it for ``meshwise.context_parallel.ring``'s.
-
-Neither holds parameters, so swapping them changes no name a checkpoint knows.
-Both take the forward's ``ForwardContext`` (``meshwise.models.context``) as an
-argument: with documents in it, positions count from each document's first
-token and attention stays inside each document (``meshwise.layout.documents``),
-with dropout's keep-masks keyed by position in the whole sequence.
+"""The two pieces of a transformer that see where its tokens are: ``Positions`` and
+``ScaledDotProductAttention``. They hold no parameters, so a plan swaps them for their
+context-parallel forms without renaming anything; both read the ``ForwardContext``.
 """
 
 from __future__ import annotations
@@ -76,15 +57,12 @@ class Positions(nn.Module):
 
 
 class ScaledDotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + causal mask) v over whole sequences.
+    """softmax(q k^T / sqrt(d) + causal mask) v over whole sequences, by the kernel
+    ``attention_kernels`` chooses.
 
-    ``q``: (B, H, Tq, d); ``k``, ``v``: (B, G, Tk, d) with G dividing H (query
-    head i reads key/value head i // (H / G), as Ainslie et al. 2023 group
-    them). ``window``: a sliding window (0: none). ``p``: dropout on the
-    attention weights, keyed at ``site`` (per sample, head and (query, key)
-    pair). ``context``: the forward's ``ForwardContext`` (its samples, heads and
-    documents). The kernel is chosen per call
-    (``meshwise.models.attention_kernels``).
+    ``q``: (B, H, Tq, d); ``k``, ``v``: (B, G, Tk, d), query head i reading key/value head
+    i // (H / G) (Ainslie et al. 2023). ``window``: sliding window (0: none); ``p``: dropout
+    on the weights, keyed at ``site``; ``context``: the forward's ``ForwardContext``.
     """
 
     def __init__(self, p: float = 0.0, site: str = ""):

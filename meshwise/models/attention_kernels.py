@@ -1,27 +1,6 @@
-"""Which kernel computes an attention call, and the kernels themselves.
-
-``attention(q, k, v, ...)`` takes what a call needs as arguments (the causal
-flag, a sliding window, the batch's documents, a dropout keep-mask) and
-``choose_kernel`` picks how it runs from the device, the dtype and those:
-
-| call                               | CUDA                          | CPU (and others)      |
-| ---------------------------------- | ----------------------------- | --------------------- |
-| dense, bf16 / fp16                 | ``sdpa`` (flash, cuDNN)       | ``sdpa``              |
-| dense, fp32, grouped heads         | ``sdpa_expanded`` (mem-eff.)  | ``sdpa``              |
-| dense, fp32, one key head per head | ``sdpa`` (memory-efficient)   | ``sdpa``              |
-| sliding window, whole sequences    | ``flex``                      | ``sdpa_mask``         |
-| sliding window, decoding (cache)   | ``sdpa_mask`` ((Tq, P+Tq))    | ``sdpa_mask``         |
-| documents (and a window)           | ``flex``                      | ``each_document``     |
-| attention dropout (any mask)       | ``tiled``                     | ``explicit``          |
-
-On CUDA no path forms a (T, T) score matrix: SDPA's math backend, the only
-one that serves fp32 with grouped heads, would, so the key/value heads are
-expanded for the memory-efficient kernel; ``flex_attention`` (compiled once)
-skips the blocks a window or document boundary masks out; dropout runs over
-tiles of keys (``meshwise.models.tiled_attention``). On the CPU the exact
-paths stay what the parity tests hold them to. ``kernel=`` forces a path, so
-the CUDA ones are tested on the CPU where their operations run there
-(``flex_attention`` runs eagerly on the CPU).
+"""Which kernel computes an attention call (``choose_kernel``: from causality, window,
+documents, dropout, device and dtype; none forms a (T, T) matrix on CUDA, docs/gpus.md),
+and the kernels themselves; ``kernel=`` forces one, so CUDA's are tested on the CPU.
 """
 
 from __future__ import annotations
@@ -39,10 +18,20 @@ from meshwise.models.attention_masks import DocumentMask, keys_seen, window_bloc
 KERNELS = ("sdpa", "sdpa_expanded", "sdpa_mask", "flex", "each_document", "explicit", "tiled")
 
 
+# call                               CUDA                         CPU (and others)
+# dense, bf16 / fp16                 sdpa (flash, cuDNN)          sdpa
+# dense, fp32, grouped heads         sdpa_expanded (mem.-eff.)    sdpa
+# dense, fp32, one key head per head sdpa (memory-efficient)      sdpa
+# sliding window, whole sequences    flex                         sdpa_mask
+# sliding window, decoding (cache)   sdpa_mask ((Tq, P+Tq))       sdpa_mask
+# documents (and a window)           flex                         each_document
+# attention dropout (any mask)       tiled                        explicit
+# On CUDA no path forms a (T, T) score matrix; on the CPU the exact paths stay what the
+# parity tests hold them to.
 def choose_kernel(device_type: str, dtype: torch.dtype, grouped: bool, window: bool,
                   documents: bool, dropout: bool, whole: bool) -> str:
-    """The kernel of a call (see the module's table). ``window``: a window that hides
-    some keys; ``whole``: causal queries over their own keys (no KV cache)."""
+    """The kernel of a call (the table above). ``window``: a window that hides some
+    keys; ``whole``: causal queries over their own keys (no KV cache)."""
     cuda = device_type == "cuda"
     if dropout:
         return "tiled" if cuda else "explicit"
@@ -59,14 +48,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               window: int = 0, documents: DocumentMask | None = None, keep=None,
               kernel: str | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v: (B, H, Tq, d) from q (B, H, Tq, d) and k, v
-    (B, G, Tk, d), G dividing H (query head i reads key/value head i // (H / G)).
+    (B, G, Tk, d), G dividing H.
 
-    ``causal``: query i sees keys up to i (Tq == Tk); else every key (decoding
-    after a KV cache), the queries being the last Tq positions. ``window``: a
-    sliding window (0: none). ``documents``: attention stays inside each
-    document of whole causal sequences. ``keep(start, end)``: the dropout
-    keep-mask (B, H, Tq, end - start) of key columns ``start .. end``, scaled by
-    1/(1-p), or None. ``kernel``: one of ``KERNELS`` in place of the choice.
+    ``causal``: query i sees keys up to i (Tq == Tk); else every key, the queries being the
+    last Tq positions (after a KV cache). ``window``: 0 for none. ``documents``: attention
+    inside each document. ``keep(start, end)``: the dropout keep-mask (B, H, Tq, end - start),
+    scaled by 1/(1-p), or None. ``kernel``: one of ``KERNELS`` in place of the choice.
     """
     t_q, t_k = q.shape[2], k.shape[2]
     whole = causal and t_q == t_k
@@ -150,11 +137,11 @@ def _flex(q, k, v, causal, window, documents, keep):
 
 def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         lengths: list[list[int]], window: int = 0) -> torch.Tensor:
-    """Causal attention inside each document, each computed on its own (what flash
-    attention's varlen kernels do in one launch): no work across documents, no
-    (T, T) mask. ``lengths``: each row's document lengths, in order (host
-    integers, summing to T); q (B, H, T, d), k and v (B, G, T, d); ``window``: a
-    sliding window inside each document (0: none)."""
+    """Causal attention inside each document, each on its own (what flash attention's varlen
+    kernels do in one launch): no work across documents, no (T, T) mask. ``lengths``: each
+    row's document lengths (host integers, summing to T); q (B, H, T, d), k, v (B, G, T, d);
+    ``window``: a sliding window inside each document (0: none).
+    """
     grouped = k.shape[1] != q.shape[1]
     rows = []
     for b, row in enumerate(lengths):

@@ -1,21 +1,6 @@
-"""Which keys each query sees, in the forms attention kernels take.
-
-Three things restrict a causal query's keys: the causal mask itself, a sliding
-window (Beltagy et al. 2020, Mistral: the query and the ``window - 1`` keys
-before it) and document masking (``meshwise.layout.documents``: only keys of
-its own document). The same rule is given here as
-
-- boolean masks over (query, key) positions (``keys_seen``, ``window_mask``),
-  for kernels that take a mask, a tile of keys at a time where it matters;
-- ``BlockMask``s for ``flex_attention`` (Dong et al. 2024, "Flex attention"):
-  which 128 x 128 blocks of the score matrix hold any allowed pair, and which
-  hold only allowed pairs. They are worked out block by block from each
-  block's first and last position and its smallest and largest document id
-  (ids never decrease along a sequence), so building one reads nothing on the
-  host and never forms the (T, T) mask that ``create_block_mask`` evaluates;
-- ``DocumentMask``: the documents of one forward, which builds each of these
-  once and hands the same one to every layer; the forward receives it in its
-  context (``meshwise.models.context``).
+"""Which keys each query sees (causal, a sliding window as Beltagy et al. 2020 and Mistral,
+documents), as boolean masks and as ``flex_attention`` ``BlockMask``s (Dong et al. 2024)
+built block by block, never from the (T, T) mask; ``DocumentMask`` makes each once.
 """
 
 from __future__ import annotations
@@ -129,13 +114,10 @@ def window_block_mask(length: int, window: int, device: torch.device,
 class DocumentMask:
     """The documents of one forward's whole sequences, as attention and positions read them.
 
-    ``documents``: their ids and positions on the device (never read on the
-    host); ``lengths``: each row's document lengths as host integers, or None
-    (for kernels that split the rows by document); ``host_ids``: the ids as a
-    host array, or None (for decisions that must not wait for the device: the
-    ring's skipped blocks). The masks made from them are made once and shared
-    by every layer of the forward (and by its recompute under activation
-    checkpointing, which is handed the same object).
+    ``documents``: ids and positions on the device (never read on the host); ``lengths``:
+    each row's document lengths as host integers, or None; ``host_ids``: the ids as a host
+    array, or None (for the ring's skipped blocks). Masks made from them are shared by
+    every layer and by the recompute under activation checkpointing.
     """
 
     def __init__(self, documents: Documents[torch.Tensor],

@@ -1,21 +1,7 @@
-"""What one forward computes, handed to the model as an argument (``context=``).
-
-A model's forward takes its inputs and a ``ForwardContext`` that says which
-elements those inputs are: which global samples (for keyed dropout), which
-tokens of each sequence this rank holds (context and sequence parallelism),
-which attention heads (tensor parallelism) and, under document masking, the
-sequences' documents. The families pass it down to the places that read it:
-positions, attention and dropout. Nothing is set on a module per batch
-(torchtitan's pipeline hands its stages positions and masks as keyword
-arguments in the same way).
-
-Every rank draws the whole global batch, so every rank can make the context
-of any micro-batch on its own: a pipeline hands each stage its micro-batch's
-context with nothing sent between stages, and activation checkpointing's
-recompute gets the same object back, so it draws the same dropout masks and
-reads the same documents as the forward it repeats. A model called without a
-context (tests, generation, Hugging Face parity) computes whole sequences of
-one process: ``ForwardContext()``.
+"""What one forward computes (its global samples, tokens, heads and documents), handed to
+the model as ``context=`` rather than set on modules (as torchtitan's pipeline passes
+positions and masks). Every rank draws the whole global batch, so every stage and
+recompute makes the same context with nothing sent.
 """
 
 from __future__ import annotations
@@ -31,13 +17,10 @@ from meshwise.models.attention_masks import DocumentMask
 class ForwardContext:
     """Which elements one forward computes.
 
-    ``seed``, ``step``, ``first_sample``: its rows are global samples
-    ``first_sample ..`` of global batch ``step`` of the run seeded ``seed`` (the
-    identity keyed dropout draws each element's mask from). ``tokens``: which
-    tokens of each sequence this rank holds (``meshwise.layout.sequence``).
-    ``tp_rank``: which heads: local head ``i`` is global head ``tp_rank *
-    local_heads + i``. ``documents``: the rows' documents under document
-    masking, or None (each sequence one document).
+    ``seed``, ``step``, ``first_sample``: its rows are global samples ``first_sample ..`` of
+    batch ``step`` (dropout's identity); ``tokens``: the tokens of each sequence this rank
+    holds; ``tp_rank``: local head ``i`` is global head ``tp_rank * local_heads + i``;
+    ``documents``: the rows' documents, or None.
     """
 
     seed: int = 0

@@ -1,29 +1,7 @@
-"""Dropout whose masks do not depend on the layout.
-
-A dropout mask drawn from a process's RNG depends on which rank draws it and in
-what order, so the same run laid out differently would drop different elements.
-Here every element's draw is a hash of what the element *is*: the run's seed,
-the step, the sample's index in the global batch, the site in the model
-(``blocks.3.attn``), for attention weights the head, and the element's place
-in its sample (and head), counted in global positions of the sequence: a rank
-that holds only some tokens of each sequence (context parallelism's zigzag
-chunks, sequence parallelism's slices; ``meshwise.layout.sequence``) draws the
-masks of those tokens as one process draws them. The hash (SplitMix64's finaliser, Steele et al.
-2014) runs as a few integer kernels over the whole activation on its device:
-no generator per sample or head, nothing read on the host. So:
-
-- tp ranks holding replicated activations (the residual stream, embeddings)
-  draw the same mask, and those holding different heads draw different ones,
-  as Megatron-LM's RNG tracker arranges;
-- dp ranks draw different masks because they hold different samples;
-- cp and sp ranks draw different masks because they hold different tokens;
-- and beyond what Megatron guarantees, any layout (dp, tp, pp, cp, sp,
-  micro-batches, accumulation, ZeRO stage) draws exactly the masks one process
-  would, so the loss curve stays layout-independent with dropout on.
-
-Which step, samples, tokens and heads a forward computes comes with it, in its
-``ForwardContext`` (``meshwise.models.context``); the masks are saved by
-autograd for the backward, never redrawn.
+"""Dropout whose masks do not depend on the layout: each element's draw is a hash
+(SplitMix64's finaliser, Steele et al. 2014) of what it is (seed, step, global sample,
+site, head, global position), computed on the device, so any layout drops exactly what
+one process drops, beyond what Megatron-LM's RNG tracker guarantees.
 """
 
 from __future__ import annotations
@@ -58,15 +36,13 @@ def _splitmix(z: torch.Tensor) -> torch.Tensor:
 
 def keep_mask(context: ForwardContext, site: str, shape: torch.Size, p: float, device,
               per_head: bool = False, elements: torch.Tensor | None = None) -> torch.Tensor:
-    """Keep-mask scaled by 1/(1-p) of the elements of ``context``'s samples at ``site``,
-    shape ``shape`` = (B, ...); with ``per_head`` dim 1 holds this rank's attention
-    heads (for attention weights).
+    """Keep-mask, scaled by 1/(1-p), of ``context``'s samples at ``site``, shape (B, ...); with
+    ``per_head`` dim 1 holds this rank's attention heads.
 
-    ``elements``: each element's index in its sample (or sample and head), int64,
-    broadcastable to ``shape`` without its leading dims; default: for
-    ``per_head``, the weights of whole sequences (B, H, T, T) in order; else a
-    residual-stream activation (B, T, ...) whose dim 1 holds the tokens this rank
-    keeps between the tensor-parallel layers (``stream_elements``)."""
+    ``elements``: each element's int64 index in its sample (and head), broadcastable to
+    ``shape`` without its leading dims; default: whole (B, H, T, T) weights for ``per_head``,
+    else a residual-stream activation (B, T, ...) of this rank's tokens (``stream_elements``).
+    """
     base = zlib.crc32(f"{context.seed}:{context.step}:{site}".encode())
     first = context.first_sample
     samples = torch.arange(first, first + shape[0], device=device)
@@ -115,7 +91,7 @@ class KeyedDropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         mask = keep_mask(context or WHOLE, self.site, x.shape, self.p, x.device)
-        return x * mask.to(x.dtype)
+        return x * mask.to(x.dtype)  # autograd saves the mask for the backward: never redrawn
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}"

@@ -1,11 +1,6 @@
-"""Model families: a plain model, its parallel plan and its initialisation, by name.
-
-A family is all meshwise needs to train a model on any layout: ``build`` makes
-the single-device module from its config, ``plan`` says how parallelism applies
-to it (``meshwise.layout.plan``), ``init`` gives each parameter's layout-independent
-initial values (``meshwise.layout.init``) and ``check_tp`` refuses a
-tensor-parallel degree the model cannot be split by. Adding a family costs a
-model file and an entry here, nothing in the runtime.
+"""Model families by name: a plain model (``build``), its plan, its layout-independent
+initial values (``init``) and the tp degrees it accepts (``check_tp``). A new family costs
+a model file and an entry here, nothing in the runtime.
 """
 
 from __future__ import annotations

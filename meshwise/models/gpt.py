@@ -1,15 +1,8 @@
 """A GPT-2 style decoder (pre-LayerNorm, causal attention), plain single-device code.
 
-Nothing here knows about parallelism: ``gpt_plan`` says which modules become
-tensor parallel, where pipeline stages are cut and which parameters are tied,
-and ``meshwise.apply.parallelize`` applies it. ``gpt_init`` gives every parameter its
-layout-independent initial values (``meshwise.layout.init``).
-
-The model returns logits (or, on a pipeline stage without the head, hidden
-states); the loss is computed outside it, so that a tensor-parallel head can
-keep its logits split. Layers live in ``blocks``, a ``ModuleDict`` keyed by
-their global index, so a pipeline stage holding layers 4..7 names them
-``blocks.4`` .. ``blocks.7`` as the whole model does.
+``gpt_plan`` lays it out and ``gpt_init`` gives its initial values. It returns logits
+(hidden states on a stage without the head), so a tp head keeps its logits split; its
+layers live in ``blocks`` keyed by global index, so names never depend on the layout.
 """
 
 from __future__ import annotations
@@ -136,11 +129,9 @@ class GPT(nn.Module):
 
 
 def gpt_plan(cfg: GPTConfig) -> ParallelPlan:
-    """Megatron-LM's layout (Shoeybi et al. 2019, section 3): heads split across tp
-    (QKV column, output projection row parallel), the MLP column then row
-    parallel, the vocabulary split for the tied embedding and head; the learned
-    positions looked up per sequence-parallel slice. Under context parallelism
-    the positions are this rank's and attention runs as a ring."""
+    """Megatron-LM's layout (Shoeybi et al. 2019, section 3): heads and the MLP split over tp,
+    the vocabulary for the tied embedding and head; under cp, positions and a ring.
+    """
     return ParallelPlan(
         layers="blocks",
         first_stage=("wte", "wpe", "drop_embed"),

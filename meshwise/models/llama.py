@@ -1,24 +1,7 @@
-"""A Llama decoder (Touvron et al. 2023), plain single-device code.
-
-RMSNorm before attention and MLP (Zhang & Sennrich 2019), rotary position
-embeddings (Su et al. 2021, "RoFormer") in the rotate-half layout that Hugging
-Face's ``LlamaForCausalLM`` checkpoints are written for, a SwiGLU MLP (Shazeer
-2020, "GLU variants improve Transformer"), grouped-query attention (Ainslie et
-al. 2023: ``n_kv_head`` key/value heads, each serving ``n_head / n_kv_head``
-query heads) and no biases. The output head is its own matrix unless
-``tie_embeddings``. The variants Hugging Face ships as other families are
-switches of the same code: Qwen2's q/k/v biases (``qkv_bias``), Qwen3's RMSNorm
-over each query and key head before the rotation (``qk_norm``) and its own
-head size (``head_size``), Mistral's sliding-window attention (``sliding_window``:
-a token sees itself and the ``sliding_window - 1`` tokens before it).
-
-Modules are named as in Hugging Face's model without its ``model.`` prefix
-(``embed_tokens``, ``layers.N.self_attn.q_proj``, ``layers.N.mlp.gate_proj``,
-``norm``, ``lm_head``), so checkpoints map by name (``meshwise.hf``). As for
-every family, nothing here knows about parallelism: ``llama_plan`` says how it
-is laid out, and reshapes of split dimensions use ``-1`` so the same code runs
-on a tensor-parallel shard (fewer heads per rank, the same ratio of query to
-key/value heads).
+"""A Llama decoder (Touvron et al. 2023), plain single-device code: RMSNorm (Zhang &
+Sennrich 2019), rotary positions (Su et al. 2021) in Hugging Face's rotate-half layout,
+SwiGLU (Shazeer 2020), grouped-query attention (Ainslie et al. 2023); Qwen2, Qwen3 and
+Mistral as switches. Modules carry Hugging Face's names without ``model.``.
 """
 
 from __future__ import annotations
@@ -231,14 +214,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class _SwiGLU(torch.autograd.Function):
-    """autograd would keep ``silu(gate)`` besides both inputs; recomputing it in backward
-    (an elementwise op, as Megatron-LM's fused SwiGLU does) keeps one (tokens, ffn)
-    activation less per layer.
-
-    The backward is autograd's own three kernels (``grad * up``, ``grad * silu`` and
-    ``silu_backward``, ATen's derivative of silu) plus the recomputed ``silu``, so
-    both gradients equal autograd's bit for bit; a fourth kernel is the price of
-    the activation not kept (three would need one fused kernel for all)."""
+    """SwiGLU that recomputes ``silu(gate)`` in backward (as Megatron-LM's fused SwiGLU does):
+    one (tokens, ffn) activation less per layer, gradients equal to autograd's bit for bit.
+    """
 
     @staticmethod
     def forward(ctx, gate, up):
@@ -250,6 +228,8 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad_up = F.silu(gate).mul_(grad)
         grad_gate = grad * up
+        # autograd's own kernels (grad * up, grad * silu, ATen's silu_backward) plus the
+        # recomputed silu: the fourth kernel is the price of the activation not kept.
         # In place: silu_backward reads each element before writing it.
         torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_gate, grad_up
@@ -319,11 +299,9 @@ class Llama(nn.Module):
 
 
 def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
-    """Megatron-LM's layout (Shoeybi et al. 2019, section 3) for Llama: q/k/v and
-    gate/up column parallel (whole query and key/value heads per rank), o and down
-    row parallel, the vocabulary split for the embedding and the head. Under
-    context parallelism the rotary positions are this rank's and attention runs
-    as a ring passing only the key/value heads."""
+    """Megatron-LM's layout (Shoeybi et al. 2019, section 3) for Llama: whole query and
+    key/value heads per tp rank, the vocabulary split; under cp, positions and a ring.
+    """
     return ParallelPlan(
         layers="layers",
         first_stage=("embed_tokens",),

@@ -1,27 +1,7 @@
-"""Attention over a few keys at a time, with its log-sum-exp, in plain PyTorch operations.
-
-The online softmax of Milakov & Gimelshein 2018, as FlashAttention computes it
-across tiles (Dao et al. 2022): the keys are taken ``tile`` at a time, so the
-scores held at once are (B, H, Lq, tile), never (B, H, Lq, Lk), and each
-tile's result is merged into the running output by its log-sum-exp
-(``merge``). The backward is FlashAttention's (algorithm 4): given the *final*
-``out`` and ``lse`` of each query row, ``P = exp(S - lse)`` and
-``dS = P (dP - rowsum(dout * out))`` per tile.
-
-This is the formulation that keeps attention dropout exact at O(Lq x tile)
-memory (``keep``: the keyed keep-mask of a range of key columns, scaled by
-1/(1-p), applied to P as FlashAttention applies its dropout), and that ring
-attention (``meshwise.context_parallel.blocks``) uses for its blocks wherever
-no fused kernel serves them.
-
-Queries are (B, H, Lq, d); keys and values (B, G, Lk, d) with G dividing H
-(grouped-query attention: never repeated here). ``causal`` masks key j for
-query i when j > i (queries and keys at equal, aligned positions);
-``allowed(start, end)``, in its place, says which keys of the columns
-``start .. end`` each query sees ((B or 1, 1, Lq, end - start) bool): a
-query that sees none of them gets no weight from them, and one that sees no
-key at all a zero output and a log-sum-exp of -inf, so a later merge
-ignores it.
+"""Attention over a tile of keys at a time, with its log-sum-exp, in plain PyTorch: the
+online softmax (Milakov & Gimelshein 2018) as FlashAttention computes it (Dao et al.
+2022, algorithm 4 for the backward). It keeps attention dropout exact at O(Lq x tile)
+memory and serves ring attention's blocks where no fused kernel does.
 """
 
 from __future__ import annotations
@@ -57,7 +37,13 @@ def _scores(qg, k_tile, start: int, causal: bool, scale: float, allowed=None) ->
 
 def tiled_forward(q, k, v, causal: bool, scale: float, keep=None, allowed=None,
                   tile: int = KV_TILE):
-    """``(out, lse)``: out (B, H, Lq, d) in q's dtype, lse (B, H, Lq) accumulated."""
+    """``(out, lse)``: out (B, H, Lq, d) in q's dtype, lse (B, H, Lq) accumulated.
+
+    q (B, H, Lq, d); k, v (B, G, Lk, d), G dividing H (never repeated). ``causal`` masks key
+    j for query i when j > i; ``allowed(start, end)`` in its place gives the keys each query
+    sees ((B or 1, 1, Lq, end - start) bool); a query that sees none gets a zero output and
+    lse -inf. ``keep``: the keep-mask of key columns ``start .. end``, scaled, applied to P.
+    """
     acc = accumulation_dtype(q.dtype)
     groups = k.shape[1]
     qg = _grouped(q.to(acc), groups)                      # (B, G, R, Lq, d)
@@ -95,6 +81,7 @@ def merge(out, lse, o, o_scale, o_lse) -> None:
 def tiled_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None,
                    allowed=None, tile: int = KV_TILE):
     """``(dq, dk, dv)`` in the accumulation dtype, given the final ``out`` and ``lse``."""
+    # Per tile, from the final out and lse: P = exp(S - lse), dS = P (dP - rowsum(dout * out)).
     acc = accumulation_dtype(q.dtype)
     groups = k.shape[1]
     qg = _grouped(q.to(acc), groups)                      # (B, G, R, Lq, d)

@@ -1,21 +1,6 @@
-"""The data a pipeline schedule is made of: actions, per-rank lists, the stage map (pure).
-
-An :class:`Action` is one step of a rank: a compute action or one message.
-Compute actions (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2):
-
-* ``F``: the forward of a micro-batch through one chunk;
-* ``B``: its backward. When the schedule also holds a ``W`` for the same
-  micro-batch and chunk, ``B`` computes only the gradient of the chunk's input
-  (what the previous stage waits for) and leaves the weight gradients to ``W``;
-  otherwise ``B`` is the whole backward (GPipe, 1F1B, interleaved 1F1B);
-* ``W``: the weight gradients of a split backward, deferrable to fill bubbles.
-
-Stage maps. Rank ``r`` holds ``V`` chunks. In the ``loop`` map (Narayanan et al.
-2021, section 2.2.2) chunk ``v`` is logical stage ``v * S + r``; in the ``v``
-map (ZB-V, DualPipeV) even chunks go down and odd chunks come back up:
-chunk 0 is stage ``r``, chunk 1 stage ``2S - 1 - r``, so the first and the last
-stage both sit on rank 0 and the turn (stages S-1 and S) stays on rank S-1.
-Two consecutive stages on one rank hand over locally, with no message.
+"""The data a pipeline schedule is made of (pure): ``F``, ``B`` and ``W`` actions (Qi et al.
+2024, section 2) and messages, per-rank lists, and the ``loop`` (Narayanan et al. 2021)
+and ``v`` stage maps. See docs/pipelines.md "The schedule's contract".
 """
 from __future__ import annotations
 

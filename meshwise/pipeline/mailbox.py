@@ -1,17 +1,6 @@
-"""One run's pipeline messages: the batches of a schedule posted, what arrived, sends in flight.
-
-The runtime hands each batch of communication actions (``Schedule`` steps that
-are tuples) to :meth:`Mailbox.post`, which posts it with one ``batch_isend_irecv``
-(``meshwise.pipeline.p2p.Channels``) and files the received tensors by
-``(chunk, micro_batch)``. A sender computes on while its message travels, and
-a receive is waited for only when the compute action that reads it is next
-(:meth:`Mailbox.wait_for`), as torch's pipelining does: a batch's gradient may
-be on its way while a forward that does not need it runs, which is what
-reaches the schedule's simulated bubble. Sends are waited for, and their
-activations freed, at the latest in the next batch (torch's pipelining waits at
-the same point). A runtime that waits for every message at once is proven
-deadlock-free, and waiting later only lets each rank reach each post sooner, so
-this one is too.
+"""One run's pipeline messages: each batch posted at once, a receive waited for only by the
+action that reads it, sends freed by the next batch, as torch's pipelining does (later
+waits than the validator's runtime: still deadlock-free).
 """
 
 from __future__ import annotations

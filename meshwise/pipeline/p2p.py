@@ -1,30 +1,6 @@
-"""Pipeline messages that carry their own shape and dtype, and freeing what was sent.
-
-An edge is a (sending stage, receiving stage, direction) triple. Stages exchange
-metadata rather than being told one fixed activation shape (nanotron's p2p sends
-a header before each new tensor), so any model's stages work: bf16 activations,
-hidden states of any rank, sequence lengths that change between calls.
-
-The protocol, decided identically on both ends with no extra round trip in the
-steady state:
-
-* Forward edges: the first message of an edge (since ``Channels.start`` last
-  forgot the shapes) is preceded by a header (``TensorMeta``, a fixed-size int64
-  message). Every later message on that edge reuses it: the sender checks that
-  its tensor still has that shape and dtype and raises a ``RuntimeError`` naming
-  the stage otherwise (both ends would otherwise disagree on the size).
-  Training steps keep the shapes from one step to the next, so the steady state
-  sends no header and reads none on the host; evaluation and generation, whose
-  sequence length changes from call to call, forget them at every call.
-* Backward edges never carry a header: the gradient of an activation has that
-  activation's shape and dtype (autograd guarantees it), and both ends of the
-  gradient's edge already know the activation's header.
-
-A receiver that needs a header posts it and waits for it before posting the
-tensor itself. Headers sit immediately before their tensor in each end's posting
-order, so transports that match messages by order (NCCL) pair them correctly, and
-the tensor is posted as soon as its sender has reached the batch holding it: no
-receive waits on anything its schedule did not already wait on.
+"""Pipeline messages that carry their own shape and dtype (a ``TensorMeta`` header on each
+forward edge's first message, as nanotron's p2p sends), and freeing what was sent.
+See docs/pipelines.md "Running a schedule on your own stages".
 """
 
 from __future__ import annotations
@@ -92,6 +68,9 @@ class Channels:
         outgoing = [item for items in messages for item in items]
         received: list[torch.Tensor] = []
         handles, first = [], True
+        # A header sits right before its tensor in each end's posting order, so transports
+        # that match by order (NCCL) pair them, and no receive waits on anything its
+        # schedule did not already wait on.
         while first or len(received) < len(recvs):
             # One phase: every receive whose header is known, up to the first one whose
             # header has to arrive first (its tensor goes in the next phase).
@@ -152,14 +131,13 @@ class Channels:
 
 def release_storage(tensor: torch.Tensor) -> None:
     """Free an activation's data but keep its autograd graph (Megatron-LM's
-    ``deallocate_output_tensor`` idea): once sent, only its ``grad_fn`` is needed.
+    ``deallocate_output_tensor``): once sent, only its ``grad_fn`` is needed.
 
-    The tensor keeps its shape, now over a one-element storage (stride 0), so a
-    plain ``torch.autograd.backward(tensor, grad)`` still passes the shape check on
-    every PyTorch release, without the engine's private entry point. A backward
-    that saved this very output (``tanh``, ``exp``) holds its own reference to the
-    data, so it stays correct; only that memory is then not freed. A view is
-    released the same way; its base's memory goes once nothing else holds it.
+    The tensor keeps its shape over a one-element storage (stride 0), so a plain
+    ``torch.autograd.backward(tensor, grad)`` passes the shape check. A backward that saved
+    this output (``tanh``) keeps its own reference: correct, only not freed.
     """
+    # No private entry point of autograd's engine: this works on every PyTorch release. A
+    # view is released the same way; its base's memory goes once nothing else holds it.
     if tensor.numel() > 1:
         tensor.data = tensor.new_empty(1).expand(tensor.shape)

@@ -1,12 +1,6 @@
-"""Where the sends and receives of a schedule go, so that its batches cannot deadlock (pure).
-
-Given each rank's compute order, every message between two ranks gets a meeting
-time on an ideal dataflow timeline (each compute action starts as soon as its
-rank is free and its inputs are ready), when possible an instant at which both
-ranks are idle; both ends post it in their first gap between compute actions at
-or after that time, in order of meeting time. Every rank then meets its
-messages in one global order, so the batches complete in that order: no
-deadlock, whatever the real costs (see ``meshwise.pipeline.schedules``).
+"""Where a schedule's sends and receives go (pure): each message meets on an ideal dataflow
+timeline and both ends post it in their first gap after, so every rank meets its
+messages in one global order and no batch can deadlock, whatever the costs.
 """
 from __future__ import annotations
 
@@ -83,12 +77,10 @@ def place_messages(orders: list[Order], S: int, V: int, stage_map: str = "loop"
                    ) -> list[list[Action]]:
     """Each rank's compute order with its sends and receives placed between the actions.
 
-    Each message gets a meeting time t on the dataflow timeline, between its producer's end and
-    its consumer's start; each end posts it in its first gap ending at or after t, sorted by
-    (t, message).  Every rank so meets its messages in increasing t, and the batches complete in
-    that order (no deadlock, even waiting for whole batches, whatever the real costs); both ends
-    of a channel post in the same order.  A runtime that waits only for receives replays the
-    dataflow timeline, hence the formula's bubble.
+    A message's meeting time lies between its producer's end and its consumer's start; each
+    end posts it in its first gap ending at or after it, sorted by (time, message), so both
+    ends of a channel post in the same order. A runtime that waits only for receives
+    replays the dataflow timeline, hence the formula's bubble.
     """
     times, show, last = dataflow_times(orders, S, V, stage_map), V > 1, S * V - 1
     gaps = [_gaps(t) for t in times]

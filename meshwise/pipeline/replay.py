@@ -1,11 +1,8 @@
 """Execute a pipeline schedule's per-rank lists on a model of the transport (pure: no torch).
 
-Each rank runs its list top to bottom (see the schedules module docstring): a
-run of consecutive sends/receives is one batch, posted at once; a message
-completes ``p2p_latency`` after both its ends are posted. With
-``blocking_sends`` a rank waits for its whole batch: the strictest runtime,
-which is the validator's deadlock check; without, only for the batch's
-receives, which is what the simulator times. This is the engine of both.
+A run of consecutive messages is one batch, posted at once; a message completes
+``p2p_latency`` after both ends are posted. Waiting for whole batches (``blocking_sends``)
+is the validator's deadlock check; waiting for receives only is what the simulator times.
 """
 from __future__ import annotations
 
@@ -18,11 +15,9 @@ Interval = tuple[float, float, Action]
 
 
 def match_messages(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
-    """Pair each send with its receive as a tag-less transport would: between rank a and rank b,
-    the k-th send a->b is the k-th receive on b from a.  Keys and values are (rank, index in list).
-
-    Raises ScheduleError when a message has no partner or a pair disagrees (kind, micro-batch or
-    logical stage), which means the two ranks post them in different orders.
+    """Pair each send with its receive as a tag-less transport does: the k-th send a->b is the
+    k-th receive on b from a. Keys and values are (rank, index in list). Raises ScheduleError
+    when a message has no partner or a pair disagrees (kind, micro-batch, logical stage).
     """
     sends: dict[tuple[int, int], list[int]] = defaultdict(list)
     recvs: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -84,12 +79,9 @@ def replay(schedule: Schedule, cost: Callable[[int, Action], float], p2p_latency
            blocking_sends: bool = True) -> tuple[list[list[Interval]], list[float]]:
     """Execute the lists batch by batch; return compute intervals and finish time per rank.
 
-    ``cost(rank, action)`` is a compute action's duration.
-    A message completes ``p2p_latency`` after both its ends are posted.  With ``blocking_sends``
-    a rank waits for its whole batch (the strictest runtime: the validator's deadlock check);
-    without, it waits only for the batch's receives and its sends finish in the background.
-    Raises ScheduleError when messages do not pair up, or when execution gets stuck (deadlock),
-    naming each blocked rank, the batch it waits in and the ranks it waits for.
+    ``cost(rank, action)``: a compute action's duration; ``blocking_sends``: as the module
+    says. Raises ScheduleError when messages do not pair up, or on a deadlock, naming each
+    blocked rank, its batch and the ranks it waits for.
     """
     partner = match_messages(schedule)
     steps, step_of = _index_steps(schedule)

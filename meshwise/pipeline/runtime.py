@@ -1,36 +1,7 @@
-"""Executes one rank's pipeline schedule: compute, hand-offs and point-to-point.
-
-The schedule (``meshwise.pipeline.schedules``) is a list of actions per rank;
-this runtime walks its own list top to bottom. A run of consecutive messages is
-one batch posted with ``batch_isend_irecv`` (``meshwise.pipeline.mailbox``); a
-receive is waited for just before the compute action that reads it (timed as
-``p2p``). The schedule's validator proves the order deadlock-free when every
-receive is waited for at once, and waiting later only lets each rank reach each
-post sooner. Messages carry their shape and dtype
-(``meshwise.pipeline.p2p``), so the stages may be any modules.
-
-What a forward needs besides its input (which samples and documents a
-micro-batch is: its ``ForwardContext``, ``meshwise.models.context``) is given
-to ``run`` per micro-batch and passed to every chunk's forward of that
-micro-batch as a keyword argument, as torchtitan's pipeline forwards positions
-and masks to every stage: every rank makes every micro-batch's context itself,
-so messages carry activations and gradients only.
-
-Per micro-batch and chunk it keeps the input (a leaf that will receive the
-input gradient), the output (or, on the last logical stage, the loss) until
-that chunk's backward, then frees them. An output sent to the next rank keeps
-only its autograd graph once the send has completed (``release_storage``).
-Two consecutive stages on this rank (``S == 1``, the turn of a V) hand over
-locally: no message, same bookkeeping.
-
-A schedule with W actions splits its backwards: every linear layer of the
-chunks defers its weight gradient to a ``WeightGradStore``
-(``meshwise.tensor_parallel.weight_grads``); B computes the input gradient and
-the other parameters' gradients, W the deferred ones. Where nothing runs
-between a micro-batch's B and its W on this rank (no message to send first, no
-other compute: stage 0 of ZB-H1, a B without a W of its own) the split buys
-nothing, so that backward runs whole: no layer keeps its input and output
-gradient for a later pass, and there is one pass instead of two.
+"""Executes one rank's pipeline schedule: compute, local hand-offs and batched messages,
+each micro-batch's ``ForwardContext`` passed to its forwards (messages carry activations
+and gradients only), backwards split per linear layer where the schedule has W actions.
+See docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -52,18 +23,12 @@ from meshwise.tensor_parallel.weight_grads import WeightGradStore, defer_weight_
 
 class PipelineRuntime:
     """Runs a rank's actions over its ``chunks`` (chunk ``v`` = logical stage
-    ``schedule.stage_of(rank, v)``).
+    ``schedule.stage_of(rank, v)``), on the device of their parameters.
 
-    ``engine`` supplies ``no_sync()``: a chunk's gradients accumulate locally
-    except in the last action that delivers each of them (its last B, and its
-    last weight pass), so a chunk's gradients are reduced over dp once,
-    overlapped with the rest of the step.
-
-    ``loss_fn(output, targets)``, when given, turns the last logical stage's
-    output into the SUM of token losses (a 0-dim tensor); without it the last
-    chunk is called as ``chunk(x, targets)`` and returns that sum itself.
-    Tensors are computed where the chunks' parameters live. ``action_times()``
-    gives the last run's actions with their start and end on the device's clock.
+    ``engine`` supplies ``no_sync()``: a chunk's gradients reduce over dp once, from its last
+    B (and last weight pass). ``loss_fn(output, targets)`` gives the last stage's summed token
+    loss (a 0-dim tensor); without it the last chunk is called as ``chunk(x, targets)``.
+    ``action_times()``: the last run's actions on the device's clock.
     """
 
     def __init__(self, chunks, schedule: Schedule, pp_group: ops.Group | None, engine,
@@ -129,13 +94,9 @@ class PipelineRuntime:
             contexts=None) -> torch.Tensor:
         """One pass of the schedule over ``micro_batches`` [(inputs, targets)].
 
-        Returns the summed scaled loss as a 0-dim float64 tensor on the device,
-        without waiting for it (zero on ranks without the last logical stage).
-        ``sync=False`` keeps every backward local (an accumulation round);
-        otherwise each chunk's last gradients start its dp reduction.
-        ``contexts``: one per micro-batch (``meshwise.models.context``), handed to
-        every chunk's forward of that micro-batch as ``context=``; None (or a None
-        entry): the chunks are called with their input alone.
+        Returns the summed scaled loss, a 0-dim float64 device tensor not waited for (zero off
+        the last stage). ``sync=False`` keeps every backward local (accumulation). ``contexts``:
+        one per micro-batch, passed to each chunk's forward as ``context=`` (None: not passed).
         """
         assert len(micro_batches) == self.schedule.num_micro_batches
         assert contexts is None or len(contexts) == len(micro_batches)
@@ -260,11 +221,10 @@ class PipelineRuntime:
 
     @torch.no_grad()
     def forward_only(self, inputs, targets=None, context=None) -> torch.Tensor | None:
-        """Forward one batch through every logical stage in order (evaluation,
-        generation). Returns the last stage's output (loss sum, or logits without
-        ``targets``) on that stage's rank, None elsewhere; ``context``: the batch's,
-        handed to every stage (None: not passed). Shapes may differ from call to
-        call (a growing sequence): each call sends its headers anew."""
+        """Forward one batch through every stage (evaluation, generation): the last stage's output
+        (loss sum, or logits without ``targets``) on its rank, None elsewhere. ``context``: passed
+        to every stage. Each call sends its headers anew, so shapes may change between calls.
+        """
         device = self._device_of([(inputs, targets)])
         self.channels.start(meta_tag_base=self.num_logical)  # tensor tags: receiving stage
         x, owner = None, self.schedule.owner

@@ -1,49 +1,6 @@
-"""Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B, and with a split backward
-ZB-H1, ZB-V and DualPipeV (checked by ``validate.py``).
-
-Pure: no torch here. A :class:`Schedule` holds, for each pipeline rank, the ordered list of
-:class:`Action` s that rank executes top to bottom, communication included (the data model:
-``meshwise.pipeline.actions``; the zero-bubble orders: ``meshwise.pipeline.zero_bubble``).
-
-Stages. Rank ``r`` holds ``V`` model chunks (``V = num_virtual_stages``); in the ``loop`` map
-chunk ``v`` is the logical stage ``v * S + r`` (Narayanan et al. 2021, section 2.2.2); ZB-V and
-DualPipeV use the ``v`` map (chunk 0 is stage ``r``, chunk 1 stage ``2S - 1 - r``). Two
-consecutive logical stages on one rank (every stage when ``S == 1``, the turn of a V) hand over
-locally, with no message.
-
-Communication, and what a runtime must implement:
-
-* ``chunk`` of a send/recv is the chunk on THIS rank the message belongs to: SEND_F carries the
-  output of that chunk's ``F``, RECV_F delivers the input of that chunk's ``F``, SEND_B carries
-  the gradient w.r.t. that chunk's input (made by its ``B``), RECV_B delivers the gradient w.r.t.
-  its output.  ``peer`` is the other rank.  ``W`` needs and sends nothing: only its ``B``.
-* A maximal run of consecutive communication actions is ONE batch (:func:`group_steps`): post all
-  of them with one ``torch.distributed.batch_isend_irecv`` call, one ``P2POp`` each in list
-  order, and wait for the batch's receives before the next action.  Its sends may be waited for
-  at once (always deadlock-free: :func:`~meshwise.pipeline.validate.validate` proves it for
-  this strictest runtime; with NCCL the batch comes back as one coalesced work anyway) or
-  later, e.g. at the end of the step while keeping their tensors alive; that lets the sender
-  compute on, which is what the simulator times by default and what reaches the bubble of the
-  formula.
-* Why batches: with one blocking operation at a time, 1F1B deadlocks in its steady state (rank r
-  sends F_i to r+1 then waits for B_j, while r+1 sends B_j then waits for F_i).  Megatron posts
-  such pairs together (``send_forward_recv_backward``, a batched isend/irecv); here the placement
-  does it: each message is given a meeting time on an ideal timeline (when possible an instant at
-  which both ranks are idle) and both ends post it at the first gap between their compute actions
-  at or after that time, in order of meeting time.  Every rank meets its messages in one global
-  order, so the batches can always complete in that order: no deadlock, whatever the real costs.
-* Messages between two ranks in one direction match in posting order (as with NCCL, which ignores
-  tags): the k-th send from a to b is the k-th receive on b from a.
-  :func:`~meshwise.pipeline.validate.validate` checks that each such pair agrees (kind,
-  micro-batch, logical stage).
-* Completion model (validator and simulator): a batch is posted when its rank reaches it; a
-  message completes once both its ends are posted (rendezvous, the strictest model of a
-  transport); the validator waits for whole batches.  Eager or buffered sends only finish sooner.
-
-Strings (``str(action)``): ``F3``/``B3``/``W3`` run micro-batch 3; with ``V > 1`` the chunk
-follows a dot, ``F3.1``.  Sends/receives: ``SF3>1`` send the activation of micro-batch 3 to rank 1,
-``RF3<0`` receive it from rank 0, ``SB3>0`` / ``RB3<2`` the same for gradients (``SF3.1>0`` with
-the chunk).  :func:`parse_action` reads these back.
+"""Pipeline schedules as data (pure): GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V and
+DualPipeV, each rank's actions with messages placed so no batch can deadlock. The
+contract a runtime follows: docs/pipelines.md "The schedule's contract".
 """
 from __future__ import annotations
 
@@ -76,10 +33,9 @@ def validate_schedule_config(kind: str, num_stages: int, num_micro_batches: int,
                              num_virtual_stages: int = 1) -> None:
     """Raise ValueError with a one-line message if no schedule exists for these values.
 
-    gpipe, 1f1b and zb-h1 run one chunk per rank and work for any M >= 1 (with M < S ranks
-    just idle more).  interleaved-1f1b needs V >= 2 and, as in Megatron, M a multiple of S: the
-    micro-batches go through the chunks in groups of S.  zbv and dualpipev run two chunks per
-    rank in a V; dualpipev needs M >= 2S, as torch.distributed.pipelining's does.
+    gpipe, 1f1b and zb-h1 take any M >= 1; interleaved-1f1b needs V >= 2 and M a multiple
+    of S (Megatron's groups of S); zbv and dualpipev run two chunks per rank, dualpipev with
+    M >= 2S (as torch.distributed.pipelining's).
     """
     if kind not in SCHEDULE_KINDS:
         raise ValueError(f"schedule {kind!r} is not one of: {', '.join(SCHEDULE_KINDS)}")

@@ -1,23 +1,7 @@
-"""Time a pipeline :class:`~meshwise.pipeline.schedules.Schedule` on a model of the machine.
-
-Pure: no torch.  ``simulate`` validates the schedule, then replays it
-(``meshwise.pipeline.replay``) with a cost per action: a run of consecutive
-sends/receives is one batch, posted at once; a message completes ``p2p_latency``
-after both its ends are posted, and a rank waits for the batch's receives only
-(its sends finish in the background) unless ``blocking_sends``.
-
-Costs are a rank's per micro-batch: a forward ``F``, the input part of a
-backward ``B`` and its weight part ``W`` (a whole backward, one with no W of its
-own, costs B + W), each split evenly over the rank's V chunks.  The defaults
-1, 1, 1 make a whole backward cost twice a forward.
-
-With balanced stages and free communication the simulated bubble equals the analytic
-``(S - 1) / (V * M + S - 1)`` (Huang et al. 2019 for GPipe; Narayanan et al. 2021, sections 2.2.1
-and 2.2.2 for 1F1B and interleaved 1F1B): for GPipe and 1F1B for every M >= 1 (M < S included),
-for interleaved 1F1B for every M that is a multiple of S.  With blocking sends GPipe and 1F1B
-still meet it; interleaved 1F1B can lose time where a producer and its consumer are never idle
-at the same instant (measured: S = 2, 5, 8 with M > S).  :func:`reference_bubble` gives what
-the literature says for each kind.
+"""Time a pipeline ``Schedule`` on a model of the machine (pure: validated, then replayed),
+with a rank's F, B and W costs per micro-batch. Balanced stages and free communication
+give ``(S - 1) / (V * M + S - 1)`` (Huang et al. 2019; Narayanan et al. 2021, section 2.2);
+``reference_bubble`` gives the literature's figure per kind.
 """
 from __future__ import annotations
 
@@ -31,12 +15,9 @@ from meshwise.pipeline.validate import validate
 
 @dataclass
 class Timeline:
-    """Simulated execution of a schedule.
-
-    ``rows[r]`` lists ``(start, end, action)`` for the compute actions of rank r; ``step_time`` is
-    when the last rank finishes; ``bubble_fraction`` = idle time of all ranks / (S * step_time);
-    ``peak_in_flight[r]`` = most (micro-batch, chunk) activations rank r holds at once (+1 at F,
-    -1 at the backward action that ends the micro-batch: its W, else its B).
+    """Simulated execution of a schedule: ``rows[r]`` the ``(start, end, action)`` of rank r's
+    compute; ``step_time``; ``bubble_fraction`` = idle time of all ranks / (S * step_time);
+    ``peak_in_flight[r]``: the most (micro-batch, chunk) activations rank r holds at once.
     """
 
     schedule: Schedule
@@ -62,17 +43,13 @@ def ideal_bubble_fraction(num_stages: int, num_micro_batches: int,
 
 def reference_bubble(kind: str, num_stages: int, num_micro_batches: int,
                      num_virtual_stages: int = 1, costs=(1.0, 1.0, 1.0)) -> tuple[float, str]:
-    """The bubble fraction the literature gives for ``kind``, and where it comes from.
+    """The bubble fraction the literature gives for ``kind`` (``costs``: a rank's F, B, W), and
+    its source.
 
-    ``costs``: a rank's F, B and W per micro-batch. GPipe, 1F1B and interleaved 1F1B:
-    (S-1)/(V*M + S-1) whatever the costs. The split-backward schedules' figures assume
-    F = B = W (NaN otherwise: their fixed orders then lose more, which the simulator
-    times): ZB-H1 idles (S-1)(F + B - W) per rank, a third of 1F1B (Qi et al. 2024,
-    section 2.1); ZB-V only the start-up every schedule pays, the first forward's trip
-    to the last rank, (S-1)F/2 (ibid., section 6); DeepSeek gives (PP/2 - 1)(F&B + B - 3W)
-    for DualPipe on PP ranks, F&B an overlapped forward and backward pair, and its
-    V-shaped half on S ranks is DualPipe on PP = 2S with per-chunk costs (half a rank's),
-    its pair here run back to back (F&B = F + B + W).
+    GPipe and 1F1B variants: (S-1)/(V*M + S-1). With F = B = W only (NaN otherwise): ZB-H1
+    idles (S-1)(F + B - W) per rank (Qi et al. 2024, section 2.1), ZB-V (S-1)F/2 (ibid.,
+    section 6), DualPipeV DeepSeek's (PP/2 - 1)(F&B + B - 3W) at PP = 2S with per-chunk
+    costs, F&B run back to back (F + B + W).
     """
     S, M, V = num_stages, num_micro_batches, num_virtual_stages
     f, b, w = costs
@@ -92,15 +69,16 @@ def reference_bubble(kind: str, num_stages: int, num_micro_batches: int,
 def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 1.0,
              weight_cost: float = 1.0, p2p_latency: float = 0.0,
              blocking_sends: bool = False, check: bool = True) -> Timeline:
-    """Validate and time a schedule.  A chunk's forward costs ``forward_cost / V``, the input
-    part of its backward ``backward_cost / V`` and its weight part ``weight_cost / V``; a whole
-    backward (no W of its own) costs both parts: a rank's share of the model is split over its
-    V chunks.
+    """Validate and time a schedule; a chunk costs ``forward_cost / V``, ``backward_cost / V`` and
+    ``weight_cost / V`` (a whole backward both parts).
 
-    By default a rank waits only for the receives of a batch (a runtime that waits for its sends
-    at the end of the step); ``blocking_sends=True`` times a runtime that waits for whole batches.
-    ``check=False`` skips the validation, for a schedule already validated (timed many times).
+    A rank waits for a batch's receives only; ``blocking_sends=True`` times a runtime that
+    waits for whole batches. ``check=False`` skips the validation (a schedule timed often).
     """
+    # Balanced and free of communication, GPipe and 1F1B meet the formula at every M >= 1,
+    # interleaved 1F1B at every M that is a multiple of S. With blocking sends GPipe and
+    # 1F1B still meet it; interleaved 1F1B can lose time where a producer and its consumer
+    # are never idle at the same instant (measured: S = 2, 5, 8 with M > S).
     if check:
         validate(schedule)
     V = schedule.num_virtual_stages
@@ -124,6 +102,7 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
         for _, _, a in row:
             ends = a.kind == "W" or (a.kind == "B" and not schedule.splits_backward(
                 rank, a.micro_batch, a.chunk))
+            # +1 at F, -1 at the action that ends the micro-batch: its W, else its B
             live += 1 if a.kind == "F" else (-1 if ends else 0)
             peak = max(peak, live)
         peaks.append(peak)
@@ -132,12 +111,9 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
 
 
 def render_text(timeline: Timeline, width: int | None = None) -> str:
-    """A text Gantt chart: one row per rank; a forward shows its micro-batch (``3``, or ``3.1``
-    with the chunk), a backward the same in brackets (``[3]``), a weight pass in braces
-    (``{3}``); ``.`` is idle time.
-
-    ``width`` is the number of characters for the time axis; by default it is wide enough that
-    every label fits (labels are cut when a narrower width is asked for).
+    """A text Gantt chart, one row per rank: a forward shows its micro-batch (``3``, ``3.1`` with
+    the chunk), a backward ``[3]``, a weight pass ``{3}``, idle time ``.``; ``width``: characters
+    of the time axis (default: every label fits).
     """
     def label(a: Action) -> str:
         text = str(a)[1:]

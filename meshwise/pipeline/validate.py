@@ -1,9 +1,8 @@
-"""Checks that a pipeline schedule runs: every dependency, every message, no deadlock.
+"""Checks that a pipeline schedule runs: every dependency, every message, no deadlock (pure).
 
-Pure (no torch). ``validate`` reports the first violation in words, e.g.
-``rank 1: B0 on chunk 0 runs before F0 (backward needs its forward)``; the
-deadlock check replays the lists under the strictest transport model (see the
-module docstring of ``meshwise.pipeline.schedules``).
+``validate`` names the first violation (``rank 1: B0 on chunk 0 runs before F0 (backward
+needs its forward)``); the deadlock check replays the lists waiting for whole batches, a
+message completing only once both ends posted it (the strictest transport).
 """
 from __future__ import annotations
 
@@ -14,16 +13,12 @@ from meshwise.pipeline.schedules import COMM_KINDS, COMPUTE_KINDS, Action, Sched
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` naming the first violation; return None if the schedule runs.
+    """Raise ``ScheduleError`` naming the first violation; return None if the schedule runs.
 
-    Checks, in order: every action's fields (micro-batch, chunk, peer = the rank of the
-    neighbouring logical stage, no message where none is needed); on each rank, every
-    (micro-batch, chunk) runs F once and B once and W at most once, B after its F, W after its B,
-    an F after its input arrived (a RECV_F, or the previous stage's F when both stages are on
-    this rank), a B after the gradient of its output arrived, each send after the compute that
-    produced it, every cross-rank output sent; then sends and receives pair up in posting order;
-    then running the lists with blocking batches (see the module docstring) reaches the end on
-    every rank (no deadlock).
+    In order: every action's fields; per rank, each (micro-batch, chunk) runs F and B once
+    and W at most once, in order, each after its input or output gradient arrived, each
+    send after its compute, every cross-rank output sent; sends and receives pair up in
+    posting order; the lists run to the end with blocking batches (no deadlock).
     """
     S, M, V = schedule.num_stages, schedule.num_micro_batches, schedule.num_virtual_stages
     if min(S, M, V) < 1 or len(schedule.ranks) != S:

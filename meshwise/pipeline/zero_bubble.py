@@ -1,27 +1,8 @@
 """Compute orders of the schedules with a split backward: ZB-H1, ZB-V, DualPipeV (pure).
 
-Each function returns one rank's order as ``(kind, micro_batch, chunk)`` tuples;
-``meshwise.pipeline.schedules`` places the messages. ``B`` followed later by a
-``W`` of the same micro-batch and chunk is a split backward; a ``B`` with no
-``W`` is a whole backward. The orders are those of
-``torch.distributed.pipelining`` where it has the same schedule (checked in
-``tests/unit/test_zero_bubble.py``).
-
-* ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2.1): 1F1B
-  with the weight passes split off; rank ``r`` postpones its first ``r`` of them
-  into the cool-down, where 1F1B idles. Same warm-up, so the first rank, which
-  holds the most activations, holds no more than under 1F1B; the bubble falls
-  to about a third of 1F1B's when F, B and W cost the same.
-* ZB-V (ibid., section 6): two chunks per rank in a V (stages ``r`` and
-  ``2S - 1 - r``); the warm-up fills rank ``r`` with ``2(S - r) - 1`` forwards of
-  its first chunk, the steady state alternates the chunks with B and W together,
-  and the postponed W passes fill the cool-down: no bubble when F = B = W, at
-  1F1B's activation memory, with twice 1F1B's pipeline messages.
-* DualPipeV (DeepSeek-V3 report, Liu et al. 2024, section 3.2.1; the V-shaped
-  half of DualPipe): the same V of stages; its steady state pairs the forward
-  of one micro-batch with the whole backward of another, on the other chunk
-  (DualPipe overlaps such a pair's communication with its computation on a GPU;
-  here the pair runs back to back and its messages share batches).
+One rank's order as ``(kind, micro_batch, chunk)``: a ``B`` followed later by its ``W`` is a
+split backward, a ``B`` alone a whole one; ``schedules`` places the messages. The orders are
+torch.distributed.pipelining's (``tests/unit/test_zero_bubble.py``); docs/pipelines.md.
 """
 from __future__ import annotations
 
@@ -31,8 +12,10 @@ from meshwise.pipeline.actions import Order
 
 
 def zb_h1_order(S: int, M: int, V: int, rank: int) -> Order:
-    """ZB-H1: 1F1B's warm-up; the k-th steady step runs F, B, and the W of micro-batch
-    k - rank once k >= rank; the remaining W passes close the step."""
+    """ZB-H1 (Qi et al. 2024, section 2.1): 1F1B's warm-up, so rank 0 holds no more than under
+    1F1B; the k-th steady step runs F, B, and the W of micro-batch k - rank once k >= rank;
+    the remaining W passes fill the cool-down.
+    """
     num_warmup = min(S - rank - 1, M)
     order: Order = [("F", m, 0) for m in range(num_warmup)]           # warm-up: forwards
     next_weight = 0
@@ -79,8 +62,11 @@ class _Counters:
 
 
 def zbv_order(S: int, M: int, V: int, rank: int) -> Order:
-    """ZB-V: built for max(M, 2S - 1) micro-batches (the fewest that fill the V), then the
-    micro-batches past M are dropped."""
+    """ZB-V (Qi et al. 2024, section 6): stages r and 2S - 1 - r, a warm-up of 2(S - r) - 1
+    forwards, B with W in the steady state, postponed W in the cool-down (1F1B's activation
+    memory, twice its messages). Built for max(M, 2S - 1) micro-batches (the fewest that
+    fill the V), then those past M are dropped.
+    """
     n = max(M, 2 * S - 1)
     c = _Counters()
     for _ in range(2 * (S - rank) - 1):                  # warm-up down the first chunk
@@ -112,7 +98,10 @@ def zbv_order(S: int, M: int, V: int, rank: int) -> Order:
 
 
 def dualpipev_order(S: int, M: int, V: int, rank: int) -> Order:
-    """DualPipeV, in eight phases; needs M >= 2S (every rank reaches its steady state)."""
+    """DualPipeV (DeepSeek-V3 report, Liu et al. 2024, section 3.2.1: DualPipe's V-shaped half),
+    in eight phases; needs M >= 2S. A forward of one chunk pairs with a backward of the other,
+    run back to back here (DualPipe overlaps their communication on a GPU).
+    """
     c = _Counters()
     for _ in range(2 * (S - rank - 1)):                  # 1: forwards of the first chunk
         c.forward(0)

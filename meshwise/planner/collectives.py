@@ -1,15 +1,6 @@
-"""What one collective costs over a link model (Hockney's alpha-beta per message).
-
-A collective is also a meeting: each rank waits there for peers whose compute since
-the last one ran slower (``sync_wait_s``), which a probe of back-to-back calls
-never sees and a CPU shared with other work shows most.
-
-A ring over ``p`` ranks moves a tensor of ``n`` bytes in ``p - 1`` steps of
-``n / p`` (reduce-scatter, all-gather) or ``2 (p - 1)`` (all-reduce; Thakur
-et al. 2005), each step ``alpha + (n / p) beta`` on the slowest link the ring
-crosses. On gloo meshwise runs reduce-scatter and all-gather as all-reduces
-(``meshwise.comm.policy``), and a measured all-reduce per group size replaces
-the ring's estimate where the calibration holds one.
+"""What one collective costs over a link model (Hockney's alpha-beta; ring steps as Thakur
+et al. 2005 count them), and the wait for peers that drifted behind (``sync_wait_s``),
+which back-to-back probes never see.
 """
 
 from __future__ import annotations
@@ -32,12 +23,14 @@ def collective_s(device: DeviceProfile, kind: str, nbytes: float, size: int, lin
     tensor of ``nbytes`` over ``size`` ranks on ``link``."""
     if size <= 1 or nbytes <= 0:
         return 0.0
+    # gloo runs gathers and reduce-scatters as all-reduces (meshwise.comm.policy), and a
+    # calibrated all-reduce of this group size replaces the ring's estimate.
     measured = device.all_reduce.get(size) if link == "intra" else None
     if device.collectives_as_all_reduce:
         kind = "all_reduce"
     if measured is not None and kind == "all_reduce":
         return measured.time(nbytes) * device.collective_factor.get(kind, 1.0)
-    step = device.link(link)
+    step = device.link(link)  # a ring step: n / p bytes over the slowest link it crosses
     steps = 2 * (size - 1) if kind == "all_reduce" else size - 1
     return steps * step.time(nbytes / size) * device.collective_factor.get(kind, 1.0)
 
@@ -49,16 +42,13 @@ def p2p_s(device: DeviceProfile, nbytes: float, link: str) -> float:
 
 def sync_wait_s(device: DeviceProfile, size: int, syncs: float, compute_s: float,
                 world: int) -> float:
-    """What a rank waits at ``syncs`` blocking collectives of a group of ``size`` ranks,
-    spread evenly over ``compute_s`` seconds of its compute, for peers that drifted behind
-    since the last one: ``drift x sqrt(compute between two)`` each, so ``drift x
-    sqrt(syncs x compute_s)`` in all (``DeviceProfile.drift``).
+    """What a rank waits at ``syncs`` blocking collectives of ``size`` ranks, spread over
+    ``compute_s`` of its compute: ``drift x sqrt(syncs x compute_s)`` (``DeviceProfile.drift``).
 
-    A collective waits for the slowest of its group: with the ranks' drifts independent
-    and alike, the expected maximum of ``size`` of them, so a drift measured on ``n``
-    ranks scales by ``max_of(size) / max_of(n)``. On a CPU the ranks of the job
-    (``world``) share the machine's cores, and how they share them sets how far each
-    drifts, whatever the group: the drift measured with that many ranks is the base."""
+    A collective waits for the slowest of its group: a drift measured on ``n`` ranks scales by
+    ``max_of(size) / max_of(n)``. On a CPU the job's ``world`` ranks share the cores, which sets
+    the base drift whatever the group.
+    """
     if size <= 1 or syncs <= 0 or compute_s <= 0:
         return 0.0
     drift, measured_on = device.drift_at(world if device.cores is not None else size)

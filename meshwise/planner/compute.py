@@ -1,29 +1,7 @@
-"""The time of one micro-batch's forward and backward on one rank, by action.
-
-Each layer is a list of work a device rates separately (a roofline per kind of
-work, as vTrain and Proteus time operators): matrix multiplies at the device's
-matmul rate, attention at that rate times its efficiency (causal blocks
-skipped, so half the ``T x T`` product), element-wise work at the memory
-bandwidth (on a GPU the bytes the family's eager kernels move, counted in
-``meshwise.planner.traffic``; on the CPU passes over the kept activations, which
-its calibration is measured against), and each kernel a fixed launch or
-dispatch cost. The backward splits as the zero-bubble schedules split it: ``B``
-the input gradients (attention's whole backward, about 2.5 forwards of it,
-FlashAttention-2's count), ``W`` the weight gradients (one more pass of the
-matmuls, and on a GPU the gradients' copy into the engines' flat buffers).
-Activation recomputation adds a forward (``full``) or its element-wise part
-(``selective``) to ``B``.
-
-Tensor parallelism adds two all-reduces of the layer's activations to each
-forward and backward (Megatron-LM; with ``--sp`` an all-gather and a
-reduce-scatter in their place, and the backward's re-gather of the column
-layers' inputs; a recompute repeats the forward's up to the last one it needs),
-and at each a wait for the other tp ranks (``sync_wait_s``); context
-parallelism passes key/value blocks around the ring ``cp - 1`` times (their
-gradients too in the backward, and again in a recompute), hidden behind
-attention where the device overlaps communication (slowing it meanwhile:
-``DeviceProfile.overlap_slowdown``), else exposed with a wait for the ring's
-neighbours at each exchange.
+"""The time of one micro-batch's forward and backward on one rank, by action: a roofline
+per kind of work (as vTrain and Proteus time operators), the backward split into B and
+W as zero-bubble schedules split it, recomputation added to B, and tp's and cp's
+communication per layer with the waits for their peers.
 """
 
 from __future__ import annotations
@@ -76,6 +54,7 @@ def action_costs(shape: ModelShape, layout: Layout, st: Settings, device: Device
     ew_forward, ew_backward, ew_recompute = _elementwise_s(shape, layout, st, device, n)
     kernels = KERNELS_PER_LAYER.get(shape.family, 30) * device.op_overhead_s
     forward = matmul + attention + ew_forward + kernels
+    # attention's backward: about 2.5 forwards of it (FlashAttention-2's count)
     backward = matmul + 2.5 * attention + ew_backward + 2 * kernels
     mode = layout.activation_checkpointing
     backward += forward if mode == "full" else (ew_recompute + kernels if mode == "selective"

@@ -1,41 +1,8 @@
 """What a device computes and moves per second: profiles for the cost model.
 
-A GPU's profile comes from its data sheet (dense matmul FLOP/s per dtype, HBM
-size and bandwidth, NVLink and network bandwidth per GPU) times an efficiency
-we state and justify below; the CPU's comes from ``meshwise plan --calibrate``
-(``meshwise.planner.calibrate``), measured on this machine and stored in the
-cache folder, with defaults measured the same way on a 2-core x86 machine when
-none is stored.
-
-Efficiencies, for eager PyTorch as meshwise runs it (each checked against published
-runs in tests/unit/test_planner_published.py):
-
-- matmuls: the best-shaped bf16 matmul reaches 86.9% of an A100's peak and 80.3% of
-  an H100's (the "maximum achievable matmul FLOPS" table of Bekman's ML Engineering,
-  compute/accelerator); for a transformer's forward, input-gradient and
-  weight-gradient shapes, at a clock the power limit holds, we take about 7/8 of
-  that: 0.75 and 0.70.
-- attention (FLOPs counted as FlashAttention counts them, causal blocks skipped):
-  FlashAttention-2, which PyTorch's SDPA runs, reaches 50-73% of an A100's peak
-  forward and less backward (Dao 2023, section 4.1): 0.55 of peak. On Hopper it
-  uses little of the new tensor cores: 298-335 TFLOP/s forward and 291-322 backward
-  at head size 128, causal, 2k-16k tokens, on an H100 SXM5 (Shah et al. 2024,
-  FlashAttention-3, figures 5 and 6): 0.32 of peak.
-- memory-bound work (norms, rotary positions, activations, residual adds, casts, the
-  loss, AdamW), priced by the bytes its eager kernels move
-  (``meshwise.planner.traffic``): 60% of HBM bandwidth. A plain copy reaches about
-  90%; broadcasts, casts between bf16 and fp32, the norms' row reductions and small
-  kernels less. The figure is fitted to one measurement: a plain PyTorch loop of
-  llama-1b's shapes with fused AdamW (the kernel meshwise's engine runs) on one H200
-  (seq 2048, batch 4, vocabulary 32,000: 50,421 tokens/s) is predicted within 1%.
-- collectives beside compute: overlapped communication slows the computation it
-  runs beside by 18.9% on average (A100 and H100, GPT and Llama training;
-  arXiv 2507.03114, "Characterizing compute-communication overlap in
-  GPU-accelerated distributed deep learning"): hidden time costs that much.
-- links: NCCL's ring all-reduce bus bandwidth over NVLink is about 80% of the
-  per-direction NVLink figure, and over InfiniBand/RoCE about 90% of the NIC's
-  line rate (nccl-tests on DGX systems); alpha is NCCL's per-step latency,
-  about 10 us inside a node and 20 us across nodes.
+A GPU's profile is its data sheet times efficiencies stated and justified at
+``EAGER_BANDWIDTH`` below; the CPU's is measured by ``meshwise plan --calibrate`` and
+cached, with defaults measured the same way on a 2-core machine (docs/choosing-a-layout.md).
 """
 
 from __future__ import annotations
@@ -55,18 +22,13 @@ GB = 1e9
 class DeviceProfile:
     """One rank's device as the cost model sees it.
 
-    ``matmul_flops``: achieved matmul FLOP/s per compute dtype (peak x efficiency);
-    ``cores``: CPU cores the ranks of one machine share (None: a device per rank);
-    ``links``: alpha-beta of one rank's link by kind (``intra``: inside a node,
-    ``inter``: across nodes), per message of a ring step; ``collective_factor``:
-    how much slower than a ring over those links each collective runs
-    (measured on gloo, 1 for NCCL); ``overhead_bytes``: what a rank's process
-    holds besides the model (runtime, libraries, communication buffers);
-    ``given_gradient_bytes``: what it gains on its first backward from a given
-    gradient (a pipeline stage before the last, a W pass), when PyTorch loads its
-    symbolic-shape code (host memory: 0 where device memory is predicted);
-    ``checkpointing_bytes``: what it gains on its first checkpointed backward, when
-    ``torch.utils.checkpoint`` loads the compiler's front end (host memory too)."""
+    ``matmul_flops``: achieved FLOP/s per dtype; ``cores``: CPU cores a machine's ranks share
+    (None: a device per rank); ``links``: alpha-beta per ring-step message, ``intra`` and
+    ``inter`` node; ``collective_factor``: slowdown against a ring over them (gloo; 1 on NCCL);
+    ``overhead_bytes``: the process beside the model; ``given_gradient_bytes`` and
+    ``checkpointing_bytes``: host memory PyTorch loads on a first backward from a given
+    gradient (symbolic shapes) or a first checkpointed one (the compiler's front end).
+    """
 
     name: str
     memory_bytes: float
@@ -136,6 +98,29 @@ def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, hb
         source=f"{name} data sheet x stated efficiencies (meshwise.planner.devices)")
 
 
+# Efficiencies, for eager PyTorch as meshwise runs it (each checked against published runs
+# in tests/unit/test_planner_published.py):
+# - matmuls: the best-shaped bf16 matmul reaches 86.9% of an A100's peak and 80.3% of an
+#   H100's (the "maximum achievable matmul FLOPS" table of Bekman's ML Engineering,
+#   compute/accelerator); for a transformer's forward, input-gradient and weight-gradient
+#   shapes, at a clock the power limit holds, about 7/8 of that: 0.75 and 0.70.
+# - attention (FLOPs as FlashAttention counts them, causal blocks skipped):
+#   FlashAttention-2, which PyTorch's SDPA runs, reaches 50-73% of an A100's peak forward
+#   and less backward (Dao 2023, section 4.1): 0.55. On Hopper it uses little of the new
+#   tensor cores: 298-335 TFLOP/s forward and 291-322 backward at head size 128, causal,
+#   2k-16k tokens, on an H100 SXM5 (Shah et al. 2024, FlashAttention-3, figures 5-6): 0.32.
+# - memory-bound work (norms, rotary, activations, residual adds, casts, the loss, AdamW),
+#   priced by the bytes its eager kernels move (meshwise.planner.traffic): 60% of HBM
+#   bandwidth. A plain copy reaches about 90%; broadcasts, bf16/fp32 casts, the norms'
+#   row reductions and small kernels less. Fitted to one measurement: a plain PyTorch loop
+#   of llama-1b's shapes with fused AdamW on one H200 (seq 2048, batch 4, vocabulary
+#   32,000: 50,421 tokens/s) is predicted within 1%.
+# - collectives beside compute slow it by 18.9% on average (A100 and H100, GPT and Llama
+#   training; arXiv 2507.03114, "Characterizing compute-communication overlap in
+#   GPU-accelerated distributed deep learning"): hidden time costs that much.
+# - links: NCCL's ring all-reduce bus bandwidth is about 80% of the per-direction NVLink
+#   figure and about 90% of an InfiniBand/RoCE NIC's line rate (nccl-tests on DGX
+#   systems); alpha is NCCL's per-step latency, about 10 us inside a node, 20 across.
 EAGER_BANDWIDTH = 0.6  # of HBM, for the eager element-wise kernels (see above)
 OVERLAP_SLOWDOWN = 0.19  # compute slowed while collectives run beside it (see above)
 # Data sheets (SXM parts): dense bf16 and fp32 (non-tensor) TFLOP/s, HBM TB/s, NVLink per

@@ -1,10 +1,6 @@
-"""A layout: how a run is spread over its ranks, as ``meshwise train`` takes it.
-
-``Layout`` holds the settings the planner chooses (axes, sequence parallelism,
-schedule, virtual stages, micro-batches, accumulation, ZeRO stage, activation
-checkpointing, compression); ``apply`` writes them into a copy of a
-``TrainConfig``, whose own ``validate`` decides whether the layout is valid (one
-source for the rules), and ``flags`` is the command line that runs it.
+"""A layout as ``meshwise train`` takes it: ``Layout`` holds what the planner chooses,
+``apply`` writes it into a ``TrainConfig`` (whose ``validate`` is the one source of the
+rules), ``flags`` is the command line that runs it.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
-"""Peak memory of one rank, predicted from the model's shapes and the layout.
-
-What a rank holds at its peak (the first backward after the most forwards):
-
-- model state, by the README's table "Memory per ZeRO stage and precision"
-  (``model_state_bytes_per_param``), over the parameters this rank holds: its
-  layers' tensor-parallel shard, the embedding on the first stage, the head on
-  the last; ZeRO shards over dp x cp;
-- under a pipeline, ZeRO-2 and ZeRO-3 keep the stage's full gradients (and
-  ZeRO-3 its gathered parameters) for the whole step;
-- transient buffers: ZeRO-2's bucket being filled and the one being reduced,
-  ZeRO-3's root unit, the unit running, the one prefetched and one unit's
-  gradient, the buckets the gradient collectives work on;
-- activations: per layer and micro-batch from the model's own shapes
-  (``activation_bytes_per_token``), times the micro-batches a rank keeps at
-  once, which the pipeline simulator counts for each schedule;
-- the last stage's logits and loss, the pipeline's messages in flight;
-- the runtime's fixed overhead (libraries, allocator, communication buffers),
-  measured once per device (``meshwise.planner.devices``), and on a rank that
-  runs a backward from a given gradient (every pipeline rank but a last stage
-  alone, all of them under a split backward) what PyTorch loads for that; under
-  activation checkpointing what ``torch.utils.checkpoint`` loads (more).
+"""Peak memory of one rank (its first backward after the most forwards) from the model's
+shapes and the layout: model state, ZeRO's buffers, activations times micro-batches in
+flight, logits, the runtime (docs/choosing-a-layout.md "What the prediction counts").
 """
 
 from __future__ import annotations
@@ -94,20 +75,18 @@ def rank_params(shape: ModelShape, layout: Layout, rank: int) -> tuple[int, int,
 
 
 def activation_bytes_per_token(shape: ModelShape, layout: Layout, dtype: str) -> dict[str, float]:
-    """Bytes one transformer layer keeps for its backward per token of a micro-batch, on
-    one rank, by checkpointing mode (Korthikanti et al. 2022, section 4, counted for
-    meshwise's own layers rather than Megatron's GPT): ``none`` everything autograd
-    saves, ``selective`` the outputs of matmuls and attention, ``full`` the layer's input.
-
-    Per layer, ``a`` bytes per element, ``t`` tp, ``s`` tp under --sp (else 1):
-    GPT: the residual input, LayerNorm outputs and the residual after attention,
-    4 d / s; inside the tp region q/k/v (3 d), attention's output and its
-    reshaped copy (2 d), the MLP's two 4 d hidden tensors: 13 d / t; Llama: each
-    RMSNorm's fp32 input, normalised value and output (3 d each) / s; the rotated
-    q, k, v, attention output and its copy, the SwiGLU's gate, up and product:
-    (3 q + 2 kv + 3 f) / t. Attention keeps an fp32 log-sum-exp per head, never
-    the (T, T) scores (flash attention; the cp ring alike). Selective keeps the
-    layer's input and every matmul's and attention's output; full only the input."""
+    """Bytes one transformer layer keeps for its backward per token of a micro-batch on one
+    rank, by checkpointing mode (Korthikanti et al. 2022, section 4, counted for meshwise's
+    own layers): ``none`` all autograd saves, ``selective`` the input and the outputs of
+    matmuls and attention, ``full`` the input.
+    """
+    # Per layer, a bytes per element, t tp, s tp under --sp (else 1). GPT: the residual
+    # input, LayerNorm outputs and the residual after attention, 4 d / s; inside the tp
+    # region q/k/v (3 d), attention's output and its reshaped copy (2 d), the MLP's two
+    # 4 d hidden tensors: 13 d / t. Llama: each RMSNorm's fp32 input, normalised value and
+    # output (3 d each) / s; the rotated q, k, v, attention output and its copy, the
+    # SwiGLU's gate, up and product: (3 q + 2 kv + 3 f) / t. Attention keeps an fp32
+    # log-sum-exp per head, never the (T, T) scores (flash attention; the cp ring alike).
     a, t = DTYPE_BYTES[dtype], layout.tp
     s = t if layout.sp else 1
     d, lse = shape.d_model, 4.0 * shape.n_head / t

@@ -1,9 +1,6 @@
-"""A planning request: a model, a world, a device profile and the choices allowed.
-
-``plan_request`` resolves the device (its profile, nodes, memory) once;
-``PlanRequest.run`` lists the layouts that fit, best first, or raises
-``NoLayoutFits`` naming the smallest memory, or the smallest world, that would
-fit; ``PlanRequest.predict`` times one layout (``--explain``, ``--layout auto``).
+"""A planning request (a model, a world, a device, the choices allowed): ``run`` lists the
+layouts that fit, best first, or raises ``NoLayoutFits`` naming what would fit; ``predict``
+times one layout (``--explain``, ``--layout auto``).
 """
 
 from __future__ import annotations

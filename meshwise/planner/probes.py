@@ -1,24 +1,6 @@
-"""Short measurements of this machine for the CPU profile (``meshwise plan --calibrate``).
-
-Each probe times the work the cost model rates, on one thread as a rank of a
-many-rank job runs (``meshwise.cli.launch``), in the thread's own CPU time (so
-other work on the machine does not count), the least of several runs:
-
-- ``matmul``: FLOP/s of the matrix multiplies of a transformer layer's sizes
-  (tokens x width x 3 width), fp32 and bf16;
-- ``attention``: causal ``scaled_dot_product_attention`` forward, as a fraction of
-  the matmul rate at its FLOPs (half of the ``T x T`` product);
-- ``memory_bandwidth``: bytes/s of an element-wise add of 32 MiB tensors (read
-  two, write one);
-- ``op_overhead``: seconds of a tiny op with autograd recording (a kernel's
-  dispatch, which dominates small element-wise work on a CPU);
-- ``optimizer``: seconds per parameter of meshwise's own AdamW over a flat buffer;
-- ``layer_time_factors``: one layer of each family's own code, forward and backward,
-  over the roofline's time for it with the values above (eager PyTorch's small kernels,
-  copies and autograd bookkeeping, which no single probe sees);
-- ``comm_probe``: on every rank of a group, ``meshwise.comm.allreduce.allreducer.probe``'s
-  alpha-beta of a point-to-point link and of the native all-reduce, and how far
-  the ranks drift apart between two collectives (``rank_drift``).
+"""Short measurements of this machine for the CPU profile (``meshwise plan --calibrate``),
+each on one thread in its own CPU time, the least of several runs: matmuls, attention,
+bandwidth, dispatch, AdamW, a layer of each family, links and drift between ranks.
 """
 
 from __future__ import annotations
@@ -206,14 +188,12 @@ def comm_probe() -> dict:
 
 
 def rank_drift(group, repeats: int = 40) -> float:
-    """What a rank waits at a collective for peers whose compute since the last one ran
-    slower, in seconds per square root of the seconds of that compute (independent noise
-    in each rank's time grows as its square root; a probe of back-to-back collectives, as
-    ``bench comm``'s, never sees it).
+    """What a rank waits at a collective for peers whose compute ran slower, in seconds per
+    square root of the seconds of that compute (independent noise grows as its root).
 
-    Each call all-reduces a small tensor after a layer's worth of matmuls (about 20 ms)
-    that each rank runs at its own pace; a call's wait is its time less the quickest
-    call's. The slowest rank's mean wait, over the root of the mean compute."""
+    Each call all-reduces after about 20 ms of matmuls; its wait is its time less the
+    quickest call's. Returns the slowest rank's mean wait over the root of the mean compute.
+    """
     from meshwise.comm import ops
     from meshwise.device.clocks import synchronize
 

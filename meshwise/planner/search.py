@@ -1,13 +1,8 @@
 """Every layout of a world that is valid and fits, ranked by predicted tokens per second.
 
-Candidates are every factorisation of the world into dp x cp x tp x pp, with
-sequence parallelism where tp > 1, each schedule and its virtual stages and a
-few micro-batch counts under a pipeline (multiples of pp), a few accumulation
-counts without one, each ZeRO stage and activation checkpointing mode. Whether
-one is valid is decided by ``meshwise.train.layout_rules.check_layout``, the
-check ``meshwise train`` runs before any rank starts: the rules have one source.
-A layout that recomputes more than it needs to fit is left out: the same layout
-with less recomputation fits too and is faster.
+The candidates are listed in docs/choosing-a-layout.md "What is searched"; validity is
+``check_layout``'s, the check ``meshwise train`` runs. A layout that recomputes more than
+it needs to fit is left out (less recomputation fits too and is faster).
 """
 
 from __future__ import annotations
@@ -92,12 +87,10 @@ def memory_limit(device: DeviceProfile, world: int) -> float:
 
 def search(cfg: TrainConfig, shape: ModelShape, world: int, device: DeviceProfile,
            space: Space, limit: float) -> list[Prediction]:
-    """Every valid layout of ``world`` ranks with its prediction, best first; those that
-    do not fit ``limit`` bytes per rank follow, least memory first.
-
-    Each candidate is timed with its pipeline simulated at coarse costs (one significant
-    digit, so that thousands of layouts share a few simulations); the best ``REFINED``
-    are timed again exactly and ranked by that."""
+    """Every valid layout of ``world`` ranks with its prediction, best first, then those over
+    ``limit`` bytes per rank, least memory first. Pipelines are simulated at coarse costs
+    (one significant digit, so thousands of layouts share a few); the best ``REFINED`` exactly.
+    """
     st = settings_of(cfg, device)
     fitting: list[Prediction] = []
     over: list[Prediction] = []

@@ -1,12 +1,6 @@
-"""A model's shapes as the planner needs them, read from the model itself.
-
-The model of a ``TrainConfig`` (a preset, flags, or ``--init-from``'s
-config.json) is built on the meta device with ONE layer (every layer of a
-family is alike), and each parameter is sorted by what tensor parallelism does
-to it, from the family's own plan: split over tp (column and row weights, a
-column layer's bias, the vocabulary), or replicated (norms, a row layer's bias,
-learned positions). Nothing is allocated, so a 70B model costs what a
-one-layer model costs.
+"""A model's shapes as the planner needs them, read from the model itself: built on the
+meta device with one layer (a family's layers are alike), each parameter sorted by its
+family's plan into split over tp or replicated. A 70B model costs what one layer does.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
-"""Step time of one layout: compute, the pipeline's bubble, communication, optimizer.
-
-- compute and the exposed tp/cp communication per action
-  (``meshwise.planner.compute``);
-- the pipeline from ``meshwise.pipeline.simulator``, timed with those per-action
-  costs and the activations' transfer time between stages as its p2p latency:
-  the bubble is what the simulated step takes beyond the ranks' own work, and
-  the waits at each receive for a peer that drifted behind; the simulator also
-  counts the micro-batches each rank keeps (memory);
-- the gradient collectives over dp x cp by ZeRO stage (Rajbhandari et al. 2019:
-  stage 0-1 all-reduce, 2 reduce-scatter, 3 adds the parameters' all-gathers, per
-  micro-step without a pipeline), hidden behind the backward where the device
-  overlaps communication (but for ZeRO-3's root unit, and slowing the compute
-  beside it), exposed where it does not (gloo on CPU cores), with the waits for
-  drifting peers there (``collectives.sync_wait_s``);
-- AdamW over the parameters a rank owns (on a GPU the bytes its kernels move),
-  and the gradient norm.
-
-On a CPU whose cores are fewer than its ranks, ranks share the cores: the
-compute of the whole step takes at least every rank's work over the cores, and
-a pipeline's idle ranks leave theirs to the others.
+"""Step time of one layout: per-action compute through the pipeline simulator, the
+gradient collectives by ZeRO stage (Rajbhandari et al. 2019) hidden or exposed as the
+device overlaps, waits for drifting peers, AdamW and the norm.
 """
 
 from __future__ import annotations
@@ -61,13 +43,11 @@ class TimeBreakdown:
 @functools.lru_cache(maxsize=4096)
 def simulated(kind: str, stages: int, micro_batches: int, virtual: int, forward: float,
               backward: float, weights: float, latency: float):
-    """(step time, peak micro-batches in flight per rank) of a schedule, cached: layouts
-    that differ only in ZeRO stage or dp share the simulation.
-
-    Past ``SIMULATED_ROUNDS`` x pp micro-batches the pipeline is in its steady state, where
-    each further micro-batch adds one forward and one backward to every rank's step and no
-    activation kept (GPipe keeps them all): the schedule is simulated at that count and
-    the rest is added, so that 1,024-rank plans stay fast."""
+    """(step time, peak micro-batches in flight per rank) of a schedule, cached across ZeRO
+    stages and dp. Past ``SIMULATED_ROUNDS`` x pp micro-batches each further one adds a forward
+    and a backward per rank and no kept activation (GPipe keeps them all): simulated there,
+    the rest added, so 1,024-rank plans stay fast.
+    """
     from meshwise.pipeline.simulator import simulate
 
     simulated_m = min(micro_batches, SIMULATED_ROUNDS * stages)

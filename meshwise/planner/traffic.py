@@ -1,18 +1,7 @@
-"""Bytes the eager element-wise kernels of a step move, counted from meshwise's own ops.
-
-On a GPU the work besides matrix multiplies and attention (norms, rotary
-positions, activations, residual adds, the casts between them, the loss over
-the vocabulary, AdamW) is bound by memory bandwidth, and eager PyTorch runs it
-as one kernel per ATen op: each reads its inputs and writes its output in
-device memory. The tables below are those bytes, counted by
-``benchmarks/planner_traffic.py`` (a ``TorchDispatchMode`` around one and two
-layers of the family, forward and backward, at two sequence lengths), per token
-of one layer: a coefficient per element of each width, split where tensor
-parallelism splits the tensors (``d_model``-wide activations between the tp
-regions, split by tp only under sequence parallelism; the rest inside them).
-``tests/unit/test_planner_traffic.py`` counts again and holds the tables to
-the code. (An RMSNorm written as PyTorch ops, say, moves about 36 bytes per
-element in bf16 forward, where a fused kernel would move 6.)
+"""Bytes the eager element-wise kernels of a step move per token and layer, counted from
+meshwise's own ops by ``benchmarks/planner_traffic.py`` and held to the code by
+``tests/unit/test_planner_traffic.py``. (An RMSNorm as PyTorch ops moves about 36 bytes
+per element in bf16 forward, where a fused kernel would move 6.)
 """
 
 from __future__ import annotations

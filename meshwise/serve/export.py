@@ -1,20 +1,8 @@
 """A checkpoint as one unsharded model that needs no meshwise (``meshwise export``).
 
-``--format safetensors`` writes ``model.safetensors`` (single-process parameter
-names) and ``config.json`` (the model's sizes). ``--format hf`` writes a
-Hugging Face directory that ``transformers.AutoModelForCausalLM`` loads:
-
-- a GPT as ``GPT2LMHeadModel``: the same architecture (pre-LayerNorm, tanh
-  GELU, tied head, learned positions), with our head-by-head QKV rows reordered
-  into GPT-2's query/key/value blocks and every linear weight transposed for
-  its ``Conv1D``;
-- a Llama as ``LlamaForCausalLM``: the same tensors under the ``model.`` prefix
-  (``meshwise.hf.llama``).
-
-With ``hf``, the tokenizer the checkpoint was trained with (its
-``tokenizer.json``, when it is still there unchanged) is copied too, so
-``transformers.AutoTokenizer`` loads the directory. The output directory
-appears complete or not at all.
+``safetensors``: ``model.safetensors`` and ``config.json``; ``hf``: a directory transformers
+loads (the GPT as ``GPT2LMHeadModel``, QKV regrouped and weights transposed; Llama-family
+models under their architecture) with the tokenizer. It appears complete or not at all.
 """
 
 from __future__ import annotations

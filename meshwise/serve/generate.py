@@ -1,9 +1,5 @@
-"""Sampling from a checkpoint on one process, with a KV cache (``meshwise generate``).
-
-The prompt goes through the model once (filling each layer's keys and values);
-each new token then costs one position's forward instead of the whole prefix.
-Text is encoded and decoded with the tokenizer the checkpoint was trained with
-(its configuration names it and its digest), byte-level when it names none.
+"""Sampling from a checkpoint on one process, with a KV cache (``meshwise generate``), in
+the tokenizer the checkpoint was trained with (byte-level when it names none).
 """
 
 from __future__ import annotations
@@ -74,11 +70,9 @@ def chat_template_of(data: dict, name: str | None, tokenizer: Tokenizer) -> Chat
 
 
 def checkpoint_tokenizer(data: dict, flag: str | None) -> Tokenizer:
-    """The tokenizer a checkpoint was trained with.
-
-    ``data`` is the ``data`` section of its configuration; ``flag`` is
-    ``--tokenizer``, which must then be the same file by digest. Raises
-    ValueError naming the recorded path when it cannot be found or has changed.
+    """The tokenizer a checkpoint was trained with: ``data`` is its configuration's section,
+    ``flag`` (``--tokenizer``) must be that file by digest. Raises ValueError naming the
+    recorded path when it cannot be found or has changed.
     """
     path, digest = data.get("tokenizer"), data.get("tokenizer_digest")
     if flag:

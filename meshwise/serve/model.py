@@ -1,7 +1,5 @@
-"""A checkpoint's model as one unsharded, single-process module.
-
-What ``meshwise export`` writes and ``meshwise generate`` samples from: the
-logical tensors read whole from whatever layout saved them.
+"""A checkpoint's model as one unsharded module, its logical tensors read whole from
+whatever layout saved them (what ``export`` writes and ``generate`` samples from).
 """
 
 from __future__ import annotations

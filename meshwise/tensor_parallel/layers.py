@@ -1,33 +1,7 @@
-"""Tensor-parallel layers (Shoeybi et al. 2019, Megatron-LM, section 3).
-
-* :class:`ColumnParallelLinear`: ``Y = X A`` with ``A`` split by output columns,
-  so each rank computes its slice of ``Y`` with no communication (the first GEMM
-  of the Megatron MLP and the Q/K/V projections).
-* :class:`RowParallelLinear`: ``A`` split by input rows; each rank computes a
-  partial sum of ``Y`` and one all-reduce completes it (the second GEMM). A
-  column layer followed by a row layer therefore costs one all-reduce forward
-  and one backward.
-* the vocabulary split across ranks: ``meshwise.tensor_parallel.vocab``.
-
-Initialisation never depends on the layout: a layer draws only its slice of the
-tensor one process would build from ``init_seed`` (``meshwise.layout.init``
-defines the values block by block, so no rank builds the whole matrix). Give
-every layer of a model its own ``init_seed``. Built under
-``torch.device("meta")`` a layer holds shapes only, to be materialised later
-(``meshwise.apply.parallelize``); ``from_linear`` / ``from_embedding`` turn a plain
-module into its parallel form. With ``tp_group`` ``None`` (or of size 1) each
-layer is numerically identical to ``nn.Linear`` / ``nn.Embedding`` /
-``F.cross_entropy`` holding the same tensors.
-
-Every parameter created here carries the tensor-parallel marks of
-``meshwise.layout.params`` (``tp_sharded``, ``tp_dim``, and ``tp_unpadded_size``
-on the padded embedding), relied on by gradient synchronisation, the gradient
-norm and checkpointing; a parameter without them (LayerNorm, ...) counts as
-replicated. Replicated parameters receive identical gradients on every
-tp rank (their inputs are replicated), so they need no tp all-reduce, and a
-global grad-norm counts them once. The vocabulary dim of an embedding is padded
-up to a multiple of tp (:func:`padded_vocab_size`); padding rows are zero, never
-looked up, masked out of the loss, and so keep zero gradients.
+"""Tensor-parallel linear layers (Shoeybi et al. 2019, Megatron-LM, section 3): a column
+layer then a row layer cost one all-reduce forward and one backward. A layer draws only
+its slice of the single-process tensor of ``init_seed`` (give each layer its own), carries
+``meshwise.layout.params``' marks, and at tp 1 equals ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -65,12 +39,9 @@ def _check_divisible(name: str, value: int, tp_size: int) -> None:
 
 def sharded_param(full_shape, dim: int, group, dtype, device, init: Init | None = None,
              seed: int = 0, real_rows: int | None = None, source=None) -> nn.Parameter:
-    """This rank's slice along ``dim`` of a tensor of ``full_shape``, as a parameter.
-
-    Its values: none on the meta device; else the slice of ``source`` (a full
-    tensor, e.g. a plain module's weight) or of the single-process ``init``
-    drawn from ``seed`` (only the slice is drawn). Along dim 0, rows at or past
-    ``real_rows`` are padding and stay zero.
+    """This rank's slice along ``dim`` of a tensor of ``full_shape``, as a parameter: empty on
+    the meta device, else the slice of ``source`` (a full tensor) or of the single-process
+    ``init`` from ``seed``. Along dim 0, rows at or past ``real_rows`` are padding, zero.
     """
     size, rank = tp_size_of(group), tp_rank_of(group)
     local = list(full_shape)
@@ -109,12 +80,9 @@ def replicated_param(shape, dtype, device, source=None) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A``'s output rows (``Y``'s columns) split across tp.
 
-    The input is replicated; :func:`copy_to_tp` (Megatron's ``f``) sums its
-    gradient over ranks. The output is this rank's ``out_features / tp`` slice,
-    or the full output when ``gather_output``. With ``sequence`` (a
-    ``SequenceGather``: sequence parallelism) the input is this rank's slice of
-    the sequence, all-gathered first. Built on the meta device (under
-    ``torch.device("meta")``) it holds shapes only, for a later materialisation.
+    The input is replicated (:func:`copy_to_tp`, Megatron's ``f``, sums its gradient); the
+    output is this rank's ``out_features / tp``, or whole with ``gather_output``. ``sequence``
+    (a ``SequenceGather``): the input is this rank's sequence slice, gathered first.
     ``weight_grads``: a split backward's store (``meshwise.tensor_parallel.weight_grads``).
     """
 
@@ -163,12 +131,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A``'s input columns split across tp.
 
-    Each rank multiplies its slice of ``x`` by its slice of ``A``; the partial
-    products are summed by :func:`reduce_from_tp` (Megatron's ``g``). The bias is
-    replicated and added once, after the reduction (adding it per rank would
-    count it ``tp`` times). With ``sequence_parallel`` the sum is reduce-scattered
-    along the sequence (dim 1 of a (batch, sequence, features) output).
-    ``weight_grads``: as for :class:`ColumnParallelLinear`.
+    Partial products are summed by :func:`reduce_from_tp` (Megatron's ``g``), or
+    reduce-scattered along the sequence (dim 1) with ``sequence_parallel``; the replicated
+    bias is added once, after the sum. ``weight_grads``: as for ``ColumnParallelLinear``.
     """
 
     weight_grads: WeightGradStore | None = None
@@ -230,12 +195,11 @@ class RMSNormLike(Protocol):
 
 
 class ShardRMSNorm(nn.Module):
-    """An RMSNorm over the last dim of a tensor-parallel shard (Qwen3's per-head
-    q/k norms: each rank normalises its own heads). The weight is replicated, but
-    each rank's gradient covers only its heads: ``copy_to_tp`` sums it over tp in
-    backward, so every replica takes the same step. Under sequence parallelism the
-    gradient sync already sums every replicated parameter's gradient over tp, so
-    the norm leaves it to that (summing twice would count it tp times)."""
+    """An RMSNorm over the last dim of a tensor-parallel shard (Qwen3's per-head q/k norms).
+
+    The weight is replicated but each rank's gradient covers its heads: ``copy_to_tp`` sums
+    it over tp, except under sequence parallelism, where the gradient sync already does.
+    """
 
     def __init__(self, dim: int, eps: float, tp_group, dtype=None, device=None, source=None,
                  sum_grad: bool = True):

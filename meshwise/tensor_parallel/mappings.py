@@ -1,34 +1,7 @@
-"""Communication at the edges of tensor-parallel regions, as paired autograd functions.
-
-Shoeybi et al. 2019 (Megatron-LM), section 3, split a transformer's matrices
-across the ranks of a tensor-parallel (tp) group and need only two conjugate
-operators at the boundaries of each parallel region:
-
-* ``f`` = :func:`copy_to_tp`: identity forward, all-reduce backward. It enters a
-  region whose ranks each hold part of the weights, so every rank contributes a
-  partial gradient of the (replicated) input that must be summed.
-* ``g`` = :func:`reduce_from_tp`: all-reduce forward, identity backward. It leaves
-  a region whose ranks each computed a partial sum of the output.
-
-Two more pairs move between a replicated tensor and its slices along a dim:
-
-* :func:`scatter_to_tp`: keep this rank's chunk forward, all-gather backward.
-* :func:`gather_from_tp`: all-gather forward, keep this rank's chunk backward.
-
-Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) replaces ``f`` and
-``g`` at the edges of the regions between tensor-parallel layers, which hold
-``1/tp`` of the sequence, by a conjugate pair of the same volume:
-
-* :func:`gather_sequence`: all-gather along the sequence forward,
-  reduce-scatter backward (``g-bar``: entering a column-parallel layer);
-* :func:`reduce_scatter_sequence`: reduce-scatter forward, all-gather backward
-  (``g``'s replacement after a row-parallel layer).
-
-Every public function takes the tp group explicitly (a
-:class:`meshwise.comm.ops.Group`). ``None`` or a group of size 1 means no tensor
-parallelism: the function returns its input untouched and adds no autograd node,
-so a tp=1 model is bit-for-bit the plain PyTorch model. All traffic is counted
-under the ``"tp"`` category.
+"""Communication at the edges of tensor-parallel regions, as paired autograd functions:
+Megatron-LM's ``f`` and ``g`` (Shoeybi et al. 2019, section 3), scatter and gather along a
+dim, and sequence parallelism's pair (Korthikanti et al. 2022, section 4.2.2). A tp group
+of None or size 1 returns the input with no autograd node.
 """
 
 from __future__ import annotations
@@ -146,10 +119,8 @@ class _ScatterToTP(torch.autograd.Function):
 
 
 class _GatherFromTP(torch.autograd.Function):
-    """All-gather along ``dim``; backward keeps this rank's chunk of the gradient.
-
-    The consumer of the gathered tensor is replicated across tp ranks, so each
-    rank already holds the full (identical) gradient: no reduction is needed.
+    """All-gather along ``dim``; backward keeps this rank's chunk of the gradient (the consumer
+    is replicated, so each rank already holds the full gradient).
     """
 
     @staticmethod

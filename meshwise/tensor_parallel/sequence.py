@@ -1,20 +1,7 @@
-"""Sequence parallelism at the input of column-parallel layers (Korthikanti et al. 2022).
-
-Between tensor-parallel layers each rank holds ``1/tp`` of the sequence; a
-column-parallel layer needs the whole of it. Two things keep that cheap:
-
-- one all-gather per activation, whoever reads it: Llama's q/k/v projections
-  (and gate/up) read the same normalised input, and ``SequenceGather`` hands
-  them one gathered tensor, so its backward is one reduce-scatter of their
-  summed gradients (Megatron-LM fuses the three matrices for the same effect);
-- the gathered input is not kept for the backward: each layer saves only this
-  rank's slice and gathers it again when its weight gradient needs it
-  (section 4.2.2 of the paper), so the activations between the layers take
-  ``1/tp`` of their memory, as the paper's formula says.
-
-``SequenceParallelEmbedding`` is the ``position_embedding`` style: learned
-positions looked up only for this rank's run of the sequence (which run is
-``meshwise.layout.sequence``'s to say: this module only communicates).
+"""Sequence parallelism at the input of column-parallel layers (Korthikanti et al. 2022):
+one all-gather for every layer that reads an activation, each keeping only its slice
+and gathering it again for the backward (section 4.2.2), so the activations take 1/tp;
+and learned positions looked up for this rank's slice only.
 """
 
 from __future__ import annotations

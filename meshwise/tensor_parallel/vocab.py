@@ -1,9 +1,6 @@
-"""The vocabulary split across tensor-parallel ranks (Megatron-LM, section 3).
-
-:class:`VocabParallelEmbedding` and :class:`VocabParallelHead` split the
-vocabulary's rows (padded to a multiple of tp, padding rows zero and never
-looked up); :func:`vocab_parallel_cross_entropy` computes the loss from the
-logit shards, so the ``(tokens, vocab)`` logits are never gathered.
+"""The vocabulary split across tensor-parallel ranks (Megatron-LM, section 3): embedding and
+head rows padded to a multiple of tp (padding zero, never looked up), and the loss from
+the logit shards, so the ``(tokens, vocab)`` logits are never gathered.
 """
 
 from __future__ import annotations
@@ -31,13 +28,10 @@ from meshwise.tensor_parallel.weight_grads import WeightGradStore, linear
 class VocabParallelEmbedding(nn.Module):
     """An embedding table whose rows (the vocabulary) are split across tp.
 
-    Each rank embeds the ids it owns, writes zeros for the others, and
-    :func:`reduce_from_tp` sums the rows into the full embedding. The table is
-    padded to :func:`padded_vocab_size` rows; padding rows start at zero and are
-    never looked up for valid ids (``0 <= id < num_embeddings``, not checked, to
-    avoid a device sync). With ``sequence_parallel`` the rows are summed by a
-    reduce-scatter along the sequence (dim 1 of (batch, sequence) ids): each rank
-    keeps its slice, as the layers after it expect.
+    Each rank embeds the ids it owns, zeros for the others, and :func:`reduce_from_tp` sums
+    them (reduce-scattered along dim 1 with ``sequence_parallel``). Padding rows, up to
+    :func:`padded_vocab_size`, are zero and never looked up for valid ids (not checked: no
+    device sync).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group,
@@ -78,16 +72,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """The output layer over the vocabulary, its rows split across tp like
-    :class:`VocabParallelEmbedding` (so a tied head can share that table).
+    """The output layer over the vocabulary, split like ``VocabParallelEmbedding`` (a tied head
+    shares that table).
 
     Returns this rank's logits ``(..., padded_vocab / tp)`` for
-    :func:`vocab_parallel_cross_entropy` with ``vocab_size=num_embeddings``; the
-    logits over the whole vocabulary are never gathered for the loss
-    (:meth:`full_logits` gathers them for generation). With ``sequence`` (a
-    ``SequenceGather``) the input is this rank's slice of the sequence, gathered
-    (then its weight gradient comes in B, also under a split backward).
-    ``weight_grads``: a split backward's store (``meshwise.tensor_parallel.weight_grads``).
+    :func:`vocab_parallel_cross_entropy`, never gathered for the loss (``full_logits`` gathers
+    them for generation). ``sequence``, ``weight_grads``: as for ``ColumnParallelLinear``.
     """
 
     weight_grads: WeightGradStore | None = None
@@ -126,11 +116,8 @@ class VocabParallelHead(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from logit shards; backward is local ``softmax - one_hot``.
-
-    Megatron-LM section 3 fuses the parallel output GEMM with the loss so that
-    ranks exchange per-token scalars (max, sum of exp, target logit) instead of
-    ``(tokens, vocab)`` logits.
+    """Per-token cross-entropy from logit shards; backward is local ``softmax - one_hot``
+    (Megatron-LM section 3: ranks exchange per-token scalars, never the logits).
     """
 
     @staticmethod
@@ -175,12 +162,10 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
                                  reduction: str = "sum") -> torch.Tensor:
     """Cross-entropy over the full vocabulary from this rank's logit slice.
 
-    ``logits_shard``: ``(..., padded_vocab / tp)``, rank ``r`` holding columns
-    ``[r * V/tp, (r+1) * V/tp)``; ``targets``: ``(...)`` global ids. ``vocab_size``
-    is the real vocabulary (default: no padding); columns at or beyond it are
-    masked to ``-inf``. ``reduction``: ``"none"`` (per token, 0 where ignored),
-    ``"sum"`` or ``"mean"`` (over non-ignored tokens, as ``F.cross_entropy``).
-    Logits below fp32 are computed in fp32 and the loss is returned in fp32.
+    ``logits_shard``: ``(..., padded_vocab / tp)``, rank ``r`` holding columns ``[r * V/tp,
+    (r+1) * V/tp)``; ``targets``: global ids; columns at or past ``vocab_size`` are masked.
+    ``reduction``: ``"none"`` (0 where ignored), ``"sum"`` or ``"mean"`` (over non-ignored
+    tokens). Computed and returned in fp32.
     """
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction={reduction!r}; valid: 'none', 'sum', 'mean'")

@@ -1,31 +1,7 @@
-"""A split backward: the weight gradients of linear layers computed later, in a W pass.
-
-Zero-bubble pipeline schedules (Qi et al. 2024) split each stage's backward in
-two: B, the gradient of the stage's input, which the previous stage waits for,
-and W, the gradients of the weights, which can wait and fill a bubble. Nearly
-all of W's work is the weight gradients of linear layers, ``dW = dY^T X``, so
-this is where the split is made, one layer at a time, as DeepSeek's DualPipe
-does with its ``WeightGradStore`` rather than by cutting the autograd graph
-after the fact as ``torch.distributed.pipelining``'s ``stage_backward_input`` /
-``stage_backward_weight`` do. Why:
-
-* activation checkpointing recomputes a block once, inside B; W then needs only
-  what each layer kept (its input ``X`` and output gradient ``dY``), not a
-  second recompute (the graph-cutting split recomputes again in W, or fails:
-  pytorch#136766);
-* a tensor-parallel layer's ``dW`` is local (``dY`` and ``X`` are this rank's
-  shards): W never communicates;
-* every model family built from ``nn.Linear`` or meshwise's parallel layers
-  splits with no change to its code; other parameters (norms, biases,
-  embeddings: cheap) get their gradients in B as usual.
-
-While :meth:`WeightGradStore.capturing` is entered (the runtime enters it around
-the forward and the backward of a micro-batch whose W comes later) a layer
-given the store keeps its weight out of the autograd graph: its backward
-computes ``dX`` (and the bias gradient) at once and stores ``(weight, X, dY)``.
-:meth:`WeightGradStore.run` computes the ``dW`` and hands them to autograd in
-one call, at the weights' gradient edges, so whatever collects gradients (``.grad``
-and its hooks, ZeRO-3's unit views) sees them as from a normal backward.
+"""A split backward: linear layers' weight gradients (W) computed after their input
+gradients (B), as zero-bubble schedules need (Qi et al. 2024). Split per layer as
+DeepSeek's DualPipe ``WeightGradStore`` does, not by cutting the autograd graph, which
+recomputes checkpointed blocks again (pytorch#136766). See docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -44,7 +20,9 @@ from meshwise.comm.checks import strict
 
 
 class WeightGradStore:
-    """Weight-gradient work of linear layers, held from a backward (B) until its W runs."""
+    """Weight-gradient work of linear layers, held from a backward (B) until its W runs
+    (other parameters, cheap ones, get their gradients in B as usual).
+    """
 
     def __init__(self):
         self.key: Hashable | None = None  # the micro-batch being captured, if any
@@ -147,11 +125,9 @@ def _deferring_class(cls: type) -> type:
 def defer_weight_grads(modules, store: WeightGradStore) -> int:
     """Give every linear layer inside ``modules`` the ``store``; returns how many.
 
-    ``nn.Linear`` itself gets a subclass whose forward defers (the same object, as
-    activation checkpointing swaps classes, so names, hooks and plans are unchanged);
-    meshwise's parallel layers already compute through :func:`linear`. A subclass
-    of ``nn.Linear`` with its own forward is left as it is (its weights then get
-    their gradients in B).
+    ``nn.Linear`` gets a subclass whose forward defers (the same object, as activation
+    checkpointing swaps classes: names, hooks and plans unchanged); a subclass of
+    ``nn.Linear`` with its own forward is left alone (its weights' gradients come in B).
     """
     count = 0
     for root in modules:

@@ -1,10 +1,6 @@
-"""A rank's parts for training, each built from the settings, the run state and the
-parts built before it (the ``Trainer`` calls these in that order).
-
-Every function takes what it needs as arguments and returns what it builds, so
-the order of the calls is the order of the dependencies: the job joined (the
-mesh), the model laid out on it, the engine around the model's parameters, the
-schedule over the engine, the run's start from a checkpoint, the observer.
+"""A rank's parts for training, each built from the settings, the run state and the parts
+before it: the mesh, the model laid out, the engine, the schedule, the start from a
+checkpoint, the observer (the ``Trainer`` calls them in that order).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""What a rank feeds one step: its micro-batches of the global batch, their contexts, and
-the loss's divisor.
-
-Every rank draws the whole global batch (``meshwise.data.batches``), takes its
-dp rank's contiguous rows, cuts them into micro-batches and each into its cp
-rank's tokens (inputs and targets alike; ``meshwise.layout.sequence``).
-Targets outside the loss's labels become the ignored index, and the step's
-divisor is the number of labelled targets of the GLOBAL batch, counted on the
-host from the batch every rank holds: no collective, and every layout divides
-by the same number (DESIGN section 1).
-
-Each micro-batch comes with its ``ForwardContext`` (``meshwise.models.context``):
-its global samples, the tokens and heads this rank holds, and under document
-masking its rows' documents. The model's forward takes it as an argument, so
-every pipeline stage, tp and cp rank knows what it computes without a message.
+"""What a rank feeds one step: its micro-batches of the global batch with their contexts,
+and the loss's divisor, the labelled targets of the GLOBAL batch counted on the host
+from the batch every rank draws (no collective; DESIGN section 1).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""What a run trains with: the model laid out on this rank, its sharding engine, and
-the dtype ``--dtype auto`` means on this rank's device.
-
-``build_model`` makes the family's plain model on the meta device and lays it
-out by the family's plan (``meshwise.apply.parallelize``): no rank allocates a
-parameter there. ``build_engine`` then allocates what this rank keeps, filled
-from the initial values (or a Hugging Face directory's, ``--init-from``).
+"""What a run trains with: the model laid out on this rank (built on the meta device), its
+sharding engine (allocating only what this rank keeps), and the dtype of ``--dtype auto``.
 """
 
 from __future__ import annotations
@@ -62,11 +57,10 @@ def precision_of(cfg: TrainConfig) -> Precision:
 
 def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig,
                  values, device, grad_reducer=None):
-    """The gradient synchroniser + optimizer for ``--zero``: stages 0-2 share flat
-    gradient buckets (``ZeroOptimizer``); stage 3 shards the parameters too. Either
-    allocates only what this rank keeps and fills it from ``values``, and hands its
-    reductions to ``grad_reducer`` when one is given. Parameters are replicated
-    over dp and cp, so both sum (and shard) over ``mesh.dp_cp_group``."""
+    """The gradient synchroniser + optimizer for ``--zero`` (``ZeroOptimizer`` for stages 0-2,
+    ``ZeroStage3``), filled from ``values``, reducing over ``mesh.dp_cp_group`` (through
+    ``grad_reducer`` when given).
+    """
     precision, p = precision_of(cfg), cfg.parallel
     if p.zero == 3:  # the layers are units, the rest the root unit
         target: nn.Module | list[nn.Module] = model.chunks[0]

@@ -1,16 +1,6 @@
-"""The trainer's side of checkpoints: what a run saves beside the engine's state.
-
-A checkpoint holds the engine's parameters and AdamW moments (sharded, see
-``meshwise.checkpoint.state``) and, in its manifest, the step reached (which
-fixes the learning rate and the next global batch, both pure functions of the
-step), the optimizer's step count, the model's shape, the layout, the whole
-configuration and the run state (``meshwise.train.run_state.record``), and the
-run's lineage (``meshwise.checkpoint.lineage``): which run wrote it and from
-which checkpoint that run started. ``--keep-last`` prunes only that lineage,
-and never the checkpoint the run resumed from. With
-``--compress``, each rank also stores what its compressor carries to the next
-step (error feedback, PowerSGD's warm-started ``Q``), so a run resumed on the
-same layout and buckets continues bit-exactly.
+"""The trainer's side of checkpoints: beside the engine's state, the step (which fixes the
+learning rate and next batch), the model's shape, the layout, configuration, run state,
+lineage and each rank's compressor state, so a resume continues bit-exactly.
 """
 
 from __future__ import annotations
@@ -36,11 +26,8 @@ BUCKET_SETTINGS = (("comm", "compress"), ("comm", "error_feedback"), ("comm", "b
 
 
 class RunCheckpointer:
-    """Saves and restores one rank's share of a run.
-
-    ``pieces``: each engine parameter's box in its logical tensor
-    (``ParallelModel.pieces()``); ``writers``: the names this rank stores (each
-    logical tensor once).
+    """Saves and restores one rank's share of a run. ``pieces``: each engine parameter's box
+    in its logical tensor; ``writers``: the names this rank stores (each logical tensor once).
     """
 
     def __init__(self, cfg, run: RunState, mesh: Mesh, engine, pieces: dict, writers: set[str],

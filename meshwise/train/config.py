@@ -1,13 +1,8 @@
-"""Training configuration: nested typed dataclasses, validated in one place.
+"""Training configuration: nested typed dataclasses of the settings (what the user asked),
+validated in one place; what the launcher decides is run state (``run_state``).
 
-These are the settings, what the user asked for (flags, ``--config`` TOML, the
-Python API); what the launcher decides from them (run id, the checkpoint a
-launch starts from, the schedule's start, digests, folders) is run state,
-``meshwise.train.run_state``.
-
-``TrainConfig.validate()`` checks everything that can be checked before any rank
-starts and raises ``ValueError`` with a one-line message naming the bad value
-and what would be valid; the CLI turns that into exit status 2.
+``TrainConfig.validate()`` checks everything checkable before any rank starts and raises
+``ValueError`` naming the bad value and what would be valid (the CLI exits 2).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Faults injected on purpose, to test how a failing job ends.
 
-``MESHWISE_FAIL_AT=RANK:STEP[:KIND]`` makes rank RANK, at step STEP:
-
-- ``raise`` (the default): raise an error at the start of the step;
-- ``nan``: report a non-finite loss for the step;
-- ``desync``: issue one extra dp all-reduce at the start of the step, one that no
-  other rank issues (the collective ledger must name it).
-
-``meshwise train``'s ranks call ``install`` once their trainer is built: the fault
-goes into the trainer's step hooks (``before_step``, ``after_loss``) on its rank
-only, so the step itself knows nothing of faults.
+``MESHWISE_FAIL_AT=RANK:STEP[:KIND]``: at step STEP rank RANK raises (``raise``, the
+default), reports a non-finite loss (``nan``) or issues one extra dp all-reduce
+(``desync``). ``install`` puts it in the trainer's step hooks, so the step knows nothing.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Every rank must run the same job: compare what each was started with.
-
-Under ``torchrun`` each node parses its own command line, so two nodes can be
-given different flags (or data, or code). Before anything else, every rank
-sends a fingerprint of its configuration and run state (as checkpoints record
-them, ``meshwise.train.run_state.record``), its token file and meshwise's source
-to the others; a difference stops the job at once, naming the first key that
-differs. Paths are left out (nodes may mount the same files elsewhere); the
-files' contents stand for them (the tokenizer's by its digest, the checkpoint a
-run resumes by its step and its manifest's digest, the ``--save`` directory by
-the checkpoints it holds).
+"""Every rank must run the same job: under torchrun each node parses its own command line,
+so ranks compare fingerprints of their configuration, run state, token file and
+meshwise's source (contents, not paths) and stop naming the first key that differs.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
-"""FLOPs per token from a model's own shapes, the device's peak, and MFU.
-
-Model FLOPs per token (the convention of PaLM, Chowdhery et al. 2022, appendix
-B, and of torchtitan and Megatron-LM's reports): every multiply-add of a matrix
-multiply counts 2 FLOPs in the forward and 4 in the backward, so each parameter
-of a linear layer costs 6 per token (the head included, the embedding lookups
-not); attention's scores and weighted values add ``12 x layers x d_model x
-seq_len``. That attention term counts the whole ``T x T`` product, as the peers
-do, although a causal kernel computes about half of it: figures stay
-comparable with theirs (and with ``torch.utils.flop_counter``, which counts the
-same), at the price of overstating causal attention's work.
-
-Hardware FLOPs add what activation recomputation does again: one more forward
-of every recomputed layer (``2`` per layer parameter and ``4 x d_model x
-seq_len`` of attention per token and layer). MFU and HFU divide the achieved
-rate by the devices' peak: for a GPU its dense peak in the compute dtype from
-its data sheet; on a CPU, which has no data sheet figure we could trust, the
-rate this rank measures for a large matrix multiply in the compute dtype at
-start-up, all ranks at once (so that they share the cores as training does).
+"""FLOPs per token from a model's own shapes (PaLM's convention, Chowdhery et al. 2022,
+appendix B, as torchtitan and Megatron-LM report), the device's peak, and MFU and HFU.
+See docs/watching.md "FLOPs and MFU".
 """
 
 from __future__ import annotations
@@ -47,6 +31,9 @@ def flops_per_token(model: nn.Module, layers: list[nn.Module], n_layer: int, d_m
     """(model FLOPs, hardware FLOPs) per token of a training step: forward and backward
     of ``model`` (the whole, single-process one; the meta device will do) and, with
     ``recomputed``, one more forward of each of its ``layers``."""
+    # A multiply-add counts 2 FLOPs forward and 4 backward: 6 per linear-layer parameter
+    # (head included, embedding lookups not). Attention counts the whole T x T product, as
+    # the peers and torch.utils.flop_counter do, though a causal kernel computes about half.
     attention = 12 * n_layer * d_model * seq_len
     model_flops = 6 * matmul_params(model) + attention
     if not recomputed:

@@ -1,37 +1,6 @@
-"""Gradient synchronisation across all four axes, and the global gradient norm.
-
-This is the one place that states, for every parameter, across which axes it is
-replicated and how its gradient is kept consistent:
-
-* dp and cp: every parameter is replicated across dp and cp (a cp rank holds
-  every parameter and some tokens of every sequence); its gradient is SUMMED
-  over ``mesh.dp_cp_group`` by the engine's buckets (or reduce-scattered into shards
-  under ZeRO, which shards over dp x cp as FSDP does in torchtitan). Each cp
-  rank's loss is its tokens' share of the global mean, so the sum is the
-  gradient of the global mean: no token counted twice.
-* tp: a tp-sharded parameter (``tp_sharded=True``: column/row weights, the
-  vocabulary shard of the embedding) is a different slice on every tp rank and
-  needs nothing. A tp-replicated parameter (LayerNorms, row-parallel biases, the
-  position embedding) gets IDENTICAL gradients on every tp rank without
-  communication: its gradient flows from activations that are themselves
-  replicated, because ``copy_to_tp``'s backward already summed them over tp
-  (Megatron-LM section 3). ``check_tp_replicas`` verifies this at the first step.
-  Under sequence parallelism (``--sp``) a replicated parameter sees only its
-  rank's slice of the sequence: its gradients are partial sums, SUMMED over tp
-  after the dp x cp sync, in one all-reduce of every such part this rank holds
-  (Megatron-LM's ``allreduce_sequence_parallel_gradients``; the sums commute,
-  and tp ranks hold the same parameters at the same offsets of their buffers).
-* pp: a tie whose members live on different stages (the token embedding and
-  the head on the first and last stage) keeps a copy at each end; their
-  gradients are SUMMED over ``mesh.tie_group`` after the dp sync (Megatron-LM's
-  embedding group), so both copies take the same step. ``parallelize`` marks
-  them and the engine's ``finish_grad_sync`` sums them, so every caller of the
-  engine gets it. Where both ends sit on one rank (the V of ZB-V and DualPipeV)
-  they are summed here. Under ZeRO-2/3 each member has a flat buffer of its own,
-  so the dp shards of the members line up and their sum is exact too.
-
-The global norm counts each unique parameter once: tp-replicated parameters on tp
-rank 0 only, a tie on the stage holding its first member only, and shards summed.
+"""Gradient synchronisation across all four axes, and the global gradient norm: the one
+place that states how each parameter's gradient stays consistent over dp x cp, tp and
+tied pipeline stages (docs/layouts.md "How gradients are kept consistent").
 """
 
 from __future__ import annotations
@@ -49,10 +18,8 @@ from meshwise.mesh import Mesh
 class GradSync3D:
     """Completes a step's gradients on every axis and computes their global norm.
 
-    ``named_params``: the parameters as they were handed to the engine (read for
-    their tensor-parallel marks only, so they may be on the meta device);
-    ``engine``: the sharding engine; ``model``: this rank's ``ParallelModel``,
-    for ties across pipeline stages (counted once in the norm; none without it).
+    ``named_params``: as handed to the engine (read for their tp marks only: meta is fine);
+    ``engine``: the sharding engine; ``model``: this rank's ``ParallelModel``, for its ties.
     """
 
     def __init__(self, named_params, mesh: Mesh, engine, model=None):
@@ -70,6 +37,9 @@ class GradSync3D:
     def finish(self) -> None:
         """Wait for the dp reductions and the tie sums over stages (the engine's),
         then sum sequence-parallel partial gradients over tp."""
+        # The engine sums a cross-stage tie over mesh.tie_group (parallelize marked it), so
+        # every caller of the engine gets that; a tie whose ends sit on this rank (the V
+        # of ZB-V and DualPipeV) is summed here.
         self.engine.finish_grad_sync()
         for members in self.local_ties:
             grads = [self.engine.tie_grad(name) for name in members]
@@ -84,6 +54,9 @@ class GradSync3D:
 
     @torch.no_grad()
     def _sum_partials_over_tp(self) -> None:
+        # Under --sp a replicated parameter sees its rank's tokens only: one all-reduce of
+        # every such part (Megatron-LM's allreduce_sequence_parallel_gradients), after the
+        # dp x cp sync (the sums commute; tp ranks hold them at the same buffer offsets).
         views = self.engine.held_grads(self.partial_over_tp)
         if not views:
             return
@@ -106,28 +79,22 @@ class GradSync3D:
         return math.sqrt(self.grad_sq_norm().item())
 
     def norm_and_skip(self, loss_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The squared global gradient norm and whether the step must be skipped (a
-        non-finite norm or any rank's loss not finite): 0-dim tensors on the device,
-        the same on every rank, from one world all-reduce and no host read.
-
-        Each rank's part of the squared norm and ``loss * 0`` (NaN exactly where its
-        loss is not finite; NaN survives the sum) are summed over the world. At ZeRO
-        stages 0-1 every rank of the engine's group (dp x cp) holds the whole sum over
-        that group, so the world's sum counts it dp x cp times and is divided by that."""
+        """The squared global gradient norm and whether to skip the step (a non-finite norm or
+        any rank's loss): 0-dim device tensors, the same on every rank, from one world
+        all-reduce of each rank's part and ``loss * 0`` (NaN where a loss is not finite).
+        """
         local = self.engine.grad_sq_norm(include=self.counted.__contains__, over_dp=False)
         both = torch.stack([local.to(torch.float64), loss_part.detach().to(torch.float64) * 0])
         ops.all_reduce(both, self.mesh.world_group, category="norm")
+        # At ZeRO 0-1 every rank of the engine's group holds the group's whole sum.
         replicas = self.mesh.dims.dp * self.mesh.dims.cp
         sq = both[0] if self.engine.stage >= 2 else both[0] / replicas
         return sq, ~(torch.isfinite(sq) & torch.isfinite(both[1]))
 
     def check_replica_values(self, rtol: float = 1e-6) -> None:
-        """Raise if a tp-replicated parameter's values differ across tp ranks.
-
-        Works under every ZeRO stage: each dp rank sums the elements of its dp
-        shard (float64 sum and absolute sum), the dp ranks add them up, and the
-        totals must agree across tp. Replicas drift only through nondeterministic
-        kernels or a bug; found early, the parameter is named, on every rank.
+        """Raise, naming the parameter, if a tp-replicated parameter's values differ across tp
+        ranks (nondeterministic kernels, or a bug). Any ZeRO stage: the float64 sums of the dp
+        shards are added up over dp x cp, then compared across tp.
         """
         held = owned_values(self.engine.checkpoint_runs())
         names = [n for n, p in self.params.items() if not is_tp_sharded(p)]

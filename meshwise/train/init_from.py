@@ -1,17 +1,8 @@
-"""``meshwise train --init-from DIR``: start from a local Hugging Face directory
-(Llama, Mistral, Qwen2, Qwen3: meshwise's Llama; GPT-2: meshwise's GPT).
+"""``meshwise train --init-from DIR``: start from a local Hugging Face directory.
 
-Three moments, each where it belongs:
-
-- ``apply_init_from`` (reading the command line, before validation): the
-  model's settings come from ``config.json``; a flag that says otherwise is an
-  error, and the directory's ``tokenizer.json`` becomes the default
-  ``--tokenizer``;
-- ``check_init_from`` (``prepare``, before any rank starts): the weights'
-  headers hold every tensor that config implies, with its shape, and the
-  tokenizer fits the model's vocabulary;
-- ``initial_values`` (on each rank): the ``values(name, start, end)`` the
-  engines fill their buffers from, reading only this rank's slices.
+``apply_init_from`` (reading flags): settings and tokenizer from the directory;
+``check_init_from`` (before any rank starts): the weights' headers against the config;
+``initial_values`` (each rank): the values of this rank's slices only.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""Which layouts train: the rules that tie the parallel axes, the pipeline schedule,
-the sequence, the batch and the gradients' group together, and the table of
-supported compositions.
-
-``check_layout`` is the one place that decides whether a layout is valid:
-``TrainConfig.validate`` runs it before any rank starts (``meshwise train``,
-``meshwise plan``) and in every rank (the ``Trainer``), and the layout planner
-(``meshwise.planner``) keeps only the candidates it accepts. The schedule's own
-rules are ``meshwise.pipeline.schedules.validate_schedule_config``, which the
-pipeline runtime applies too. What only a rank or the launcher knows is checked
-where it is known: a model of one's own's layers, plan and sizes
-(``meshwise.apply.parallelize``), the processes actually launched
-(``meshwise.cli.preflight``, ``Mesh.build``). Each rule raises ``ValueError``
-with a one-line message naming the bad value and what would be valid.
+"""Which layouts train, and the table of supported compositions: ``check_layout`` is the one
+place that decides (``TrainConfig.validate`` before any rank starts and in every rank; the
+planner keeps what it accepts). What only a rank or the launcher knows is checked there.
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
-"""Experiment loggers: TensorBoard, Weights & Biases and MLflow, through their own libraries.
-
-``--log-to tensorboard,wandb,mlflow`` sends every metrics key of every step
-(dictionaries flattened: ``allreduce_calls/ring``) to each, and the effective
-configuration as the run's hyper-parameters. Only the logging rank writes. All
-three keep their runs under ``--log-dir`` (default: ``DIR/logs`` of ``--save
-DIR``, else ``runs/RUN_NAME``), where ``meshwise-run.json`` remembers each
-library's run id: a run resumed with the same directory goes on in the same
-runs, its steps continuing, instead of starting new ones.
-
-- TensorBoard: event files in ``LOG_DIR/tensorboard`` (``torch.utils.tensorboard``);
-- W&B: ``wandb.init(dir=LOG_DIR)``; with no API key set or stored it runs
-  offline (``WANDB_MODE=offline``, said once), ``wandb sync`` uploads later;
-- MLflow: unless ``MLFLOW_TRACKING_URI`` says otherwise, a local file store in
-  ``LOG_DIR/mlruns`` (MLflow 3 keeps that backend only on request, which is
-  made here), experiment ``--project``.
-
-Each library is an optional extra (``pip install 'meshwise[tensorboard]'``);
-asking for one that is not installed ends the run before any rank starts.
-
-The libraries are called from a thread of their own, one step's values as one
-batch each (a TensorBoard event, a W&B history row, an MLflow batch), so the
-training loop only queues a record: the logging rank does not hold the others
-back while MLflow appends files or W&B talks to its service.
+"""Experiment loggers (TensorBoard, Weights & Biases, MLflow) through their own libraries,
+called from a thread of their own so the loop only queues a record; a resume with the
+same ``--log-dir`` continues the same runs (``meshwise-run.json``). See docs/watching.md.
 """
 
 from __future__ import annotations
@@ -185,6 +164,7 @@ class _MLflow:
         import mlflow
         from mlflow.entities import Metric, Param
 
+        # A local file store unless told otherwise (MLflow 3 keeps it only on request).
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((log_dir / "mlruns").resolve().as_uri())

@@ -1,21 +1,7 @@
-"""The learning rate of each step: a pure function of the step, and of the settings
-a checkpoint records.
-
-Three schedules (``SCHEDULES``), each after a linear warmup from 0:
-
-- ``cosine``: decay to ``min_lr_ratio * lr`` at the last step (Loshchilov & Hutter
-  2017, without restarts).
-- ``wsd``: warmup-stable-decay (Hu et al. 2024, MiniCPM; as torchtitan's
-  ``lr_scheduler``): the peak until the last ``decay_steps`` steps, then down to
-  ``min_lr_ratio * lr`` along ``decay_shape`` (linear; sqrt: 1 - sqrt(progress),
-  Hägele et al. 2024; or a cosine half-period). Its stable phase does not depend
-  on the total, so a run can be made longer before its decay starts.
-- ``constant``: the peak after warmup.
-
-``start`` is the step a schedule begins at: 0, unless a resumed run started a new
-schedule there (``--lr-restart``). Resuming checks that the schedule continues the
-one the checkpoint was trained under (``continues``): the same learning rate at
-every step already taken, so a changed ``--steps`` is never silently re-stretched.
+"""The learning rate of each step, a pure function of the step and the recorded settings:
+warmup, then ``cosine`` (Loshchilov & Hutter 2017), ``wsd`` (Hu et al. 2024; sqrt decay,
+Hägele et al. 2024) or ``constant``; ``continues`` checks a resume keeps every past rate.
+See docs/fine-tuning.md "Learning-rate schedules".
 """
 
 from __future__ import annotations

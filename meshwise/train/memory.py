@@ -1,16 +1,8 @@
-"""The process's memory as the operating system or the device allocator reports it.
+"""The process's memory as the operating system or the device allocator reports it, never
+counted from meshwise's own tensors (that would match the ZeRO formula by construction).
 
-Never counted from the tensors meshwise knows about: a figure an engine computes
-from its own buffers agrees with the ZeRO formula by construction, whatever else
-the process holds. ``peak_mem_bytes`` is the step's peak:
-
-- on CUDA, ``torch.cuda.max_memory_allocated`` (its peak statistics reset at the
-  start of each step);
-- on the CPU, the resident set's high-water mark (``VmHWM``), reset at the start
-  of each step by writing ``5`` to ``/proc/self/clear_refs`` (Linux). Where that
-  file cannot be written, the mark covers the whole run so far instead.
-
-``peak_rss_bytes`` stays the run's peak resident set (start-up included).
+``peak_mem_bytes``: the step's peak (CUDA's ``max_memory_allocated``; on the CPU ``VmHWM``,
+reset through ``/proc/self/clear_refs``, else the run's); ``peak_rss_bytes``: the run's.
 """
 
 from __future__ import annotations

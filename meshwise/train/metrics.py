@@ -29,13 +29,9 @@ COMBINE: dict[str, Callable[[list[float]], float]] = {
 class RankValues:
     """One step's numbers from every rank, gathered in one collective and read once.
 
-    Each value is a host number or a 0-dim tensor on the device (read nowhere
-    else), with how it combines across ranks: ``sum``, ``max`` or ``first`` (the
-    same on every rank). Every rank must add the same names in the same order
-    (a value may be a number on one rank and a tensor on another). ``gather``
-    lays them out in that order as one float64 tensor, all-gathers it over a
-    group and reads the result on the host: one host read for all of them,
-    which waits for the whole step on an accelerator.
+    Each value is a host number or a 0-dim device tensor, combined by ``sum``, ``max`` or
+    ``first``; every rank adds the same names in the same order. ``gather`` all-gathers them as
+    one float64 tensor and reads it on the host: the step's one wait for the device.
     """
 
     def __init__(self, device):

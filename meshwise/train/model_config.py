@@ -1,8 +1,5 @@
-"""The model section of the training configuration: presets of every family and sizes.
-
-A preset names a model family (``meshwise.models.families``) and its sizes;
-flags override them. ``ModelConfig.sizes`` is what defines a model whatever the
-layout, recorded in every checkpoint and checked on resume.
+"""The model section of the configuration: each family's presets and sizes (flags override
+them); ``ModelConfig.sizes`` defines a model whatever the layout, checked on resume.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Watching a run: FLOPs, MFU, where each step's time went, loggers and the profiler.
 
-The trainer marks the phases of a step (``phase("forward_backward")``, ...)
-and hands over each step's record; this adds to it:
-
-- ``tflops``, ``mfu``, ``hfu``: model and hardware FLOPs of the step
-  (``meshwise.train.flops``) over its time, against every rank's peak summed;
-- ``time_breakdown``: the logging rank's step split into ``compute``,
-  exposed communication per axis (``dp``: gradient reductions and ZeRO's
-  parameter gathers; ``tp``; ``pp``: pipeline transfers, the bubble included),
-  ``optimizer`` and ``other`` (metrics, checks). Phases are timed on the device
-  (CUDA events on a GPU), waits as ``ops`` counts them (``CommCounters``).
-
-It also feeds the experiment loggers (rank 0) and drives the profiler.
+Adds ``tflops``, ``mfu``, ``hfu`` and the logging rank's ``time_breakdown`` (compute, exposed
+communication per axis, optimizer, other; phases timed on the device) to each step's
+record, and feeds the loggers. See docs/watching.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Curves of one or more metrics files (``meshwise plot``): several runs overlaid.
-
-Six panels against step, tokens seen or training time: the loss (validation
-losses as dots), the gradient norm, tokens/s, peak memory, exposed
-communication and MFU (where the files have them). A resumed run's file holds
-the steps before its restart too, so its curve goes on from where it was.
+"""Curves of metrics files (``meshwise plot``), several runs overlaid: loss, gradient norm,
+tokens/s, peak memory, exposed communication and MFU against step, tokens or time.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""``--profile-steps A-B``: a ``torch.profiler`` trace of those steps on every rank.
-
-Each rank writes a Chrome trace (``DIR/rank<r>.<time>.pt.trace.json``, what
-TensorBoard's profiler plugin and chrome://tracing read) with CPU and, on a
-GPU, CUDA activity, and meshwise's named ranges (``meshwise.device.ranges``).
-Outside the asked steps nothing is recorded and nothing is marked.
+"""``--profile-steps A-B``: a ``torch.profiler`` Chrome trace of those steps on every rank, with
+meshwise's named ranges; outside them nothing is recorded or marked (docs/watching.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""Run state: what the launcher decided for one launch of a job, apart from the settings.
-
-``TrainConfig`` holds what the user asked for; ``RunState`` holds what was
-decided from it before any rank started: this job's run id, the checkpoint
-the launch starts from (its step and manifest digest, so every rank can check
-they start from the same one), the step the learning-rate schedule starts at,
-the digests of the tokenizer and chat template the data was made with, and
-where the run's loggers and profiler write. ``meshwise train`` computes it once
-in the launching process and hands it to every rank beside the configuration;
-a ``Trainer`` made from Python without one computes the same in the rank
-(``in_rank``).
-
-Checkpoints and the metrics' config file record the configuration with these
-facts at the keys they had when they were settings (``RECORDED_AT``), so a
-record reads the same to every reader, older ones included; ``record`` writes
-that, and the run state beside it, and ``recorded`` reads a run state back from
-either.
+"""Run state: what the launcher decided for one launch, apart from the settings (run id,
+checkpoint started from, schedule start, data digests, log folders), computed once before
+the ranks start; records keep these at the keys they had as settings (``RECORDED_AT``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A sample at the end of training: a held-out prompt continued by the model.
 
-Every rank runs the same forwards (each its share of the layout) and samples the
-same tokens: the last pipeline stage draws each one and tells the others. A
-window whose length the layout cannot split (a sample growing one token at a
-time) is padded after its end: under the causal mask no token sees what comes
-after it, so the logits of the real tokens are those of the unpadded window.
+Every rank runs the same forwards and the last stage tells the others each token. A
+window the layout cannot split is padded after its end: under the causal mask the real
+tokens' logits are unchanged.
 """
 
 from __future__ import annotations

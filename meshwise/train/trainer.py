@@ -1,16 +1,7 @@
-"""The training loop: builds everything from a ``TrainConfig`` and runs it.
-
-One optimizer step, top to bottom (``train_step``):
-  1. the learning rate for this step;
-  2. global batch ``step`` (the same on every rank), this dp rank's contiguous
-     slice of it, cut into ``grad_accum`` micro-batches, each cut along the
-     sequence into this cp rank's tokens (``meshwise.train.batches``);
-  3. forward and backward of each micro-batch, its summed token loss divided by
-     the labelled tokens of the GLOBAL batch (all of them without a loss mask),
-     so gradients are those of the global mean whatever the split (DESIGN
-     section 1); gradient sync only on the last one;
-  4. the global gradient norm, the clipping coefficient, the optimizer step;
-  5. metrics reduced over every rank, written by rank 0.
+"""The training loop, built from a ``TrainConfig``: per step (``train_step``, top to bottom)
+the learning rate, this rank's micro-batches, forward and backward of each (its loss sum
+over the GLOBAL batch's labelled tokens, DESIGN section 1), the global norm, clipping and
+the optimizer step, then metrics written by rank 0.
 """
 
 from __future__ import annotations
@@ -61,19 +52,13 @@ class NonFiniteError(RuntimeError):
 
 
 class Trainer:
-    """Trains the model of ``cfg`` on this rank's share of the work.
+    """Trains the model of ``cfg`` on this rank's share of the work, inside an initialised
+    process group (``meshwise.launch``).
 
-    Call inside an initialised process group (``meshwise.launch`` does that).
-    ``run``: the run state the launcher decided (``meshwise.train.run_state``);
-    without one it is computed here, starting from the checkpoint ``resume``
-    (or from scratch). ``before_step`` / ``after_loss``: hooks of the step, empty
-    unless something installs one (``meshwise.train.faults`` for the tests).
-    ``model``/``plan``/``init_of``: a model of one's own in place of ``cfg``'s
-    family: ``model()`` builds the plain single-device model (called on the meta
-    device), ``plan`` lays it out, ``init_of(name) -> Init`` draws its initial
-    values (``None``: each module's own initialisation). Everything else is as
-    for the families: grad sync on every axis (cross-stage ties included), the
-    global norm and clipping, ZeRO, schedules, checkpoints and resume, metrics.
+    ``run``: the launcher's run state (else computed here, from ``resume``). ``before_step`` /
+    ``after_loss``: step hooks (``meshwise.train.faults``). ``model``/``plan``/``init_of``: a model
+    of one's own in place of ``cfg``'s family (built on the meta device; ``init_of`` None:
+    each module's own initialisation), trained as the families are (docs/own-model.md).
     """
 
     def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None, *,
@@ -283,11 +268,9 @@ class Trainer:
         return self.batches.take(step, d.batch_size, d.seed, num, split)
 
     def _forward_backward(self, micro_batches, contexts, labelled: int) -> torch.Tensor:
-        """Run every micro-batch, each with its forward's context (``contexts``, one per
-        micro-batch: None where the model takes none); return this rank's share of the
-        global mean loss over the ``labelled`` targets (0-dim, on the device: reading it
-        would wait for every micro-batch). Gradients sync over dp only during the last
-        accumulation round.
+        """Run every micro-batch with its context (``contexts``); return this rank's share of the
+        global mean loss over ``labelled`` targets (0-dim, on the device). Gradients sync over dp
+        only in the last accumulation round.
         """
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         scale = 1.0 / max(labelled, 1)  # a batch without labels: no loss, no gradient

@@ -1,8 +1,5 @@
-"""Checks of one setting's value, with the flag that sets it in the message.
-
-Shared by the configuration's checks (``meshwise.train.config``) and the layout
-rules (``meshwise.train.layout_rules``): each raises ``ValueError`` naming the
-flag, the bad value and what would be valid.
+"""Checks of one setting's value, shared by ``config`` and ``layout_rules``: each raises
+``ValueError`` naming the flag, the bad value and what would be valid.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""All-reduce algorithms built from point-to-point transfers.
-
-Every transfer goes through ``meshwise.comm.ops`` (``batch_p2p``), so bytes and
-waits are counted there like any collective's. Sums are taken in the tensor's
-own dtype, for any group size (odd ones included) and any number of elements
-(chunks may be uneven or empty).
-
-- ring (Patarasuk & Yuan 2009): reduce-scatter then all-gather around a ring,
-  ``2 (p-1)`` steps of ``N/p`` bytes: bandwidth-optimal.
-- tree: binomial-tree reduce to the first rank, then binomial broadcast,
-  ``2 ceil(log2 p)`` steps of ``N`` bytes: latency-optimal (Thakur et al. 2005).
-- hierarchical (Horovod's / NCCL's two-level scheme, leader variant): a tree
-  reduce inside each node to its leader (its first rank), a ring all-reduce
-  among the leaders, a tree broadcast inside each node; only ``N``-sized
-  messages per leader cross the slow links, once each way.
-- adaptive: per message size, the cheapest of the others under a measured
-  cost model (``meshwise.comm.allreduce.allreducer``, which also runs them).
+"""All-reduce algorithms from point-to-point transfers: ring (Patarasuk & Yuan 2009,
+bandwidth-optimal), binomial tree (Thakur et al. 2005, latency-optimal) and hierarchical
+(Horovod's and NCCL's two-level scheme); any group size and uneven chunks, summed in the
+tensor's dtype. See docs/compression.md.
 """
 
 from __future__ import annotations
@@ -139,6 +126,7 @@ def ring_all_gather(chunks: list[torch.Tensor], group, members=None,
 
 
 def ring_all_reduce(flat: torch.Tensor, group, members=None, category: str = "grad") -> None:
+    # reduce-scatter then all-gather: 2 (p-1) steps of N/p bytes
     members, _ = _me(group, members)
     chunks = list(torch.tensor_split(flat, len(members)))
     ring_reduce_scatter(chunks, group, members, category)
@@ -175,6 +163,7 @@ def tree_broadcast(flat: torch.Tensor, group, members=None, category: str = "gra
 
 
 def tree_all_reduce(flat: torch.Tensor, group, members=None, category: str = "grad") -> None:
+    # binomial reduce to the first member, then broadcast: 2 ceil(log2 p) steps of N bytes
     tree_reduce(flat, group, members, category)
     tree_broadcast(flat, group, members, category)
 
@@ -182,6 +171,8 @@ def tree_all_reduce(flat: torch.Tensor, group, members=None, category: str = "gr
 def hierarchical_all_reduce(flat: torch.Tensor, group, topology: Topology,
                             category: str = "grad") -> None:
     """Reduce inside the node, ring all-reduce across node leaders, broadcast inside."""
+    # A node's leader is its first rank; only N-sized messages per leader cross the slow
+    # links, once each way.
     node = next(m for m in topology.node_members if group.rank in m)
     tree_reduce(flat, group, node, category)
     if group.rank == node[0] and topology.num_nodes > 1:

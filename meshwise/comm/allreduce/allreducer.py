@@ -1,10 +1,8 @@
-"""``AllReducer``: runs the collectives of one group with one algorithm, and the
-cost model its adaptive choice rests on.
+"""``AllReducer``: one group's collectives with one algorithm, and the adaptive cost model.
 
-adaptive picks, per message size, the algorithm with the lowest time under an
-alpha-beta model (Hockney 1994: ``t = alpha + n beta`` per message) whose alpha
-and beta per link kind (inside a node, between nodes), and those of the native
-collective, are measured by ``probe`` at start-up.
+adaptive picks per message size the cheapest algorithm under an alpha-beta model
+(Hockney 1994: ``t = alpha + n beta``), alpha and beta per link kind and for the
+native collective measured by ``probe`` at start-up.
 """
 
 from __future__ import annotations

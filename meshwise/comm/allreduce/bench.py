@@ -1,10 +1,8 @@
 """Bandwidth and latency of each all-reduce algorithm per size (``meshwise bench comm``).
 
-Every algorithm is timed on the same buffers (``meshwise.comm.timing``): a
-barrier, then the all-reduce; a call's time is the slowest rank's, the reported
-time the median over the repeats. Bus bandwidth follows nccl-tests: ``size /
-time * 2 (p-1) / p``, the per-link rate a ring would need, comparable across
-world sizes; latency is the time of the smallest size.
+A call's time is the slowest rank's after a barrier, reported as the median of the
+repeats; bus bandwidth follows nccl-tests (``size / time * 2 (p-1) / p``); latency is
+the time of the smallest size.
 """
 
 from __future__ import annotations

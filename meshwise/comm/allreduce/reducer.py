@@ -1,26 +1,8 @@
-"""The dp gradient reduction of a bucket, with compression and our own algorithms.
+"""The dp gradient reduction of a bucket with ``--compress`` or a non-native ``--allreduce``.
 
-The engines (``GradBuckets``, ``ZeroOptimizer``) launch a bucket's reduction
-where its last gradient arrives and wait for it before the optimizer step. With
-``--compress`` or a non-native ``--allreduce`` they hand the bucket to a
-``GradReducer`` instead of ``ops.all_reduce`` / ``ops.reduce_scatter``:
-
-    handle = reducer.start(key, flat, shard)   # shard: (start, end) for reduce-scatter
-    ...
-    handle.wait()   # flat (or flat[start:end]) now holds the decompressed sum
-
-Where the backend allows it (gloo, ``policy.reduce_in_background``) the work
-runs on one background thread, in launch order (every rank launches buckets in
-the same order), so it overlaps the rest of backward as the native async
-collectives do. NCCL allows one issuing thread per communicator: there the
-chain is issued at once from the training thread, on a CUDA stream of its own
-(its transfers and kernels do not hold the host), and ``wait`` makes the
-caller's stream wait for it. ``wait`` is where communication is exposed, and
-its time is counted as the native handles' is (``counters.wait_s["grad"]``). The bytes
-this reducer put on the wire are added to the shared counters' ``"grad"`` at
-each wait; ``compress_ratio`` compares them with what the uncompressed native
-reduction would have sent with the same algorithm
-(``AllReducer.uncompressed_bytes``).
+The engines call ``start(key, flat, shard)`` where a bucket's last gradient arrives
+and ``wait()`` on the handle before the optimizer step; the wait is exposed
+communication (``counters.wait_s["grad"]``). See docs/compression.md.
 """
 
 from __future__ import annotations
@@ -67,6 +49,10 @@ class GradReducer:
         self._group = ops.with_counters(group, self._own)
         self.comm = AllReducer(self._group, algorithm, topology, cost=cost, category="grad")
         self.compressor = compressor or NoCompression()
+        # gloo: one background thread, in launch order (every rank launches buckets in the
+        # same order), so the reduction overlaps the rest of backward. NCCL allows one
+        # issuing thread per communicator: the chain is issued from the training thread on
+        # a CUDA stream of its own, which the caller's stream waits for in ``wait``.
         threaded = overlap and policy.reduce_in_background(group)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshwise-grad") if threaded else None
         self._overlap = overlap
@@ -107,6 +93,8 @@ class GradReducer:
                 f"shard {shard} is not this rank's equal chunk of the bucket")
 
     def _landed(self) -> None:
+        # What went on the wire joins the shared "grad" bytes at each wait; compress_ratio
+        # sets it against raw_bytes (AllReducer.uncompressed_bytes, the same algorithm).
         sent = self._own.bytes_sent["grad"]
         self.shared.bytes_sent["grad"] += sent - self._merged
         self.sent_bytes += sent - self._merged

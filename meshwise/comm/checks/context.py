@@ -1,20 +1,6 @@
-"""What one process knows about its communication: its ledger, the NCCL rules per
-group, and the exchange and watchdog that compare ledgers across ranks.
-
-``meshwise.comm.ops`` keeps one ``CommContext`` per initialised default process
-group (one per rank: like the logging module's loggers, it belongs to the
-process) and asks it about every operation before issuing it (``begin``).
-
-Settings, from the environment so that they reach every rank of a launch:
-``MESHWISE_COMM_CHECK=nccl`` (``meshwise.comm.checks.strict``), ``MESHWISE_LEDGER=0``
-(no ledger: no checks across ranks), ``MESHWISE_LEDGER_CHECK_EVERY`` (compare
-ledgers every this many steps, default 10: each comparison is a round trip to
-the launch's store on the step's critical path; the ledger records every
-operation whatever it is, so a check still finds the first that differs),
-``MESHWISE_STALL_S`` (how long an operation may be in flight before the
-watchdog compares ledgers, default 10), ``MESHWISE_LEDGER_DIR`` (a folder for
-each rank's ledger as a file kept current, set by the local launcher so it can
-read them after a rank died).
+"""What one process knows about its communication (one ``CommContext`` per default process
+group, asked about every operation before ``ops`` issues it): its ledger, the NCCL rules
+per group, and the exchange and watchdog; settings come from the environment.
 """
 
 from __future__ import annotations
@@ -29,9 +15,14 @@ from meshwise.comm.checks.ledger import Entry, Ledger, call_site, signature
 from meshwise.comm.checks.watchdog import LedgerExchange, Watchdog
 
 log = logging.getLogger("meshwise")
-LEDGER_ENV = "MESHWISE_LEDGER"
+LEDGER_ENV = "MESHWISE_LEDGER"  # 0: no ledger, so no checks across ranks
+# Steps between comparisons (default 10): each is a round trip to the launch's store on
+# the step's critical path; the ledger keeps every operation since the ranks last
+# agreed, so a check still names the first that differs.
 CHECK_EVERY_ENV = "MESHWISE_LEDGER_CHECK_EVERY"
-STALL_ENV = "MESHWISE_STALL_S"
+STALL_ENV = "MESHWISE_STALL_S"  # in flight this long (default 10 s): the watchdog compares
+# A folder for each rank's ledger as a file kept current, set by the local launcher so
+# it can read them after a rank died.
 LEDGER_DIR_ENV = "MESHWISE_LEDGER_DIR"
 
 

@@ -1,18 +1,8 @@
 """Reading several ranks' ledgers side by side: who diverged, who is behind (pure).
 
-Input: per rank a dump of its ledger (``Ledger.dump()``, or the entries of its
-ring file read after it died): channel summaries and recent entries. A channel
-names its participants (``dp[0,2]``: the group's members; ``pp[0,1] 0->1``:
-sender and receiver), so every comparison is between the ends that must agree.
-
-- ``mismatched``: channels whose participants' (count, checksum) differ, from
-  summaries alone (the per-step check).
-- ``explain``: one line for a person. A *divergence* is the first operation
-  number at which the participants' signatures differ; the rank at fault is the
-  one whose later operations match the others' once its odd one is skipped (it
-  issued an extra operation), or the minority, or with two ranks the one whose
-  call site the other rank's ledger never shows. Without a divergence, a rank
-  that has not issued what its peers wait in is *behind*.
+Input: per rank a ledger dump (channel summaries and recent entries). A channel
+names the ends that must agree (``dp[0,2]``; ``pp[0,1] 0->1``); ``mismatched``
+compares summaries, ``explain`` writes the one line a person reads.
 """
 
 from __future__ import annotations
@@ -135,6 +125,9 @@ def _divergence(channel: str, ranks: dict[int, dict[int, dict]], entries) -> Fin
 
 
 def _culprit(ranks, ends, seq: int, entries) -> int | None:
+    # At fault: the rank whose later operations match the others' once its odd one is
+    # skipped (it issued an extra operation), else the minority, else (two ranks) the
+    # one whose call site the other rank's ledger never shows.
     sigs = {r: [ranks[r][s]["signature"] for s in sorted(ranks[r]) if s >= seq] for r in ends}
     for r in ends:
         others = [sigs[o] for o in ends if o != r]

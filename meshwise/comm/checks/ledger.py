@@ -1,27 +1,7 @@
-"""What each rank asked of each group, in order: the collective ledger.
-
-Every operation ``meshwise.comm.ops`` issues becomes an entry: its channel, its
-number there, the operation, the element counts and dtypes of its tensors
-(what NCCL matches: shapes may differ between ends, counts and types may not),
-the call site that asked for it (the first frame outside ``meshwise/comm``)
-and, once it completes, that too. A channel is what must look the same from
-every end:
-
-- the collectives of a group (``dp[0,2]``): every member issues the same
-  sequence;
-- the transfers from one rank to another on a group (``pp[0,1] 0->1``): the
-  sender's sends and the receiver's receives pair up in order.
-
-Per channel a rank keeps a count and a running CRC-32 of the signatures, so two
-ranks agree exactly when their channels' (count, checksum) agree; the entries
-themselves (the last ``capacity``) say where they part (``meshwise.comm.
-diagnose``). While ranks compare ledgers every few steps, the entries since
-they last agreed are kept too (``keep_unchecked``), so the first operation that
-differs is named even when the ring has moved past it. With ``path``, the ring
-of entries is also a file, kept current at every operation, so a launcher can
-read it after the rank died mid-collective.
-
-Pure bookkeeping: nothing here communicates.
+"""The collective ledger: what each rank asked of each channel (a group's collectives, or
+one direction's transfers), in order, with NCCL's signature (counts and dtypes) and the
+call site. A count and a running CRC-32 per channel tell whether ranks agree; the kept
+entries say where they part (pure bookkeeping; docs/gpus.md).
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
-"""NCCL's rules, enforced on any backend: ``MESHWISE_COMM_CHECK=nccl``.
-
-CI has no GPU, so code meant for NCCL runs on gloo there, and gloo forgives
-what NCCL does not. In this mode every operation ``meshwise.comm.ops`` issues
-is checked against what NCCL requires, and a breach fails at once with the rule,
-the group or pair, and the call site:
-
-1. *One stream per pair*: a send or receive that is not in a batch runs on the
-   pair's stream and blocks it until the peer's matching end arrives, so it must
-   complete before the next transfer with that peer is issued. A receive posted
-   before a send on both ends deadlocks on a GPU; here it fails after
-   ``MESHWISE_COMM_CHECK_WAIT_S`` (default 5) seconds naming the pair.
-2. *One issuing thread per group at a time*: NCCL communicators are not
-   thread-safe, and two threads issuing at once cannot keep every rank's order
-   the same. A thread may issue while the group's issuing thread waits for it
-   inside ``backward`` (on CUDA, autograd's device thread: DDP and FSDP rely on
-   it); a second such thread in the same wait, or any other thread while the
-   issuing one is not waiting, is refused naming both threads and call sites.
-3. *The group's device*: NCCL moves tensors of its device only; a CPU tensor
-   handed to a CUDA group is refused (on gloo the group's device is the CPU).
-4. *NCCL's types and operations*: no int16, bool or complex reductions of
-   max/min, none of the bitwise reductions.
-
-The same order of operations on every rank (the fifth rule) is the ledger's
-job (``meshwise.comm.checks.ledger``), compared across ranks every few steps whether
-or not this mode is on. The mode also makes ``meshwise.comm.policy`` formulate every operation as
-for NCCL, so CI runs the code paths GPUs run.
+"""NCCL's rules enforced on any backend (``MESHWISE_COMM_CHECK=nccl``): (1) one stream per
+pair, (2) one issuing thread per group at a time, (3) tensors on the group's device,
+(4) NCCL's types and reductions; the same order on every rank is the ledger's job.
+What each catches: docs/gpus.md "NCCL's rules, enforced on any backend".
 """
 
 from __future__ import annotations
@@ -60,6 +37,8 @@ def enabled() -> bool:
 
 
 def wait_s() -> float:
+    """How long an unbatched transfer may wait for its peer before the pair is named
+    (``MESHWISE_COMM_CHECK_WAIT_S``, default 5 s)."""
     return float(os.environ.get(WAIT_ENV, "5"))
 
 
@@ -228,7 +207,8 @@ def _first_issuers(me: threading.Thread, site: str) -> list[_Issuer]:
 
 def check_tensors(group_name: str, group_device: torch.device, tensors, site: str,
                   reduce_op: str | None = None) -> None:
-    """Rules 3 and 4 for the tensors one operation hands to a group."""
+    """Rules 3 and 4 for the tensors one operation hands to a group: its device (the CPU on
+    gloo), NCCL's dtypes and reductions."""
     for t in tensors:
         if t.device.type != group_device.type or (
                 group_device.index is not None and t.device.index != group_device.index):

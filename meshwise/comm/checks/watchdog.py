@@ -1,26 +1,6 @@
-"""Comparing ranks' ledgers through the launch's key-value store, and the watchdog.
-
-The store torch.distributed rendezvoused on (a ``TCPStore``, handed in by
-``meshwise.comm.ops``) is independent of every process group, so ranks can
-compare their ledgers while a group is stuck or out of step:
-
-- ``LedgerExchange.check``, every few steps: every rank publishes its channel
-  summary (a count and a checksum per channel) and reads its peers'. Where the
-  ends of a channel disagree, the ranks involved publish their entries since
-  they last agreed and each raises the same one-line diagnosis
-  (``meshwise.comm.checks.diagnose``).
-- ``Watchdog``, a thread: when one of this rank's operations has been in
-  flight longer than ``stall_s``, it raises an alert in the store; every rank's
-  watchdog answers with its entries, and the alerting one diagnoses them. A
-  divergence (an operation some rank issued that its peers did not) ends the
-  rank at once, without waiting for the collective timeout; on backends that do
-  not time out by themselves (NCCL aborts the process instead), a rank still
-  behind after ``timeout_s`` is reported as a ``CollectiveTimeout``.
-
-Ending a rank from a thread: the line goes to stderr and, for the launcher,
-into ``$MESHWISE_FAILURE_DIR/rank-<r>.txt``; then the process exits. Every rank
-that answers an alert or takes part in a failed check writes its ledger as
-JSON into the output directory (the run's metrics or save directory).
+"""Comparing ranks' ledgers through the launch's key-value store, independent of every
+process group: ``LedgerExchange.check`` every few steps, and the ``Watchdog`` thread when an
+operation is in flight ``stall_s``. A divergence ends the rank at once (docs/gpus.md).
 """
 
 from __future__ import annotations
@@ -166,6 +146,9 @@ class Watchdog(threading.Thread):
 def end_rank(rank: int, kind: str, message: str) -> None:
     """End this process from a thread, leaving the line for the launcher (which
     prints it as it prints a rank's ``kind`` error: ``rank <r>: <message>``)."""
+    # The line goes to $MESHWISE_FAILURE_DIR/rank-<r>.txt and stderr. A rank still
+    # behind after timeout_s is reported here only on backends that do not time out by
+    # themselves (NCCL aborts the process instead).
     folder = os.environ.get(FAILURE_DIR_ENV)
     if folder:
         try:

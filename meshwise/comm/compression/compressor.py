@@ -1,16 +1,6 @@
-"""What every gradient compressor shares: error feedback and the state kept across steps.
-
-A compressor reduces one flat gradient bucket over a group through a ``comm``
-(an ``allreducer.AllReducer``, or ``LocalComm`` on one process);
-``meshwise.comm.compression.compressors`` lists the compressors and builds one from
-``--compress``.
-
-Error feedback (Seide et al. 2014; Karimireddy et al. 2019): the residual
-``(g + e) - decompressed`` of this rank is kept per bucket and added next step,
-so over steps the sum of what was applied plus what is held equals the sum of
-the gradients (``tests/unit/test_compression.py`` checks exactly that).
-
-This module does no communication and does not import ``torch.distributed``.
+"""What every gradient compressor shares: error feedback (Seide et al. 2014; Karimireddy
+et al. 2019; the residual ``(g + e) - decompressed`` added next step, so nothing is lost)
+and the state kept across steps. No ``torch.distributed`` here.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
-"""Gradient compressors with error feedback (what was not sent is added to the next step).
-
-A compressor reduces one flat gradient bucket over a group: it compresses this
-rank's contribution, moves the compressed pieces with the collectives of a
-``comm`` (an ``allreducer.AllReducer``: ``size``, ``rank``, ``all_reduce``,
-``reduce_scatter``, ``all_gather``, ``all_to_all``), and writes the decompressed
-SUM back into the bucket, identical on every rank. With ``scatter=True`` (ZeRO-2's
-reduce-scatter) only this rank's equal chunk of the bucket must be right
-afterwards; what each compressor does then:
-
-- fp16 / bf16: cast, reduce-scatter (ring or native) in the low precision, cast
-  the owned chunk back. No error feedback (the cast error is not carried).
-- int8: each rank quantises every chunk of its (gradient + error) with a scale
-  per 1024 elements and sends chunk ``j`` to rank ``j`` (all-to-all); the owner
-  sums the dequantised pieces in fp32. That is the whole reduce-scatter. An
-  all-reduce then re-quantises the owned sum (with the owner's own error
-  feedback, as 1-bit Adam's compressed all-reduce does) and all-gathers it.
-- top-k: all-gather of every rank's (value, index) pairs, summed in rank order;
-  each rank keeps its chunk (the pairs are too few to be worth routing).
-- PowerSGD: P and Q are all-reduced in full (they are tiny); every rank
-  decompresses the whole bucket and keeps its chunk.
-
-Error feedback and the state carried between steps: ``meshwise.comm.compression.compressor``.
-
-This module does no communication of its own (only through ``comm``) and does
-not import ``torch.distributed``.
+"""Gradient compressors (fp16, bf16, int8, top-k) and the choice by ``--compress`` name. Each
+reduces a flat bucket through a ``comm`` (an ``AllReducer``) into the same decompressed sum
+on every rank (with ``scatter=True``, this rank's chunk). See docs/compression.md.
 """
 
 from __future__ import annotations
@@ -97,7 +74,7 @@ class CastCompressor(Compressor):
     """Cast to fp16/bf16, reduce in it, cast back (DDP's fp16/bf16 hooks; ours run on gloo)."""
 
     def __init__(self, dtype: torch.dtype):
-        super().__init__(error_feedback=False)
+        super().__init__(error_feedback=False)  # the cast error is not carried
         self.dtype = dtype
         self.name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
@@ -177,6 +154,8 @@ class Int8Compressor(Compressor):
         if scatter:
             flat[lo:hi].copy_(owned[:hi - lo])
             return
+        # The all-to-all was the reduce-scatter; the owner re-quantises its sum with error
+        # feedback of its own (as 1-bit Adam's compressed all-reduce does), then all-gathers.
         if self.error_feedback and key in self.owner_errors:
             owned += self.owner_errors[key]
         q, s = quantize_int8(owned, self.chunk)
@@ -195,13 +174,9 @@ class Int8Compressor(Compressor):
 class TopKCompressor(Compressor):
     """Each rank sends its largest-magnitude entries as (value, int32 index).
 
-    Deep Gradient Compression's warm-up (Lin et al. 2018): the first
-    ``warmup_steps`` steps are not compressed, then the density falls
-    exponentially from 25% to ``fraction`` over ``ramp_steps`` steps. Without
-    it, AdamW suffers most: a coordinate that is sent once every ``T`` steps
-    with ``T`` steps of carried gradient gets a second moment ``T`` times its
-    usual one, so its summed update shrinks by about ``sqrt(T)`` (10x at 1%)
-    while the model is moving fastest.
+    Deep Gradient Compression's warm-up (Lin et al. 2018): ``warmup_steps`` uncompressed,
+    then a density falling exponentially from 25% to ``fraction`` over ``ramp_steps``
+    (why AdamW needs it: docs/compression.md).
     """
 
     name = "topk"
@@ -233,6 +208,8 @@ class TopKCompressor(Compressor):
         residual = acc
         residual[index] -= values.float()  # what the low-precision value did not carry, too
         self._keep_error(key, residual)
+        # All-gathered whatever ``scatter`` says: the pairs are too few to be worth routing
+        # to owners, so each rank sums them all and keeps its chunk.
         mine = _pack(values, index.to(torch.int32))
         gathered = torch.empty(comm.size * mine.numel(), dtype=torch.uint8, device=flat.device)
         comm.all_gather(gathered, mine)

@@ -22,14 +22,10 @@ def orthogonalize(m: torch.Tensor, eps: float = 1e-8) -> None:
 class PowerSGDCompressor(Compressor):
     """Rank-``rank`` PowerSGD (Vogels et al. 2019, Algorithm 1 with error feedback).
 
-    Per matrix gradient ``M`` (a parameter of 2+ dims, viewed as rows x rest):
-    ``P = M Q`` (all-reduced, with the bucket's uncompressed vectors in the same
-    call), ``P`` orthogonalised, ``Q = M^T P`` (all-reduced), ``M ~ P Q^T``. ``Q``
-    starts from a seeded random matrix, the same on every rank, and is reused
-    from the previous step (warm start). A matrix is compressed only when that
-    halves it at least (PyTorch's ``min_compression_rate``); vectors, small
-    matrices and whatever is not a parameter are sent uncompressed. The first
-    ``warmup_steps`` steps are not compressed at all.
+    Per matrix gradient ``M`` (rows x rest): ``P = M Q`` all-reduced (with the bucket's
+    vectors), orthogonalised, ``Q = M^T P`` all-reduced, ``M ~ P Q^T``; ``Q`` starts seeded,
+    the same on every rank, and is warm-started across steps. Only a matrix that at least
+    halves is compressed (PyTorch's ``min_compression_rate``); none for ``warmup_steps``.
     """
 
     name = "powersgd"
