@@ -1,40 +1,12 @@
-"""Data parallelism with overlapped gradient buckets, ZeRO stages 0, 1 and 2.
+"""Data parallelism with overlapped gradient buckets: ZeRO stages 0, 1 and 2.
 
 Parameters are packed into flat buckets (``BucketPlan``, reverse registration
-order); each bucket is a ``FlatParams``. A post-accumulate-grad hook per
-parameter counts the bucket's arrivals and launches its reduction the moment it
-is complete, so communication overlaps the rest of backward (Megatron-LM's
-``start_grad_sync`` / ``finish_grad_sync``). Gradients are SUMMED over dp: each
-micro-batch loss is already divided by the global token count.
-
-A step's first gradient of a parameter is copied into its bucket (cast there
-from bf16 under mixed precision), so buckets are never zeroed: autograd hands
-over the gradient it made (``.grad`` is None after ``zero_grad()``) and one
-copy writes it, where zeroing and adding into the bucket would read and write
-it twice more. Later micro-batches add into the bucket: autograd in place
-through ``.grad`` (a view of it), or, for a gradient of another dtype, the
-hook. A parameter that got no gradient is zeroed when its bucket is reduced.
-
-- stage 0: buckets all-reduced; every rank updates everything.
-- stage 1 (P_os): all-reduced; AdamW state and update for this rank's shard only,
-  then the parameters are all-gathered.
-- stage 2 (P_os+g): a bucket's full gradient exists only from its first gradient
-  until its reduce-scatter lands (buffers come from a pool); the rank keeps its
-  shard, accumulating micro-steps into it (as DeepSpeed's stage 2 does). With
-  ``reduce_once`` (under a pipeline, whose chunks run many micro-batches per
-  step) the full gradients accumulate over every backward of the step instead
-  and each bucket is reduce-scattered once, after its last one (torchtitan's
-  pipeline x FSDP).
-
-After the update (stages 1-2) the all-gathers are launched and *not* waited
-for: a forward pre-hook on each module waits for the buckets it reads, so the
-gathers overlap the next forward. Anything else that reads parameters calls
-``wait_params()`` (checkpoints do).
-
-Protocol per optimizer step: ``zero_grad()``; backwards under ``no_sync()``
-accumulate locally (stage 2: each reduces when ``no_sync`` exits); the last
-backward runs outside it; ``finish_grad_sync()``; ``grad_sq_norm()``;
-``step(lr, grad_scale)``.
+order); a post-accumulate-grad hook launches a bucket's reduction once its last
+gradient arrives, so communication overlaps the rest of backward (Megatron-LM's
+``start_grad_sync`` / ``finish_grad_sync``); gradients are summed over dp. Stage
+1 shards AdamW's state, stage 2 the gradients too (as DeepSpeed's stage 2); the
+parameters' all-gathers after the update overlap the next forward. See
+docs/memory.md.
 """
 
 from __future__ import annotations
@@ -75,8 +47,12 @@ class ZeroOptimizer(EngineBase):
     the parameter all-gather with the next forward. ``values``: initial values
     (default: the parameters' own). ``precision``: compute and reduction dtypes.
     ``grad_reducer``: takes over the buckets' dp reductions (``EngineBase``).
-    ``reduce_once``: stage 2 keeps full gradients over the step's backwards and
-    reduce-scatters each bucket once (see the module docstring). ``own_buckets``:
+    ``reduce_once``: stage 2 keeps full gradients over every backward of the step
+    and reduce-scatters each bucket once, after its last one (under a pipeline,
+    whose chunks run many micro-batches: torchtitan's pipeline x FSDP); without it
+    a stage-2 bucket's full gradient lives from its first gradient until its
+    reduce-scatter lands, in pooled buffers, and the shard accumulates the
+    micro-steps. ``own_buckets``:
     names of parameters that get a bucket to themselves, so that their dp shards
     line up with a tied partner's on another stage (``tie_grad``).
     """
@@ -202,6 +178,11 @@ class ZeroOptimizer(EngineBase):
         return not self._backward_seen and self._next_launch == 0
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        # A step's first gradient of a parameter is copied into its bucket (cast from
+        # bf16 there), so buckets are never zeroed: zeroing and adding would read and
+        # write it twice more. Later micro-batches add: autograd in place through
+        # .grad (a view of the bucket), or this hook for another dtype. A parameter
+        # that got no gradient is zeroed when its bucket is reduced.
         bucket = self._slots[index].bucket
         grad = param.grad
         self._full_grad(bucket)
@@ -304,7 +285,7 @@ class ZeroOptimizer(EngineBase):
 
     def zero_grad(self) -> None:
         """Forget the accumulated gradients: the next ones overwrite the full buffers
-        (stages 0-1, see the module docstring); the shards (stage 2) are zeroed."""
+        (stages 0-1: see _on_grad_ready); the shards (stage 2) are zeroed."""
         assert self._idle(), "zero_grad() while a gradient sync is in progress"
         if self.stage < 2:
             self._fresh = [True] * len(self._params)
