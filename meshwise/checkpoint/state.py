@@ -29,16 +29,17 @@ def _stored(piece: Piece, kind: str) -> Piece:
 
 
 def save(target: str | Path | SaveDir, step: int, runs: list[FlatRun],
-         pieces: dict[str, Piece], writers: set[str], world: ops.Group, meta: dict,
+         pieces: dict[str, Piece], represented: set[str], world: ops.Group, meta: dict,
          rank_tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
     """Write a checkpoint of ``step`` (a collective over ``world``); rank 0 returns its path.
 
     ``target``: the ``--save`` directory or a job's view of it; ``pieces``: engine parameter
-    name -> ``logical_piece``; ``writers``: the names this rank writes; ``rank_tensors``: group
-    -> name -> this rank's own state. Raises ``CheckpointWriteError`` alike on every rank.
+    name -> ``logical_piece``; ``represented``: the names this rank writes;
+    ``rank_tensors``: group -> name -> this rank's own state. Raises
+    ``CheckpointWriteError`` alike on every rank.
     """
     save_dir = target if isinstance(target, SaveDir) else SaveDir(Path(target))
-    entries = _entries(runs, pieces, writers, world.rank, rank_tensors)
+    entries = _entries(runs, pieces, represented, world.rank, rank_tensors)
     needed = sum(t.numel() * t.element_size() for _, t in entries)
     # Rank 0 decides for everyone: room made (pruning early if it must), the directory
     # created, or the reason not; the others wait for the answer.
@@ -69,10 +70,10 @@ def save(target: str | Path | SaveDir, step: int, runs: list[FlatRun],
     return path
 
 
-def _entries(runs, pieces, writers, rank, rank_tensors) -> list[tuple[Piece, torch.Tensor]]:
+def _entries(runs, pieces, represented, rank, rank_tensors) -> list[tuple[Piece, torch.Tensor]]:
     entries = []
     for run in runs:
-        layout = [(pieces[name], offset) for name, offset, _ in run.names if name in writers]
+        layout = [(pieces[name], offset) for name, offset, _ in run.names if name in represented]
         for kind, (tensor, base) in run.tensors.items():
             for sub, lo, hi in pieces_in_range(layout, *run.save_range):
                 entries.append((_stored(sub, kind), tensor[lo - base:hi - base]))

@@ -49,36 +49,36 @@ def lay_out_model(cfg: TrainConfig, mesh: Mesh, vocab_size: int, own: ModelFamil
         model_shape = cfg.model.sizes(vocab_size)
         fam = family(model_shape["family"])
         model_cfg = fam.make_config({**model_shape, "dropout": cfg.model.dropout})
-        pm = build_model(cfg, fam, model_cfg, mesh, vocab_size)
+        parallel_model = build_model(cfg, fam, model_cfg, mesh, vocab_size)
     else:
         fam, model_cfg = own, None
-        pm = build_model(cfg, fam, None, mesh, None)
-        model_shape = own_model_shape(pm, vocab_size)
-    apply_activation_checkpointing(pm.layers(), cfg.runtime.activation_checkpointing)
-    return fam, model_cfg, pm, model_shape
+        parallel_model = build_model(cfg, fam, None, mesh, None)
+        model_shape = own_model_shape(parallel_model, vocab_size)
+    apply_activation_checkpointing(parallel_model.layers(), cfg.runtime.activation_checkpointing)
+    return fam, model_cfg, parallel_model, model_shape
 
 
 def build_optimizer(cfg: TrainConfig, mesh: Mesh, fam: ModelFamily, model_cfg,
-                    pm: ParallelModel, device: torch.device):
+                    parallel_model: ParallelModel, device: torch.device):
     """The gradient compressor (``--compress``), the engine that syncs the gradients and
     steps AdamW, holding this rank's initial values, and what counts its bytes."""
     o = cfg.optim
     adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-    values = initial_values(pm, cfg, fam.init and partial(fam.init, model_cfg), cfg.data.seed)
+    values = initial_values(parallel_model, cfg, fam.init and partial(fam.init, model_cfg), cfg.data.seed)
     compressor = grad_compressor(mesh, cfg)
     reducer = grad_reducer(mesh, cfg, compressor)
-    engine = build_engine(pm, mesh, cfg, adamw, values, device, reducer)
+    engine = build_engine(parallel_model, mesh, cfg, adamw, values, device, reducer)
     return compressor, engine, GradCommStats(mesh.world_group.counters, reducer)
 
 
-def build_runtime(cfg: TrainConfig, mesh: Mesh, pm: ParallelModel, engine):
+def build_runtime(cfg: TrainConfig, mesh: Mesh, parallel_model: ParallelModel, engine):
     """The module the step runs, and the pipeline runtime when there are stages."""
-    p, chunks = cfg.parallel, pm.chunks
+    p, chunks = cfg.parallel, parallel_model.chunks
     model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
     if p.pp == 1:
         return model, None
     schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-    return model, PipelineRuntime(chunks, schedule, mesh.pp_group, engine, loss_fn=pm.loss)
+    return model, PipelineRuntime(chunks, schedule, mesh.pp_group, engine, loss_fn=parallel_model.loss)
 
 
 def start_run(cfg: TrainConfig, run: RunState, checkpointer: RunCheckpointer,
@@ -92,11 +92,11 @@ def start_run(cfg: TrainConfig, run: RunState, checkpointer: RunCheckpointer,
 
 
 def build_observer(cfg: TrainConfig, run: RunState, mesh: Mesh, device: torch.device,
-                   fam: ModelFamily, model_cfg, pm: ParallelModel) -> RunObserver:
+                   fam: ModelFamily, model_cfg, parallel_model: ParallelModel) -> RunObserver:
     """FLOPs come from the whole model's shapes (built on the meta device)."""
     with on_meta():
         whole = fam.build(model_cfg)
-    layers = list(getattr(whole, pm.plan.layers).values())
+    layers = list(getattr(whole, parallel_model.plan.layers).values())
     d_model = None if model_cfg else hidden_size(layers[0])
     return RunObserver(cfg, run, mesh, device, whole, layers, record(cfg, run)["config"],
                        d_model)

@@ -27,15 +27,16 @@ BUCKET_SETTINGS = (("comm", "compress"), ("comm", "error_feedback"), ("comm", "b
 
 class RunCheckpointer:
     """Saves and restores one rank's share of a run. ``pieces``: each engine parameter's box
-    in its logical tensor; ``writers``: the names this rank stores (each logical tensor once).
+    in its logical tensor; ``represented``: the names this rank stores (each logical
+    tensor once).
     """
 
-    def __init__(self, cfg, run: RunState, mesh: Mesh, engine, pieces: dict, writers: set[str],
+    def __init__(self, cfg, run: RunState, mesh: Mesh, engine, pieces: dict, represented: set[str],
                  model: dict, compressor=None, device=None):
         self.cfg, self.run, self.mesh, self.engine = cfg, run, mesh, engine
         self.compressor, self.device = compressor, device
         self.pieces = pieces
-        self.writers = writers
+        self.represented = represented
         self.model = model  # the shape of the model, checked on resume
         p = cfg.parallel
         self.layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages,
@@ -58,7 +59,7 @@ class RunCheckpointer:
         protect = frozenset({self.resumed_from}) if self.resumed_from else frozenset()
         save_dir = SaveDir(Path(c.save), self.run.run_id, c.keep_last, self.lineage, protect)
         path = state.save(save_dir, step, self.engine.checkpoint_runs(), self.pieces,
-                          self.writers, self.mesh.world_group, meta, own)
+                          self.represented, self.mesh.world_group, meta, own)
         if path is not None:
             removed = save_dir.prune(c.keep_last) if c.keep_last else []
             log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")

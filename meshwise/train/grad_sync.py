@@ -27,7 +27,9 @@ class GradSync3D:
         self.params = dict(named_params)
         self.local_ties = model.local_ties if model is not None else []
         writer = model.is_writer if model is not None else (lambda name: True)
-        self.counted = {name for name, p in self.params.items()
+        # The parameters this rank speaks for: each logical tensor once among its tp
+        # replicas and tied copies, counted once in the norm and written once to a save.
+        self.represented = {name for name, p in self.params.items()
                         if writer(name) and (mesh.tp_rank == 0 or is_tp_sharded(p))}
         sequence_parallel = model is not None and model.sequence_parallel
         self.partial_over_tp = ({name for name, p in self.params.items() if not is_tp_sharded(p)}
@@ -68,7 +70,7 @@ class GradSync3D:
     def grad_sq_norm(self) -> torch.Tensor:
         """The squared L2 norm of the full model's gradient: a float64 0-dim tensor on
         the device, the same on every rank (never read on the host here)."""
-        sq = self.engine.grad_sq_norm(include=self.counted.__contains__)
+        sq = self.engine.grad_sq_norm(include=self.represented.__contains__)
         sq = sq.to(torch.float64).reshape(1)
         ops.all_reduce(sq, self.mesh.tp_group, category="norm")
         ops.all_reduce(sq, self.mesh.pp_group, category="norm")
@@ -83,7 +85,7 @@ class GradSync3D:
         any rank's loss): 0-dim device tensors, the same on every rank, from one world
         all-reduce of each rank's part and ``loss * 0`` (NaN where a loss is not finite).
         """
-        local = self.engine.grad_sq_norm(include=self.counted.__contains__, over_dp=False)
+        local = self.engine.grad_sq_norm(include=self.represented.__contains__, over_dp=False)
         both = torch.stack([local.to(torch.float64), loss_part.detach().to(torch.float64) * 0])
         ops.all_reduce(both, self.mesh.world_group, category="norm")
         # At ZeRO 0-1 every rank of the engine's group holds the group's whole sum.

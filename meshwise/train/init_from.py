@@ -85,13 +85,13 @@ def check_init_from(cfg: TrainConfig) -> None:
                              "tokenizer.json, the default)")
 
 
-def initial_values(pm, cfg: TrainConfig, init_of, seed: int):
+def initial_values(parallel_model, cfg: TrainConfig, init_of, seed: int):
     """The engines' ``values(name, start, end)``: the directory's weights with
     ``--init-from``, else the layout-independent initialisation of ``seed``."""
     if not cfg.model.init_from:
-        return pm.init_values(init_of, seed)
+        return parallel_model.init_values(init_of, seed)
     if cfg.model.family == "gpt":
         gpt2 = GPT2Weights(cfg.model.init_from, cfg.model.resolved().n_head)
-        return pm.values_from(gpt2.read)
+        return parallel_model.values_from(gpt2.read)
     weights = SafetensorsDir(cfg.model.init_from)
-    return pm.values_from(lambda piece: weights.read(hf_name(piece.name), piece))
+    return parallel_model.values_from(lambda piece: weights.read(hf_name(piece.name), piece))

@@ -43,7 +43,7 @@ def end_sample(trainer, num_tokens: int, prompt_len: int = 32,
     trainer.model.train()
     ids = tokens[0].tolist()
     return decode_sample(trainer.cfg.data.tokenizer, ids[:prompt_len], ids[prompt_len:],
-                         trainer.pm.vocab_size)
+                         trainer.parallel_model.vocab_size)
 
 
 def _last_logits(trainer, logits: torch.Tensor | None, n: int,

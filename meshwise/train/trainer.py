@@ -78,25 +78,25 @@ class Trainer:
         # (``meshwise.train.assembly``): the order of the calls is their dependencies.
         self.mesh = join_job(cfg, self.run, data_path, self.device)
         self.data, self.batches = self._build_data(self.mesh, data_path)
-        self.family, self.model_cfg, self.pm, self.model_shape = lay_out_model(
+        self.family, self.model_cfg, self.parallel_model, self.model_shape = lay_out_model(
             cfg, self.mesh, self.data.vocab_size, own)
-        self.batches.feed(self.pm.chunks)  # each forward's context, where the model takes it
-        named_params = self.pm.named_parameters()  # before the engine owns them
+        self.batches.feed(self.parallel_model.chunks)  # each forward's context, where the model takes it
+        named_params = self.parallel_model.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
         self.compressor, self.engine, self.comm_stats = build_optimizer(
-            cfg, self.mesh, self.family, self.model_cfg, self.pm, self.device)
-        self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.pm)
+            cfg, self.mesh, self.family, self.model_cfg, self.parallel_model, self.device)
+        self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.parallel_model)
         self.checkpointer = RunCheckpointer(cfg, self.run, self.mesh, self.engine,
-                                            self.pm.pieces(named_params),
-                                            writers=self.grad_sync.counted,
+                                            self.parallel_model.pieces(named_params),
+                                            represented=self.grad_sync.represented,
                                             model=self.model_shape,
                                             compressor=self.compressor,
                                             device=self.device)
-        self.model, self.pipeline = build_runtime(cfg, self.mesh, self.pm, self.engine)
+        self.model, self.pipeline = build_runtime(cfg, self.mesh, self.parallel_model, self.engine)
         self.start_step, self.lr_schedule, self.metrics = start_run(
             cfg, self.run, self.checkpointer, self.is_logging_rank)
         self.observer = build_observer(cfg, self.run, self.mesh, self.device, self.family,
-                                       self.model_cfg, self.pm)
+                                       self.model_cfg, self.parallel_model)
         # Hooks of the step, empty unless installed (``meshwise.train.faults``):
         # ``hook(step)`` before it, ``loss = hook(step, loss)`` on this rank's loss.
         self.before_step: list[Callable[[int], None]] = []
@@ -122,7 +122,7 @@ class Trainer:
     def reports_loss(self) -> bool:
         """Whether this rank's loss counts: the last stage (rank 0 in a V), once per tp
         group (every cp rank holds other tokens)."""
-        return self.pm.holds_last_stage and self.mesh.tp_rank == 0
+        return self.parallel_model.holds_last_stage and self.mesh.tp_rank == 0
 
     @property
     def is_logging_rank(self) -> bool:
@@ -288,7 +288,7 @@ class Trainer:
             with sync:
                 with ranges.named("forward"):
                     out = self._call(inputs, contexts[i])
-                    loss = self.pm.loss(out, targets) * scale
+                    loss = self.parallel_model.loss(out, targets) * scale
                 with ranges.named("backward"):
                     strict.backward(loss)
             total += loss.detach()
@@ -350,7 +350,7 @@ class Trainer:
             out = self.pipeline.forward_only(inputs, context=context)
             if out is None:
                 return None
-        return self.pm.loss(out, targets) if targets is not None else self.pm.full_logits(out)
+        return self.parallel_model.loss(out, targets) if targets is not None else self.parallel_model.full_logits(out)
 
     def _call(self, inputs, context):
         """The model on ``inputs``, told its forward's ``context`` where it takes one."""
