@@ -38,7 +38,7 @@ from benchmarks.common import print_json  # noqa: E402
 
 
 def _forms(args, dtype):
-    from meshwise.layout.documents import Documents
+    from meshwise.geometry.documents import Documents
     from meshwise.models.attention import ScaledDotProductAttention
     from meshwise.models.attention_kernels import attention, documents_attention
     from meshwise.models.attention_masks import DocumentMask, window_mask

@@ -23,7 +23,7 @@ from functools import partial
 import torch
 
 from meshwise.apply.parallelize import parallelize
-from meshwise.layout.init import on_meta
+from meshwise.geometry.init import on_meta
 from meshwise.models.families import family
 from meshwise.train.model_config import ModelConfig
 

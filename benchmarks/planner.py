@@ -55,7 +55,7 @@ from meshwise.cli.main import build_parser  # noqa: E402
 from meshwise.cli.plan import model_config  # noqa: E402
 from meshwise.planner.devices import load_calibration  # noqa: E402
 from meshwise.planner.layout import Layout  # noqa: E402
-from meshwise.planner.plan import plan_request  # noqa: E402
+from meshwise.planner.request import plan_request  # noqa: E402
 from meshwise.planner.search import Space  # noqa: E402
 
 MODELS = {

@@ -22,7 +22,7 @@ from pathlib import Path
 from meshwise.cli.main import build_parser
 from meshwise.cli.plan import model_config
 from meshwise.planner.layout import Layout
-from meshwise.planner.plan import plan_request
+from meshwise.planner.request import plan_request
 from meshwise.planner.search import Space
 
 LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,

@@ -112,7 +112,7 @@ def reference(cfg: TrainConfig, data_path: str) -> list[float]:
     """The same training in one process with plain PyTorch."""
     from meshwise.apply.module_init import default_inits
     from meshwise.data.dataset import TokenDataset
-    from meshwise.layout.init import init_module
+    from meshwise.geometry.init import init_module
     from meshwise.train.lr_schedule import lr_at
 
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ _PUBLIC = {
     "Mesh": "meshwise.mesh",
     "ParallelDims": "meshwise.mesh",
     "ParallelModel": "meshwise.apply.parallelize",
-    "ParallelPlan": "meshwise.layout.plan",
+    "ParallelPlan": "meshwise.geometry.plan",
     "PipelineRuntime": "meshwise.pipeline.runtime",
     "Precision": "meshwise.sharding.flat",
     "RowParallelLinear": "meshwise.tensor_parallel.layers",

@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from meshwise.layout.init import on_meta
-from meshwise.layout.plan import ParallelPlan
+from meshwise.geometry.init import on_meta
+from meshwise.geometry.plan import ParallelPlan
 from meshwise.tensor_parallel.layers import padded_vocab_size
 
 _FITS = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab_head": nn.Linear,

@@ -1,7 +1,7 @@
 """Each parameter's own initialisation, as its module's ``reset_parameters()`` draws it.
 
 PyTorch's distributions (``nn.Linear`` uniform, ``nn.Embedding`` N(0, 1), norms ones and
-zeros) drawn by ``meshwise.layout.init``, not by PyTorch's generator, whose values depend
+zeros) drawn by ``meshwise.geometry.init``, not by PyTorch's generator, whose values depend
 on construction order. Another module type with parameters needs an init function.
 """
 
@@ -11,7 +11,7 @@ import math
 
 from torch import nn
 
-from meshwise.layout.init import ONES, ZEROS, Init, normal, uniform
+from meshwise.geometry.init import ONES, ZEROS, Init, normal, uniform
 
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
@@ -49,7 +49,7 @@ def default_inits(model: nn.Module) -> dict[str, Init]:
                 f"{where} ({type(module).__name__}) has no known default initialisation "
                 "(known: nn.Linear, nn.Embedding without padding_idx, nn.LayerNorm, "
                 "nn.RMSNorm, nn.GroupNorm); pass init_of(name) -> Init, e.g. "
-                "meshwise.layout.init.normal(0.02), ONES or ZEROS")
+                "meshwise.geometry.init.normal(0.02), ONES or ZEROS")
         for name in own:
             out[f"{path}.{name}" if path else name] = inits[name]
     return out

@@ -23,10 +23,10 @@ from meshwise.apply.checks import (
 from meshwise.apply.module_init import default_inits
 from meshwise.comm import ops
 from meshwise.context_parallel.ring import RingAttention
-from meshwise.layout.init import Init, init_values
-from meshwise.layout.params import logical_piece, mark_tie
-from meshwise.layout.pieces import Piece
-from meshwise.layout.plan import ParallelPlan
+from meshwise.geometry.init import Init, init_values
+from meshwise.geometry.params import logical_piece, mark_tie
+from meshwise.geometry.pieces import Piece
+from meshwise.geometry.plan import ParallelPlan
 from meshwise.models.attention import Positions
 from meshwise.pipeline.actions import stage_index
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardRMSNorm

@@ -14,8 +14,8 @@ import torch
 from meshwise.checkpoint.save_dir import SaveDir
 from meshwise.checkpoint.store import Checkpoint, CheckpointWriteError, finalize, write_rank_file
 from meshwise.comm import ops
-from meshwise.layout.flat_runs import FlatRun
-from meshwise.layout.pieces import Piece, pieces_in_range
+from meshwise.geometry.flat_runs import FlatRun
+from meshwise.geometry.pieces import Piece, pieces_in_range
 
 # Stored names: model.<param>, optim.exp_avg.<param>, optim.exp_avg_sq.<param> (<param>
 # the single-process name), rng.rank<r> (a rank's CPU generator), and <group>.rank<r>.<name>

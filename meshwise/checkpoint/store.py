@@ -19,7 +19,7 @@ from meshwise.checkpoint import manifest as manifest_file
 
 # Re-exported: the manifest's names are part of this module's interface.
 from meshwise.checkpoint.manifest import FORMAT, MANIFEST, VERSION, CheckpointError  # noqa: F401
-from meshwise.layout.pieces import Piece, copy_overlap
+from meshwise.geometry.pieces import Piece, copy_overlap
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TEMP_PREFIX = ".tmp-"  # a save under way, or one that died

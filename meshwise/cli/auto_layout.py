@@ -13,7 +13,7 @@ import logging
 from meshwise.cli import launch
 from meshwise.device import choice
 from meshwise.planner.layout import Layout
-from meshwise.planner.plan import plan_request
+from meshwise.planner.request import plan_request
 from meshwise.planner.search import Space
 from meshwise.train.config import TrainConfig
 

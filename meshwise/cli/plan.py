@@ -86,7 +86,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from meshwise.planner.plan import NoLayoutFits, plan_request
+    from meshwise.planner.request import NoLayoutFits, plan_request
 
     try:
         if args.calibrate:

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from meshwise.layout.documents import additive_mask
+from meshwise.geometry.documents import additive_mask
 from meshwise.models.attention_kernels import expand_heads
 from meshwise.models.tiled_attention import (
     accumulation_dtype,

@@ -13,8 +13,8 @@ from torch import nn
 
 from meshwise.comm import ops
 from meshwise.context_parallel import blocks
-from meshwise.layout.documents import shares_a_document
-from meshwise.layout.sequence import zigzag_positions
+from meshwise.geometry.documents import shares_a_document
+from meshwise.geometry.sequence import zigzag_positions
 from meshwise.models.attention import check_heads
 from meshwise.models.attention_masks import keys_seen
 from meshwise.models.context import WHOLE, ForwardContext

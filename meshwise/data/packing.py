@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from meshwise.layout.documents import Documents
+from meshwise.geometry.documents import Documents
 
 LOSS_ON = ("assistant", "all")
 LONG_CONVERSATIONS = ("truncate", "refuse")

@@ -11,7 +11,7 @@ import torch
 
 from meshwise.hf.llama import check_types
 from meshwise.hf.safetensors_dir import SafetensorsDir
-from meshwise.layout.pieces import Piece
+from meshwise.geometry.pieces import Piece
 
 ARCHITECTURE = "GPT2LMHeadModel"
 # Our GPTConfig field <- config.json key.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from meshwise.layout.pieces import Piece
+from meshwise.geometry.pieces import Piece
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshwise.layout.sequence import SequenceShard
+from meshwise.geometry.sequence import SequenceShard
 from meshwise.models.attention_kernels import (
     attention,
     documents_attention,

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from meshwise.layout.documents import additive_mask
+from meshwise.geometry.documents import additive_mask
 from meshwise.models import tiled_attention as tiled
 from meshwise.models.attention_masks import DocumentMask, keys_seen, window_block_mask
 

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import torch
 
-from meshwise.layout.documents import Documents, additive_mask
+from meshwise.geometry.documents import Documents, additive_mask
 
 BLOCK_SIZE = 128  # flex_attention's sparse block (queries and keys)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-from meshwise.layout.sequence import SequenceShard
+from meshwise.geometry.sequence import SequenceShard
 from meshwise.models.attention_masks import DocumentMask
 
 

@@ -12,7 +12,7 @@ import zlib
 import torch
 from torch import nn
 
-from meshwise.layout.sequence import SequenceShard
+from meshwise.geometry.sequence import SequenceShard
 from meshwise.models.context import WHOLE, ForwardContext
 
 # SplitMix64's constants, as the signed 64-bit integers torch computes with.

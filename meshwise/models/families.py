@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from meshwise.layout.init import Init, init_module
-from meshwise.layout.plan import ParallelPlan
+from meshwise.geometry.init import Init, init_module
+from meshwise.geometry.plan import ParallelPlan
 from meshwise.models.gpt import GPT, GPTConfig, check_gpt_tp, gpt_init, gpt_plan
 from meshwise.models.llama import Llama, LlamaConfig, check_llama_tp, llama_init, llama_plan
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshwise.layout.init import ONES, ZEROS, Init, init_module, normal
-from meshwise.layout.plan import ParallelPlan
+from meshwise.geometry.init import ONES, ZEROS, Init, init_module, normal
+from meshwise.geometry.plan import ParallelPlan
 from meshwise.models.attention import Positions, ScaledDotProductAttention
 from meshwise.models.context import ForwardContext
 from meshwise.models.dropout import KeyedDropout

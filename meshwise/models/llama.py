@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshwise.layout.init import ONES, ZEROS, Init, init_module, normal
-from meshwise.layout.plan import ParallelPlan
+from meshwise.geometry.init import ONES, ZEROS, Init, init_module, normal
+from meshwise.geometry.plan import ParallelPlan
 from meshwise.models.attention import Positions, ScaledDotProductAttention
 from meshwise.models.attention_masks import window_mask  # noqa: F401 - the window's rule
 from meshwise.models.context import ForwardContext

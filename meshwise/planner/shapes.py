@@ -77,7 +77,7 @@ def _hashable(value):
 
 @functools.lru_cache(maxsize=64)
 def _shape(items: tuple) -> ModelShape:
-    from meshwise.layout.init import on_meta
+    from meshwise.geometry.init import on_meta
     from meshwise.models.families import family
 
     sizes: dict[str, Any] = {k: dict(v) if isinstance(v, tuple) else v for k, v in items}

@@ -9,7 +9,7 @@ import torch
 from meshwise.apply.parallelize import set_param
 from meshwise.checkpoint.state import model_tensors
 from meshwise.checkpoint.store import Checkpoint, CheckpointError
-from meshwise.layout.init import on_meta
+from meshwise.geometry.init import on_meta
 from meshwise.models.families import family
 
 

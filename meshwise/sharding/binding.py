@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshwise.comm import ops
-from meshwise.layout.params import cross_stage_tie
+from meshwise.geometry.params import cross_stage_tie
 
 Values = Callable[[str, int, int], torch.Tensor]
 

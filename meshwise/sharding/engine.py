@@ -21,7 +21,7 @@ import torch
 
 from meshwise.comm import ops
 from meshwise.device.clocks import host_to_device
-from meshwise.layout.flat_runs import FlatRun
+from meshwise.geometry.flat_runs import FlatRun
 from meshwise.sharding.adamw import AdamWConfig, adamw_update
 
 

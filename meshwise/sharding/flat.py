@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from meshwise.comm import ops, policy
-from meshwise.layout.flat_runs import FlatRun
+from meshwise.geometry.flat_runs import FlatRun
 from meshwise.sharding.adamw import squared_sum
 from meshwise.sharding.plans import ShardPlan
 

@@ -1,7 +1,7 @@
 """Tensor-parallel linear layers (Shoeybi et al. 2019, Megatron-LM, section 3): a column
 layer then a row layer cost one all-reduce forward and one backward. A layer draws only
 its slice of the single-process tensor of ``init_seed`` (give each layer its own), carries
-``meshwise.layout.params``' marks, and at tp 1 equals ``nn.Linear``.
+``meshwise.geometry.params``' marks, and at tp 1 equals ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from meshwise.layout.init import Init, init_values, normal
-from meshwise.layout.params import mark_tp
-from meshwise.layout.pieces import Piece
+from meshwise.geometry.init import Init, init_values, normal
+from meshwise.geometry.params import mark_tp
+from meshwise.geometry.pieces import Piece
 from meshwise.tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_tp,
@@ -49,7 +49,7 @@ def sharded_param(full_shape, dim: int, group, dtype, device, init: Init | None 
     start = rank * local[dim]
     param = mark_tp(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), True, dim)
     real = full_shape[dim] if real_rows is None else real_rows
-    if real_rows is not None:  # a mark (meshwise.layout.params) torch's types do not declare
+    if real_rows is not None:  # a mark (meshwise.geometry.params) torch's types do not declare
         param.tp_unpadded_size = real_rows  # type: ignore[attr-defined]
     count = max(0, min(local[dim], real - start))  # real (unpadded) entries we hold
     if param.device.type == "meta" or count == 0 or (source is None and init is None):

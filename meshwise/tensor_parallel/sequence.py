@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshwise.layout.sequence import sequence_run
+from meshwise.geometry.sequence import sequence_run
 from meshwise.tensor_parallel.layers import replicated_param
 from meshwise.tensor_parallel.mappings import _all_gather, _reduce_scatter, tp_rank_of, tp_size_of
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshwise.comm import ops
-from meshwise.layout.init import normal
+from meshwise.geometry.init import normal
 from meshwise.tensor_parallel.layers import padded_vocab_size, sharded_param
 from meshwise.tensor_parallel.mappings import (
     CATEGORY,

@@ -13,7 +13,7 @@ from torch import nn
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.apply.parallelize import ParallelModel
 from meshwise.comm import ops
-from meshwise.layout.init import on_meta
+from meshwise.geometry.init import on_meta
 from meshwise.mesh import Mesh
 from meshwise.models.families import ModelFamily, family
 from meshwise.pipeline.runtime import PipelineRuntime

@@ -13,7 +13,7 @@ from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import rank_slice
 from meshwise.data.packing import documents_from_starts
 from meshwise.device.clocks import host_to_device
-from meshwise.layout.sequence import SequenceShard
+from meshwise.geometry.sequence import SequenceShard
 from meshwise.mesh import Mesh
 from meshwise.models.attention import Positions, ScaledDotProductAttention
 from meshwise.models.attention_masks import DocumentMask

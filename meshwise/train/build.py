@@ -11,7 +11,7 @@ from torch import nn
 
 from meshwise.apply.parallelize import ParallelModel, parallelize
 from meshwise.device.choice import resolve_dtype, takes_bf16
-from meshwise.layout.init import on_meta
+from meshwise.geometry.init import on_meta
 from meshwise.mesh import Mesh
 from meshwise.models.families import FAMILIES, ModelFamily
 from meshwise.pipeline.schedules import STAGE_MAP_OF

@@ -23,7 +23,7 @@ from meshwise.data.order import DATA_ORDERS
 from meshwise.data.packing import LONG_CONVERSATIONS, LOSS_ON
 from meshwise.data.readers import DATA_FORMATS
 from meshwise.device.choice import DEVICES
-from meshwise.layout.sequence import SequenceShard
+from meshwise.geometry.sequence import SequenceShard
 from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
 from meshwise.pipeline.schedules import SCHEDULE_KINDS

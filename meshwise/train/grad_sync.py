@@ -10,8 +10,8 @@ import math
 import torch
 
 from meshwise.comm import ops
-from meshwise.layout.flat_runs import owned_values
-from meshwise.layout.params import is_tp_sharded
+from meshwise.geometry.flat_runs import owned_values
+from meshwise.geometry.params import is_tp_sharded
 from meshwise.mesh import Mesh
 
 

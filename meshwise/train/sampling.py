@@ -11,7 +11,7 @@ import torch
 
 from meshwise.comm import ops
 from meshwise.data.tokenizer import decode_sample
-from meshwise.layout.sequence import position_owner
+from meshwise.geometry.sequence import position_owner
 
 
 @torch.no_grad()

@@ -22,8 +22,8 @@ from meshwise.data.dataset import TokenDataset
 from meshwise.data.tokenizer import printable
 from meshwise.device import ranges
 from meshwise.device.choice import rank_device
-from meshwise.layout.init import Init
-from meshwise.layout.plan import ParallelPlan
+from meshwise.geometry.init import Init
+from meshwise.geometry.plan import ParallelPlan
 from meshwise.mesh import Mesh
 from meshwise.models.families import ModelFamily
 from meshwise.train.assembly import (

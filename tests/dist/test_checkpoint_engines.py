@@ -12,7 +12,7 @@ import torch
 from meshwise.checkpoint.state import load, save
 from meshwise.checkpoint.store import Checkpoint
 from meshwise.comm import ops
-from meshwise.layout.params import logical_piece
+from meshwise.geometry.params import logical_piece
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
 from meshwise.sharding.zero3 import ZeroStage3

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshwise.layout.sequence import zigzag_slice
+from meshwise.geometry.sequence import zigzag_slice
 
 pytestmark = pytest.mark.timeout(240)
 

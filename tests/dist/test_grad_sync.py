@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshwise.layout.params import mark_tp
+from meshwise.geometry.params import mark_tp
 from meshwise.mesh import Mesh, ParallelDims
 from meshwise.train.grad_sync import GradSync3D
 

@@ -9,7 +9,7 @@ forward and compares the logits with transformers' in float32.
 import pytest
 import torch
 
-from meshwise.layout.sequence import zigzag_slice
+from meshwise.geometry.sequence import zigzag_slice
 from meshwise.mesh import Mesh, ParallelDims
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from meshwise.comm import ops
-from meshwise.layout.params import is_tp_sharded
-from meshwise.layout.sequence import zigzag_slice
+from meshwise.geometry.params import is_tp_sharded
+from meshwise.geometry.sequence import zigzag_slice
 
 MODELS = {
     "gpt": dict(n_layer=2, n_head=4, d_model=32, block_size=32, vocab_size=67),

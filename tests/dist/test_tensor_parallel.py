@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshwise.layout.params import is_tp_sharded
+from meshwise.geometry.params import is_tp_sharded
 from meshwise.mesh import Mesh, ParallelDims
 from meshwise.tensor_parallel.layers import (
     ColumnParallelLinear,

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshwise.context_parallel.ring import RingBlocks, ring_backward, ring_forward
-from meshwise.layout.documents import Documents
-from meshwise.layout.sequence import zigzag_slice
+from meshwise.geometry.documents import Documents
+from meshwise.geometry.sequence import zigzag_slice
 from meshwise.models.attention import ScaledDotProductAttention
 from meshwise.models.attention_kernels import attention, explicit_attention
 from meshwise.models.attention_masks import DocumentMask

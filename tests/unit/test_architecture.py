@@ -17,7 +17,7 @@ PACKAGE = ROOT / "meshwise"
 # Top to bottom: a wing may import only from the wings after it.
 FLOORS = ["cli", "planner", "train", "serve", "apply", "hf", "sharding", "pipeline",
           "tensor_parallel", "context_parallel", "models", "checkpoint", "mesh", "comm", "device",
-          "data", "layout"]
+          "data", "geometry"]
 
 
 def _module_name(path: Path) -> str:
@@ -106,11 +106,11 @@ def test_no_import_circles():
 
 def test_the_geometry_imports_nothing_of_meshwise_and_checkpoints_no_model():
     edges = {m: ts for m, ts in _edges().items() if m not in ("meshwise", "meshwise.__main__")}
-    outside = {m: sorted(t for t in ts if _wing(t) != "layout")
-               for m, ts in edges.items() if _wing(m) == "layout"}
+    outside = {m: sorted(t for t in ts if _wing(t) != "geometry")
+               for m, ts in edges.items() if _wing(m) == "geometry"}
     assert all(not ts for ts in outside.values()), outside
     knowing = {m: sorted(t for t in ts if _wing(t) in ("models", "tensor_parallel", "apply")
-                         or t == "meshwise.layout.plan")
+                         or t == "meshwise.geometry.plan")
                for m, ts in edges.items() if _wing(m) == "checkpoint"}
     assert all(not ts for ts in knowing.values()), knowing
 

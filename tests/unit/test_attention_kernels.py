@@ -19,8 +19,8 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from meshwise.context_parallel import blocks
 from meshwise.context_parallel.ring import RingBlocks, ring_backward, ring_forward
-from meshwise.layout.documents import Documents
-from meshwise.layout.sequence import zigzag_slice
+from meshwise.geometry.documents import Documents
+from meshwise.geometry.sequence import zigzag_slice
 from meshwise.models import tiled_attention
 from meshwise.models.attention import ScaledDotProductAttention
 from meshwise.models.attention_kernels import KERNELS, attention, choose_kernel

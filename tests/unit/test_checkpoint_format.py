@@ -15,7 +15,7 @@ from meshwise.checkpoint.store import (
     temp_dir,
     write_rank_file,
 )
-from meshwise.layout.pieces import Piece, copy_overlap, pieces_in_range
+from meshwise.geometry.pieces import Piece, copy_overlap, pieces_in_range
 
 SHAPES = {"emb": (10, 6), "w": (6, 12), "b": (12,), "norm": (), "cube": (4, 6, 5)}
 

@@ -23,7 +23,7 @@ from meshwise.checkpoint.store import (
     write_rank_file,
 )
 from meshwise.cli.ranks import Outcome, blame, describe
-from meshwise.layout.pieces import Piece
+from meshwise.geometry.pieces import Piece
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from meshwise.context_parallel import blocks
 from meshwise.context_parallel.ring import RingBlocks, ring_backward, ring_forward
 from meshwise.data.packing import documents_from_starts
-from meshwise.layout.documents import Documents
-from meshwise.layout.sequence import zigzag_slice
+from meshwise.geometry.documents import Documents
+from meshwise.geometry.sequence import zigzag_slice
 from meshwise.models.attention_masks import DocumentMask
 from meshwise.models.context import ForwardContext, takes_context
 from meshwise.models.gpt import GPT, GPTConfig

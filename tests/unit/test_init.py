@@ -7,8 +7,8 @@ import zlib
 import pytest
 import torch
 
-from meshwise.layout.init import BLOCK, ONES, full_init, init_values, normal, uniform
-from meshwise.layout.pieces import Piece
+from meshwise.geometry.init import BLOCK, ONES, full_init, init_values, normal, uniform
+from meshwise.geometry.pieces import Piece
 
 
 def test_any_box_and_flat_range_is_a_slice_of_the_whole_tensor():

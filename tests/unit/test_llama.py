@@ -9,7 +9,7 @@ import torch
 from meshwise.apply.parallelize import parallelize
 from meshwise.hf.llama import hf_config, hf_shapes, llama_sizes, read_config
 from meshwise.hf.safetensors_dir import SafetensorsDir
-from meshwise.layout.pieces import Piece
+from meshwise.geometry.pieces import Piece
 from meshwise.models.families import family
 from meshwise.models.kv_cache import LayerCache
 from meshwise.models.llama import (

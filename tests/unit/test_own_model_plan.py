@@ -10,8 +10,8 @@ from torch import nn
 from examples.own_model import PLAN, VOCAB, WIDTH, Attention, TinyLM
 from meshwise.apply.module_init import default_inits
 from meshwise.apply.parallelize import parallelize
-from meshwise.layout.init import init_module, normal
-from meshwise.layout.plan import ParallelPlan
+from meshwise.geometry.init import init_module, normal
+from meshwise.geometry.plan import ParallelPlan
 
 
 def _tp(rank, size=2):

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from meshwise.apply.parallelize import parallelize
-from meshwise.layout.init import init_values
-from meshwise.layout.pieces import Piece
-from meshwise.layout.plan import ParallelPlan
+from meshwise.geometry.init import init_values
+from meshwise.geometry.pieces import Piece
+from meshwise.geometry.plan import ParallelPlan
 from meshwise.models.gpt import GPT, GPTConfig, gpt_init, gpt_plan
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from meshwise.tensor_parallel.vocab import VocabParallelEmbedding, VocabParallelHead
@@ -95,7 +95,7 @@ def test_bad_plans_and_cuts_are_refused():
 
 def test_sequence_and_context_parallel_swap_what_the_plan_names():
     from meshwise.context_parallel.ring import RingAttention
-    from meshwise.layout.sequence import SequenceShard
+    from meshwise.geometry.sequence import SequenceShard
     from meshwise.tensor_parallel.sequence import SequenceParallelEmbedding
 
     with torch.device("meta"):

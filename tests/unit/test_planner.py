@@ -14,7 +14,7 @@ from meshwise.models.families import family
 from meshwise.planner.devices import device_profile
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import model_state_bytes_per_param
-from meshwise.planner.plan import NoLayoutFits, plan_request
+from meshwise.planner.request import NoLayoutFits, plan_request
 from meshwise.planner.search import Space
 from meshwise.planner.shapes import model_shape
 from meshwise.planner.step_time import in_flight

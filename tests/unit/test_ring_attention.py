@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from meshwise.context_parallel import blocks
 from meshwise.context_parallel.ring import ring_backward, ring_forward
-from meshwise.layout.sequence import zigzag_slice
+from meshwise.geometry.sequence import zigzag_slice
 from meshwise.models.attention import ScaledDotProductAttention
 from meshwise.models.context import ForwardContext
 

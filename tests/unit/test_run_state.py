@@ -13,7 +13,7 @@ from meshwise.checkpoint.store import MANIFEST, finalize, temp_dir, write_rank_f
 from meshwise.cli import launch
 from meshwise.cli.main import build_parser
 from meshwise.cli.train import _rank_main, run_train
-from meshwise.layout.pieces import Piece
+from meshwise.geometry.pieces import Piece
 from meshwise.train import run_state
 from meshwise.train.config import TrainConfig
 from meshwise.train.run_state import RECORDED_AT, RunState, record

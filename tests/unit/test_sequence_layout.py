@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshwise.layout.sequence import (
+from meshwise.geometry.sequence import (
     SequenceShard,
     padded_length,
     position_owner,

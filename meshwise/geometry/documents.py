@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-if TYPE_CHECKING:  # for the host form's type only: the layout imports only torch
+if TYPE_CHECKING:  # for the host form's type only: geometry imports only torch
     import numpy as np
 
 Array = TypeVar("Array", torch.Tensor, "np.ndarray")  # on a device, or a host array
