@@ -49,13 +49,13 @@ def _forms(args, dtype):
     lengths = []
     for _ in range(B):  # documents of about --mean-doc tokens, cut to fill the row
         row = np.maximum(rng.exponential(args.mean_doc, T), 1).astype(int)
-        row = row[:np.searchsorted(np.cumsum(row), T) + 1]
+        row = row[: np.searchsorted(np.cumsum(row), T) + 1]
         row[-1] = T - row[:-1].sum()
         lengths.append(row.tolist())
-    ids = torch.tensor(np.stack([np.repeat(np.arange(len(r)), r) for r in lengths]),
-                       device="cuda")
-    positions = torch.tensor(np.stack([np.concatenate([np.arange(n) for n in r])
-                                       for r in lengths]), device="cuda")
+    ids = torch.tensor(np.stack([np.repeat(np.arange(len(r)), r) for r in lengths]), device="cuda")
+    positions = torch.tensor(
+        np.stack([np.concatenate([np.arange(n) for n in r]) for r in lengths]), device="cuda"
+    )
     documents = DocumentMask(Documents(ids, positions), lengths)
     mask = window_mask(T, T, args.window, "cuda")
     context = ForwardContext(seed=0)
@@ -66,15 +66,22 @@ def _forms(args, dtype):
         return dropout._with_dropout(q, k, v, True, context=context)
 
     return {
-        "dense": {"sdpa_gqa": lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True),
-                  "meshwise": lambda q, k, v: attention(q, k, v)},
-        "window": {"sdpa_mask": lambda q, k, v: sdpa(q, k, v, attn_mask=mask, enable_gqa=True),
-                   "meshwise": lambda q, k, v: attention(q, k, v, window=args.window)},
-        "documents": {"per_document": lambda q, k, v: documents_attention(q, k, v, lengths),
-                      "meshwise": lambda q, k, v: attention(q, k, v, documents=documents)},
-        "dropout": {"explicit": old_dropout,
-                    "meshwise": lambda q, k, v: attention(q, k, v,
-                                                          keep=dropout._keep(q, T, context))},
+        "dense": {
+            "sdpa_gqa": lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True),
+            "meshwise": lambda q, k, v: attention(q, k, v),
+        },
+        "window": {
+            "sdpa_mask": lambda q, k, v: sdpa(q, k, v, attn_mask=mask, enable_gqa=True),
+            "meshwise": lambda q, k, v: attention(q, k, v, window=args.window),
+        },
+        "documents": {
+            "per_document": lambda q, k, v: documents_attention(q, k, v, lengths),
+            "meshwise": lambda q, k, v: attention(q, k, v, documents=documents),
+        },
+        "dropout": {
+            "explicit": old_dropout,
+            "meshwise": lambda q, k, v: attention(q, k, v, keep=dropout._keep(q, T, context)),
+        },
     }
 
 
@@ -85,6 +92,7 @@ def _measure(fn, inputs, repeats: int) -> dict:
         for t in (q, k, v):
             t.grad = None
         fn(q, k, v).backward(dout)
+
     for _ in range(2):
         call()
     times = []
@@ -121,10 +129,10 @@ def main(argv=None) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator(device="cuda").manual_seed(0)
         B, T, H, G = args.batch_size, args.seq_len, args.heads, args.kv_heads
-        q, dout = (torch.randn(B, H, T, 64, generator=g, device="cuda", dtype=dtype)
-                   for _ in range(2))
-        k, v = (torch.randn(B, G, T, 64, generator=g, device="cuda", dtype=dtype)
-                for _ in range(2))
+        q, dout = (
+            torch.randn(B, H, T, 64, generator=g, device="cuda", dtype=dtype) for _ in range(2)
+        )
+        k, v = (torch.randn(B, G, T, 64, generator=g, device="cuda", dtype=dtype) for _ in range(2))
         inputs = [q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout]
         for case, forms in _forms(args, dtype).items():
             for name, fn in forms.items():

@@ -50,14 +50,17 @@ from meshwise.sharding.adamw import AdamWConfig  # noqa: E402
 from meshwise.sharding.buckets import ZeroOptimizer  # noqa: E402
 from meshwise.sharding.zero3 import ZeroStage3  # noqa: E402
 
-PRESETS = {"small": GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=128),
-           "medium": GPTConfig(n_layer=12, n_head=12, d_model=768, block_size=128)}
+PRESETS = {
+    "small": GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=128),
+    "medium": GPTConfig(n_layer=12, n_head=12, d_model=768, block_size=128),
+}
 ADAMW = AdamWConfig(lr=1e-4)
 
 
 def _batch(rank: int, world: int, cfg: GPTConfig):
-    tokens = torch.randint(0, cfg.vocab_size, (2 * world, 33),
-                           generator=torch.Generator().manual_seed(0))  # (B, T + 1)
+    tokens = torch.randint(
+        0, cfg.vocab_size, (2 * world, 33), generator=torch.Generator().manual_seed(0)
+    )  # (B, T + 1)
     local = tokens.chunk(world)[rank]
     return local[:, :-1], local[:, 1:], tokens[:, 1:].numel()
 
@@ -76,8 +79,11 @@ def _meshwise_engine(cfg: GPTConfig, zero: int, group):
     (model,) = pm.chunks
     named = pm.named_parameters()  # before the engine takes them
     pieces = pm.pieces(named)
-    engine = (ZeroStage3(model, group, ADAMW, units=pm.layers(), values=values) if zero == 3
-              else ZeroOptimizer(named, group, zero, ADAMW, modules=pm.chunks, values=values))
+    engine = (
+        ZeroStage3(model, group, ADAMW, units=pm.layers(), values=values)
+        if zero == 3
+        else ZeroOptimizer(named, group, zero, ADAMW, modules=pm.chunks, values=values)
+    )
     return pm, engine, pieces
 
 
@@ -93,12 +99,23 @@ def meshwise_rank(rank: int, preset: str, zero: int, root: str, repeats: int) ->
     saves, loads = [], []
     for i in range(repeats):
         # Each lambda runs at once, inside _timed; the defaults bind this round's values.
-        saves.append(_timed(group, lambda step=i + 1: save(root, step, engine.checkpoint_runs(),
-                                                           pieces, set(pieces), group,
-                                                           {"step": step})))
+        saves.append(
+            _timed(
+                group,
+                lambda step=i + 1: save(
+                    root, step, engine.checkpoint_runs(), pieces, set(pieces), group, {"step": step}
+                ),
+            )
+        )
         ckpt = Checkpoint(Path(root) / f"step-{i + 1:08d}")
-        loads.append(_timed(group, lambda ckpt=ckpt: load(ckpt, fresh.checkpoint_runs(), pieces,
-                                                          rank, same_layout=False)))
+        loads.append(
+            _timed(
+                group,
+                lambda ckpt=ckpt: load(
+                    ckpt, fresh.checkpoint_runs(), pieces, rank, same_layout=False
+                ),
+            )
+        )
     return {"save_s": saves, "load_s": loads}
 
 
@@ -114,8 +131,12 @@ def torch_rank(rank: int, preset: str, root: str, repeats: int) -> dict:
         for block in model.blocks.values():
             fully_shard(block)
         fully_shard(model)
-        opt = torch.optim.AdamW(torch_param_groups(model.named_parameters(), ADAMW), lr=ADAMW.lr,
-                                betas=ADAMW.betas, eps=ADAMW.eps)
+        opt = torch.optim.AdamW(
+            torch_param_groups(model.named_parameters(), ADAMW),
+            lr=ADAMW.lr,
+            betas=ADAMW.betas,
+            eps=ADAMW.eps,
+        )
         return model, opt
 
     model, opt = build()
@@ -139,8 +160,12 @@ def torch_rank(rank: int, preset: str, root: str, repeats: int) -> dict:
             m, o = get_state_dict(fresh_model, fresh_opt)
             state = {"model": m, "optim": o}
             dcp.load(state, checkpoint_id=path)
-            set_state_dict(fresh_model, fresh_opt, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            set_state_dict(
+                fresh_model,
+                fresh_opt,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
 
         saves.append(_timed(group, save_dcp))
         loads.append(_timed(group, load_dcp))
@@ -154,8 +179,11 @@ def _disk_bytes(path: Path) -> int:
 def _summary(results: list[dict], path: Path, repeats: int) -> dict:
     save_s = [max(r["save_s"][i] for r in results) for i in range(repeats)]
     load_s = [max(r["load_s"][i] for r in results) for i in range(repeats)]
-    return {"save_s": median(save_s), "load_s": median(load_s),
-            "bytes": _disk_bytes(path) // repeats}
+    return {
+        "save_s": median(save_s),
+        "load_s": median(load_s),
+        "bytes": _disk_bytes(path) // repeats,
+    }
 
 
 def main() -> None:
@@ -166,9 +194,11 @@ def main() -> None:
     summary = {}
     for preset in args.presets:
         row = {}
-        for name, fn, extra in (("meshwise_zero0", meshwise_rank, (0,)),
-                                ("meshwise_zero3", meshwise_rank, (3,)),
-                                ("torch_dcp_fsdp2", torch_rank, ())):
+        for name, fn, extra in (
+            ("meshwise_zero0", meshwise_rank, (0,)),
+            ("meshwise_zero3", meshwise_rank, (3,)),
+            ("torch_dcp_fsdp2", torch_rank, ()),
+        ):
             root = Path(tempfile.mkdtemp(prefix=f"ckpt-{name}-"))
             try:
                 results = spawn(fn, 2, preset, *extra, str(root), args.repeats)

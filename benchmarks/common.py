@@ -46,8 +46,13 @@ median = statistics.median
 
 
 # ---------------------------------------------------------------- ranks
-def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 300.0,
-          ignore_warnings: Sequence[type[Warning]] = ()) -> list:
+def spawn(
+    fn: Callable,
+    world_size: int,
+    *args,
+    timeout_s: float = 300.0,
+    ignore_warnings: Sequence[type[Warning]] = (),
+) -> list:
     """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; every rank's return value, by rank.
 
     Each rank is a fresh process ("spawn": ``fn`` must be defined at module level,
@@ -57,9 +62,12 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 300.0,
     """
     queue = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(
-        _rank_entry, args=(fn, world_size, free_port(), queue, timeout_s,
-                           tuple(ignore_warnings), args),
-        nprocs=world_size, start_method="spawn", join=False)
+        _rank_entry,
+        args=(fn, world_size, free_port(), queue, timeout_s, tuple(ignore_warnings), args),
+        nprocs=world_size,
+        start_method="spawn",
+        join=False,
+    )
     results, done = {}, False
     while not done:
         done = procs.join(timeout=0.1)
@@ -70,23 +78,42 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 300.0,
     return [results[rank] for rank in range(world_size)]
 
 
-def _rank_entry(rank: int, fn: Callable, world_size: int, port: int, queue, timeout_s: float,
-                ignore_warnings: tuple, args: tuple) -> None:
+def _rank_entry(
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    port: int,
+    queue,
+    timeout_s: float,
+    ignore_warnings: tuple,
+    args: tuple,
+) -> None:
     for category in ignore_warnings:
         warnings.filterwarnings("ignore", category=category)
     torch.set_num_threads(1)  # one core per rank; more would oversubscribe the machine
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))  # as torchrun sets them
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )  # as torchrun sets them
     ops.init_process_group("gloo", timeout_s=timeout_s)
     queue.put((rank, fn(rank, *args)))
     ops.destroy_process_group()
 
 
 # ---------------------------------------------------------------- timing
-def run_rounds(names: Sequence[str], num_rounds: int, steps_per_round: int,
-               step: Callable[[str, int, int], None], *, alternate: bool = True,
-               before_block: Callable[[str], None] | None = None) -> None:
+def run_rounds(
+    names: Sequence[str],
+    num_rounds: int,
+    steps_per_round: int,
+    step: Callable[[str, int, int], None],
+    *,
+    alternate: bool = True,
+    before_block: Callable[[str], None] | None = None,
+) -> None:
     """``step(name, round, i)`` for ``i < steps_per_round``, every variant, every round.
 
     With ``alternate`` the order of the variants is reversed every other round, so
@@ -96,15 +123,19 @@ def run_rounds(names: Sequence[str], num_rounds: int, steps_per_round: int,
     """
     names = list(names)
     for r in range(num_rounds):
-        for name in (names[::-1] if alternate and r % 2 else names):
+        for name in names[::-1] if alternate and r % 2 else names:
             if before_block is not None:
                 before_block(name)
             for i in range(steps_per_round):
                 step(name, r, i)
 
 
-def timed_step(zero_grad: Callable, forward_backward: Callable, finish_sync: Callable | None,
-               optimizer_step: Callable) -> tuple[object, dict[str, float]]:
+def timed_step(
+    zero_grad: Callable,
+    forward_backward: Callable,
+    finish_sync: Callable | None,
+    optimizer_step: Callable,
+) -> tuple[object, dict[str, float]]:
     """One training step timed by phase; ``forward_backward()`` returns the loss.
 
     ``finish_sync`` waits for the gradient communication that backward did not hide
@@ -120,8 +151,12 @@ def timed_step(zero_grad: Callable, forward_backward: Callable, finish_sync: Cal
         optim_start = time.perf_counter()
     optimizer_step()
     end = time.perf_counter()
-    return loss, {"step": end - start, "fwd_bwd": sync_start - start,
-                  "sync": optim_start - sync_start, "optim": end - optim_start}
+    return loss, {
+        "step": end - start,
+        "fwd_bwd": sync_start - start,
+        "sync": optim_start - sync_start,
+        "optim": end - optim_start,
+    }
 
 
 def new_timings(names: Iterable[str], keys: Iterable[str]) -> dict[str, dict[str, list]]:
@@ -161,31 +196,51 @@ def rel_diff(a: float, b: float) -> float:
 
 # ---------------------------------------------------------------- setup and output
 def add_round_args(p: argparse.ArgumentParser, *, warmup: int, rounds: int, steps: int) -> None:
-    p.add_argument("--warmup", type=int, default=warmup,
-                   help=f"untimed steps each (default {warmup})")
-    p.add_argument("--rounds", type=int, default=rounds,
-                   help=f"alternating rounds (default {rounds})")
-    p.add_argument("--steps", type=int, default=steps,
-                   help=f"timed steps per round (default {steps})")
+    p.add_argument(
+        "--warmup", type=int, default=warmup, help=f"untimed steps each (default {warmup})"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=rounds, help=f"alternating rounds (default {rounds})"
+    )
+    p.add_argument(
+        "--steps", type=int, default=steps, help=f"timed steps per round (default {steps})"
+    )
 
 
-def add_gpt_args(p: argparse.ArgumentParser, *, n_layer: int, n_head: int, d_model: int,
-                 batch_size: int, lr: float, seq_len: int = 128) -> None:
+def add_gpt_args(
+    p: argparse.ArgumentParser,
+    *,
+    n_layer: int,
+    n_head: int,
+    d_model: int,
+    batch_size: int,
+    lr: float,
+    seq_len: int = 128,
+) -> None:
     p.add_argument("--n-layer", type=int, default=n_layer, help=f"GPT blocks (default {n_layer})")
-    p.add_argument("--n-head", type=int, default=n_head,
-                   help=f"attention heads (default {n_head})")
+    p.add_argument("--n-head", type=int, default=n_head, help=f"attention heads (default {n_head})")
     p.add_argument("--d-model", type=int, default=d_model, help=f"model width (default {d_model})")
-    p.add_argument("--seq-len", type=int, default=seq_len,
-                   help=f"tokens per sequence (default {seq_len})")
-    p.add_argument("--batch-size", type=int, default=batch_size,
-                   help=f"global sequences per step (default {batch_size})")
+    p.add_argument(
+        "--seq-len", type=int, default=seq_len, help=f"tokens per sequence (default {seq_len})"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        help=f"global sequences per step (default {batch_size})",
+    )
     lr_text = f"{lr:.0e}".replace("e-0", "e-")  # 1e-4, not 0.0001
     p.add_argument("--lr", type=float, default=lr, help=f"AdamW learning rate (default {lr_text})")
 
 
 def gpt_config(args, vocab_size: int = 256) -> GPTConfig:
-    return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                     block_size=args.seq_len, vocab_size=vocab_size)
+    return GPTConfig(
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        block_size=args.seq_len,
+        vocab_size=vocab_size,
+    )
 
 
 def meshwise_gpt(cfg: GPTConfig, seed: int = 0, **layout) -> tuple[ParallelModel, Callable]:
@@ -220,8 +275,10 @@ def adamw_config(args) -> AdamWConfig:
 def torch_param_groups(named_parameters: Iterable, cfg: AdamWConfig) -> list[dict]:
     """The same weight-decay split as meshwise (``decays``: matrices only)."""
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
-    return [{"params": [p for n, p in named if decays(n, p)], "weight_decay": cfg.weight_decay},
-            {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in named if decays(n, p)], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
+    ]
 
 
 def print_json(summary: dict) -> None:

@@ -90,13 +90,19 @@ class AllGatherAttention(nn.Module):
         chunk = q.shape[2] // 2
         outs = []
         for half, index in ((0, self.rank), (1, 2 * self.size - 1 - self.rank)):
-            queries = q[:, :, half * chunk:(half + 1) * chunk]
+            queries = q[:, :, half * chunk : (half + 1) * chunk]
             seen = (index + 1) * chunk  # keys up to the chunk's end
             rows = torch.arange(index * chunk, seen, device=q.device)[:, None]
             mask = torch.arange(seen, device=q.device)[None, :] <= rows  # (chunk, seen)
-            outs.append(F.scaled_dot_product_attention(
-                queries, k[:, :, :seen], v[:, :, :seen], attn_mask=mask,
-                enable_gqa=k.shape[1] != q.shape[1]))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    queries,
+                    k[:, :, :seen],
+                    v[:, :, :seen],
+                    attn_mask=mask,
+                    enable_gqa=k.shape[1] != q.shape[1],
+                )
+            )
         return torch.cat(outs, dim=2)  # (B, H, L, d)
 
 
@@ -119,10 +125,26 @@ def train_config(args):
     from meshwise.cli.main import build_parser
     from meshwise.cli.train import train_config as parse
 
-    flags = ["train", "--model", args.model, "--cp", str(CP), "--seq-len", str(args.seq_len),
-             "--block-size", str(max(args.seq_len, 512)), "--batch-size", str(args.batch_size),
-             "--steps", str(args.warmup + args.steps), "--warmup-steps", "1",
-             "--device", "cpu", "-q"]
+    flags = [
+        "train",
+        "--model",
+        args.model,
+        "--cp",
+        str(CP),
+        "--seq-len",
+        str(args.seq_len),
+        "--block-size",
+        str(max(args.seq_len, 512)),
+        "--batch-size",
+        str(args.batch_size),
+        "--steps",
+        str(args.warmup + args.steps),
+        "--warmup-steps",
+        "1",
+        "--device",
+        "cpu",
+        "-q",
+    ]
     if args.data:
         flags += ["--data", args.data]
     return parse(build_parser().parse_args(flags))[0]
@@ -136,8 +158,10 @@ def meshwise_worker(rank: int, args, data: str, variant: str) -> dict:
         assert use_allgather(trainer) == trainer.model_cfg.n_layer
     records = [trainer.train_step(step) for step in range(1, args.warmup + args.steps + 1)]
     trainer.comm_stats.close()
-    return {"times": [r["step_time_s"] for r in records[args.warmup:]],
-            "losses": [r["loss"] for r in records]}
+    return {
+        "times": [r["step_time_s"] for r in records[args.warmup :]],
+        "losses": [r["loss"] for r in records],
+    }
 
 
 def torch_cp_worker(rank: int, args, data: str) -> str:
@@ -167,8 +191,9 @@ def torch_cp_worker(rank: int, args, data: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-small", help="a llama preset")
-    parser.add_argument("--data", default=None, help="as meshwise train --data (default: its "
-                                                     "corpus, byte-level)")
+    parser.add_argument(
+        "--data", default=None, help="as meshwise train --data (default: its corpus, byte-level)"
+    )
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--batch-size", type=int, default=1, help="global sequences per step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per job")
@@ -181,20 +206,26 @@ def main() -> None:
     variants = ("meshwise_ring", "allgather_kv")
     times, losses = {v: [] for v in variants}, {}
     for r in range(args.rounds):
-        for variant in (variants if r % 2 == 0 else variants[::-1]):
+        for variant in variants if r % 2 == 0 else variants[::-1]:
             per_rank = spawn(meshwise_worker, CP, args, data, variant, timeout_s=1800)
             times[variant] += slowest([p["times"] for p in per_rank])
             losses[variant] = per_rank[0]["losses"]
-            print(f"round {r + 1} {variant}: median {median(times[variant]):.3f} s/step",
-                  file=sys.stderr)
+            print(
+                f"round {r + 1} {variant}: median {median(times[variant]):.3f} s/step",
+                file=sys.stderr,
+            )
     torch_cp = spawn(torch_cp_worker, CP, args, data)[0]
     summary = {
-        "seq_len": args.seq_len, "batch_size": args.batch_size, "model": args.model, "cp": CP,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "model": args.model,
+        "cp": CP,
         "step_time_s": {v: median(t) for v, t in times.items()},
         "steps_timed": {v: len(t) for v, t in times.items()},
         "ratio": median(times["meshwise_ring"]) / median(times["allgather_kv"]),
-        "loss_rel_diff": max(rel_diff(a, b) for a, b in zip(losses["meshwise_ring"],
-                                                            losses["allgather_kv"])),
+        "loss_rel_diff": max(
+            rel_diff(a, b) for a, b in zip(losses["meshwise_ring"], losses["allgather_kv"])
+        ),
         "torch_cp2": torch_cp if torch_cp == "ran" else f"skipped: {torch_cp}",
     }
     for v in variants:

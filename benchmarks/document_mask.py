@@ -58,10 +58,22 @@ def _documents_file(folder: Path, mean_doc: int, num_tokens: int = 400_000) -> s
     tokens[np.cumsum(lengths + 1) - 1] = SEPARATOR
     path = folder / "documents.bin"
     tokens.tofile(path)
-    _write_meta(path, {"num_tokens": len(tokens), "vocab_size": 256, "max_token": None,
-                       "source": str(path), "dtype": "uint16",
-                       "tokenizer": {"kind": "tokenizer.json", "digest": "bench",
-                                     "separator": [SEPARATOR], "end_of_text": SEPARATOR}})
+    _write_meta(
+        path,
+        {
+            "num_tokens": len(tokens),
+            "vocab_size": 256,
+            "max_token": None,
+            "source": str(path),
+            "dtype": "uint16",
+            "tokenizer": {
+                "kind": "tokenizer.json",
+                "digest": "bench",
+                "separator": [SEPARATOR],
+                "end_of_text": SEPARATOR,
+            },
+        },
+    )
     return str(path)
 
 
@@ -80,8 +92,7 @@ def _attention_forms(batch: int, seq_len: int, mean_doc: int):
     starts = np.random.default_rng(1).random((batch, seq_len)) < 1 / mean_doc
     documents = documents_from_starts(starts)
     masked = ScaledDotProductAttention()
-    lengths = [np.unique(documents.ids[b], return_counts=True)[1].tolist()
-               for b in range(batch)]
+    lengths = [np.unique(documents.ids[b], return_counts=True)[1].tolist() for b in range(batch)]
 
     def causal():
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
@@ -103,15 +114,18 @@ def attention(args) -> dict:
     forms, num_docs = _attention_forms(args.batch_size, args.seq_len, args.mean_doc)
     times = {name: [] for name in forms}
     for round_ in range(args.rounds):
-        for name in (list(forms) if round_ % 2 == 0 else list(reversed(forms))):
+        for name in list(forms) if round_ % 2 == 0 else list(reversed(forms)):
             start = time.process_time()  # this thread's CPU time: steady on a shared machine
             forms[name]()
             times[name].append(time.process_time() - start)
     out = {name: median(ts[1:]) for name, ts in times.items()}  # the first round warms up
-    mask_bytes = args.batch_size * args.seq_len ** 2 * 4
-    return {"documents": num_docs, "ms": {n: round(t * 1e3, 1) for n, t in out.items()},
-            "ratio_to_causal": {n: round(t / out["causal"], 2) for n, t in out.items()},
-            "mask_MiB": round(mask_bytes / 2**20, 1)}
+    mask_bytes = args.batch_size * args.seq_len**2 * 4
+    return {
+        "documents": num_docs,
+        "ms": {n: round(t * 1e3, 1) for n, t in out.items()},
+        "ratio_to_causal": {n: round(t / out["causal"], 2) for n, t in out.items()},
+        "mask_MiB": round(mask_bytes / 2**20, 1),
+    }
 
 
 # ---------------------------------------------------------------- whole steps
@@ -134,22 +148,37 @@ def _steps(rank: int, argv: list[str], data_path: str, steps: int) -> list[float
 
 
 def steps(args, data_path: str) -> dict:
-    common = ["--model", "llama-small", "--seq-len", str(args.seq_len), "--block-size",
-              str(args.seq_len), "--batch-size", str(args.batch_size), "--device", "cpu",
-              "-q", "--data", data_path]
+    common = [
+        "--model",
+        "llama-small",
+        "--seq-len",
+        str(args.seq_len),
+        "--block-size",
+        str(args.seq_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--device",
+        "cpu",
+        "-q",
+        "--data",
+        data_path,
+    ]
     out = {}
     for layout in (["--dp", "1"], ["--cp", "2"]):
         name = "cp2" if "--cp" in layout else "one_process"
         world = 2 if "--cp" in layout else 1
         runs = {}
         for round_ in range(args.rounds_steps):
-            for mask in ([False, True] if round_ % 2 == 0 else [True, False]):
+            for mask in [False, True] if round_ % 2 == 0 else [True, False]:
                 argv = common + layout + (["--document-mask"] if mask else [])
                 per_rank = spawn(_steps, world, argv, data_path, args.steps)
-                runs.setdefault(mask, []).extend(slowest(per_rank)[args.warmup:])
+                runs.setdefault(mask, []).extend(slowest(per_rank)[args.warmup :])
         plain, masked = median(runs[False]), median(runs[True])
-        out[name] = {"step_s": round(plain, 3), "document_mask_step_s": round(masked, 3),
-                     "ratio": round(masked / plain, 3)}
+        out[name] = {
+            "step_s": round(plain, 3),
+            "document_mask_step_s": round(masked, 3),
+            "ratio": round(masked / plain, 3),
+        }
     return out
 
 
@@ -165,17 +194,25 @@ def main() -> None:
     parser.add_argument("--skip-steps", action="store_true", help="attention only")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = {"seq_len": args.seq_len, "batch_size": args.batch_size,
-              "mean_doc": args.mean_doc, "attention": attention(args)}
-    print(f"attention (fwd+bwd, {result['attention']['documents']} documents): "
-          f"{result['attention']['ms']} ms; ratio to causal "
-          f"{result['attention']['ratio_to_causal']}; mask {result['attention']['mask_MiB']} MiB")
+    result = {
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "mean_doc": args.mean_doc,
+        "attention": attention(args),
+    }
+    print(
+        f"attention (fwd+bwd, {result['attention']['documents']} documents): "
+        f"{result['attention']['ms']} ms; ratio to causal "
+        f"{result['attention']['ratio_to_causal']}; mask {result['attention']['mask_MiB']} MiB"
+    )
     if not args.skip_steps:
         with tempfile.TemporaryDirectory() as folder:
             result["step"] = steps(args, _documents_file(Path(folder), args.mean_doc))
         for name, row in result["step"].items():
-            print(f"step ({name}): {row['step_s']} s without, {row['document_mask_step_s']} s "
-                  f"with --document-mask: {row['ratio']}x")
+            print(
+                f"step ({name}): {row['step_s']} s without, {row['document_mask_step_s']} s "
+                f"with --document-mask: {row['ratio']}x"
+            )
     print_json(result)
 
 

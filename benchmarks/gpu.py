@@ -80,42 +80,79 @@ def run_meshwise(args, seq_len: int, batch: int, folder: Path) -> dict:
         ids = np.random.default_rng(0).integers(0, args.vocab_size, num_tokens)
         ids.astype(np.uint32).tofile(data)
     metrics.unlink(missing_ok=True)
-    flags = ["train", "--model", "llama-1b", "--device", "cuda", "--dp", "1",
-             "--data", str(data), "--token-dtype", "uint32", "--vocab-size", str(args.vocab_size),
-             "--seq-len", str(seq_len), "--batch-size", str(batch), "--steps", str(args.steps),
-             "--warmup-steps", "2", "--metrics", str(metrics), "--eval-batches", "1", "-q"]
+    flags = [
+        "train",
+        "--model",
+        "llama-1b",
+        "--device",
+        "cuda",
+        "--dp",
+        "1",
+        "--data",
+        str(data),
+        "--token-dtype",
+        "uint32",
+        "--vocab-size",
+        str(args.vocab_size),
+        "--seq-len",
+        str(seq_len),
+        "--batch-size",
+        str(batch),
+        "--steps",
+        str(args.steps),
+        "--warmup-steps",
+        "2",
+        "--metrics",
+        str(metrics),
+        "--eval-batches",
+        "1",
+        "-q",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHWISE_CACHE=str(folder / "cache"))
     subprocess.run([sys.executable, "-m", "meshwise", *flags], check=True, env=env)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()][args.warmup:]
-    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
-            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records)}
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][args.warmup :]
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
+    }
 
 
 def _model(variant: str, vocab: int, seq_len: int) -> torch.nn.Module:
     if variant == "plain":
         from meshwise.models.llama import Llama, LlamaConfig
 
-        cfg = LlamaConfig(**SHAPE, vocab_size=vocab, block_size=seq_len, rope_theta=ROPE_THETA,
-                          tie_embeddings=True)
+        cfg = LlamaConfig(
+            **SHAPE,
+            vocab_size=vocab,
+            block_size=seq_len,
+            rope_theta=ROPE_THETA,
+            tie_embeddings=True,
+        )
         return Llama(cfg)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=SHAPE["d_model"],
-                      intermediate_size=SHAPE["ffn_hidden_size"],
-                      num_hidden_layers=SHAPE["n_layer"], num_attention_heads=SHAPE["n_head"],
-                      num_key_value_heads=SHAPE["n_kv_head"], tie_word_embeddings=True,
-                      max_position_embeddings=seq_len, rope_theta=ROPE_THETA,
-                      attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=SHAPE["d_model"],
+        intermediate_size=SHAPE["ffn_hidden_size"],
+        num_hidden_layers=SHAPE["n_layer"],
+        num_attention_heads=SHAPE["n_head"],
+        num_key_value_heads=SHAPE["n_kv_head"],
+        tie_word_embeddings=True,
+        max_position_embeddings=seq_len,
+        rope_theta=ROPE_THETA,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg)
 
 
-def run_loop(variant: str, seq_len: int, batch: int, steps: int, warmup: int,
-             vocab: int) -> dict:
+def run_loop(variant: str, seq_len: int, batch: int, steps: int, warmup: int, vocab: int) -> dict:
     """The plain loop, in this process (a worker of its own)."""
     with torch.device("cuda"):
         model = _model(variant, vocab, seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
-                                  weight_decay=0.1, fused=True)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )
     gen = torch.Generator(device="cuda").manual_seed(0)
     rates, peaks = [], []
     for step in range(steps):
@@ -140,10 +177,27 @@ def run_loop(variant: str, seq_len: int, batch: int, steps: int, warmup: int,
 
 
 def run_worker(args, variant: str, seq_len: int, batch: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", variant, "--seq-lens",
-                          str(seq_len), "--batch-size", str(batch), "--steps", str(args.steps),
-                          "--warmup", str(args.warmup), "--vocab-size", str(args.vocab_size)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            variant,
+            "--seq-lens",
+            str(seq_len),
+            "--batch-size",
+            str(batch),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--vocab-size",
+            str(args.vocab_size),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -154,10 +208,13 @@ def summarise(runs: dict, seq_len: int, batch: int, vocab: int, peak: float | No
     for variant, results in runs.items():
         rate = statistics.median(r["tokens_per_s"] for r in results)
         tflops = rate * per_token / 1e12
-        row[variant] = {"tokens_per_s": rate, "tflops": tflops,
-                        "mfu": tflops * 1e12 / peak if peak else None,
-                        "peak_mem_gib": max(r["peak_mem_bytes"] for r in results) / 2**30,
-                        "rounds": [round(r["tokens_per_s"]) for r in results]}
+        row[variant] = {
+            "tokens_per_s": rate,
+            "tflops": tflops,
+            "mfu": tflops * 1e12 / peak if peak else None,
+            "peak_mem_gib": max(r["peak_mem_bytes"] for r in results) / 2**30,
+            "rounds": [round(r["tokens_per_s"]) for r in results],
+        }
     for peer in VARIANTS[1:]:
         if "meshwise" in row and peer in row:
             row[f"meshwise_vs_{peer}"] = row["meshwise"]["tokens_per_s"] / row[peer]["tokens_per_s"]
@@ -169,10 +226,16 @@ def print_row(seq_len: int, row: dict) -> None:
         if variant in row:
             r = row[variant]
             mfu = f", MFU {r['mfu']:.1%}" if r["mfu"] is not None else ""
-            print(f"seq {seq_len}: {variant:<12} {r['tokens_per_s']:>9,.0f} tokens/s, "
-                  f"{r['tflops']:.0f} TFLOP/s{mfu}, peak {r['peak_mem_gib']:.1f} GiB", flush=True)
-    ratios = [f"{k.removeprefix('meshwise_vs_')} {v:.2f}x" for k, v in row.items()
-              if k.startswith("meshwise_vs_")]
+            print(
+                f"seq {seq_len}: {variant:<12} {r['tokens_per_s']:>9,.0f} tokens/s, "
+                f"{r['tflops']:.0f} TFLOP/s{mfu}, peak {r['peak_mem_gib']:.1f} GiB",
+                flush=True,
+            )
+    ratios = [
+        f"{k.removeprefix('meshwise_vs_')} {v:.2f}x"
+        for k, v in row.items()
+        if k.startswith("meshwise_vs_")
+    ]
     if ratios:
         print(f"seq {seq_len}: meshwise tokens/s over " + ", ".join(ratios), flush=True)
 
@@ -180,14 +243,22 @@ def print_row(seq_len: int, row: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-lens", default="2048,8192", help="comma-separated sequence lengths")
-    p.add_argument("--tokens-per-step", type=int, default=8192,
-                   help="tokens a step; the batch is this over the sequence length")
+    p.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=8192,
+        help="tokens a step; the batch is this over the sequence length",
+    )
     p.add_argument("--vocab-size", type=int, default=128256)
     p.add_argument("--steps", type=int, default=12, help="steps per run")
     p.add_argument("--warmup", type=int, default=4, help="steps left out of each run's median")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--only", choices=VARIANTS, action="append",
-                   help="run this variant (repeat for several; default: all)")
+    p.add_argument(
+        "--only",
+        choices=VARIANTS,
+        action="append",
+        help="run this variant (repeat for several; default: all)",
+    )
     p.add_argument("--worker", choices=VARIANTS[1:], help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -196,13 +267,28 @@ def main() -> None:
         return
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     if args.worker:
-        print(json.dumps(run_loop(args.worker, seq_lens[0], args.batch_size, args.steps,
-                                  args.warmup, args.vocab_size)))
+        print(
+            json.dumps(
+                run_loop(
+                    args.worker,
+                    seq_lens[0],
+                    args.batch_size,
+                    args.steps,
+                    args.warmup,
+                    args.vocab_size,
+                )
+            )
+        )
         return
     variants = args.only or list(VARIANTS)
     peak, began = peak_flops(), time.perf_counter()
-    summary = {"device": torch.cuda.get_device_name(), "vocab_size": args.vocab_size,
-               "tokens_per_step": args.tokens_per_step, "rounds": args.rounds, "seq": {}}
+    summary = {
+        "device": torch.cuda.get_device_name(),
+        "vocab_size": args.vocab_size,
+        "tokens_per_step": args.tokens_per_step,
+        "rounds": args.rounds,
+        "seq": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for seq_len in seq_lens:
             batch = max(1, args.tokens_per_step // seq_len)

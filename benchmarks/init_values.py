@@ -34,8 +34,7 @@ def laid_out(vocab: int, tp: int, tp_rank: int):
     with on_meta():
         model = fam.build(cfg)
     group = types.SimpleNamespace(rank=tp_rank, size=tp) if tp > 1 else None
-    pm = parallelize(model, fam.plan(cfg), tp_group=group, vocab_size=vocab,
-                     check_forward=False)
+    pm = parallelize(model, fam.plan(cfg), tp_group=group, vocab_size=vocab, check_forward=False)
     return pm, partial(fam.init, cfg)
 
 
@@ -51,7 +50,7 @@ def fill(pm, init_of, seed: int, shards: int, shard: int, dtype: torch.dtype) ->
     for name, param in named:
         a, b = max(lo, offset), min(hi, offset + param.numel())
         if a < b:
-            buffer[a - lo:b - lo].copy_(values(name, a - offset, b - offset))
+            buffer[a - lo : b - lo].copy_(values(name, a - offset, b - offset))
         offset += param.numel()
     return buffer.numel()
 
@@ -74,11 +73,13 @@ def main() -> None:
     numel = fill(pm, init_of, args.seed, args.shards, args.shard, dtype)
     done = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"llama-1b (vocab {args.vocab}) tp {args.tp} rank {args.tp_rank}, shard "
-          f"{args.shard} of {args.shards}: {numel / 1e6:,.1f}M values in "
-          f"{done - built:.1f} s ({time.process_time() - cpu:.1f} s of CPU, "
-          f"{torch.get_num_threads()} threads); model built in {built - start:.1f} s; "
-          f"peak RSS {peak:.2f} GiB")
+    print(
+        f"llama-1b (vocab {args.vocab}) tp {args.tp} rank {args.tp_rank}, shard "
+        f"{args.shard} of {args.shards}: {numel / 1e6:,.1f}M values in "
+        f"{done - built:.1f} s ({time.process_time() - cpu:.1f} s of CPU, "
+        f"{torch.get_num_threads()} threads); model built in {built - start:.1f} s; "
+        f"peak RSS {peak:.2f} GiB"
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,23 @@ from benchmarks.common import print_json  # noqa: E402
 def median_step_s(flags: list[str], ledger: bool, steps: int, warmup: int, folder: Path) -> float:
     metrics = folder / f"ledger-{int(ledger)}.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHWISE_LEDGER="1" if ledger else "0")
-    subprocess.run([sys.executable, "-m", "meshwise", "train", "--steps", str(steps),
-                    "--metrics", str(metrics), "-q", *flags], check=True, env=env, cwd=folder)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshwise",
+            "train",
+            "--steps",
+            str(steps),
+            "--metrics",
+            str(metrics),
+            "-q",
+            *flags,
+        ],
+        check=True,
+        env=env,
+        cwd=folder,
+    )
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return statistics.median(r["step_time_s"] for r in records[warmup:])
 
@@ -49,13 +64,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
             for name, ledger in (("on", True), ("off", False)):
-                times[name].append(median_step_s(flags, ledger, args.steps, args.warmup,
-                                                 Path(tmp)))
+                times[name].append(median_step_s(flags, ledger, args.steps, args.warmup, Path(tmp)))
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    print(f"median step time: ledger on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms "
-          f"({(on / off - 1) * 100:+.1f}%)", flush=True)
-    print_json({"flags": flags, "step_time_s": {"on": on, "off": off},
-                "rounds": times, "on_vs_off": on / off})
+    print(
+        f"median step time: ledger on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms "
+        f"({(on / off - 1) * 100:+.1f}%)",
+        flush=True,
+    )
+    print_json(
+        {
+            "flags": flags,
+            "step_time_s": {"on": on, "off": off},
+            "rounds": times,
+            "on_vs_off": on / off,
+        }
+    )
 
 
 if __name__ == "__main__":

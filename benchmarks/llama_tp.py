@@ -57,23 +57,53 @@ LR, WARMUP_STEPS, CLIP, WEIGHT_DECAY, SEED = 1e-3, 2, 1.0, 0.1, 1234
 
 def _env() -> dict:
     path = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
-                PYTHONUNBUFFERED="1")
+    return dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
+        PYTHONUNBUFFERED="1",
+    )
 
 
 def train_flags(args, data: Path) -> list[str]:
     """What every variant trains: the model, the data, the optimizer (meshwise's flags)."""
-    return ["--model", args.model, "--data", str(data), "--seq-len", str(args.seq_len),
-            "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-            "--lr", str(LR), "--warmup-steps", str(WARMUP_STEPS), "--clip", str(CLIP),
-            "--weight-decay", str(WEIGHT_DECAY), "--seed", str(SEED)]
+    return [
+        "--model",
+        args.model,
+        "--data",
+        str(data),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--steps",
+        str(args.steps),
+        "--lr",
+        str(LR),
+        "--warmup-steps",
+        str(WARMUP_STEPS),
+        "--clip",
+        str(CLIP),
+        "--weight-decay",
+        str(WEIGHT_DECAY),
+        "--seed",
+        str(SEED),
+    ]
 
 
 def run_meshwise(args, data: Path, workdir: Path, name: str, layout: list[str]) -> list[dict]:
     metrics = workdir / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "meshwise", "train", *train_flags(args, data), *layout,
-           "--metrics", str(metrics), "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshwise",
+        "train",
+        *train_flags(args, data),
+        *layout,
+        "--metrics",
+        str(metrics),
+        "-q",
+    ]
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
@@ -94,11 +124,18 @@ def torch_tp_model(cfg, mesh):
     from meshwise.models.families import family
 
     model = family("llama").create(cfg, seed=SEED)
-    plan = {"embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    plan = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
     for i in range(cfg.n_layer):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                     "mlp.gate_proj", "mlp.up_proj"):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             plan[f"layers.{i}.{name}"] = RowwiseParallel()
@@ -114,8 +151,9 @@ def clip_global_norm(params, clip: float) -> float:
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
-    split = [isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
-             for g in grads]
+    split = [
+        isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements) for g in grads
+    ]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # views
     sharded = [g for g, s in zip(local, split) if s]
     replicated = [g for g, s in zip(local, split) if not s]
@@ -142,8 +180,10 @@ def torch_worker(rank: int, args, data: str, sizes: dict) -> dict:
     cfg = family("llama").make_config(sizes)
     model = torch_tp_model(cfg, init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",)))
     named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": WEIGHT_DECAY},
-              {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in named if decays(n, p)], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
     dataset = TokenDataset(data, args.seq_len)
     times, losses = [], []
@@ -167,8 +207,7 @@ def torch_worker(rank: int, args, data: str, sizes: dict) -> dict:
 
 def run_torch(args, data: Path, sizes: dict) -> dict:
     per_rank = spawn(torch_worker, WORLD_SIZE, args, str(data), sizes)
-    return {"step_time_s": slowest([r["times"] for r in per_rank]),
-            "losses": per_rank[0]["losses"]}
+    return {"step_time_s": slowest([r["times"] for r in per_rank]), "losses": per_rank[0]["losses"]}
 
 
 # ---------------------------------------------------------------- driver
@@ -184,10 +223,12 @@ def prepare(args) -> tuple[Path, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="llama-small", help="a llama preset (default "
-                                                               "llama-small)")
-    parser.add_argument("--data", default=None, help="as meshwise train --data (default: "
-                                                     "its corpus, byte-level)")
+    parser.add_argument(
+        "--model", default="llama-small", help="a llama preset (default llama-small)"
+    )
+    parser.add_argument(
+        "--data", default=None, help="as meshwise train --data (default: its corpus, byte-level)"
+    )
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="global sequences per step")
     parser.add_argument("--steps", type=int, default=12, help="steps per job")
@@ -202,7 +243,7 @@ def main() -> None:
     step_times = {name: [] for name in variants}
     losses = {}
     for r in range(args.rounds):
-        for name in (list(variants)[::-1] if r % 2 else variants):
+        for name in list(variants)[::-1] if r % 2 else variants:
             if variants[name] is None:
                 run = run_torch(args, data, sizes)
                 times, losses[name] = run["step_time_s"], run["losses"]
@@ -210,22 +251,31 @@ def main() -> None:
                 records = run_meshwise(args, data, workdir, name, variants[name])
                 times = [rec["step_time_s"] for rec in records]
                 losses[name] = [rec["loss"] for rec in records]
-            step_times[name] += times[args.warmup:]
+            step_times[name] += times[args.warmup :]
     tokens = args.batch_size * args.seq_len
     tps = {name: tokens / median(t) for name, t in step_times.items()}
     drift = max(map(rel_diff, losses["meshwise_tp2"], losses["torch_tp2"]))
-    print(f"{args.model} seq {args.seq_len} batch {args.batch_size}, {len(step_times['torch_tp2'])}"
-          f" timed steps each: meshwise dp2 {tps['meshwise_dp2']:,.0f} tokens/s, meshwise tp2 "
-          f"{tps['meshwise_tp2']:,.0f}, torch DTensor tp2 {tps['torch_tp2']:,.0f}; tp2 losses "
-          f"differ by at most {drift:.1e} (relative)")
-    print_json({"model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size,
-                "meshwise_dp2_tokens_per_s": tps["meshwise_dp2"],
-                "meshwise_tp2_tokens_per_s": tps["meshwise_tp2"],
-                "torch_tp2_tokens_per_s": tps["torch_tp2"],
-                "tp2_ratio": tps["meshwise_tp2"] / tps["torch_tp2"],
-                "dp2_over_torch_tp2": tps["meshwise_dp2"] / tps["torch_tp2"],
-                "loss_rel_diff": drift, "timed_steps": len(step_times["torch_tp2"]),
-                "world_size": WORLD_SIZE})
+    print(
+        f"{args.model} seq {args.seq_len} batch {args.batch_size}, {len(step_times['torch_tp2'])}"
+        f" timed steps each: meshwise dp2 {tps['meshwise_dp2']:,.0f} tokens/s, meshwise tp2 "
+        f"{tps['meshwise_tp2']:,.0f}, torch DTensor tp2 {tps['torch_tp2']:,.0f}; tp2 losses "
+        f"differ by at most {drift:.1e} (relative)"
+    )
+    print_json(
+        {
+            "model": args.model,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
+            "meshwise_dp2_tokens_per_s": tps["meshwise_dp2"],
+            "meshwise_tp2_tokens_per_s": tps["meshwise_tp2"],
+            "torch_tp2_tokens_per_s": tps["torch_tp2"],
+            "tp2_ratio": tps["meshwise_tp2"] / tps["torch_tp2"],
+            "dp2_over_torch_tp2": tps["meshwise_dp2"] / tps["torch_tp2"],
+            "loss_rel_diff": drift,
+            "timed_steps": len(step_times["torch_tp2"]),
+            "world_size": WORLD_SIZE,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -42,20 +42,35 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import print_json, rel_diff  # noqa: E402
 
 MODEL = ["--model", "llama-small"]
-MEMORY_LAYOUTS = {"cp1": ["--dp", "1"], "cp2": ["--cp", "2"], "cp4": ["--cp", "4"],
-                  "tp2": ["--tp", "2"], "tp2+sp": ["--tp", "2", "--sp"]}
+MEMORY_LAYOUTS = {
+    "cp1": ["--dp", "1"],
+    "cp2": ["--cp", "2"],
+    "cp4": ["--cp", "4"],
+    "tp2": ["--tp", "2"],
+    "tp2+sp": ["--tp", "2", "--sp"],
+}
 PARITY_LAYOUTS = {
-    "cp2": MODEL + ["--cp", "2"], "cp4": MODEL + ["--cp", "4"],
-    "tp2+sp": MODEL + ["--tp", "2", "--sp"], "cp2 x tp2+sp": MODEL + ["--cp", "2", "--tp", "2",
-                                                                      "--sp"],
+    "cp2": MODEL + ["--cp", "2"],
+    "cp4": MODEL + ["--cp", "4"],
+    "tp2+sp": MODEL + ["--tp", "2", "--sp"],
+    "cp2 x tp2+sp": MODEL + ["--cp", "2", "--tp", "2", "--sp"],
     "dp2 x cp2 zero3": MODEL + ["--dp", "2", "--cp", "2", "--zero", "3"],
     "cp2 x pp2": MODEL + ["--cp", "2", "--pp", "2"],
     "gpt cp2": ["--model", "small", "--cp", "2"],
 }
 
 
-def activation_bytes(tokens: int, layers: int, h: int, kv: int, heads: int, ffn: int,
-                     tp: int = 1, sp: bool = False, dtype_bytes: int = 4) -> int:
+def activation_bytes(
+    tokens: int,
+    layers: int,
+    h: int,
+    kv: int,
+    heads: int,
+    ffn: int,
+    tp: int = 1,
+    sp: bool = False,
+    dtype_bytes: int = 4,
+) -> int:
     """Bytes one rank keeps for the backward per Llama layer, summed over layers, for the
     ``tokens`` it holds (T / cp): Korthikanti et al. 2022's count (section 4) for
     this model, the attention kept as its output and log-sum-exp (flash and ring
@@ -83,21 +98,38 @@ def run_train(flags: list[str], workdir: Path, name: str, env: dict) -> list[dic
 
 def memory_env() -> dict:
     path = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
-               MALLOC_MMAP_THRESHOLD_="65536")
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
+        MALLOC_MMAP_THRESHOLD_="65536",
+    )
     env.pop("MESHWISE_COMM_CHECK", None)  # gloo's own formulation is what is measured
     return env
 
 
 def peak_rss(layout: list[str], seq_len: int, block: int, workdir: Path, name: str) -> int:
-    flags = [*MODEL, *layout, "--seq-len", seq_len, "--block-size", block, "--batch-size", 1,
-             "--steps", 1, "--eval-batches", 1, "--warmup-steps", 0]
+    flags = [
+        *MODEL,
+        *layout,
+        "--seq-len",
+        seq_len,
+        "--block-size",
+        block,
+        "--batch-size",
+        1,
+        "--steps",
+        1,
+        "--eval-batches",
+        1,
+        "--warmup-steps",
+        0,
+    ]
     records = run_train([str(f) for f in flags], workdir, name, memory_env())
     return records[-1]["peak_rss_bytes"]
 
 
 def memory(args, workdir: Path) -> dict:
-    mib = 2.0 ** -20
+    mib = 2.0**-20
     out = {}
     for name, layout in MEMORY_LAYOUTS.items():
         long = peak_rss(layout, args.long, args.long, workdir, f"{name}-long")
@@ -105,16 +137,24 @@ def memory(args, workdir: Path) -> dict:
         cp = int(layout[layout.index("--cp") + 1]) if "--cp" in layout else 1
         tp = int(layout[layout.index("--tp") + 1]) if "--tp" in layout else 1
         formula = activation_bytes(args.long // cp, 6, 384, 128, 6, 1024, tp, "--sp" in layout)
-        out[name] = {"peak_long_mib": long * mib, "peak_64_mib": short * mib,
-                     "activations_mib": (long - short) * mib, "formula_mib": formula * mib}
+        out[name] = {
+            "peak_long_mib": long * mib,
+            "peak_64_mib": short * mib,
+            "activations_mib": (long - short) * mib,
+            "formula_mib": formula * mib,
+        }
         print(f"{name}: {out[name]}", file=sys.stderr)
-    ratios = {"cp2/cp1": ("cp2", "cp1"), "cp4/cp1": ("cp4", "cp1"),
-              "tp2+sp/tp2": ("tp2+sp", "tp2")}
-    return {"seq_len": args.long, "layouts": out,
-            "ratios": {k: out[a]["activations_mib"] / out[b]["activations_mib"]
-                       for k, (a, b) in ratios.items()},
-            "formula_ratios": {k: out[a]["formula_mib"] / out[b]["formula_mib"]
-                               for k, (a, b) in ratios.items()}}
+    ratios = {"cp2/cp1": ("cp2", "cp1"), "cp4/cp1": ("cp4", "cp1"), "tp2+sp/tp2": ("tp2+sp", "tp2")}
+    return {
+        "seq_len": args.long,
+        "layouts": out,
+        "ratios": {
+            k: out[a]["activations_mib"] / out[b]["activations_mib"] for k, (a, b) in ratios.items()
+        },
+        "formula_ratios": {
+            k: out[a]["formula_mib"] / out[b]["formula_mib"] for k, (a, b) in ratios.items()
+        },
+    }
 
 
 def longest(args, workdir: Path) -> dict:
@@ -125,9 +165,11 @@ def longest(args, workdir: Path) -> dict:
 
     def fits(seq_len: int) -> bool:
         peak = peak_rss(["--cp", "4"], seq_len, seq_len, workdir, f"cp4-{seq_len}")
-        tried[seq_len] = peak * 2.0 ** -20
-        print(f"cp4 at {seq_len}: {tried[seq_len]:.0f} MiB (budget {budget * 2.0 ** -20:.0f})",
-              file=sys.stderr)
+        tried[seq_len] = peak * 2.0**-20
+        print(
+            f"cp4 at {seq_len}: {tried[seq_len]:.0f} MiB (budget {budget * 2.0**-20:.0f})",
+            file=sys.stderr,
+        )
         return peak <= budget
 
     seq_len = 4 * args.long
@@ -138,14 +180,28 @@ def longest(args, workdir: Path) -> dict:
         seq_len -= 1024
         while seq_len > args.long and not fits(seq_len):
             seq_len -= 1024
-    return {"budget_mib": budget * 2.0 ** -20, "one_rank_seq_len": args.long,
-            "cp4_seq_len": seq_len, "cp4_tried_mib": tried}
+    return {
+        "budget_mib": budget * 2.0**-20,
+        "one_rank_seq_len": args.long,
+        "cp4_seq_len": seq_len,
+        "cp4_tried_mib": tried,
+    }
 
 
 def parity(args, workdir: Path) -> dict:
     env = dict(os.environ, MESHWISE_COMM_CHECK="nccl")  # as CI runs them
-    common = ["--seq-len", "128", "--batch-size", "8", "--steps", str(args.steps),
-              "--warmup-steps", "2", "--lr", "1e-3"]
+    common = [
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "8",
+        "--steps",
+        str(args.steps),
+        "--warmup-steps",
+        "2",
+        "--lr",
+        "1e-3",
+    ]
     refs, out = {}, {}
     for name, flags in PARITY_LAYOUTS.items():
         model = flags[:2]
@@ -153,8 +209,7 @@ def parity(args, workdir: Path) -> dict:
         if key not in refs:
             refs[key] = run_train([*model, *common, "--dp", "1"], workdir, f"ref-{key}", env)
         got = run_train([*flags, *common], workdir, name.replace(" ", "_"), env)
-        out[name] = max(rel_diff(g["loss"], r["loss"]) for g, r in zip(got, refs[key],
-                                                                         strict=True))
+        out[name] = max(rel_diff(g["loss"], r["loss"]) for g, r in zip(got, refs[key], strict=True))
         print(f"{name}: max relative loss difference {out[name]:.2e}", file=sys.stderr)
     return {"steps": args.steps, "max_rel_loss_diff": out}
 

@@ -34,11 +34,14 @@ MESHWISE = ("zero0", "zero1", "zero2", "zero3")
 DEEPSPEED = ("deepspeed1", "deepspeed2", "deepspeed3")
 # What deepspeed.initialize imports on first use (0.19: its optimizer check imports
 # the Muon optimizer, whose torch.compile pulls in inductor: some 700 modules).
-DEEPSPEED_LAZY_IMPORTS = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2",
-                          "deepspeed.runtime.zero.stage3",
-                          "deepspeed.runtime.zero.muon.muon_optimizer",
-                          "deepspeed.module_inject.auto_ep_config",
-                          "deepspeed.module_inject.auto_ep_layer")
+DEEPSPEED_LAZY_IMPORTS = (
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.runtime.zero.stage3",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "deepspeed.module_inject.auto_ep_config",
+    "deepspeed.module_inject.auto_ep_layer",
+)
 
 
 # ---------------------------------------------------------------- process memory
@@ -102,16 +105,16 @@ class SummedLoss(torch.nn.Module):
 
     def forward(self, inputs, targets):
         logits = self.model(inputs)  # (B, T, V)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                 targets.flatten(), reduction="sum")
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"
+        )
 
 
 class PeerRunner:
     """A peer's step: forward, backward, clip, AdamW at ``lr_at``, the loss all-reduced
     (as any training loop that logs its loss does)."""
 
-    def __init__(self, variant: str, cfg: TrainConfig, data_path: str, rank: int,
-                 world_size: int):
+    def __init__(self, variant: str, cfg: TrainConfig, data_path: str, rank: int, world_size: int):
         from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
         from meshwise.data.dataset import TokenDataset
         from meshwise.models.gpt import GPT, GPTConfig
@@ -119,9 +122,15 @@ class PeerRunner:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         d, m = cfg.data, cfg.model.resolved()
         self.data = TokenDataset(data_path, d.seq_len, vocab_size=m.vocab_size)
-        gpt = GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
-                            block_size=m.block_size, vocab_size=self.data.vocab_size)
-                  ).init_weights(d.seed)
+        gpt = GPT(
+            GPTConfig(
+                n_layer=m.n_layer,
+                n_head=m.n_head,
+                d_model=m.d_model,
+                block_size=m.block_size,
+                vocab_size=self.data.vocab_size,
+            )
+        ).init_weights(d.seed)
         self.num_params = sum(p.numel() for p in gpt.parameters())
         apply_activation_checkpointing(gpt.blocks.values(), cfg.runtime.activation_checkpointing)
         model = SummedLoss(gpt)
@@ -139,13 +148,15 @@ class PeerRunner:
 
         o = self.cfg.optim
         adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        return torch.optim.AdamW(torch_param_groups(named_parameters, adamw), lr=o.lr,
-                                 betas=adamw.betas, eps=adamw.eps)
+        return torch.optim.AdamW(
+            torch_param_groups(named_parameters, adamw), lr=o.lr, betas=adamw.betas, eps=adamw.eps
+        )
 
     def _ddp(self, variant: str, model) -> None:
         # Gradients as views of the buckets: no second copy (DDP's leanest setting).
         self.model = torch.nn.parallel.DistributedDataParallel(
-            model, bucket_cap_mb=self.cfg.comm.bucket_mb, gradient_as_bucket_view=True)
+            model, bucket_cap_mb=self.cfg.comm.bucket_mb, gradient_as_bucket_view=True
+        )
         self.autocast = self.bf16
         self.opt = self._adamw(model.named_parameters())
         self.engine = None
@@ -155,8 +166,11 @@ class PeerRunner:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if self.bf16 else MixedPrecisionPolicy())
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.bf16
+            else MixedPrecisionPolicy()
+        )
         for block in model.model.blocks.values():
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -172,16 +186,21 @@ class PeerRunner:
             "train_micro_batch_size_per_gpu": d.batch_size // self.world_size,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.cfg.optim.clip,
-            "zero_optimization": {"stage": int(variant[-1]),
-                                  "reduce_bucket_size": bucket_elements,
-                                  "allgather_bucket_size": bucket_elements},
+            "zero_optimization": {
+                "stage": int(variant[-1]),
+                "reduce_bucket_size": bucket_elements,
+                "allgather_bucket_size": bucket_elements,
+            },
             "bf16": {"enabled": self.bf16},
             "zero_allow_untested_optimizer": True,  # torch.optim.AdamW, as for the others
             "steps_per_print": 10**9,
         }
         self.engine, self.opt, _, _ = deepspeed.initialize(
-            model=model, optimizer=self._adamw(model.named_parameters()), config=config,
-            dist_init_required=False)
+            model=model,
+            optimizer=self._adamw(model.named_parameters()),
+            config=config,
+            dist_init_required=False,
+        )
         self.model = self.engine
 
     # ------------------------------------------------------------ the step
@@ -234,6 +253,13 @@ def rank_main(rank: int, variant: str, cfg: TrainConfig, data_path: str) -> dict
         losses.append(runner.step(step))
         step_s.append(time.perf_counter() - start)
     end = process_memory()
-    return {"baseline_rss": baseline, "built_rss": built, "end_rss": end["rss"],
-            "hwm": end["hwm"], "peak_was_reset": peak_was_reset, "step_s": step_s,
-            "losses": losses, "num_params": runner.num_params}
+    return {
+        "baseline_rss": baseline,
+        "built_rss": built,
+        "end_rss": end["rss"],
+        "hwm": end["hwm"],
+        "peak_was_reset": peak_was_reset,
+        "step_s": step_s,
+        "losses": losses,
+        "num_params": runner.num_params,
+    }

@@ -51,9 +51,17 @@ ADAMW = AdamWConfig(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 def llama_shapes(num_params: float, d_model: int) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes of a Llama-like model with about ``num_params`` parameters."""
     ffn = 256 * ((8 * d_model // 3 + 255) // 256)  # SwiGLU's width, rounded as Llama's
-    layer = [("q", (d_model, d_model)), ("k", (d_model, d_model)), ("v", (d_model, d_model)),
-             ("o", (d_model, d_model)), ("gate", (ffn, d_model)), ("up", (ffn, d_model)),
-             ("down", (d_model, ffn)), ("attn_norm", (d_model,)), ("mlp_norm", (d_model,))]
+    layer = [
+        ("q", (d_model, d_model)),
+        ("k", (d_model, d_model)),
+        ("v", (d_model, d_model)),
+        ("o", (d_model, d_model)),
+        ("gate", (ffn, d_model)),
+        ("up", (ffn, d_model)),
+        ("down", (d_model, ffn)),
+        ("attn_norm", (d_model,)),
+        ("mlp_norm", (d_model,)),
+    ]
     per_layer = sum(torch.Size(s).numel() for _, s in layer)
     num_layers = max(1, round((num_params - VOCAB * d_model) / per_layer))
     shapes = [("embed", (VOCAB, d_model))]
@@ -63,8 +71,10 @@ def llama_shapes(num_params: float, d_model: int) -> list[tuple[str, tuple[int, 
 
 def make_params(shapes, device, dtype=torch.float32) -> dict[str, torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
-    return {name: torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device, dtype))
-            for name, shape in shapes}
+    return {
+        name: torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device, dtype))
+        for name, shape in shapes
+    }
 
 
 def random_grads(shapes, device) -> dict[str, torch.Tensor]:
@@ -78,8 +88,14 @@ class MeshwiseStep:
     def __init__(self, shapes, grads, device, dtype: torch.dtype, clip: float):
         params = make_params(shapes, device, dtype)
         group = ops.world_group(device=device)
-        self.engine = ZeroOptimizer(params.items(), group, stage=0, adamw=ADAMW,
-                                    precision=Precision(param_dtype=dtype), device=device)
+        self.engine = ZeroOptimizer(
+            params.items(),
+            group,
+            stage=0,
+            adamw=ADAMW,
+            precision=Precision(param_dtype=dtype),
+            device=device,
+        )
         self.clip = clip
         # One backward delivers a gradient to every parameter, as training would;
         # then the buckets take the benchmark's gradients.
@@ -94,8 +110,7 @@ class MeshwiseStep:
         # meshwise.train.trainer: norm, skip and scale on the device, then the step.
         sq_norm = self.engine.grad_sq_norm()
         skip = ~torch.isfinite(sq_norm)
-        scale = ((self.clip / (sq_norm.sqrt() + 1e-6)).clamp(max=1.0) if self.clip > 0
-                 else 1.0)
+        scale = (self.clip / (sq_norm.sqrt() + 1e-6)).clamp(max=1.0) if self.clip > 0 else 1.0
         self.engine.step(ADAMW.lr, scale, skip)
 
 
@@ -106,12 +121,16 @@ class TorchStep:
         params = make_params(shapes, device)
         for name, p in params.items():
             p.grad = grads[name].clone()
-        groups = [{"params": [p for n, p in params.items() if decays(n, p)],
-                   "weight_decay": ADAMW.weight_decay},
-                  {"params": [p for n, p in params.items() if not decays(n, p)],
-                   "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=ADAMW.lr, betas=ADAMW.betas,
-                                           eps=ADAMW.eps, fused=True)
+        groups = [
+            {
+                "params": [p for n, p in params.items() if decays(n, p)],
+                "weight_decay": ADAMW.weight_decay,
+            },
+            {"params": [p for n, p in params.items() if not decays(n, p)], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps, fused=True
+        )
         self.params, self.clip = list(params.values()), clip
 
     def __call__(self) -> None:
@@ -127,32 +146,48 @@ def _sync(device: torch.device) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--params", type=float, default=100e6,
-                   help="about how many parameters (default 100e6)")
+    p.add_argument(
+        "--params", type=float, default=100e6, help="about how many parameters (default 100e6)"
+    )
     p.add_argument("--d-model", type=int, default=1024, help="model width (default 1024)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where both sides run (default cpu)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="meshwise's compute weights (bf16: fp32 master copy kept by the "
-                        "engine and cast after each step); torch's are fp32 (default fp32)")
-    p.add_argument("--clip", type=float, default=1.0,
-                   help="max global gradient norm; 0 turns clipping off (default 1.0)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where both sides run (default cpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="meshwise's compute weights (bf16: fp32 master copy kept by the "
+        "engine and cast after each step); torch's are fp32 (default fp32)",
+    )
+    p.add_argument(
+        "--clip",
+        type=float,
+        default=1.0,
+        help="max global gradient norm; 0 turns clipping off (default 1.0)",
+    )
     add_round_args(p, warmup=2, rounds=10, steps=2)
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print_json({"skipped": "--device cuda, but there is no CUDA device"})
         return
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
+    )
     ops.init_process_group("gloo", timeout_s=300.0)  # one rank: its collectives are no-ops
 
     shapes = llama_shapes(args.params, args.d_model)
     num_params = sum(torch.Size(s).numel() for _, s in shapes)
     grads = random_grads(shapes, device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    steps = {"meshwise": MeshwiseStep(shapes, grads, device, dtype, args.clip),
-             "torch": TorchStep(shapes, grads, device, args.clip)}
+    steps = {
+        "meshwise": MeshwiseStep(shapes, grads, device, dtype, args.clip),
+        "torch": TorchStep(shapes, grads, device, args.clip),
+    }
     del grads
     timings = new_timings(steps, ["step"])
 
@@ -164,18 +199,31 @@ def main() -> None:
         if record:
             timings[name]["step"].append(time.perf_counter() - start)
 
-    run_rounds(steps, 1, args.warmup, lambda n, r, i: one_step(n, r, i, record=False),
-               alternate=False)
+    run_rounds(
+        steps, 1, args.warmup, lambda n, r, i: one_step(n, r, i, record=False), alternate=False
+    )
     run_rounds(steps, args.rounds, args.steps, one_step)
-    summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "threads": torch.get_num_threads(), "num_params": num_params,
-               "num_tensors": len(shapes), "dtype": args.dtype, "clip": args.clip}
+    summary = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "num_params": num_params,
+        "num_tensors": len(shapes),
+        "dtype": args.dtype,
+        "clip": args.clip,
+    }
     for name, t in timings.items():
         q1, med, q3 = quartiles(t["step"])
-        summary[name] = {"step_ms": med * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
-                         "ns_per_param": med * 1e9 / num_params}
-        print(f"{name:9s} step {med * 1e3:8.2f} ms  (q1 {q1 * 1e3:.2f}, q3 {q3 * 1e3:.2f}), "
-              f"{med * 1e9 / num_params:.3f} ns/parameter", flush=True)
+        summary[name] = {
+            "step_ms": med * 1e3,
+            "q1_ms": q1 * 1e3,
+            "q3_ms": q3 * 1e3,
+            "ns_per_param": med * 1e9 / num_params,
+        }
+        print(
+            f"{name:9s} step {med * 1e3:8.2f} ms  (q1 {q1 * 1e3:.2f}, q3 {q3 * 1e3:.2f}), "
+            f"{med * 1e9 / num_params:.3f} ns/parameter",
+            flush=True,
+        )
     ratio = median(timings["meshwise"]["step"]) / median(timings["torch"]["step"])
     summary["meshwise_over_torch"] = ratio
     print(f"meshwise / torch fused AdamW: {ratio:.3f}x", flush=True)

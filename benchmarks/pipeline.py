@@ -122,16 +122,28 @@ class MeshwiseRunner:
     def __init__(self, args, mesh: Mesh, key: str):
         S, M, V = mesh.dims.pp, args.micro_batches, virtual_stages(key)
         kind = SCHEDULE_OF[key]
-        pm, values = meshwise_gpt(gpt_config(args, args.vocab_size), args.seed,
-                                  pp_rank=mesh.pp_rank, pp_size=S, virtual_stages=V,
-                                  stage_map=STAGE_MAP_OF.get(kind, "loop"),
-                                  tie_group=mesh.tie_group)
-        self.engine = ZeroOptimizer(pm.named_parameters(), mesh.dp_group, stage=0,
-                                    adamw=adamw_config(args), modules=pm.chunks, values=values)
+        pm, values = meshwise_gpt(
+            gpt_config(args, args.vocab_size),
+            args.seed,
+            pp_rank=mesh.pp_rank,
+            pp_size=S,
+            virtual_stages=V,
+            stage_map=STAGE_MAP_OF.get(kind, "loop"),
+            tie_group=mesh.tie_group,
+        )
+        self.engine = ZeroOptimizer(
+            pm.named_parameters(),
+            mesh.dp_group,
+            stage=0,
+            adamw=adamw_config(args),
+            modules=pm.chunks,
+            values=values,
+        )
         self.chunks = pm.chunks
         self.num_params = sum(p.numel() for _, p in pm.named_parameters())
-        self.runtime = PipelineRuntime(self.chunks, build_schedule(kind, S, M, V), mesh.pp_group,
-                                       self.engine, loss_fn=pm.loss)
+        self.runtime = PipelineRuntime(
+            self.chunks, build_schedule(kind, S, M, V), mesh.pp_group, self.engine, loss_fn=pm.loss
+        )
         self.lr, self.scale, self.M = args.lr, 1.0 / (args.batch_size * args.seq_len), M
 
     def step(self, inputs, targets) -> tuple[float, dict]:
@@ -150,10 +162,16 @@ class MeshwiseRunner:
                 per_kind[label[0]] += b - a
         # CPU gauge: this thread's CPU time over the whole schedule (waits for messages
         # sleep) against the wall time inside compute actions.
-        return loss, {"step": end - start, "pipeline": pipe_end - pipe_start,
-                      "optim": end - pipe_end, "compute": self.runtime.compute_s,
-                      "fwd": per_kind["F"], "bwd": per_kind["B"], "wgt": per_kind["W"],
-                      "compute_cpu": cpu}
+        return loss, {
+            "step": end - start,
+            "pipeline": pipe_end - pipe_start,
+            "optim": end - pipe_end,
+            "compute": self.runtime.compute_s,
+            "fwd": per_kind["F"],
+            "bwd": per_kind["B"],
+            "wgt": per_kind["W"],
+            "compute_cpu": cpu,
+        }
 
 
 class TorchRunner:
@@ -169,34 +187,49 @@ class TorchRunner:
         S, M, V = mesh.dims.pp, args.micro_batches, virtual_stages(key)
         kind = SCHEDULE_OF[key]
         cfg = gpt_config(args, args.vocab_size)
-        pm = parallelize(reference_gpt(cfg, args.seed), gpt_plan(cfg), pp_rank=mesh.pp_rank,
-                         pp_size=S, virtual_stages=V, stage_map=STAGE_MAP_OF.get(kind, "loop"))
+        pm = parallelize(
+            reference_gpt(cfg, args.seed),
+            gpt_plan(cfg),
+            pp_rank=mesh.pp_rank,
+            pp_size=S,
+            virtual_stages=V,
+            stage_map=STAGE_MAP_OF.get(kind, "loop"),
+        )
         self.chunks = pm.chunks
         self.num_params = sum(p.numel() for _, p in pm.named_parameters())
-        self.stages = [PipelineStage(chunk, stage, S * V, torch.device("cpu"))
-                       for chunk, stage in zip(self.chunks, pm.stages)]
+        self.stages = [
+            PipelineStage(chunk, stage, S * V, torch.device("cpu"))
+            for chunk, stage in zip(self.chunks, pm.stages)
+        ]
         self.is_first = any(s.is_first for s in self.stages)
         self.is_last = any(s.is_last for s in self.stages)
         global_tokens, vocab = args.batch_size * args.seq_len, args.vocab_size
 
         def loss_fn(logits, targets):  # (b, T, vocab), (b, T): sum CE / global tokens
-            return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1),
-                                   reduction="sum") / global_tokens
+            return (
+                F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), reduction="sum")
+                / global_tokens
+            )
 
         # Cheap timers: a stage's forward (+ the loss), input backward and weight pass.
         self.loss_timer = Timer(loss_fn)
         self.timers = {"fwd": [self.loss_timer], "bwd": [], "wgt": []}
         for stage in self.stages:
-            for attr, key_ in (("forward_one_chunk", "fwd"), ("backward_one_chunk", "bwd"),
-                               ("backward_weight_one_chunk", "wgt")):
+            for attr, key_ in (
+                ("forward_one_chunk", "fwd"),
+                ("backward_one_chunk", "bwd"),
+                ("backward_weight_one_chunk", "wgt"),
+            ):
                 timer = Timer(getattr(stage, attr))
                 setattr(stage, attr, timer)
                 self.timers[key_].append(timer)
-        cls = {"1f1b": schedules.Schedule1F1B,
-               "interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
-               "zb-h1": schedules.ScheduleInterleavedZeroBubble,
-               "zbv": schedules.ScheduleZBVZeroBubble,
-               "dualpipev": schedules.ScheduleDualPipeV}[kind]
+        cls = {
+            "1f1b": schedules.Schedule1F1B,
+            "interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
+            "zb-h1": schedules.ScheduleInterleavedZeroBubble,
+            "zbv": schedules.ScheduleZBVZeroBubble,
+            "dualpipev": schedules.ScheduleDualPipeV,
+        }[kind]
         held = self.stages[0] if kind == "1f1b" else self.stages
         self.schedule = cls(held, M, loss_fn=self.loss_timer, scale_grads=False)
         adamw = adamw_config(args)
@@ -212,16 +245,22 @@ class TorchRunner:
         start = time.perf_counter()
         self.opt.zero_grad()
         pipe_start = time.perf_counter()
-        self.schedule.step(*args, target=targets if self.is_last else None, losses=losses,
-                           return_outputs=False)
+        self.schedule.step(
+            *args, target=targets if self.is_last else None, losses=losses, return_outputs=False
+        )
         pipe_end = time.perf_counter()
         self.opt.step()
         end = time.perf_counter()
         sums = {k: sum(t.seconds for t in group) for k, group in self.timers.items()}
         loss = float(sum(loss.item() for loss in losses)) if losses else 0.0
-        return loss, {"step": end - start, "pipeline": pipe_end - pipe_start,
-                      "optim": end - pipe_end, "compute": sum(sums.values()), **sums,
-                      "compute_cpu": sum(t.cpu_seconds for t in timers)}
+        return loss, {
+            "step": end - start,
+            "pipeline": pipe_end - pipe_start,
+            "optim": end - pipe_end,
+            "compute": sum(sums.values()),
+            **sums,
+            "compute_cpu": sum(t.cpu_seconds for t in timers),
+        }
 
 
 def build_runner(name: str, args, mesh: Mesh):
@@ -301,41 +340,71 @@ def rank_main(rank: int, args) -> dict:
 
     def step(name: str, timed: bool) -> None:
         if name in runners and name not in errors:
-            run_step(name, runners[name], args, index[name], world, timings if timed else None,
-                     losses, errors)
+            run_step(
+                name,
+                runners[name],
+                args,
+                index[name],
+                world,
+                timings if timed else None,
+                losses,
+                errors,
+            )
             index[name] += 1
 
     run_rounds(names, args.warmup, 1, lambda name, r, i: step(name, False), alternate=False)
     run_rounds(names, args.rounds, args.steps, lambda name, r, i: step(name, True))
     num_params = runners[names[0]].num_params
-    return {"timings": timings, "losses": losses, "errors": errors,
-            "num_params": num_params, "p2p_latency_s": p2p_latency_s(args, mesh)}
+    return {
+        "timings": timings,
+        "losses": losses,
+        "errors": errors,
+        "num_params": num_params,
+        "p2p_latency_s": p2p_latency_s(args, mesh),
+    }
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_gpt_args(p, n_layer=8, n_head=8, d_model=256, batch_size=16, lr=3e-4)
     p.add_argument("--vocab-size", type=int, default=256, help="vocabulary (default 256)")
-    p.add_argument("--micro-batches", type=int, default=8,
-                   help="M micro-batches per step (default 8; a multiple of 2 for interleaved)")
-    p.add_argument("--schedules", nargs="+", default=list(SCHEDULE_OF), choices=list(SCHEDULE_OF),
-                   help="which pairs to run (default all)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=8,
+        help="M micro-batches per step (default 8; a multiple of 2 for interleaved)",
+    )
+    p.add_argument(
+        "--schedules",
+        nargs="+",
+        default=list(SCHEDULE_OF),
+        choices=list(SCHEDULE_OF),
+        help="which pairs to run (default all)",
+    )
     p.add_argument("--seed", type=int, default=0, help="model init seed (default 0)")
     add_round_args(p, warmup=2, rounds=20, steps=1)
-    p.add_argument("--timeout-s", type=float, default=120.0,
-                   help="gloo timeout, so a peer that hangs fails instead (default 120)")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=120.0,
+        help="gloo timeout, so a peer that hangs fails instead (default 120)",
+    )
     p.add_argument("--verbose", action="store_true", help="print tracebacks of torch failures")
     args = p.parse_args(argv)
     if args.n_layer % 4 or args.batch_size % args.micro_batches or args.micro_batches % 2:
-        p.error("need n_layer % 4 == 0 (2 ranks x 2 chunks), batch_size % micro_batches == 0 "
-                "and micro_batches even (interleaved needs a multiple of pp = 2)")
+        p.error(
+            "need n_layer % 4 == 0 (2 ranks x 2 chunks), batch_size % micro_batches == 0 "
+            "and micro_batches even (interleaved needs a multiple of pp = 2)"
+        )
     load_start = os.getloadavg()[0]
     per_rank = spawn(rank_main, 2, args, timeout_s=args.timeout_s, ignore_warnings=[Warning])
     summary = report(args, per_rank)
     load_end = os.getloadavg()[0]
     summary["loadavg_1min"] = [load_start, load_end]
-    print(f"1-minute load average before / after: {load_start:.2f} / {load_end:.2f} "
-          "(2 cores: above ~2 means other processes competed with the ranks)")
+    print(
+        f"1-minute load average before / after: {load_start:.2f} / {load_end:.2f} "
+        "(2 cores: above ~2 means other processes competed with the ranks)"
+    )
     print_json(summary)
 
 

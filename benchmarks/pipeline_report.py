@@ -28,8 +28,13 @@ from meshwise.pipeline.schedules import build_schedule
 from meshwise.pipeline.simulator import reference_bubble, simulate
 
 # The benchmark's schedule keys and meshwise's schedule kinds.
-SCHEDULE_OF = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zb-h1": "zb-h1",
-               "zbv": "zbv", "dualpipev": "dualpipev"}
+SCHEDULE_OF = {
+    "1f1b": "1f1b",
+    "interleaved": "interleaved-1f1b",
+    "zb-h1": "zb-h1",
+    "zbv": "zbv",
+    "dualpipev": "dualpipev",
+}
 # Timed in this order (reversed every other round); each meshwise schedule then its peer.
 VARIANTS = tuple(f"{side}_{key}" for key in SCHEDULE_OF for side in ("meshwise", "torch"))
 PEER_OF = {f"meshwise_{key}": f"torch_{key}" for key in SCHEDULE_OF}
@@ -42,14 +47,26 @@ def virtual_stages(name: str) -> int:
     return 1 if name.split("_")[-1] in ("1f1b", "zb-h1") else 2
 
 
-def simulated(key: str, S: int, M: int, fwd: float = 1.0, bwd: float = 1.0, wgt: float = 1.0,
-              latency: float = 0.0) -> tuple[float, list]:
+def simulated(
+    key: str,
+    S: int,
+    M: int,
+    fwd: float = 1.0,
+    bwd: float = 1.0,
+    wgt: float = 1.0,
+    latency: float = 0.0,
+) -> tuple[float, list]:
     """The simulator's bubble (mean over ranks) and each rank's idle fraction.
     ``bwd``, ``wgt``: a rank's input and weight backward per micro-batch (a schedule
     without W actions runs both as one backward)."""
     kind, V = SCHEDULE_OF[key], virtual_stages(key)
-    tl = simulate(build_schedule(kind, S, M, V), forward_cost=fwd, backward_cost=bwd,
-                  weight_cost=wgt, p2p_latency=latency)
+    tl = simulate(
+        build_schedule(kind, S, M, V),
+        forward_cost=fwd,
+        backward_cost=bwd,
+        weight_cost=wgt,
+        p2p_latency=latency,
+    )
     per_rank = [1 - sum(e - s for s, e, _ in row) / tl.step_time for row in tl.rows]
     return tl.bubble_fraction, per_rank
 
@@ -65,13 +82,19 @@ def summarize(name: str, per_rank: list[dict]) -> dict | None:
     q = quartiles(steps)
     # Steps in which both ranks had their core to themselves while computing (thread CPU
     # time >= QUIET_CPU_SHARE of wall time in F and B): the bubble without outside noise.
-    quiet = [i for i in range(len(steps))
-             if all(x["compute_cpu"][i] >= QUIET_CPU_SHARE * x["compute"][i] for x in t)]
+    quiet = [
+        i
+        for i in range(len(steps))
+        if all(x["compute_cpu"][i] >= QUIET_CPU_SHARE * x["compute"][i] for x in t)
+    ]
     return {
         "quiet_steps": len(quiet),
         "bubble_quiet": [median(b[i] for i in quiet) if quiet else None for b in bubbles],
-        "step": median(steps), "step_q1": q[0], "step_q3": q[2],
-        "step_min": min(steps), "step_max": max(steps),
+        "step": median(steps),
+        "step_q1": q[0],
+        "step_q3": q[2],
+        "step_min": min(steps),
+        "step_max": max(steps),
         "pipeline": median(pipes),
         "optim": median(slowest([x["optim"] for x in t])),
         "bubble": [median(b) for b in bubbles],
@@ -81,7 +104,8 @@ def summarize(name: str, per_rank: list[dict]) -> dict | None:
         "fwd": [median(x["fwd"]) for x in t],
         "bwd": [median(x["bwd"]) for x in t],
         "wgt": [median(x["wgt"]) for x in t],
-        "steps": len(steps), "step_list": steps,
+        "steps": len(steps),
+        "step_list": steps,
     }
 
 
@@ -92,37 +116,45 @@ def ms(x: float | None) -> str:
 def print_steps(args, names: list[str], stats: dict, errors: dict, num_params: int) -> None:
     """The model line, the variants that failed, and the table of step times."""
     tokens = args.batch_size * args.seq_len
-    print(f"model: GPT n_layer {args.n_layer}, n_head {args.n_head}, d_model {args.d_model}, "
-          f"vocab {args.vocab_size}, {num_params / 1e6:.2f}M params over 2 pipeline ranks "
-          f"(every stage the same number of blocks; the embedding and head ride on top); "
-          f"global batch {args.batch_size} x {args.seq_len} = {tokens} tokens in M = "
-          f"{args.micro_batches} micro-batches; gloo, 1 thread per rank; {args.rounds} rounds x "
-          f"{args.steps} steps after {args.warmup} warm-up steps each")
+    print(
+        f"model: GPT n_layer {args.n_layer}, n_head {args.n_head}, d_model {args.d_model}, "
+        f"vocab {args.vocab_size}, {num_params / 1e6:.2f}M params over 2 pipeline ranks "
+        f"(every stage the same number of blocks; the embedding and head ride on top); "
+        f"global batch {args.batch_size} x {args.seq_len} = {tokens} tokens in M = "
+        f"{args.micro_batches} micro-batches; gloo, 1 thread per rank; {args.rounds} rounds x "
+        f"{args.steps} steps after {args.warmup} warm-up steps each"
+    )
     for name in names:
         if name in errors:
             print(f"{name} did not run on CPU/gloo: {errors[name]}")
             tb = errors.get(name + "_traceback")
             if tb and args.verbose:
                 print(tb)
-    print(f"\n{'variant':22}{'step ms':>9}{'q1..q3':>15}{'pipeline':>10}{'optim':>8}"
-          f"{'F ms r0/r1':>14}{'B ms r0/r1':>14}{'W ms r0/r1':>14}{'steps':>7}")
+    print(
+        f"\n{'variant':22}{'step ms':>9}{'q1..q3':>15}{'pipeline':>10}{'optim':>8}"
+        f"{'F ms r0/r1':>14}{'B ms r0/r1':>14}{'W ms r0/r1':>14}{'steps':>7}"
+    )
     for name in names:
         s = stats[name]
         if s is None:
             print(f"{name:22}{'(did not run)':>9}")
             continue
-        print(f"{name:22}{ms(s['step']):>9}{ms(s['step_q1']) + '..' + ms(s['step_q3']):>15}"
-              f"{ms(s['pipeline']):>10}{ms(s['optim']):>8}"
-              f"{ms(s['fwd'][0]) + '/' + ms(s['fwd'][1]):>14}"
-              f"{ms(s['bwd'][0]) + '/' + ms(s['bwd'][1]):>14}"
-              f"{ms(s['wgt'][0]) + '/' + ms(s['wgt'][1]):>14}{s['steps']:>7}")
+        print(
+            f"{name:22}{ms(s['step']):>9}{ms(s['step_q1']) + '..' + ms(s['step_q3']):>15}"
+            f"{ms(s['pipeline']):>10}{ms(s['optim']):>8}"
+            f"{ms(s['fwd'][0]) + '/' + ms(s['fwd'][1]):>14}"
+            f"{ms(s['bwd'][0]) + '/' + ms(s['bwd'][1]):>14}"
+            f"{ms(s['wgt'][0]) + '/' + ms(s['wgt'][1]):>14}{s['steps']:>7}"
+        )
 
 
 def step_ratios(stats: dict) -> dict:
     """meshwise / torch step times per schedule: ratio of medians, pipeline only, paired."""
     summary = {}
-    print(f"\n{'meshwise / torch (median step times)':42}{'step time':>10}{'pipeline only':>15}"
-          f"{'paired steps':>15}")
+    print(
+        f"\n{'meshwise / torch (median step times)':42}{'step time':>10}{'pipeline only':>15}"
+        f"{'paired steps':>15}"
+    )
     for ours, peer in PEER_OF.items():
         key = KEY_OF[ours]
         a, b = stats.get(ours), stats.get(peer)
@@ -132,26 +164,32 @@ def step_ratios(stats: dict) -> dict:
         pipe_ratio = a["pipeline"] / b["pipeline"] if a and b else None
         # Step i of both ran in the same round: the median of these ratios resists drift in
         # the load from other processes better than the ratio of medians.
-        paired = median(x / y for x, y in zip(a["step_list"], b["step_list"])) \
-            if a and b else None
+        paired = median(x / y for x, y in zip(a["step_list"], b["step_list"])) if a and b else None
         summary[f"ratio_{key}"] = ratio
         summary[f"ratio_{key}_pipeline_only"] = pipe_ratio
         summary[f"ratio_{key}_paired"] = paired
-        shown = (f"{ratio:10.3f}{pipe_ratio:15.3f}{paired:15.3f}" if ratio
-                 else f"{'-':>10}{'-':>15}{'-':>15}")
+        shown = (
+            f"{ratio:10.3f}{pipe_ratio:15.3f}{paired:15.3f}"
+            if ratio
+            else f"{'-':>10}{'-':>15}{'-':>15}"
+        )
         print(f"{ours + ' / ' + peer:42}{shown}")
     return summary
 
 
 def bubbles(M: int, names: list[str], stats: dict, latency: float, S: int = 2) -> dict:
     """Measured bubble per rank beside the simulator's and the formula's."""
-    print(f"\nbubble = 1 - compute_s / pipeline_s per rank, median over steps (q1..q3); "
-          f"S = {S}, M = {M}.\nsimulated: F, B, W costs 1, 1, 1 (a whole backward 2); "
-          f"sim+lat: the simulator with this variant's measured F, B and W costs and a p2p "
-          f"latency of {1e3 * latency:.2f} ms (one activation message, ranks idle); "
-          f"reference: the formula or the paper's figure")
-    print(f"{'variant':22}{'rank 0':>22}{'rank 1':>22}{'simulated':>11}{'sim r0/r1':>13}"
-          f"{'sim+lat':>9}{'reference':>10}")
+    print(
+        f"\nbubble = 1 - compute_s / pipeline_s per rank, median over steps (q1..q3); "
+        f"S = {S}, M = {M}.\nsimulated: F, B, W costs 1, 1, 1 (a whole backward 2); "
+        f"sim+lat: the simulator with this variant's measured F, B and W costs and a p2p "
+        f"latency of {1e3 * latency:.2f} ms (one activation message, ranks idle); "
+        f"reference: the formula or the paper's figure"
+    )
+    print(
+        f"{'variant':22}{'rank 0':>22}{'rank 1':>22}{'simulated':>11}{'sim r0/r1':>13}"
+        f"{'sim+lat':>9}{'reference':>10}"
+    )
     summary = {}
     for name in names:
         key, s = name.split("_", 1)[1], stats[name]
@@ -163,8 +201,10 @@ def bubbles(M: int, names: list[str], stats: dict, latency: float, S: int = 2) -
         sim_lat, _ = simulated(key, S, M, f_cost, b_cost, w_cost, latency)
         formula = reference_bubble(SCHEDULE_OF[key], S, M, virtual_stages(key))[0]
         cells = [f"{b:.3f} ({q[0]:.3f}..{q[2]:.3f})" for b, q in zip(s["bubble"], s["bubble_q"])]
-        print(f"{name:22}{cells[0]:>22}{cells[1]:>22}{sim:11.3f}"
-              f"{sim_ranks[0]:7.3f}/{sim_ranks[1]:.3f}{sim_lat:9.3f}{formula:10.3f}")
+        print(
+            f"{name:22}{cells[0]:>22}{cells[1]:>22}{sim:11.3f}"
+            f"{sim_ranks[0]:7.3f}/{sim_ranks[1]:.3f}{sim_lat:9.3f}{formula:10.3f}"
+        )
         if name.startswith("meshwise"):
             summary[f"bubble_measured_{key}"] = s["bubble"]
             summary[f"bubble_simulated_{key}"] = sim
@@ -181,14 +221,27 @@ def bubbles(M: int, names: list[str], stats: dict, latency: float, S: int = 2) -
 
 
 def print_noise(stats: dict) -> None:
-    print(f"quiet steps only (CPU share >= {QUIET_CPU_SHARE} on both ranks): " + "; ".join(
-        f"{n} " + (f"{s['bubble_quiet'][0]:.3f}/{s['bubble_quiet'][1]:.3f} "
-                   if s["quiet_steps"] else "") + f"({s['quiet_steps']} steps)"
-        for n, s in stats.items() if s))
-    print("noise gauge: CPU share of compute (thread CPU time / wall time inside F and B; "
-          "1.00 = the core was the rank's alone): " + ", ".join(
-              f"{n} {s['cpu_share'][0]:.2f}/{s['cpu_share'][1]:.2f}"
-              for n, s in stats.items() if s))
+    print(
+        f"quiet steps only (CPU share >= {QUIET_CPU_SHARE} on both ranks): "
+        + "; ".join(
+            f"{n} "
+            + (
+                f"{s['bubble_quiet'][0]:.3f}/{s['bubble_quiet'][1]:.3f} "
+                if s["quiet_steps"]
+                else ""
+            )
+            + f"({s['quiet_steps']} steps)"
+            for n, s in stats.items()
+            if s
+        )
+    )
+    print(
+        "noise gauge: CPU share of compute (thread CPU time / wall time inside F and B; "
+        "1.00 = the core was the rank's alone): "
+        + ", ".join(
+            f"{n} {s['cpu_share'][0]:.2f}/{s['cpu_share'][1]:.2f}" for n, s in stats.items() if s
+        )
+    )
 
 
 def loss_diffs(losses: dict) -> dict:
@@ -207,8 +260,10 @@ def loss_diffs(losses: dict) -> dict:
         first = rel_diff(a[0], b[0])
         n = min(len(a), len(b)) - 1
         last = rel_diff(a[n], b[n])
-        print(f"  {ours} {a[0]:.6f} vs {peer} {b[0]:.6f}: relative difference {first:.2e}; "
-              f"step {n + 1}: {a[n]:.6f} vs {b[n]:.6f} ({last:.2e})")
+        print(
+            f"  {ours} {a[0]:.6f} vs {peer} {b[0]:.6f}: relative difference {first:.2e}; "
+            f"step {n + 1}: {a[n]:.6f} vs {b[n]:.6f} ({last:.2e})"
+        )
         summary[f"loss_rel_diff_first_{key}"] = first
         summary[f"loss_rel_diff_step{n + 1}_{key}"] = last
     return summary
@@ -222,8 +277,7 @@ def report(args, per_rank: list[dict]) -> dict:
             errors.setdefault(k, v)
     names = [n for n in VARIANTS if n in per_rank[0]["timings"]]
     stats = {n: summarize(n, per_rank) for n in names}
-    losses = {n: next((r["losses"][n] for r in per_rank if any(r["losses"][n])), [])
-              for n in names}
+    losses = {n: next((r["losses"][n] for r in per_rank if any(r["losses"][n])), []) for n in names}
     print_steps(args, names, stats, errors, sum(r["num_params"] for r in per_rank))
     summary = step_ratios(stats)
     latency = median(r["p2p_latency_s"] for r in per_rank)
@@ -235,6 +289,7 @@ def report(args, per_rank: list[dict]) -> dict:
             summary.setdefault(f"{field}_{key}", None)
     summary.update(loss_diffs(losses))
     summary["torch_errors"] = {k: v for k, v in errors.items() if not k.endswith("_traceback")}
-    summary.update(num_stages=2, num_micro_batches=args.micro_batches,
-                   steps_each=args.rounds * args.steps)
+    summary.update(
+        num_stages=2, num_micro_batches=args.micro_batches, steps_each=args.rounds * args.steps
+    )
     return summary

@@ -76,8 +76,14 @@ def layouts_to_run(request) -> list[Layout]:
         if layout.grad_accum == 1 and layout.micro_batches == wanted:
             chosen.append(layout)
     extras = []
-    pipelined = next((layout for layout in chosen
-                      if layout.pp > 1 and layout.dp * layout.cp == 1 and layout.tp == 1), None)
+    pipelined = next(
+        (
+            layout
+            for layout in chosen
+            if layout.pp > 1 and layout.dp * layout.cp == 1 and layout.tp == 1
+        ),
+        None,
+    )
     if pipelined is not None:
         for kind, v in (("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2)):
             extras.append(dataclasses.replace(pipelined, schedule=kind, virtual_stages=v))
@@ -100,8 +106,10 @@ def measure(model_flags: list[str], layout: Layout, steps: int, cache: str) -> d
     share of the machine's CPU that other processes took while it ran."""
     flags = job_flags(model_flags, layout.flags(), steps)
     memory = train_records(flags, live_peak=True, env=job_env(cache))
-    return {"peak_rss_bytes": memory[-1]["peak_rss_bytes"],
-            **timed_job(model_flags, layout.flags(), steps, cache)}
+    return {
+        "peak_rss_bytes": memory[-1]["peak_rss_bytes"],
+        **timed_job(model_flags, layout.flags(), steps, cache),
+    }
 
 
 def request_for(name: str, args, cache: str):
@@ -121,12 +129,17 @@ def run_models(names: list[str], args, cache: str, saved: dict | None = None) ->
         kept = json.loads(Path(args.out).read_text())  # what an earlier run measured
     for name in names:
         for row in (kept or {}).get("models", {}).get(name, []):
-            rows[name].append(compare(requests[name], Layout.parse(row["layout"]),
-                                      row["measured"]))
+            rows[name].append(compare(requests[name], Layout.parse(row["layout"]), row["measured"]))
             print_row(name, rows[name][-1])
     done = {name: {r["layout"] for r in rows[name]} for name in names}
-    queues = {name: [layout for layout in sorted(layouts_to_run(r), key=lambda lay: lay.zero)
-                     if layout.flags() not in done[name]] for name, r in requests.items()}
+    queues = {
+        name: [
+            layout
+            for layout in sorted(layouts_to_run(r), key=lambda lay: lay.zero)
+            if layout.flags() not in done[name]
+        ]
+        for name, r in requests.items()
+    }
     while saved is None and any(queues.values()):
         for name in names:
             if queues[name]:
@@ -139,8 +152,9 @@ def run_models(names: list[str], args, cache: str, saved: dict | None = None) ->
     for name in names:
         if saved is None and args.contest_rounds and rows[name]:
             layouts = contestants(rows[name], [r["layout"] for r in predicted_order(rows[name])])
-            contests[name] = run_contest(MODELS[name], layouts, args.contest_rounds,
-                                         args.steps, cache, contests.get(name))
+            contests[name] = run_contest(
+                MODELS[name], layouts, args.contest_rounds, args.steps, cache, contests.get(name)
+            )
             _keep(args.out, name, rows[name], contests[name])
     return [summarize(name, rows[name], contests.get(name)) for name in names if rows[name]]
 
@@ -150,8 +164,10 @@ def measure_quietest(model_flags, layout: Layout, args, cache: str) -> dict:
     best = None
     for _ in range(args.repeats):
         m = measure(model_flags, layout, args.steps, cache)
-        if best is None or (m["spread"], m["others_cpu_share"]) < (best["spread"],
-                                                                  best["others_cpu_share"]):
+        if best is None or (m["spread"], m["others_cpu_share"]) < (
+            best["spread"],
+            best["others_cpu_share"],
+        ):
             best = m
         if m["spread"] <= 0.3 and m["others_cpu_share"] < 0.2:
             break
@@ -172,10 +188,15 @@ def compare(request, layout: Layout, measured: dict) -> dict:
     fraction ``a`` of the machine takes 1 / a as long)."""
     p = request.predict(layout)
     available = 1.0 - measured["others_cpu_share"]
-    row = {"layout": layout.flags(), "pred_mem": p.memory.total,
-           "meas_mem": measured["peak_rss_bytes"], "pred_s": p.time.step,
-           "pred_s_loaded": p.time.step / available, "meas_s": measured["step_time_s"],
-           "measured": measured}
+    row = {
+        "layout": layout.flags(),
+        "pred_mem": p.memory.total,
+        "meas_mem": measured["peak_rss_bytes"],
+        "pred_s": p.time.step,
+        "pred_s_loaded": p.time.step / available,
+        "meas_s": measured["step_time_s"],
+        "measured": measured,
+    }
     row["mem_err"] = row["pred_mem"] / row["meas_mem"] - 1
     row["time_err"] = row["pred_s_loaded"] / row["meas_s"] - 1
     row["time_err_unadjusted"] = row["pred_s"] / row["meas_s"] - 1
@@ -183,18 +204,23 @@ def compare(request, layout: Layout, measured: dict) -> dict:
 
 
 def print_row(name: str, row: dict) -> None:
-    print(f"{name:6} {row['layout']:<66} mem {row['pred_mem'] / MIB:6.0f} / "
-          f"{row['meas_mem'] / MIB:6.0f} MiB {100 * row['mem_err']:+6.1f}%   step "
-          f"{row['pred_s_loaded']:6.2f} / {row['meas_s']:6.2f} s {100 * row['time_err']:+6.1f}% "
-          f"(others {100 * row['measured']['others_cpu_share']:.0f}% of the CPU; idle machine "
-          f"{row['pred_s']:.2f} s)", flush=True)
+    print(
+        f"{name:6} {row['layout']:<66} mem {row['pred_mem'] / MIB:6.0f} / "
+        f"{row['meas_mem'] / MIB:6.0f} MiB {100 * row['mem_err']:+6.1f}%   step "
+        f"{row['pred_s_loaded']:6.2f} / {row['meas_s']:6.2f} s {100 * row['time_err']:+6.1f}% "
+        f"(others {100 * row['measured']['others_cpu_share']:.0f}% of the CPU; idle machine "
+        f"{row['pred_s']:.2f} s)",
+        flush=True,
+    )
 
 
 def predicted_order(rows: list[dict]) -> list[dict]:
     """The planner's own order (``search._rank_key``): predicted speed to three digits,
     ties to the layout using less memory, then to the shorter command line."""
-    return sorted(rows, key=lambda r: (float(f"{r['pred_s']:.3g}"), round(r["pred_mem"] / MIB),
-                                       len(r["layout"])))
+    return sorted(
+        rows,
+        key=lambda r: (float(f"{r['pred_s']:.3g}"), round(r["pred_mem"] / MIB), len(r["layout"])),
+    )
 
 
 def summarize(name: str, rows: list[dict], contest: dict | None = None) -> dict:
@@ -204,11 +230,18 @@ def summarize(name: str, rows: list[dict], contest: dict | None = None) -> dict:
     tim = [abs(r["time_err"]) for r in rows]
     predicted_best = predicted_order(rows)[0]["layout"]
     single = [r["layout"] for r in sorted(rows, key=lambda r: idle_s(r["measured"]))]
-    out = {"model": name, "layouts": len(rows), "max_mem_err": max(mem),
-           "mem_within_15": sum(e <= 0.15 for e in mem), "max_time_err": max(tim),
-           "median_time_err": statistics.median(tim),
-           "time_within_30": sum(e <= 0.30 for e in tim), "predicted_best": predicted_best,
-           "single_run_rank": single.index(predicted_best) + 1, "rows": rows}
+    out = {
+        "model": name,
+        "layouts": len(rows),
+        "max_mem_err": max(mem),
+        "mem_within_15": sum(e <= 0.15 for e in mem),
+        "max_time_err": max(tim),
+        "median_time_err": statistics.median(tim),
+        "time_within_30": sum(e <= 0.30 for e in tim),
+        "predicted_best": predicted_best,
+        "single_run_rank": single.index(predicted_best) + 1,
+        "rows": rows,
+    }
     order, ranked_by = single, "single timings"
     if contest and predicted_best in contest:
         ranked = ranking(contest)
@@ -217,14 +250,20 @@ def summarize(name: str, rows: list[dict], contest: dict | None = None) -> dict:
         out["contest"] = [{"layout": lay, "median_s": t, "iqr": q} for lay, t, q in ranked]
         for lay, t, q in ranked:
             print(f"  contest {name}: {lay:<66} median {t:6.3f} s (IQR {100 * q:.0f}%)")
-    out.update(its_measured_rank=order.index(predicted_best) + 1, ranked_by=ranked_by,
-               measured_best=order[:2])
-    print(f"{name}: {len(rows)} layouts; memory within 15%: {out['mem_within_15']}/{len(rows)} "
-          f"(largest error {100 * out['max_mem_err']:.1f}%); step time within 30%: "
-          f"{out['time_within_30']}/{len(rows)} (largest {100 * out['max_time_err']:.1f}%, "
-          f"median {100 * out['median_time_err']:.1f}%); predicted best {predicted_best}"
-          f" is measured #{out['its_measured_rank']} by {ranked_by} (measured best: "
-          f"{order[0]})", flush=True)
+    out.update(
+        its_measured_rank=order.index(predicted_best) + 1,
+        ranked_by=ranked_by,
+        measured_best=order[:2],
+    )
+    print(
+        f"{name}: {len(rows)} layouts; memory within 15%: {out['mem_within_15']}/{len(rows)} "
+        f"(largest error {100 * out['max_mem_err']:.1f}%); step time within 30%: "
+        f"{out['time_within_30']}/{len(rows)} (largest {100 * out['max_time_err']:.1f}%, "
+        f"median {100 * out['median_time_err']:.1f}%); predicted best {predicted_best}"
+        f" is measured #{out['its_measured_rank']} by {ranked_by} (measured best: "
+        f"{order[0]})",
+        flush=True,
+    )
     return out
 
 
@@ -233,20 +272,40 @@ def main(argv=None) -> None:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--steps", type=int, default=5, help="steps per job (the first is not timed)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs of a noisy layout at most (default: 1)")
-    p.add_argument("--contest-rounds", type=int, default=5,
-                   help="rounds of the contest of the fastest layouts (0: none; default: 5)")
-    p.add_argument("--cache-dir", default=None,
-                   help="default: $MESHWISE_CACHE or ~/.cache/meshwise")
-    p.add_argument("--out", default="planner-measured.json",
-                   help="where the measurements are kept (default: %(default)s)")
-    p.add_argument("--from", dest="saved", default=None, metavar="FILE",
-                   help="predict again for the measurements of an earlier --out, running nothing")
-    p.add_argument("--resume", action="store_true",
-                   help="keep what an earlier run of the same --out measured; run the rest")
-    p.add_argument("--gpus-only", action="store_true",
-                   help="only the published GPU results and the planning time")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of a noisy layout at most (default: 1)"
+    )
+    p.add_argument(
+        "--contest-rounds",
+        type=int,
+        default=5,
+        help="rounds of the contest of the fastest layouts (0: none; default: 5)",
+    )
+    p.add_argument(
+        "--cache-dir", default=None, help="default: $MESHWISE_CACHE or ~/.cache/meshwise"
+    )
+    p.add_argument(
+        "--out",
+        default="planner-measured.json",
+        help="where the measurements are kept (default: %(default)s)",
+    )
+    p.add_argument(
+        "--from",
+        dest="saved",
+        default=None,
+        metavar="FILE",
+        help="predict again for the measurements of an earlier --out, running nothing",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep what an earlier run of the same --out measured; run the rest",
+    )
+    p.add_argument(
+        "--gpus-only",
+        action="store_true",
+        help="only the published GPU results and the planning time",
+    )
     args = p.parse_args(argv)
     from meshwise.data.dataset import default_cache_dir
 
@@ -265,8 +324,17 @@ def main(argv=None) -> None:
         if not args.saved and not args.resume and Path(args.out).exists():
             Path(args.out).unlink()  # a new run
         summaries = run_models(args.models.split(","), args, cache, saved)
-    print(json.dumps({"world": args.world, "models": summaries, "published": gpus,
-                      "planning_70b_1024": scale, "wall_s": time.perf_counter() - start}))
+    print(
+        json.dumps(
+            {
+                "world": args.world,
+                "models": summaries,
+                "published": gpus,
+                "planning_70b_1024": scale,
+                "wall_s": time.perf_counter() - start,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,20 @@ SEQUENCE = ["--seq-len", "256", "--batch-size", "8"]
 
 def job_flags(model_flags: list[str], layout_flags: str, steps: int) -> list[str]:
     """``meshwise train`` flags of one benchmark job."""
-    return [*model_flags, *SEQUENCE, *layout_flags.split(), "--steps", str(steps),
-            "--eval-batches", "1", "--warmup-steps", "1", "--device", "cpu", "-q"]
+    return [
+        *model_flags,
+        *SEQUENCE,
+        *layout_flags.split(),
+        "--steps",
+        str(steps),
+        "--eval-batches",
+        "1",
+        "--warmup-steps",
+        "1",
+        "--device",
+        "cpu",
+        "-q",
+    ]
 
 
 def job_env(cache: str) -> dict:
@@ -36,12 +48,15 @@ def timed_job(model_flags: list[str], layout_flags: str, steps: int, cache: str)
     """One ``meshwise train`` job run as users run it: its step times after the first,
     and the share of the CPU other processes took while it ran."""
     share = OthersShare()
-    records = train_records(job_flags(model_flags, layout_flags, steps), live_peak=False,
-                            env=job_env(cache))
+    records = train_records(
+        job_flags(model_flags, layout_flags, steps), live_peak=False, env=job_env(cache)
+    )
     times = [r["step_time_s"] for r in records[1:]]
-    return {"step_time_s": statistics.median(times),
-            "spread": (max(times) - min(times)) / statistics.median(times),
-            "others_cpu_share": share.measured()}
+    return {
+        "step_time_s": statistics.median(times),
+        "spread": (max(times) - min(times)) / statistics.median(times),
+        "others_cpu_share": share.measured(),
+    }
 
 
 def idle_s(measured: dict) -> float:
@@ -50,15 +65,23 @@ def idle_s(measured: dict) -> float:
     return measured["step_time_s"] * (1 - measured["others_cpu_share"])
 
 
-def contestants(rows: list[dict], predicted_order: list[str], measured_top: int = 3,
-                predicted_top: int = 2) -> list[str]:
+def contestants(
+    rows: list[dict], predicted_order: list[str], measured_top: int = 3, predicted_top: int = 2
+) -> list[str]:
     """The measured fastest ``measured_top`` layouts and the predicted best ``predicted_top``."""
     fastest = sorted(rows, key=lambda r: idle_s(r["measured"]))[:measured_top]
     return list(dict.fromkeys([r["layout"] for r in fastest] + predicted_order[:predicted_top]))
 
 
-def run_contest(model_flags: list[str], layouts: list[str], rounds: int, steps: int,
-                cache: str, runs: dict | None = None, log=print) -> dict[str, list[dict]]:
+def run_contest(
+    model_flags: list[str],
+    layouts: list[str],
+    rounds: int,
+    steps: int,
+    cache: str,
+    runs: dict | None = None,
+    log=print,
+) -> dict[str, list[dict]]:
     """Each layout timed once per round, the order rotating by one each round; ``runs``
     (layout -> earlier rounds' timings) is extended, so an interrupted contest resumes."""
     runs = {layout: list((runs or {}).get(layout, [])) for layout in layouts}
@@ -69,8 +92,11 @@ def run_contest(model_flags: list[str], layouts: list[str], rounds: int, steps: 
                 continue
             runs[layout].append(timed_job(model_flags, layout, steps, cache))
             m = runs[layout][-1]
-            log(f"  contest round {round_ + 1}/{rounds}: {layout:<66} {m['step_time_s']:6.2f} s "
-                f"(others {100 * m['others_cpu_share']:.0f}%)", flush=True)
+            log(
+                f"  contest round {round_ + 1}/{rounds}: {layout:<66} {m['step_time_s']:6.2f} s "
+                f"(others {100 * m['others_cpu_share']:.0f}%)",
+                flush=True,
+            )
     return runs
 
 

@@ -53,8 +53,16 @@ def timed(fn, repeats: int = 10, warmup: int = 3) -> float:
 def matmuls(name: str, device) -> dict:
     """TFLOP/s of each weight's three matmuls, and of the layer's and head's together."""
     tokens, d, q, kv, ffn, vocab = SHAPES[name]
-    weights = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, ffn),
-               "up": (d, ffn), "down": (ffn, d), "head": (d, vocab)}
+    weights = {
+        "q": (d, q),
+        "k": (d, kv),
+        "v": (d, kv),
+        "o": (q, d),
+        "gate": (d, ffn),
+        "up": (d, ffn),
+        "down": (ffn, d),
+        "head": (d, vocab),
+    }
     out, layer_flops, layer_s = {}, 0.0, 0.0
     for key, (fan_in, fan_out) in weights.items():
         x = torch.randn(tokens, fan_in, device=device, dtype=torch.bfloat16)
@@ -72,8 +80,11 @@ def matmuls(name: str, device) -> dict:
 
 def _three_passes(x, w, dy) -> dict:
     """Seconds of a linear layer's forward, input gradient and weight gradient."""
-    return {"forward": timed(lambda: F.linear(x, w)), "input_grad": timed(lambda: dy @ w),
-            "weight_grad": timed(lambda: dy.t() @ x)}
+    return {
+        "forward": timed(lambda: F.linear(x, w)),
+        "input_grad": timed(lambda: dy @ w),
+        "weight_grad": timed(lambda: dy.t() @ x),
+    }
 
 
 def attention(name: str, device) -> dict:
@@ -92,8 +103,12 @@ def attention(name: str, device) -> dict:
     fwd = timed(forward)
     both = timed(lambda: torch.autograd.grad(forward(), (q, k, v), grad))
     flops = 4.0 * b * h * t * t * hd / 2
-    return {"forward": flops / fwd / 1e12, "backward": 2.5 * flops / (both - fwd) / 1e12,
-            "forward_s": fwd, "backward_s": both - fwd}
+    return {
+        "forward": flops / fwd / 1e12,
+        "backward": 2.5 * flops / (both - fwd) / 1e12,
+        "forward_s": fwd,
+        "backward_s": both - fwd,
+    }
 
 
 def bandwidth(device) -> dict:
@@ -107,8 +122,11 @@ def bandwidth(device) -> dict:
     x = torch.randn(tokens, d, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
     seconds = timed(lambda: torch.autograd.grad(norm(x), (x,), dy))
-    return {"copy_gbs": copy, "rmsnorm_fwd_bwd_s": seconds,
-            "rmsnorm_s_per_token_elem": seconds / (tokens * d)}
+    return {
+        "copy_gbs": copy,
+        "rmsnorm_fwd_bwd_s": seconds,
+        "rmsnorm_s_per_token_elem": seconds / (tokens * d),
+    }
 
 
 def _copy_gbs(device) -> float:
@@ -118,9 +136,11 @@ def _copy_gbs(device) -> float:
     return 2 * src.numel() * 2 / timed(lambda: dst.copy_(src)) / 1e9
 
 
-KINDS = [("attention", re.compile(r"flash|fmha|attention|sdpa", re.IGNORECASE)),
-         ("communication", re.compile(r"nccl", re.IGNORECASE)),
-         ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|sm90_|sm80_|cublas", re.IGNORECASE))]
+KINDS = [
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.IGNORECASE)),
+    ("communication", re.compile(r"nccl", re.IGNORECASE)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|sm90_|sm80_|cublas", re.IGNORECASE)),
+]
 
 
 def summarise_trace(path: Path, steps: int) -> dict:
@@ -141,9 +161,12 @@ def summarise_trace(path: Path, steps: int) -> dict:
         elif hi > end:
             busy, end = busy + (hi - end), hi
     span = (spans[-1][1] - spans[0][0]) if spans else 0.0
-    return {"per_step_s": by_kind, "busy_s": busy / 1e6 / steps,
-            "idle_s": (span - busy) / 1e6 / steps,
-            "top_kernels_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25])}
+    return {
+        "per_step_s": by_kind,
+        "busy_s": busy / 1e6 / steps,
+        "idle_s": (span - busy) / 1e6 / steps,
+        "top_kernels_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]),
+    }
 
 
 def main() -> None:
@@ -156,11 +179,13 @@ def main() -> None:
         result = summarise_trace(args.trace, args.steps)
     else:
         device = torch.device("cuda")
-        result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                  "bandwidth": bandwidth(device)}
+        result = {
+            "device": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
+            "bandwidth": bandwidth(device),
+        }
         for name in SHAPES:
-            result[name] = {"matmul": matmuls(name, device),
-                            "attention": attention(name, device)}
+            result[name] = {"matmul": matmuls(name, device), "attention": attention(name, device)}
             torch.cuda.empty_cache()
     text = json.dumps(result, indent=1)
     print(text)

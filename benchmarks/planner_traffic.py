@@ -30,10 +30,32 @@ from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.models.llama import Llama, LlamaConfig
 
 MATMUL = {"mm", "addmm", "bmm", "linear", "matmul"}
-NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "expand", "unsqueeze", "squeeze",
-             "permute", "slice", "select", "split", "chunk", "as_strided", "alias", "detach",
-             "split_with_sizes", "unbind", "_reshape_alias", "lift_fresh", "empty",
-             "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+NO_KERNEL = {
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "permute",
+    "slice",
+    "select",
+    "split",
+    "chunk",
+    "as_strided",
+    "alias",
+    "detach",
+    "split_with_sizes",
+    "unbind",
+    "_reshape_alias",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -49,14 +71,22 @@ class OpBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        kind = ("matmul" if name in MATMUL else "attention" if "attention" in name
-                else None if name in NO_KERNEL else "elementwise")
+        kind = (
+            "matmul"
+            if name in MATMUL
+            else "attention"
+            if "attention" in name
+            else None
+            if name in NO_KERNEL
+            else "elementwise"
+        )
         if kind is None:
             return out
         self.kernels[(self.phase, kind)] += 1
         if kind == "elementwise":
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0]
-                       if isinstance(t, torch.Tensor)]
+            tensors = [
+                t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)
+            ]
             for t in tensors:
                 region = "between" if t.dim() >= 2 and t.shape[-1] == self.d_model else "inside"
                 self.bytes[(self.phase, region)] += t.numel() * t.element_size()
@@ -95,11 +125,18 @@ def _run(family: str, sizes: dict, tokens: int, layers: int, mode: str, dtype) -
 
 def layer_bytes(family: str, sizes: dict, mode: str, dtype: str) -> dict:
     """``{(phase, region): bytes}`` one layer's element-wise ops move per token."""
-    runs = {(t, n): _run(family, sizes, t, n, mode, DTYPES[dtype])
-            for t in (32, 64) for n in (1, 2)}
+    runs = {
+        (t, n): _run(family, sizes, t, n, mode, DTYPES[dtype]) for t in (32, 64) for n in (1, 2)
+    }
     keys = set().union(*(r.bytes for r in runs.values()))
-    return {k: ((runs[64, 2].bytes[k] - runs[32, 2].bytes[k])
-                - (runs[64, 1].bytes[k] - runs[32, 1].bytes[k])) / 32 for k in keys}
+    return {
+        k: (
+            (runs[64, 2].bytes[k] - runs[32, 2].bytes[k])
+            - (runs[64, 1].bytes[k] - runs[32, 1].bytes[k])
+        )
+        / 32
+        for k in keys
+    }
 
 
 def layer_kernels(family: str, sizes: dict, mode: str) -> dict:
@@ -109,8 +146,12 @@ def layer_kernels(family: str, sizes: dict, mode: str) -> dict:
 
 
 LLAMA_FITS = [  # d_model, query heads, key/value heads, head size, MLP width
-    (256, 4, 2, 48, 512), (384, 4, 2, 48, 512), (256, 8, 2, 48, 512), (256, 8, 4, 48, 512),
-    (256, 4, 2, 48, 1024)]
+    (256, 4, 2, 48, 512),
+    (384, 4, 2, 48, 512),
+    (256, 8, 2, 48, 512),
+    (256, 8, 4, 48, 512),
+    (256, 4, 2, 48, 1024),
+]
 
 
 def llama_coefficients(mode: str, dtype: str) -> dict:
@@ -118,8 +159,13 @@ def llama_coefficients(mode: str, dtype: str) -> dict:
     (c_d from the tensors between the tp regions, the rest from those inside)."""
     rows, between, inside = [], collections.defaultdict(list), collections.defaultdict(list)
     for d, heads, kv_heads, head_size, ffn in LLAMA_FITS:
-        sizes = {"d_model": d, "n_head": heads, "n_kv_head": kv_heads, "head_size": head_size,
-                 "ffn_hidden_size": ffn}
+        sizes = {
+            "d_model": d,
+            "n_head": heads,
+            "n_kv_head": kv_heads,
+            "head_size": head_size,
+            "ffn_hidden_size": ffn,
+        }
         counted = layer_bytes("llama", sizes, mode, dtype)
         rows.append([heads * head_size, kv_heads * head_size, ffn])
         for phase in ("forward", "backward"):
@@ -136,9 +182,10 @@ def gpt_coefficients(mode: str, dtype: str) -> dict:
     """Per phase: ``(c_between, c_inside)`` bytes per token per element of d_model."""
     d = 256
     counted = layer_bytes("gpt", {"d_model": d, "n_head": 4}, mode, dtype)
-    return {phase: (counted.get((phase, "between"), 0.0) / d,
-                    counted.get((phase, "inside"), 0.0) / d)
-            for phase in ("forward", "backward")}
+    return {
+        phase: (counted.get((phase, "between"), 0.0) / d, counted.get((phase, "inside"), 0.0) / d)
+        for phase in ("forward", "backward")
+    }
 
 
 def main() -> None:
@@ -146,13 +193,16 @@ def main() -> None:
         for mode in ("none", "selective"):
             llama = llama_coefficients(mode, dtype)
             gpt = gpt_coefficients(mode, dtype)
-            print(f"{dtype} {mode}: llama (c_d, c_q, c_kv, c_f) "
-                  + ", ".join(f"{p} ({', '.join(f'{c:.1f}' for c in v)})" for p, v in llama.items())
-                  + "; gpt (between, inside) "
-                  + ", ".join(f"{p} ({', '.join(f'{c:.1f}' for c in v)})" for p, v in gpt.items()))
-    for family, sizes in (("llama", {"d_model": 256, "n_head": 4, "n_kv_head": 2,
-                                     "ffn_hidden_size": 512}),
-                          ("gpt", {"d_model": 256, "n_head": 4})):
+            print(
+                f"{dtype} {mode}: llama (c_d, c_q, c_kv, c_f) "
+                + ", ".join(f"{p} ({', '.join(f'{c:.1f}' for c in v)})" for p, v in llama.items())
+                + "; gpt (between, inside) "
+                + ", ".join(f"{p} ({', '.join(f'{c:.1f}' for c in v)})" for p, v in gpt.items())
+            )
+    for family, sizes in (
+        ("llama", {"d_model": 256, "n_head": 4, "n_kv_head": 2, "ffn_hidden_size": 512}),
+        ("gpt", {"d_model": 256, "n_head": 4}),
+    ):
         for mode in ("none", "selective", "full"):
             kernels = dict(sorted(layer_kernels(family, sizes, mode).items()))
             print(f"{family} {mode} kernels per layer: {kernels}")

@@ -131,8 +131,10 @@ def worker(rank: int, args) -> dict:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.tokens, args.d_model, generator=gen)
     target = torch.randn(args.tokens, args.d_model, generator=gen)
-    steps = {"meshwise": make_step(build_meshwise(args, reference, mesh.tp_group)),
-             "torch_tp": make_step(build_torch_tp(args, reference))}
+    steps = {
+        "meshwise": make_step(build_meshwise(args, reference, mesh.tp_group)),
+        "torch_tp": make_step(build_torch_tp(args, reference)),
+    }
     times = {name: [] for name in steps}
     losses = {name: [] for name in steps}
 
@@ -164,15 +166,26 @@ def main() -> None:
     per_rank = spawn(worker, WORLD_SIZE, args)
     res = per_rank[0]
     med = {name: median(slowest([r["times"][name] for r in per_rank])) for name in res["times"]}
-    print(f"d_model={args.d_model} n_layer={args.n_layer} tokens={args.tokens} "
-          f"steps={args.steps}: meshwise {med['meshwise'] * 1e3:.1f} ms, "
-          f"torch TP {med['torch_tp'] * 1e3:.1f} ms, one process {res['single'] * 1e3:.1f} ms; "
-          f"max relative loss difference {res['loss_rel_diff']:.2e}")
-    print_json({"meshwise_step_s": med["meshwise"], "torch_tp_step_s": med["torch_tp"],
-                "ratio": med["meshwise"] / med["torch_tp"], "single_step_s": res["single"],
-                "loss_rel_diff": res["loss_rel_diff"], "world_size": WORLD_SIZE,
-                "d_model": args.d_model, "n_layer": args.n_layer, "tokens": args.tokens,
-                "steps": args.steps})
+    print(
+        f"d_model={args.d_model} n_layer={args.n_layer} tokens={args.tokens} "
+        f"steps={args.steps}: meshwise {med['meshwise'] * 1e3:.1f} ms, "
+        f"torch TP {med['torch_tp'] * 1e3:.1f} ms, one process {res['single'] * 1e3:.1f} ms; "
+        f"max relative loss difference {res['loss_rel_diff']:.2e}"
+    )
+    print_json(
+        {
+            "meshwise_step_s": med["meshwise"],
+            "torch_tp_step_s": med["torch_tp"],
+            "ratio": med["meshwise"] / med["torch_tp"],
+            "single_step_s": res["single"],
+            "loss_rel_diff": res["loss_rel_diff"],
+            "world_size": WORLD_SIZE,
+            "d_model": args.d_model,
+            "n_layer": args.n_layer,
+            "tokens": args.tokens,
+            "steps": args.steps,
+        }
+    )
 
 
 if __name__ == "__main__":

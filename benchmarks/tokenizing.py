@@ -74,15 +74,21 @@ _SAMPLE_S = 0.25  # /proc/PID/smaps_rollup walks the page tables: not too often
 
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [root / rel for rel in list_files(root, ".py", frozenset({"site-packages",
-                                                                     "__pycache__"}))]
+    return [
+        root / rel for rel in list_files(root, ".py", frozenset({"site-packages", "__pycache__"}))
+    ]
 
 
 def _reference(tokenizer: Path, data: Path, threads: int, script: str = _REFERENCE) -> tuple:
     """The seconds tokenizers took, and the counts it printed, in a fresh process."""
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
-    out = subprocess.run([sys.executable, "-c", script, str(tokenizer), str(data)],
-                         env=env, capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tokenizer), str(data)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return (float(out[0]), *map(int, out[1:]))
 
 
@@ -111,8 +117,9 @@ def _tree(pid: int) -> list[int]:
         current = todo.pop()
         found.append(current)
         try:
-            todo += [int(c) for c in Path(f"/proc/{current}/task/{current}/children")
-                     .read_text().split()]
+            todo += [
+                int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()
+            ]
         except OSError:
             pass
     return found
@@ -143,9 +150,13 @@ def _measured(command: list[str]) -> dict:
     out, err = proc.communicate()
     if proc.returncode:
         raise RuntimeError(f"{' '.join(command)} failed: {err.strip()}")
-    return {"seconds": time.perf_counter() - start, "main_rss_mib": main_hwm / 1024,
-            "worker_rss_mib": worker_hwm / 1024, "tree_pss_mib": tree_pss / 1024,
-            "output": out.strip()}
+    return {
+        "seconds": time.perf_counter() - start,
+        "main_rss_mib": main_hwm / 1024,
+        "worker_rss_mib": worker_hwm / 1024,
+        "tree_pss_mib": tree_pss / 1024,
+        "output": out.strip(),
+    }
 
 
 def _jsonl_bench(args, tok_path: Path, tmp: str) -> dict:
@@ -160,25 +171,49 @@ def _jsonl_bench(args, tok_path: Path, tmp: str) -> dict:
         ours, theirs = [], []
         for _ in range(args.repeats):
             out = Path(tmp) / "out.bin"
-            ours.append(_measured([sys.executable, "-m", "meshwise", "data", "prepare", str(path),
-                                   "--out", str(out), "--tokenizer", str(tok_path),
-                                   "--workers", str(n)]))
+            ours.append(
+                _measured(
+                    [
+                        sys.executable,
+                        "-m",
+                        "meshwise",
+                        "data",
+                        "prepare",
+                        str(path),
+                        "--out",
+                        str(out),
+                        "--tokenizer",
+                        str(tok_path),
+                        "--workers",
+                        str(n),
+                    ]
+                )
+            )
             seconds, num_tokens, records = _reference(tok_path, path, n, _REFERENCE_JSONL)
             theirs.append(seconds)
         written = out.stat().st_size // 2  # uint16: an 8,000-token vocabulary
         same = written == num_tokens + records - 1  # and a separator between two records
         t_ours, t_theirs = median(r["seconds"] for r in ours), median(theirs)
-        row = {"meshwise_s": round(t_ours, 1), "tokenizers_s": round(t_theirs, 1),
-               "meshwise_mb_s": round(mbytes / t_ours, 1),
-               "tokenizers_mb_s": round(mbytes / t_theirs, 1),
-               "ratio": round(t_ours / t_theirs, 2), "same_tokens": same,
-               **{key: round(max(r[key] for r in ours)) for key in
-                  ("main_rss_mib", "worker_rss_mib", "tree_pss_mib")}}
-        print(f"{n} worker(s): meshwise data prepare {row['meshwise_s']} s "
-              f"({row['meshwise_mb_s']} MB/s; peak RSS main {row['main_rss_mib']} MiB, "
-              f"largest worker {row['worker_rss_mib']} MiB, tree PSS {row['tree_pss_mib']} "
-              f"MiB), tokenizers threads {row['tokenizers_s']} s ({row['tokenizers_mb_s']} "
-              f"MB/s), ratio {row['ratio']}, same tokens: {same}", flush=True)
+        row = {
+            "meshwise_s": round(t_ours, 1),
+            "tokenizers_s": round(t_theirs, 1),
+            "meshwise_mb_s": round(mbytes / t_ours, 1),
+            "tokenizers_mb_s": round(mbytes / t_theirs, 1),
+            "ratio": round(t_ours / t_theirs, 2),
+            "same_tokens": same,
+            **{
+                key: round(max(r[key] for r in ours))
+                for key in ("main_rss_mib", "worker_rss_mib", "tree_pss_mib")
+            },
+        }
+        print(
+            f"{n} worker(s): meshwise data prepare {row['meshwise_s']} s "
+            f"({row['meshwise_mb_s']} MB/s; peak RSS main {row['main_rss_mib']} MiB, "
+            f"largest worker {row['worker_rss_mib']} MiB, tree PSS {row['tree_pss_mib']} "
+            f"MiB), tokenizers threads {row['tokenizers_s']} s ({row['tokenizers_mb_s']} "
+            f"MB/s), ratio {row['ratio']}, same tokens: {same}",
+            flush=True,
+        )
         summary["workers"][n] = row
     return summary
 
@@ -190,8 +225,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--corpus", choices=("stdlib", "jsonl"), default="stdlib")
     parser.add_argument("--jsonl-gb", type=float, default=1.0, help="--corpus jsonl: its size")
-    parser.add_argument("--jsonl-path", help="--corpus jsonl: where it is (made if missing; "
-                                             "default /tmp/meshwise-bench-SIZEgb.jsonl)")
+    parser.add_argument(
+        "--jsonl-path",
+        help="--corpus jsonl: where it is (made if missing; "
+        "default /tmp/meshwise-bench-SIZEgb.jsonl)",
+    )
     args = parser.parse_args()
     files = _stdlib_files()
     mbytes = sum(f.stat().st_size for f in files) / 1e6
@@ -217,13 +255,20 @@ def main() -> None:
                 theirs.append(seconds)
             # The file also holds one separator between each two documents.
             same = stats["num_tokens"] == num_tokens + len(files) - 1
-            row = {"meshwise_s": round(median(ours), 2), "tokenizers_s": round(median(theirs), 2),
-                   "meshwise_mb_s": round(mbytes / median(ours), 2),
-                   "tokenizers_mb_s": round(mbytes / median(theirs), 2),
-                   "ratio": round(median(ours) / median(theirs), 2), "same_tokens": same}
-            print(f"{n} worker(s): meshwise {row['meshwise_s']} s ({row['meshwise_mb_s']} MB/s), "
-                  f"tokenizers threads {row['tokenizers_s']} s ({row['tokenizers_mb_s']} MB/s), "
-                  f"ratio {row['ratio']}, same tokens: {same}", flush=True)
+            row = {
+                "meshwise_s": round(median(ours), 2),
+                "tokenizers_s": round(median(theirs), 2),
+                "meshwise_mb_s": round(mbytes / median(ours), 2),
+                "tokenizers_mb_s": round(mbytes / median(theirs), 2),
+                "ratio": round(median(ours) / median(theirs), 2),
+                "same_tokens": same,
+            }
+            print(
+                f"{n} worker(s): meshwise {row['meshwise_s']} s ({row['meshwise_mb_s']} MB/s), "
+                f"tokenizers threads {row['tokenizers_s']} s ({row['tokenizers_mb_s']} MB/s), "
+                f"ratio {row['ratio']}, same tokens: {same}",
+                flush=True,
+            )
             summary["workers"][n] = row
     print_json(summary)
 

@@ -52,20 +52,27 @@ class TwoNodes:
 
     def __init__(self, rate: str | None = None, delay: str | None = None):
         tag = uuid.uuid4().hex[:6]
-        self.hosts = [(f"mw-a-{tag}", f"mwa{tag}", f"{SUBNET}.1"),
-                      (f"mw-b-{tag}", f"mwb{tag}", f"{SUBNET}.2")]
+        self.hosts = [
+            (f"mw-a-{tag}", f"mwa{tag}", f"{SUBNET}.1"),
+            (f"mw-b-{tag}", f"mwb{tag}", f"{SUBNET}.2"),
+        ]
         self.rate, self.delay = rate, delay
         self.shaping: str | None = None
 
     def __enter__(self) -> "TwoNodes":
         (ns_a, dev_a, _), (ns_b, dev_b, _) = self.hosts
-        steps = [("ip", "netns", "add", ns_a), ("ip", "netns", "add", ns_b),
-                 ("ip", "link", "add", dev_a, "type", "veth", "peer", "name", dev_b)]
+        steps = [
+            ("ip", "netns", "add", ns_a),
+            ("ip", "netns", "add", ns_b),
+            ("ip", "link", "add", dev_a, "type", "veth", "peer", "name", dev_b),
+        ]
         for ns, dev, addr in self.hosts:
-            steps += [("ip", "link", "set", dev, "netns", ns),
-                      ("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
-                      ("ip", "-n", ns, "link", "set", dev, "up"),
-                      ("ip", "-n", ns, "link", "set", "lo", "up")]
+            steps += [
+                ("ip", "link", "set", dev, "netns", ns),
+                ("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
+                ("ip", "-n", ns, "link", "set", dev, "up"),
+                ("ip", "-n", ns, "link", "set", "lo", "up"),
+            ]
         try:
             for step in steps:
                 done = _run(*step)
@@ -82,21 +89,43 @@ class TwoNodes:
         """netem (delay + rate) on both ends of the link; without netem, tbf (rate only)."""
         notes = []
         for ns, dev, _ in self.hosts:
-            netem = ["netem"] + (["delay", self.delay] if self.delay else []) + (
-                ["rate", self.rate] if self.rate else [])
-            done = _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-                        *netem)
+            netem = (
+                ["netem"]
+                + (["delay", self.delay] if self.delay else [])
+                + (["rate", self.rate] if self.rate else [])
+            )
+            done = _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *netem)
             if done.returncode == 0:
                 notes.append("netem")
                 continue
             if not self.rate:
-                raise RuntimeError(f"tc netem failed ({done.stderr.strip()}) and no --rate for "
-                                   "tbf to fall back on")
-            tbf = _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                       "rate", self.rate, "burst", "64kb", "latency", "200ms")
+                raise RuntimeError(
+                    f"tc netem failed ({done.stderr.strip()}) and no --rate for tbf to fall back on"
+                )
+            tbf = _run(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                "64kb",
+                "latency",
+                "200ms",
+            )
             if tbf.returncode:
-                raise RuntimeError(f"tc could not shape the link: netem: {done.stderr.strip()}; "
-                                   f"tbf: {tbf.stderr.strip()}")
+                raise RuntimeError(
+                    f"tc could not shape the link: netem: {done.stderr.strip()}; "
+                    f"tbf: {tbf.stderr.strip()}"
+                )
             notes.append(f"tbf (netem unavailable: {done.stderr.strip()})")
         how = notes[0]
         if how == "netem":
@@ -107,27 +136,59 @@ class TwoNodes:
         for ns, _, _ in self.hosts:
             _run("ip", "netns", "del", ns)  # takes its end of the veth pair with it
 
-    def commands(self, argv: list[str], nproc_per_node: int = 2,
-                 port: int = MASTER_PORT) -> list[tuple[list[str], dict]]:
+    def commands(
+        self, argv: list[str], nproc_per_node: int = 2, port: int = MASTER_PORT
+    ) -> list[tuple[list[str], dict]]:
         """One ``(command, env)`` per node: torchrun in its namespace, the README's form."""
-        torchrun = (shutil.which("torchrun", path=os.path.dirname(sys.executable))
-                    or shutil.which("torchrun"))
+        torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which(
+            "torchrun"
+        )
         master = self.hosts[0][2]
         out = []
         for node_rank, (ns, dev, _) in enumerate(self.hosts):
-            cmd = ["ip", "netns", "exec", ns, torchrun, "--nnodes", "2",
-                   "--nproc-per-node", str(nproc_per_node), "--node-rank", str(node_rank),
-                   "--master-addr", master, "--master-port", str(port), "-m", "meshwise", *argv]
-            out.append((cmd, dict(os.environ, GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1",
-                                  PYTHONUNBUFFERED="1")))
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                torchrun,
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                str(nproc_per_node),
+                "--node-rank",
+                str(node_rank),
+                "--master-addr",
+                master,
+                "--master-port",
+                str(port),
+                "-m",
+                "meshwise",
+                *argv,
+            ]
+            out.append(
+                (
+                    cmd,
+                    dict(
+                        os.environ,
+                        GLOO_SOCKET_IFNAME=dev,
+                        OMP_NUM_THREADS="1",
+                        PYTHONUNBUFFERED="1",
+                    ),
+                )
+            )
         return out
 
-    def run(self, argv: list[str], nproc_per_node: int = 2, timeout_s: float = 300,
-            cwd=None) -> list[subprocess.CompletedProcess]:
+    def run(
+        self, argv: list[str], nproc_per_node: int = 2, timeout_s: float = 300, cwd=None
+    ) -> list[subprocess.CompletedProcess]:
         """Run ``meshwise ARGV`` on both nodes at once; the two completed processes."""
-        procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-                 for cmd, env in self.commands(argv, nproc_per_node)]
+        procs = [
+            subprocess.Popen(
+                cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for cmd, env in self.commands(argv, nproc_per_node)
+        ]
         try:
             outs = [p.communicate(timeout=timeout_s) for p in procs]
         finally:
@@ -135,8 +196,10 @@ class TwoNodes:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        return [subprocess.CompletedProcess(p.args, p.returncode, out, err)
-                for p, (out, err) in zip(procs, outs)]
+        return [
+            subprocess.CompletedProcess(p.args, p.returncode, out, err)
+            for p, (out, err) in zip(procs, outs)
+        ]
 
 
 def main() -> int:

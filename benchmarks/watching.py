@@ -41,8 +41,18 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from benchmarks.common import print_json  # noqa: E402
 
-SHAPE = ["--n-layer", "4", "--d-model", "128", "--n-head", "4", "--seq-len", "128",
-         "--batch-size", "16"]
+SHAPE = [
+    "--n-layer",
+    "4",
+    "--d-model",
+    "128",
+    "--n-head",
+    "4",
+    "--seq-len",
+    "128",
+    "--batch-size",
+    "16",
+]
 
 
 def _run(folder: Path, steps: int, *flags: str) -> tuple[float, list[dict]]:
@@ -51,9 +61,25 @@ def _run(folder: Path, steps: int, *flags: str) -> tuple[float, list[dict]]:
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline")
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "meshwise", "train", "--steps", str(steps),
-                    "--metrics", str(metrics), "-q", *SHAPE, *flags], check=True, env=env,
-                   cwd=folder, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshwise",
+            "train",
+            "--steps",
+            str(steps),
+            "--metrics",
+            str(metrics),
+            "-q",
+            *SHAPE,
+            *flags,
+        ],
+        check=True,
+        env=env,
+        cwd=folder,
+        stdout=subprocess.DEVNULL,
+    )
     wall = time.perf_counter() - start
     return wall, [json.loads(line) for line in metrics.read_text().splitlines()]
 
@@ -102,34 +128,49 @@ def mfu_check(args, folder: Path) -> dict:
     mfus, plains = [], []
     for _ in range(args.rounds):
         _, records = _run(folder, 3 * args.steps, "--dp", "1")
-        kept = records[args.steps // 2:]
+        kept = records[args.steps // 2 :]
         peak = statistics.median(r["tflops"] / r["mfu"] for r in kept) * 1e12
-        flops_per_token = statistics.median(r["tflops"] * 1e12 * r["step_time_s"] / r["tokens"]
-                                            for r in kept)
+        flops_per_token = statistics.median(
+            r["tflops"] * 1e12 * r["step_time_s"] / r["tokens"] for r in kept
+        )
         mfus.append(statistics.median(r["mfu"] for r in kept))
         torch.set_num_threads(os.cpu_count() or 1)  # as the one rank of --dp 1 runs
         plains.append(plain_loop_rate(3 * args.steps, args.steps // 2) * flops_per_token / peak)
         torch.set_num_threads(threads)
     mfu, plain = statistics.median(mfus), statistics.median(plains)
-    return {"meshwise_mfu": mfu, "plain_loop_mfu": plain, "meshwise_vs_plain": mfu / plain,
-            "paired_ratios": [m / p for m, p in zip(mfus, plains)], "peak_tflops": peak / 1e12}
+    return {
+        "meshwise_mfu": mfu,
+        "plain_loop_mfu": plain,
+        "meshwise_vs_plain": mfu / plain,
+        "paired_ratios": [m / p for m, p in zip(mfus, plains)],
+        "peak_tflops": peak / 1e12,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--loggers", nargs="*", default=["tensorboard"],
-                   help="loggers to time against none (tensorboard, wandb, mlflow)")
+    p.add_argument(
+        "--loggers",
+        nargs="*",
+        default=["tensorboard"],
+        help="loggers to time against none (tensorboard, wandb, mlflow)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        summary = {"logger_overhead": logger_overhead(args, Path(tmp)),
-                   "mfu": mfu_check(args, Path(tmp))}
+        summary = {
+            "logger_overhead": logger_overhead(args, Path(tmp)),
+            "mfu": mfu_check(args, Path(tmp)),
+        }
     for name, overhead in summary["logger_overhead"]["overhead"].items():
         print(f"--log-to {name}: {overhead:+.2%} per step", flush=True)
     m = summary["mfu"]
-    print(f"MFU: meshwise {m['meshwise_mfu']:.1%}, plain loop {m['plain_loop_mfu']:.1%} "
-          f"(ratio {m['meshwise_vs_plain']:.2f})", flush=True)
+    print(
+        f"MFU: meshwise {m['meshwise_mfu']:.1%}, plain loop {m['plain_loop_mfu']:.1%} "
+        f"(ratio {m['meshwise_vs_plain']:.2f})",
+        flush=True,
+    )
     print_json(summary)
 
 

@@ -149,8 +149,9 @@ class MeshwiseRunner:
             if settle:
                 self.engine.wait_params()
 
-        loss, times = timed_step(self.engine.zero_grad, forward_backward,
-                                 self.engine.finish_grad_sync, optimizer_step)
+        loss, times = timed_step(
+            self.engine.zero_grad, forward_backward, self.engine.finish_grad_sync, optimizer_step
+        )
         return loss.item(), times
 
     def state_bytes(self) -> int:
@@ -193,24 +194,37 @@ def build_runner(name: str, args, group, mesh):
             (chunk,) = pm.chunks
             engine = ZeroStage3(chunk, group, cfg, units=pm.layers(), values=values)
         else:
-            engine = ZeroOptimizer(pm.named_parameters(), group, stage=STAGE_OF[name],
-                                   adamw=cfg, bucket_cap_mb=args.bucket_mb,
-                                   modules=pm.chunks, values=values)
+            engine = ZeroOptimizer(
+                pm.named_parameters(),
+                group,
+                stage=STAGE_OF[name],
+                adamw=cfg,
+                bucket_cap_mb=args.bucket_mb,
+                modules=pm.chunks,
+                values=values,
+            )
         return MeshwiseRunner(pm, engine, tokens, args.lr)
     model = reference_gpt(gpt_config(args), args.seed)
     kwargs = dict(lr=args.lr, betas=cfg.betas, eps=cfg.eps)
     if name in ("ddp", "zero_redundancy"):
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
-                                                  gradient_as_bucket_view=True)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True
+        )
         groups = torch_param_groups(ddp.module.named_parameters(), cfg)
         if name == "ddp":
             return TorchRunner(ddp, torch.optim.AdamW(groups, **kwargs), tokens)
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW,
-                                      parameters_as_bucket_view=args.zro_bucket_view, **kwargs)
+
+        opt = ZeroRedundancyOptimizer(
+            groups,
+            optimizer_class=torch.optim.AdamW,
+            parameters_as_bucket_view=args.zro_bucket_view,
+            **kwargs,
+        )
         return TorchRunner(ddp, opt, tokens)
     if name == "fsdp2":
         from torch.distributed.fsdp import fully_shard
+
         for block in model.blocks.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -218,8 +232,10 @@ def build_runner(name: str, args, group, mesh):
         from torch.distributed.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
 
         from meshwise.models.gpt import Block
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                                         use_orig_params=True)
+
+        model = FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True
+        )
     else:
         raise ValueError(f"unknown variant {name!r}; valid: {', '.join(VARIANTS)}, fsdp1")
     opt = torch.optim.AdamW(torch_param_groups(model.named_parameters(), cfg), **kwargs)
@@ -257,7 +273,7 @@ def rank_main(rank: int, args) -> dict:
     names = list(runners)
     timings = new_timings(names, ("step", "fwd_bwd", "sync", "optim"))
     for name in names:  # warm-up, after the steps build_all already took
-        for x, y in data[len(losses[name]):args.warmup]:
+        for x, y in data[len(losses[name]) : args.warmup]:
             losses[name].append(runners[name].step(x, y)[0])
 
     def one_step(name: str, r: int, i: int) -> None:
@@ -266,15 +282,21 @@ def rank_main(rank: int, args) -> dict:
         losses[name].append(loss)
         record(timings[name], t)
 
-    run_rounds(names, args.rounds, args.steps, one_step,
-               before_block=lambda name: ops.barrier(group))
+    run_rounds(
+        names, args.rounds, args.steps, one_step, before_block=lambda name: ops.barrier(group)
+    )
     state = {n: runner.state_bytes() for n, runner in runners.items()}
     peak = runners["zero3"].engine.peak_gathered_bytes if "zero3" in runners else 0
     if args.profile:
-        profile_variant(runners[args.profile], data[:args.steps], args, rank)
-    return {"timings": timings, "losses": losses, "state_bytes": state,
-            "peak_gathered_bytes": peak, "errors": errors,
-            "num_params": num_params(args)}
+        profile_variant(runners[args.profile], data[: args.steps], args, rank)
+    return {
+        "timings": timings,
+        "losses": losses,
+        "state_bytes": state,
+        "peak_gathered_bytes": peak,
+        "errors": errors,
+        "num_params": num_params(args),
+    }
 
 
 def num_params(args) -> int:
@@ -303,9 +325,14 @@ def merge_ranks(per_rank: list[dict]) -> dict:
     timings = {n: slowest_timings([r["timings"][n] for r in per_rank]) for n in first["timings"]}
     state = {n: max(r["state_bytes"][n] for r in per_rank) for n in first["state_bytes"]}
     peak = max(r["peak_gathered_bytes"] for r in per_rank)
-    return {"timings": timings, "state_bytes": state, "peak_gathered_bytes": peak,
-            "losses": first["losses"], "errors": first["errors"],
-            "num_params": first["num_params"]}
+    return {
+        "timings": timings,
+        "state_bytes": state,
+        "peak_gathered_bytes": peak,
+        "losses": first["losses"],
+        "errors": first["errors"],
+        "num_params": first["num_params"],
+    }
 
 
 def report(args, res) -> dict:
@@ -315,22 +342,30 @@ def report(args, res) -> dict:
     peers = {m: p for m, p in peers.items() if m in med and p in med}
     ref_name = "zero0" if "zero0" in med else names[0]
     ref = res["losses"][ref_name]
-    print(f"model: GPT n_layer {args.n_layer}, n_head {args.n_head}, d_model {args.d_model}, "
-          f"{n / 1e6:.2f}M params; global batch {args.batch_size} x {args.seq_len} tokens; "
-          f"{args.world_size} gloo ranks, 1 thread each; bucket_cap_mb {args.bucket_mb}")
+    print(
+        f"model: GPT n_layer {args.n_layer}, n_head {args.n_head}, d_model {args.d_model}, "
+        f"{n / 1e6:.2f}M params; global batch {args.batch_size} x {args.seq_len} tokens; "
+        f"{args.world_size} gloo ranks, 1 thread each; bucket_cap_mb {args.bucket_mb}"
+    )
     for name, err in res["errors"].items():
         print(f"{name} failed on CPU/gloo, compared against fsdp1 instead: {err}")
-    print(f"{'variant':17}{'step ms':>9}{'fwd+bwd':>9}{'sync':>8}{'optim':>8}"
-          f"{'state MiB':>11}{'formula':>9}{'max rel dloss':>15}")
+    print(
+        f"{'variant':17}{'step ms':>9}{'fwd+bwd':>9}{'sync':>8}{'optim':>8}"
+        f"{'state MiB':>11}{'formula':>9}{'max rel dloss':>15}"
+    )
     for name in names:
         stage = STAGE_OF.get(name, {"ddp": 0, "zero_redundancy": 1}.get(name, 3))
         dloss = max(map(rel_diff, res["losses"][name], ref))
         m = med[name]
-        print(f"{name:17}{1e3 * m['step']:9.1f}{1e3 * m['fwd_bwd']:9.1f}{1e3 * m['sync']:8.1f}"
-              f"{1e3 * m['optim']:8.1f}{state[name] / 2**20:11.2f}"
-              f"{zero_formula_bytes(stage, n, args.world_size) / 2**20:9.2f}{dloss:15.1e}")
-    print(f"(ms: medians over {args.rounds * args.steps} steps, slowest rank; state: bytes per "
-          f"rank after a step; dloss: per-step loss vs {ref_name}'s)")
+        print(
+            f"{name:17}{1e3 * m['step']:9.1f}{1e3 * m['fwd_bwd']:9.1f}{1e3 * m['sync']:8.1f}"
+            f"{1e3 * m['optim']:8.1f}{state[name] / 2**20:11.2f}"
+            f"{zero_formula_bytes(stage, n, args.world_size) / 2**20:9.2f}{dloss:15.1e}"
+        )
+    print(
+        f"(ms: medians over {args.rounds * args.steps} steps, slowest rank; state: bytes per "
+        f"rank after a step; dloss: per-step loss vs {ref_name}'s)"
+    )
     if "zero3" in med:
         print(f"zero3 peak gathered parameters: {res['peak_gathered_bytes'] / 2**20:.2f} MiB")
     if peers:
@@ -339,47 +374,76 @@ def report(args, res) -> dict:
     for ours, peer in peers.items():
         time_ratio, bytes_ratio = med[ours]["step"] / med[peer]["step"], state[ours] / state[peer]
         print(f"{ours + ' / ' + peer:30}{time_ratio:10.3f}{bytes_ratio:13.3f}")
-        key = {"zero0": "zero0_vs_ddp", "zero1": "zero1_vs_zero_redundancy",
-               "zero3": "zero3_vs_fsdp2"}[ours]
+        key = {
+            "zero0": "zero0_vs_ddp",
+            "zero1": "zero1_vs_zero_redundancy",
+            "zero3": "zero3_vs_fsdp2",
+        }[ours]
         summary[f"{key}_ratio"] = time_ratio
         summary[f"{key}_bytes_ratio"] = bytes_ratio
     if "zero3" in peers:
         summary["zero3_peer"] = peers["zero3"]
     summary.update({f"{name}_step_s": med[name]["step"] for name in names})
     summary.update({f"{name}_state_bytes": state[name] for name in names})
-    summary.update(zero3_peak_gathered_bytes=res["peak_gathered_bytes"], num_params=n,
-                   world_size=args.world_size, steps_each=args.rounds * args.steps,
-                   errors=res["errors"])
+    summary.update(
+        zero3_peak_gathered_bytes=res["peak_gathered_bytes"],
+        num_params=n,
+        world_size=args.world_size,
+        steps_each=args.rounds * args.steps,
+        errors=res["errors"],
+    )
     return summary
 
 
 # ---------------------------------------------------------------- entry
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
     add_gpt_args(p, n_layer=4, n_head=6, d_model=384, batch_size=8, lr=1e-4)  # 7.25M params
-    p.add_argument("--bucket-mb", type=float, default=25.0,
-                   help="bucket_cap_mb for meshwise stages 0-2 and DDP (default 25)")
-    p.add_argument("--zro-bucket-view", action="store_true",
-                   help="ZeroRedundancyOptimizer(parameters_as_bucket_view=True)")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="bucket_cap_mb for meshwise stages 0-2 and DDP (default 25)",
+    )
+    p.add_argument(
+        "--zro-bucket-view",
+        action="store_true",
+        help="ZeroRedundancyOptimizer(parameters_as_bucket_view=True)",
+    )
     p.add_argument("--seed", type=int, default=0, help="initial weights (default 0)")
     add_round_args(p, warmup=2, rounds=8, steps=3)
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset to run (default all: {','.join(VARIANTS)})")
-    p.add_argument("--profile", choices=VARIANTS, default=None,
-                   help="also run torch.profiler over --steps steps of this variant (rank 0)")
-    p.add_argument("--memory-table", action="store_true",
-                   help="only the model-state bytes table: GPT small, stages 0-3, N = 2 and 4")
-    p.add_argument("--memory-ranks", default="2,4",
-                   help="world sizes for --memory-table (default 2,4)")
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset to run (default all: {','.join(VARIANTS)})",
+    )
+    p.add_argument(
+        "--profile",
+        choices=VARIANTS,
+        default=None,
+        help="also run torch.profiler over --steps steps of this variant (rank 0)",
+    )
+    p.add_argument(
+        "--memory-table",
+        action="store_true",
+        help="only the model-state bytes table: GPT small, stages 0-3, N = 2 and 4",
+    )
+    p.add_argument(
+        "--memory-ranks", default="2,4", help="world sizes for --memory-table (default 2,4)"
+    )
     args = p.parse_args(argv)
     given = args.variants.split(",")
     unknown = [v for v in given if v not in VARIANTS]
     if unknown or not given:
-        p.error(f"--variants {args.variants!r}: not valid: {', '.join(unknown)}; "
-                f"valid: {', '.join(VARIANTS)}")
+        p.error(
+            f"--variants {args.variants!r}: not valid: {', '.join(unknown)}; "
+            f"valid: {', '.join(VARIANTS)}"
+        )
     args.variants = [v for v in VARIANTS if v in given]  # timed in the canonical order
     if args.warmup < 1:  # FSDP2's probe step is its first warm-up step
         p.error(f"--warmup must be >= 1, got {args.warmup}")
@@ -389,10 +453,12 @@ def main(argv=None) -> None:
         summary = memory_table([int(n) for n in args.memory_ranks.split(",")])
     else:
         if args.batch_size % args.world_size:
-            p.error(f"--batch-size {args.batch_size} is not divisible by --world-size "
-                    f"{args.world_size}")
-        per_rank = spawn(rank_main, args.world_size, args,
-                         ignore_warnings=[FutureWarning, UserWarning])
+            p.error(
+                f"--batch-size {args.batch_size} is not divisible by --world-size {args.world_size}"
+            )
+        per_rank = spawn(
+            rank_main, args.world_size, args, ignore_warnings=[FutureWarning, UserWarning]
+        )
         summary = report(args, merge_ranks(per_rank))
     print_json(summary)
 

@@ -27,8 +27,7 @@ from torch import nn
 from meshwise import ParallelPlan, TrainConfig, Trainer, launch
 
 VOCAB, WIDTH, HEADS, LAYERS = 257, 64, 4, 2  # 257: bytes and an end-of-text id
-LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2),
-           "dp2-zero3": dict(dp=2, zero=3)}
+LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "dp2-zero3": dict(dp=2, zero=3)}
 
 
 class Attention(nn.Module):
@@ -39,8 +38,10 @@ class Attention(nn.Module):
     def forward(self, x):
         B, T, _ = x.shape
         # -1, not HEADS: under tensor parallelism this rank holds HEADS / tp heads.
-        q, k, v = (f(x).view(B, T, -1, WIDTH // HEADS).transpose(1, 2)  # (B, nh, T, hs)
-                   for f in (self.q, self.k, self.v))
+        q, k, v = (
+            f(x).view(B, T, -1, WIDTH // HEADS).transpose(1, 2)  # (B, nh, T, hs)
+            for f in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, nh * hs)
 
@@ -81,17 +82,26 @@ class TinyLM(nn.Module):
             x = layer(x)
         if self.final_norm is not None:
             # The head shares the N(0, 1) embedding: scaled, its first logits are O(1).
-            x = self.out(self.final_norm(x)) * WIDTH ** -0.5
+            x = self.out(self.final_norm(x)) * WIDTH**-0.5
         return x  # logits (B, T, VOCAB) on the last stage
 
 
 PLAN = ParallelPlan(
-    layers="layers", first_stage=("tok_emb",), last_stage=("final_norm", "out"),
-    tp=(("layers.*.attn.q", "colwise"), ("layers.*.attn.k", "colwise"),
-        ("layers.*.attn.v", "colwise"), ("layers.*.attn.o", "rowwise"),
-        ("layers.*.ffn.w1", "colwise"), ("layers.*.ffn.w2", "rowwise"),
-        ("tok_emb", "vocab_embedding"), ("out", "vocab_head")),
-    ties=(("tok_emb.weight", "out.weight"),))
+    layers="layers",
+    first_stage=("tok_emb",),
+    last_stage=("final_norm", "out"),
+    tp=(
+        ("layers.*.attn.q", "colwise"),
+        ("layers.*.attn.k", "colwise"),
+        ("layers.*.attn.v", "colwise"),
+        ("layers.*.attn.o", "rowwise"),
+        ("layers.*.ffn.w1", "colwise"),
+        ("layers.*.ffn.w2", "rowwise"),
+        ("tok_emb", "vocab_embedding"),
+        ("out", "vocab_head"),
+    ),
+    ties=(("tok_emb.weight", "out.weight"),),
+)
 
 
 def config(steps: int = 4, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0) -> TrainConfig:
@@ -122,9 +132,14 @@ def reference(cfg: TrainConfig, data_path: str) -> list[float]:
     o, d = cfg.optim, cfg.data
     matrices = [p for p in model.parameters() if p.dim() >= 2]  # weight decay: matrices only
     others = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": o.weight_decay},
-                             {"params": others, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2))
+    opt = torch.optim.AdamW(
+        [
+            {"params": matrices, "weight_decay": o.weight_decay},
+            {"params": others, "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+    )
     data, losses = TokenDataset(data_path, d.seq_len), []
     for step in range(1, o.steps + 1):
         for group in opt.param_groups:
@@ -163,8 +178,9 @@ def main() -> None:
         expected = reference(config(), data_path)
         for name, layout in LAYOUTS.items():
             cfg = config(**layout)
-            launch.launch(check, (name, cfg, data_path, expected), world_size=2, device="cpu",
-                          timeout_s=120)
+            launch.launch(
+                check, (name, cfg, data_path, expected), world_size=2, device="cpu", timeout_s=120
+            )
 
 
 if __name__ == "__main__":

@@ -98,8 +98,18 @@ class Mesh:
     initialised (``Mesh.build(dims)``) and pass it explicitly.
     """
 
-    def __init__(self, dims: ParallelDims, rank: int, world_group, dp_group, pp_group,
-                 tp_group, tie_group=None, cp_group=None, dp_cp_group=None):
+    def __init__(
+        self,
+        dims: ParallelDims,
+        rank: int,
+        world_group,
+        dp_group,
+        pp_group,
+        tp_group,
+        tie_group=None,
+        cp_group=None,
+        dp_cp_group=None,
+    ):
         self.dims = dims
         self.rank = rank
         self.world_group = world_group
@@ -144,8 +154,17 @@ class Mesh:
         embed = None
         if dims.pp > 1:
             embed = mine("embed", [[ranks[0], ranks[-1]] for ranks in dims.axis_groups("pp")])
-        return cls(dims, world.rank, world, groups["dp"], groups["pp"], groups["tp"], embed,
-                   cp_group=groups.get("cp"), dp_cp_group=dp_cp)
+        return cls(
+            dims,
+            world.rank,
+            world,
+            groups["dp"],
+            groups["pp"],
+            groups["tp"],
+            embed,
+            cp_group=groups.get("cp"),
+            dp_cp_group=dp_cp,
+        )
 
     @property
     def is_first_stage(self) -> bool:
@@ -169,12 +188,17 @@ class Mesh:
     embed = property(lambda self: _renamed(self, "embed", "tie_group"))
 
     def __repr__(self) -> str:
-        return (f"Mesh(rank={self.rank}, dp={self.dp_rank}/{self.dims.dp}, "
-                f"pp={self.pp_rank}/{self.dims.pp}, cp={self.cp_rank}/{self.dims.cp}, "
-                f"tp={self.tp_rank}/{self.dims.tp})")
+        return (
+            f"Mesh(rank={self.rank}, dp={self.dp_rank}/{self.dims.dp}, "
+            f"pp={self.pp_rank}/{self.dims.pp}, cp={self.cp_rank}/{self.dims.cp}, "
+            f"tp={self.tp_rank}/{self.dims.tp})"
+        )
 
 
 def _renamed(mesh: Mesh, old: str, new: str):
-    warnings.warn(f"Mesh.{old} is now Mesh.{new} (ParallelDims.{old} is the axis's size)",
-                  DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"Mesh.{old} is now Mesh.{new} (ParallelDims.{old} is the axis's size)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     return getattr(mesh, new)

@@ -16,11 +16,13 @@ import torch
 import torch.nn.functional as F
 
 # ChatML, with the assistant's content and end-of-turn inside a generation block.
-TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-            "{% if message['role'] == 'assistant' %}{% generation %}"
-            "{{ message['content'] + '<|im_end|>' + '\\n' }}{% endgeneration %}"
-            "{% else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' + '\\n' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
 
 
@@ -30,12 +32,19 @@ def conversations(count: int = 24, seed: int = 0) -> list[list[dict]]:
     out = []
     for i in range(count):
         a, b = rng.randint(1, 999), rng.randint(1, 999)
-        messages = [{"role": "user", "content": f"What is {a} + {b}?"},
-                    {"role": "assistant", "content": f"{a} + {b} = {a + b}."}]
+        messages = [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": f"{a} + {b} = {a + b}."},
+        ]
         if i % 3 == 0:
-            messages = ([{"role": "system", "content": "You add numbers."}] + messages
-                        + [{"role": "user", "content": "Twice that?"},
-                           {"role": "assistant", "content": f"{2 * (a + b)}."}])
+            messages = (
+                [{"role": "system", "content": "You add numbers."}]
+                + messages
+                + [
+                    {"role": "user", "content": "Twice that?"},
+                    {"role": "assistant", "content": f"{2 * (a + b)}."},
+                ]
+            )
         out.append(messages)
     return out
 
@@ -56,9 +65,16 @@ def save_chat_tokenizer(folder, vocab_size: int = 299):
     tokenizer.add_special_tokens(SPECIAL)
     folder.mkdir(parents=True, exist_ok=True)
     save_tokenizer(tokenizer, folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     return folder
 
 
@@ -82,8 +98,9 @@ def chat_model_and_data(root, count: int = 40):
 
 def hf_conversation(folder, messages: list[dict]) -> tuple[list[int], list[int]]:
     """transformers' tokens of the rendered conversation and its assistant mask."""
-    out = hf_tokenizer(str(folder)).apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
+    out = hf_tokenizer(str(folder)).apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     return list(out["input_ids"]), list(out["assistant_masks"])
 
 
@@ -99,7 +116,7 @@ def hf_reference(hf_dir, rows: torch.Tensor, chats, alone: bool = False) -> floa
     for row in rows.tolist():
         at, pieces = 0, []
         while at < len(row):
-            found = [r for r in rendered if row[at:at + len(r[0])] == r[0]]
+            found = [r for r in rendered if row[at : at + len(r[0])] == r[0]]
             if not found:
                 assert not any(row[at:]), "a row is whole conversations, then padding (0)"
                 break
@@ -108,10 +125,14 @@ def hf_reference(hf_dir, rows: torch.Tensor, chats, alone: bool = False) -> floa
         with torch.no_grad():
             whole = None if alone else model(torch.tensor([row])).logits[0]
             for start, ids, mask in pieces:
-                logits = (model(torch.tensor([ids])).logits[0] if alone
-                          else whole[start:start + len(ids)])
+                logits = (
+                    model(torch.tensor([ids])).logits[0]
+                    if alone
+                    else whole[start : start + len(ids)]
+                )
                 labelled = torch.tensor(mask[1:], dtype=torch.bool)  # targets: tokens 1..
-                total += F.cross_entropy(logits[:-1][labelled], torch.tensor(ids[1:])[labelled],
-                                         reduction="sum").item()
+                total += F.cross_entropy(
+                    logits[:-1][labelled], torch.tensor(ids[1:])[labelled], reduction="sum"
+                ).item()
                 count += int(labelled.sum())
     return total / count

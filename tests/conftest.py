@@ -13,7 +13,8 @@ os.environ.setdefault("MESHWISE_COMM_CHECK", "nccl")
 # Processes the tests start import this checkout's meshwise, installed or not.
 ROOT = str(Path(__file__).resolve().parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    [ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+)
 # This process's view of the GPUs, taken before any test hides them from its children.
 GPUS = torch.cuda.device_count()
 

@@ -13,24 +13,44 @@ from meshwise.sharding.binding import param_owners, rebind
 
 # 4 layers (pp 2 x 2 virtual stages), GQA with 2 kv heads (tp 2), an odd vocabulary
 # (padded under tp 2).
-HF_SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=301,
-                max_position_embeddings=128, rope_theta=500000.0, rms_norm_eps=1e-5)
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+HF_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=301,
+    max_position_embeddings=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 ATOL = 1e-5
 
 
-def save_hf_llama(out, tie: bool = False, rope_scaling: dict | None = None,
-                  max_shard_size: str | None = None, seed: int = 0, model_type: str = "llama",
-                  **sizes):
+def save_hf_llama(
+    out,
+    tie: bool = False,
+    rope_scaling: dict | None = None,
+    max_shard_size: str | None = None,
+    seed: int = 0,
+    model_type: str = "llama",
+    **sizes,
+):
     """A random ``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3 by ``model_type``; norm
     weights and biases random too) saved to ``out``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     scaling = {"rope_scaling": dict(rope_scaling)} if rope_scaling else {}  # it edits it
-    config = AutoConfig.for_model(model_type, **{**HF_SIZES, **sizes}, tie_word_embeddings=tie,
-                                  **scaling)
+    config = AutoConfig.for_model(
+        model_type, **{**HF_SIZES, **sizes}, tie_word_embeddings=tie, **scaling
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -56,17 +76,32 @@ def token_ids(vocab_size: int = HF_SIZES["vocab_size"], shape=(2, 24), seed: int
     return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def laid_out(directory, tp_group=None, pp_rank: int = 0, pp_size: int = 1,
-             virtual_stages: int = 1, cp_group=None, sequence_parallel: bool = False,
-             tie_group=None):
+def laid_out(
+    directory,
+    tp_group=None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    virtual_stages: int = 1,
+    cp_group=None,
+    sequence_parallel: bool = False,
+    tie_group=None,
+):
     """meshwise's ``ParallelModel`` of ``directory`` (on the meta device) and the
     ``values(name, start, end)`` that read its slices from the files."""
     cfg = LlamaConfig(**llama_sizes(read_config(directory), str(directory)))
     with torch.device("meta"):
         model = Llama(cfg)
-    pm = parallelize(model, llama_plan(cfg), tp_group=tp_group, pp_rank=pp_rank,
-                     pp_size=pp_size, virtual_stages=virtual_stages, cp_group=cp_group,
-                     sequence_parallel=sequence_parallel, tie_group=tie_group)
+    pm = parallelize(
+        model,
+        llama_plan(cfg),
+        tp_group=tp_group,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        virtual_stages=virtual_stages,
+        cp_group=cp_group,
+        sequence_parallel=sequence_parallel,
+        tie_group=tie_group,
+    )
     weights = SafetensorsDir(directory)
     return pm, pm.values_from(lambda piece: weights.read(hf_name(piece.name), piece))
 
@@ -96,5 +131,11 @@ def save_gpt2(out, prefix: bool = True, **change):
         from safetensors.torch import load_file, save_file
 
         tensors = load_file(out / "model.safetensors")
-        save_file({k.removeprefix("transformer."): v for k, v in tensors.items()
-                   if not k.startswith("lm_head")}, out / "model.safetensors")
+        save_file(
+            {
+                k.removeprefix("transformer."): v
+                for k, v in tensors.items()
+                if not k.startswith("lm_head")
+            },
+            out / "model.safetensors",
+        )

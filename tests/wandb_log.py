@@ -24,11 +24,11 @@ def records(path: Path):
         if block_left < HEADER:  # too little room for a header: padding
             pos += block_left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         if kind == 0 and length == 0:
             pos += block_left
             continue
-        payload = data[pos + HEADER:pos + HEADER + length]
+        payload = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         pending += payload
         if kind in (1, 4):  # full, last

@@ -20,10 +20,19 @@ from torch.utils.checkpoint import (
 MODES = ("none", "selective", "full")
 _aten = torch.ops.aten
 # Outputs kept under "selective": matmuls and fused attention (costly to redo).
-_KEEP = {getattr(_aten, name).default for name in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name)}
+_KEEP = {
+    getattr(_aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(_aten, name)
+}
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -39,8 +48,9 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> No
     backward: whole for ``"full"``, the cheap parts for ``"selective"``.
     """
     if mode not in MODES:
-        raise ValueError(f"activation checkpointing {mode!r} is not valid; valid: "
-                         f"{', '.join(MODES)}")
+        raise ValueError(
+            f"activation checkpointing {mode!r} is not valid; valid: {', '.join(MODES)}"
+        )
     if mode == "none":
         return
     if isinstance(blocks, nn.ModuleDict):
@@ -66,6 +76,7 @@ class Checkpointed:
     def forward(self, *args, **kwargs):
         if self._ac_inside or not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)  # the recompute's own call; no autograd
+
         def run(*args, **kwargs):
             if self._ac_inside:  # the first run, inside this forward's __call__
                 return super(Checkpointed, self).forward(*args, **kwargs)

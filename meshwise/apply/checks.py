@@ -15,10 +15,17 @@ from meshwise.geometry.init import on_meta
 from meshwise.geometry.plan import ParallelPlan
 from meshwise.tensor_parallel.layers import padded_vocab_size
 
-_FITS = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab_head": nn.Linear,
-         "vocab_embedding": nn.Embedding, "position_embedding": nn.Embedding}
-_RESHAPE_RULE = ("where a split dimension is reshaped, use -1 or the local size "
-                 "(view(B, T, -1, head_dim)), not the whole model's count of heads or features")
+_FITS = {
+    "colwise": nn.Linear,
+    "rowwise": nn.Linear,
+    "vocab_head": nn.Linear,
+    "vocab_embedding": nn.Embedding,
+    "position_embedding": nn.Embedding,
+}
+_RESHAPE_RULE = (
+    "where a split dimension is reshaped, use -1 or the local size "
+    "(view(B, T, -1, head_dim)), not the whole model's count of heads or features"
+)
 
 
 def split_modules(model: nn.Module, plan: ParallelPlan) -> list[tuple[str, nn.Module, str]]:
@@ -33,19 +40,25 @@ def split_modules(model: nn.Module, plan: ParallelPlan) -> list[tuple[str, nn.Mo
         if style == "shard_norm":
             weight = getattr(module, "weight", None)
             if not hasattr(module, "eps") or weight is None or weight.dim() != 1:
-                raise ValueError(f"plan: {path} is a {type(module).__name__}, but style "
-                                 "'shard_norm' needs an RMSNorm (a weight of one dim and eps)")
+                raise ValueError(
+                    f"plan: {path} is a {type(module).__name__}, but style "
+                    "'shard_norm' needs an RMSNorm (a weight of one dim and eps)"
+                )
         elif not isinstance(module, _FITS[style]):
-            raise ValueError(f"plan: {path} is a {type(module).__name__}, but style {style!r} "
-                             f"needs an nn.{_FITS[style].__name__}; change its style or the "
-                             "module")
+            raise ValueError(
+                f"plan: {path} is a {type(module).__name__}, but style {style!r} "
+                f"needs an nn.{_FITS[style].__name__}; change its style or the "
+                "module"
+            )
         used.add(pattern)
         found.append((path, module, style))
     for pattern, _ in plan.tp:
         if pattern not in used:
-            raise ValueError(f"plan: tp pattern {pattern!r} matches no module of "
-                             f"{type(model).__name__}; fix the name (modules look like "
-                             f"{_examples(model)})")
+            raise ValueError(
+                f"plan: tp pattern {pattern!r} matches no module of "
+                f"{type(model).__name__}; fix the name (modules look like "
+                f"{_examples(model)})"
+            )
     return found
 
 
@@ -59,20 +72,26 @@ def check_names(model: nn.Module, plan: ParallelPlan) -> None:
     modules = dict(model.named_modules())
     for name in (*plan.first_stage, *plan.last_stage):
         if name not in modules:
-            raise ValueError(f"plan: first_stage/last_stage module {name!r} is not a module of "
-                             f"{type(model).__name__}; fix the name (modules look like "
-                             f"{_examples(model)})")
+            raise ValueError(
+                f"plan: first_stage/last_stage module {name!r} is not a module of "
+                f"{type(model).__name__}; fix the name (modules look like "
+                f"{_examples(model)})"
+            )
     params = dict(model.named_parameters(remove_duplicate=False))
     for tie in plan.ties:
         for name in tie:
             if name not in params:
-                raise ValueError(f"plan: tied parameter {name!r} is not a parameter of "
-                                 f"{type(model).__name__}; fix the name")
+                raise ValueError(
+                    f"plan: tied parameter {name!r} is not a parameter of "
+                    f"{type(model).__name__}; fix the name"
+                )
         shapes = {name: tuple(params[name].shape) for name in tie}
         if len(set(shapes.values())) > 1:
-            raise ValueError(f"plan: tied parameters have different shapes {shapes}; tie "
-                             "only parameters of one shape (an embedding (V, D) and a head "
-                             "nn.Linear(D, V))")
+            raise ValueError(
+                f"plan: tied parameters have different shapes {shapes}; tie "
+                "only parameters of one shape (an embedding (V, D) and a head "
+                "nn.Linear(D, V))"
+            )
 
 
 def check_divisible(split, tp_size: int) -> None:
@@ -81,26 +100,40 @@ def check_divisible(split, tp_size: int) -> None:
             attr = "out_features" if style == "colwise" else "in_features"
             size = getattr(module, attr)
             if size % tp_size:
-                raise ValueError(f"plan: {path}.{attr} = {size} is not divisible by tp "
-                                 f"{tp_size}; choose a tp that divides it, or replicate {path}")
+                raise ValueError(
+                    f"plan: {path}.{attr} = {size} is not divisible by tp "
+                    f"{tp_size}; choose a tp that divides it, or replicate {path}"
+                )
 
 
 def vocab_from_modules(split, given: int | None) -> int | None:
     """The vocabulary of the modules split over it (``vocab_embedding``/``vocab_head``)."""
-    sizes = {path: (m.num_embeddings if style == "vocab_embedding" else m.out_features)
-             for path, m, style in split if style in ("vocab_embedding", "vocab_head")}
+    sizes = {
+        path: (m.num_embeddings if style == "vocab_embedding" else m.out_features)
+        for path, m, style in split
+        if style in ("vocab_embedding", "vocab_head")
+    }
     if len(set(sizes.values())) > 1:
-        raise ValueError(f"plan: the vocabulary-split modules disagree on the vocabulary: "
-                         f"{sizes}; give them one size")
+        raise ValueError(
+            f"plan: the vocabulary-split modules disagree on the vocabulary: "
+            f"{sizes}; give them one size"
+        )
     found = next(iter(sizes.values()), None)
     if given is not None and found is not None and given != found:
-        raise ValueError(f"vocab_size={given} but {next(iter(sizes))} holds {found} rows; "
-                         "leave vocab_size out (it is read from the model) or make them agree")
+        raise ValueError(
+            f"vocab_size={given} but {next(iter(sizes))} holds {found} rows; "
+            "leave vocab_size out (it is read from the model) or make them agree"
+        )
     return found if found is not None else given
 
 
-def check_forward(model: nn.Module, split, tp_size: int, num_stages: int,
-                  cut: Callable[[nn.Module, int, int], nn.Module]) -> None:
+def check_forward(
+    model: nn.Module,
+    split,
+    tp_size: int,
+    num_stages: int,
+    cut: Callable[[nn.Module, int, int], nn.Module],
+) -> None:
     """Run the model's forward on meta copies: shrunk to one tp rank's shard, and cut
     into pipeline stages. Skipped if the model is not on the meta device or its
     whole forward does not take a ``(batch, tokens)`` tensor of ids."""
@@ -114,14 +147,20 @@ def check_forward(model: nn.Module, split, tp_size: int, num_stages: int,
         return
     if tp_size > 1:
         shard = _shrunk(model, split, tp_size)
-        _run(shard, tokens, lambda where, exc: (
-            f"plan: {where}'s forward fails on one tensor-parallel shard (tp {tp_size}): "
-            f"{_first_line(exc)}; {_RESHAPE_RULE}"))
+        _run(
+            shard,
+            tokens,
+            lambda where, exc: (
+                f"plan: {where}'s forward fails on one tensor-parallel shard (tp {tp_size}): "
+                f"{_first_line(exc)}; {_RESHAPE_RULE}"
+            ),
+        )
     if num_stages > 1:
         x = tokens
         for stage in range(num_stages):
-            x = _run(cut(copy.deepcopy(model), stage, num_stages), x,
-                     _stage_failure(stage, num_stages))
+            x = _run(
+                cut(copy.deepcopy(model), stage, num_stages), x, _stage_failure(stage, num_stages)
+            )
 
 
 def _stage_failure(stage: int, num_stages: int) -> Callable[[str, Exception], str]:
@@ -129,7 +168,8 @@ def _stage_failure(stage: int, num_stages: int) -> Callable[[str, Exception], st
         f"plan: {where}'s forward fails in pipeline stage {stage} of {num_stages}, "
         f"where the modules a stage does not hold are None: {_first_line(exc)}; the "
         "forward must skip a module set to None (if self.head is not None: ...) and "
-        "take the previous stage's output in place of the token ids")
+        "take the previous stage's output in place of the token ids"
+    )
 
 
 def _shrunk(model: nn.Module, split, tp_size: int) -> nn.Module:

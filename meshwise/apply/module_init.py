@@ -49,7 +49,8 @@ def default_inits(model: nn.Module) -> dict[str, Init]:
                 f"{where} ({type(module).__name__}) has no known default initialisation "
                 "(known: nn.Linear, nn.Embedding without padding_idx, nn.LayerNorm, "
                 "nn.RMSNorm, nn.GroupNorm); pass init_of(name) -> Init, e.g. "
-                "meshwise.geometry.init.normal(0.02), ONES or ZEROS")
+                "meshwise.geometry.init.normal(0.02), ONES or ZEROS"
+            )
         for name in own:
             out[f"{path}.{name}" if path else name] = inits[name]
     return out

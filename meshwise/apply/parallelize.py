@@ -84,6 +84,7 @@ class ParallelModel:
     def end_modules(self, chunk: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
         """The plan's first-stage and last-stage modules this chunk holds, with parameters
         (each its own ZeRO-3 unit: a tied embedding must not share its shards)."""
+
         def held(names):
             found = []
             for name in names:
@@ -94,6 +95,7 @@ class ParallelModel:
                 if module is not None and next(module.parameters(), None) is not None:
                     found.append(module)
             return found
+
         return held(self.plan.first_stage), held(self.plan.last_stage)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -108,8 +110,9 @@ class ParallelModel:
 
     def layers(self) -> list[nn.Module]:
         """The repeated layers of every chunk, in order (ZeRO-3 units, checkpointing)."""
-        return [layer for chunk in self.chunks
-                for layer in getattr(chunk, self.plan.layers).values()]
+        return [
+            layer for chunk in self.chunks for layer in getattr(chunk, self.plan.layers).values()
+        ]
 
     def logical_name(self, name: str) -> str:
         return self.plan.logical_name(name)
@@ -126,8 +129,7 @@ class ParallelModel:
         (default: the chunks' own, which ZeRO-3 unregisters)."""
         rank, size = tp_rank_of(self.tp_group), tp_size_of(self.tp_group)
         named = self.named_parameters() if named_params is None else named_params
-        return {name: logical_piece(self.logical_name(name), p, rank, size)
-                for name, p in named}
+        return {name: logical_piece(self.logical_name(name), p, rank, size) for name, p in named}
 
     def init_values(self, init_of: Callable[[str], Init] | None = None, seed: int = 0):
         """``values(name, start, end)`` for the engines: the single-process initial
@@ -161,29 +163,41 @@ class ParallelModel:
             # Along dim 0 the real rows come first; padding (vocabulary) stays zero.
             real_end = min(end, piece.numel)
             if start < real_end:
-                out[:real_end - start] = read(piece.flat(start, real_end))
+                out[: real_end - start] = read(piece.flat(start, real_end))
             return out
 
         return values
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of token losses; from the logit shards under tensor parallelism."""
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group,
-                                            vocab_size=self.vocab_size, reduction="sum")
+        return vocab_parallel_cross_entropy(
+            logits, targets, self.tp_group, vocab_size=self.vocab_size, reduction="sum"
+        )
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary ``(..., vocab_size)`` (for sampling)."""
         for module in self.chunks[-1].modules():
             if isinstance(module, VocabParallelHead):
                 return module.full_logits(logits)
-        return logits[..., :self.vocab_size]
+        return logits[..., : self.vocab_size]
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: int = 0,
-                pp_size: int = 1, virtual_stages: int = 1, vocab_size: int | None = None,
-                sequence_parallel: bool = False, cp_group=None,
-                stage_map: str = "loop", *, mesh=None, tie_group=None,
-                check_forward: bool = True) -> ParallelModel:
+def parallelize(
+    model: nn.Module,
+    plan: ParallelPlan,
+    tp_group=None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    virtual_stages: int = 1,
+    vocab_size: int | None = None,
+    sequence_parallel: bool = False,
+    cp_group=None,
+    stage_map: str = "loop",
+    *,
+    mesh=None,
+    tie_group=None,
+    check_forward: bool = True,
+) -> ParallelModel:
     """This rank's ``ParallelModel`` of ``model`` (consumed: chunks reuse it).
 
     ``mesh`` gives the groups and pipeline position, or one by one: ``tp_group``,
@@ -202,35 +216,59 @@ def parallelize(model: nn.Module, plan: ParallelPlan, tp_group=None, pp_rank: in
     num_stages = pp_size * virtual_stages
     layers = _layers(model, plan)
     if len(layers) % num_stages:
-        raise ValueError(f"{len(layers)} layers do not split into pp x virtual stages = "
-                         f"{pp_size} x {virtual_stages} = {num_stages} equal chunks")
+        raise ValueError(
+            f"{len(layers)} layers do not split into pp x virtual stages = "
+            f"{pp_size} x {virtual_stages} = {num_stages} equal chunks"
+        )
     if sequence_parallel and tp_size_of(tp_group) == 1:
-        raise ValueError("sequence parallelism splits the sequence across tp ranks: it needs "
-                         "tp > 1")
+        raise ValueError(
+            "sequence parallelism splits the sequence across tp ranks: it needs tp > 1"
+        )
     cp_size = 1 if cp_group is None else cp_group.size
     if cp_size > 1 and not plan.ring_capable:
-        raise ValueError(f"{type(model).__name__}'s plan names no ring_attention: its "
-                         "attention cannot run under context parallelism")
-    vocab_size, own, problem = _check(model, plan, tp_size_of(tp_group), num_stages,
-                                      vocab_size, check_forward)
-    stages = [stage_index(pp_rank, v, pp_size, stage_map)
-              for v in range(virtual_stages)]
+        raise ValueError(
+            f"{type(model).__name__}'s plan names no ring_attention: its "
+            "attention cannot run under context parallelism"
+        )
+    vocab_size, own, problem = _check(
+        model, plan, tp_size_of(tp_group), num_stages, vocab_size, check_forward
+    )
+    stages = [stage_index(pp_rank, v, pp_size, stage_map) for v in range(virtual_stages)]
     chunks = [_cut(model, plan, s, num_stages) for s in stages]
     for chunk in chunks:
         if tp_size_of(tp_group) > 1:
-            _apply_tp(chunk, plan, tp_group,
-                      SequenceGather(tp_group) if sequence_parallel else None)
+            _apply_tp(
+                chunk, plan, tp_group, SequenceGather(tp_group) if sequence_parallel else None
+            )
         if cp_size > 1:
-            _swap_styles(chunk, plan.cp_style, lambda style, module: _CP_SWAP[style](
-                module, cp_group))
+            _swap_styles(
+                chunk, plan.cp_style, lambda style, module: _CP_SWAP[style](module, cp_group)
+            )
     remote, local = _cross_stage_ties(chunks, plan, num_stages)
     _mark_ties(chunks, remote, tie_group)
-    return ParallelModel(chunks, stages, num_stages, plan, tp_group, vocab_size, remote, local,
-                         sequence_parallel, own, problem)
+    return ParallelModel(
+        chunks,
+        stages,
+        num_stages,
+        plan,
+        tp_group,
+        vocab_size,
+        remote,
+        local,
+        sequence_parallel,
+        own,
+        problem,
+    )
 
 
-def _check(model: nn.Module, plan: ParallelPlan, tp_size: int, num_stages: int,
-           vocab_size: int | None, forward: bool):
+def _check(
+    model: nn.Module,
+    plan: ParallelPlan,
+    tp_size: int,
+    num_stages: int,
+    vocab_size: int | None,
+    forward: bool,
+):
     """The plan against the model (before anything is cut): the vocabulary, and each
     parameter's own initialisation (or why there is none)."""
     check_names(model, plan)
@@ -239,8 +277,9 @@ def _check(model: nn.Module, plan: ParallelPlan, tp_size: int, num_stages: int,
         check_divisible(split, tp_size)
     vocab_size = vocab_from_modules(split, vocab_size)
     if forward:
-        check_forward(model, split, tp_size, num_stages,
-                      lambda m, stage, n: _cut(m, plan, stage, n))
+        check_forward(
+            model, split, tp_size, num_stages, lambda m, stage, n: _cut(m, plan, stage, n)
+        )
     try:
         return vocab_size, default_inits(model), ""
     except ValueError as exc:
@@ -260,8 +299,10 @@ def _mark_ties(chunks, ties: list[str], tie_group) -> None:
 def _layers(model: nn.Module, plan: ParallelPlan) -> nn.ModuleDict:
     layers = getattr(model, plan.layers, None)
     if not isinstance(layers, nn.ModuleDict):
-        raise ValueError(f"plan: {type(model).__name__}.{plan.layers} must be an nn.ModuleDict "
-                         "of the layers keyed by their index")
+        raise ValueError(
+            f"plan: {type(model).__name__}.{plan.layers} must be an nn.ModuleDict "
+            "of the layers keyed by their index"
+        )
     return layers
 
 
@@ -273,7 +314,7 @@ def _cut(model: nn.Module, plan: ParallelPlan, stage: int, num_stages: int) -> n
     layers = _layers(chunk, plan)
     keys = list(layers.keys())
     per_stage = len(keys) // num_stages
-    keep = set(keys[stage * per_stage:(stage + 1) * per_stage])
+    keep = set(keys[stage * per_stage : (stage + 1) * per_stage])
     for key in keys:
         if key not in keep:
             del layers[key]
@@ -297,8 +338,11 @@ def _swap_styles(chunk: nn.Module, style_of, swap) -> None:
 def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group, sequence) -> None:
     """Swap each module the plan names for its tensor-parallel form; re-tie ties.
     ``sequence``: one ``SequenceGather`` for the chunk under sequence parallelism."""
-    _swap_styles(chunk, plan.tp_style,
-                 lambda style, module: _SWAP[style](module, tp_group, sequence=sequence))
+    _swap_styles(
+        chunk,
+        plan.tp_style,
+        lambda style, module: _SWAP[style](module, tp_group, sequence=sequence),
+    )
     for tie in plan.ties:
         held = [name for name in tie if _get_param(chunk, name) is not None]
         for name in held[1:]:
@@ -308,14 +352,18 @@ def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group, sequence) -> None:
             set_param(chunk, name, first)
 
 
-def _cross_stage_ties(chunks, plan: ParallelPlan, num_stages: int
-                      ) -> tuple[list[str], list[tuple[str, ...]]]:
+def _cross_stage_ties(
+    chunks, plan: ParallelPlan, num_stages: int
+) -> tuple[list[str], list[tuple[str, ...]]]:
     """Tie members held here whose partners live on another rank, and groups of members
     held here in different chunks (separate copies, to be kept equal locally)."""
     if num_stages == 1:
         return [], []
-    chunk_of = {name: i for i, chunk in enumerate(chunks)
-                for name, _ in chunk.named_parameters(remove_duplicate=False)}
+    chunk_of = {
+        name: i
+        for i, chunk in enumerate(chunks)
+        for name, _ in chunk.named_parameters(remove_duplicate=False)
+    }
     remote, local = [], []
     for tie in plan.ties:
         held = [name for name in tie if name in chunk_of]

@@ -53,16 +53,26 @@ class SaveDirLock:
         try:
             self._fd = file_lock.acquire(self.path, wait=False)
         except file_lock.LockBusy:
-            raise SaveDirBusy(f"--save {self.path.parent} is in use by another meshwise job "
-                              f"({_describe(_holder(self.path))}); wait for it to end, or "
-                              "choose another --save") from None
+            raise SaveDirBusy(
+                f"--save {self.path.parent} is in use by another meshwise job "
+                f"({_describe(_holder(self.path))}); wait for it to end, or "
+                "choose another --save"
+            ) from None
         except OSError as exc:  # no locks on this file system (ENOLCK, EOPNOTSUPP)
-            log.warning("warning: --save %s cannot be locked (%s); nothing stops a second job "
-                        "from using it meanwhile", self.path.parent, exc.strerror or exc)
+            log.warning(
+                "warning: --save %s cannot be locked (%s); nothing stops a second job "
+                "from using it meanwhile",
+                self.path.parent,
+                exc.strerror or exc,
+            )
             return
         self.stale = _holder(self.path) or None
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "run": self.run,
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "run": self.run,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (json.dumps(record) + "\n").encode(), 0)
 
@@ -84,5 +94,7 @@ def _holder(path: Path) -> dict:
 def _describe(holder: dict) -> str:
     if not holder:
         return "it has not written its name yet"
-    return (f"pid {holder.get('pid')} on {holder.get('host')}, run {holder.get('run')}, "
-            f"since {holder.get('since')}")
+    return (
+        f"pid {holder.get('pid')} on {holder.get('host')}, run {holder.get('run')}, "
+        f"since {holder.get('since')}"
+    )

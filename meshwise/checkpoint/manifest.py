@@ -19,8 +19,18 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 DIGEST = "manifest.sha256"
-DTYPES = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8",
-          "uint8", "bool")
+DTYPES = (
+    "float64",
+    "float32",
+    "bfloat16",
+    "float16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -50,8 +60,10 @@ def read(directory: Path) -> dict:
         raise CheckpointError(f"{path}: not a {FORMAT} manifest")
     version = manifest.get("version")
     if version not in READABLE_VERSIONS:
-        raise CheckpointError(f"{path}: version {version!r} is not one this meshwise reads "
-                              f"({', '.join(map(str, READABLE_VERSIONS))})")
+        raise CheckpointError(
+            f"{path}: version {version!r} is not one this meshwise reads "
+            f"({', '.join(map(str, READABLE_VERSIONS))})"
+        )
     if version >= 2:  # version 1 was written before the digest: its shape is still checked
         _check_digest(directory, data)
     try:
@@ -67,18 +79,23 @@ def _check_digest(directory: Path, data: bytes) -> None:
     try:
         recorded = digest_path.read_text().split()[0]
     except (OSError, ValueError, IndexError):
-        raise CheckpointError(f"{digest_path}: missing or unreadable; {directory} is not a "
-                              "complete checkpoint") from None
+        raise CheckpointError(
+            f"{digest_path}: missing or unreadable; {directory} is not a complete checkpoint"
+        ) from None
     if recorded != hashlib.sha256(data).hexdigest():
-        raise CheckpointError(f"{directory / MANIFEST}: checksum mismatch with {DIGEST} (the "
-                              "manifest or its digest is damaged)")
+        raise CheckpointError(
+            f"{directory / MANIFEST}: checksum mismatch with {DIGEST} (the "
+            "manifest or its digest is damaged)"
+        )
 
 
 def validate(manifest: dict) -> None:
     """Raise ``KeyError``/``TypeError``/``ValueError`` naming the first key out of shape."""
     meta, files, tensors = manifest["meta"], manifest["files"], manifest["tensors"]
-    _require(isinstance(meta, dict) and isinstance(files, dict) and isinstance(tensors, dict),
-             "meta, files and tensors must be objects")
+    _require(
+        isinstance(meta, dict) and isinstance(files, dict) and isinstance(tensors, dict),
+        "meta, files and tensors must be objects",
+    )
     for key in ("step", "optimizer_step"):
         if key in meta:
             _require(_is_int(meta[key]) and meta[key] >= 0, f"meta.{key} must be an integer >= 0")
@@ -88,16 +105,20 @@ def validate(manifest: dict) -> None:
     for name, info in files.items():
         _require(bool(_FILE_NAME.match(name)), f"file name {name!r}")
         _require(_is_int(info["bytes"]) and info["bytes"] >= 0, f"files.{name}.bytes")
-        _require(isinstance(info["sha256"], str) and bool(_SHA256.match(info["sha256"])),
-                 f"files.{name}.sha256")
+        _require(
+            isinstance(info["sha256"], str) and bool(_SHA256.match(info["sha256"])),
+            f"files.{name}.sha256",
+        )
     for name, entry in tensors.items():
         _validate_tensor(name, entry, files)
 
 
 def _validate_tensor(name: str, entry: dict, files: dict) -> None:
     shape = entry["shape"]
-    _require(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape),
-             f"tensors.{name}.shape")
+    _require(
+        isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape),
+        f"tensors.{name}.shape",
+    )
     _require(entry["dtype"] in DTYPES, f"tensors.{name}.dtype {entry['dtype']!r}")
     _require(isinstance(entry["pieces"], list), f"tensors.{name}.pieces")
     stored = 0
@@ -107,15 +128,28 @@ def _validate_tensor(name: str, entry: dict, files: dict) -> None:
         _require(isinstance(piece["key"], str), f"{where}: key")
         offsets, sizes, flat = piece["box_offsets"], piece["box_sizes"], piece["flat"]
         for label, values in (("box_offsets", offsets), ("box_sizes", sizes)):
-            _require(isinstance(values, list) and len(values) == len(shape)
-                     and all(_is_int(v) and v >= 0 for v in values), f"{where}: {label}")
-        _require(all(o + s <= d for o, s, d in zip(offsets, sizes, shape)),
-                 f"{where}: its box lies outside the shape {shape}")
-        _require(isinstance(flat, list) and len(flat) == 2 and all(map(_is_int, flat))
-                 and 0 <= flat[0] <= flat[1] <= math.prod(sizes), f"{where}: flat {flat}")
+            _require(
+                isinstance(values, list)
+                and len(values) == len(shape)
+                and all(_is_int(v) and v >= 0 for v in values),
+                f"{where}: {label}",
+            )
+        _require(
+            all(o + s <= d for o, s, d in zip(offsets, sizes, shape)),
+            f"{where}: its box lies outside the shape {shape}",
+        )
+        _require(
+            isinstance(flat, list)
+            and len(flat) == 2
+            and all(map(_is_int, flat))
+            and 0 <= flat[0] <= flat[1] <= math.prod(sizes),
+            f"{where}: flat {flat}",
+        )
         stored += flat[1] - flat[0]
-    _require(stored == math.prod(shape), f"tensors.{name}: its pieces hold {stored} elements "
-             f"of {math.prod(shape)}")
+    _require(
+        stored == math.prod(shape),
+        f"tensors.{name}: its pieces hold {stored} elements of {math.prod(shape)}",
+    )
 
 
 def _require(ok: bool, what: str) -> None:

@@ -37,8 +37,10 @@ def check_not_overwriting(save_dir: str, resume: str | None) -> None:
     """A fresh run must not write over another run's checkpoints."""
     found = complete_checkpoints(save_dir)
     if found and resume is None:
-        raise ValueError(f"--save {save_dir} already holds checkpoints (newest: {found[-1].name});"
-                         f" pass --resume auto to continue that run, or choose another directory")
+        raise ValueError(
+            f"--save {save_dir} already holds checkpoints (newest: {found[-1].name});"
+            f" pass --resume auto to continue that run, or choose another directory"
+        )
 
 
 def find_resume(resume: str | None, save_dir: str | None) -> Path | None:
@@ -66,27 +68,32 @@ def open_verified(path: Path, model: dict) -> Checkpoint:
     stored = ckpt.meta.get("model", {})
     for key, value in model.items():
         if stored.get(key) != value:
-            raise CheckpointError(f"{path}: holds a model with {key} {stored.get(key)}, this run "
-                                  f"has {key} {value}")
+            raise CheckpointError(
+                f"{path}: holds a model with {key} {stored.get(key)}, this run has {key} {value}"
+            )
     return ckpt
 
 
 def in_the_way(save_dir: str, start_step: int) -> list[Path]:
     """``step-`` entries of ``save_dir`` a run starting after ``start_step`` could collide
     with: newer ones, complete or not."""
-    return [p for p in step_entries(save_dir)
-            if (step := step_of(p)) is not None and step > start_step]
+    return [
+        p for p in step_entries(save_dir) if (step := step_of(p)) is not None and step > start_step
+    ]
 
 
-def branch_problem(save_dir: str, start: Path | None, start_step: int,
-                   entries: list[Path]) -> str:
+def branch_problem(save_dir: str, start: Path | None, start_step: int, entries: list[Path]) -> str:
     """The one line refusing to train into ``entries`` (see ``in_the_way``)."""
-    names = ", ".join(p.name + ("" if (p / MANIFEST).is_file() else " (no manifest.json: "
-                                "damaged or incomplete)") for p in entries)
+    names = ", ".join(
+        p.name + ("" if (p / MANIFEST).is_file() else " (no manifest.json: damaged or incomplete)")
+        for p in entries
+    )
     where = f"--resume {start} is at step {start_step}" if start else "a fresh run starts at 0"
-    return (f"{where}, but --save {save_dir} also holds the newer {names}, which this run "
-            f"would collide with; pass --branch to move them into {save_dir}/"
-            f"{SET_ASIDE_PREFIX}<run id>/ and train on from there, or choose another --save")
+    return (
+        f"{where}, but --save {save_dir} also holds the newer {names}, which this run "
+        f"would collide with; pass --branch to move them into {save_dir}/"
+        f"{SET_ASIDE_PREFIX}<run id>/ and train on from there, or choose another --save"
+    )
 
 
 def set_aside(save_dir: str, entries: list[Path], run: str) -> Path:

@@ -60,9 +60,11 @@ class SaveDir:
                 free = shutil.disk_usage(self.path).free
             if free < needed:
                 after = f" after pruning {len(pruned)} older (--keep-last)" if pruned else ""
-                return (f"cannot save step {step} in {self.path}: the checkpoint needs about "
-                        f"{human_bytes(needed)}, {human_bytes(free)} is free{after}; free some "
-                        "space, pass --keep-last, or choose another --save")
+                return (
+                    f"cannot save step {step} in {self.path}: the checkpoint needs about "
+                    f"{human_bytes(needed)}, {human_bytes(free)} is free{after}; free some "
+                    "space, pass --keep-last, or choose another --save"
+                )
             tmp = self.temp_dir(step)
             if tmp.exists():  # this job's own save of this step died (then it restarted)
                 shutil.rmtree(tmp)
@@ -74,15 +76,19 @@ class SaveDir:
     def ours(self) -> list[Path]:
         """This lineage's complete checkpoints that it may prune, oldest first."""
         protected = {Path(p).absolute() for p in self.protect}
-        return [p for p in complete_checkpoints(self.path)
-                if (meta := manifest.read_meta(p)) is not None and self.belongs(meta)
-                and p.absolute() not in protected]
+        return [
+            p
+            for p in complete_checkpoints(self.path)
+            if (meta := manifest.read_meta(p)) is not None
+            and self.belongs(meta)
+            and p.absolute() not in protected
+        ]
 
     def prune(self, keep: int) -> list[Path]:
         """Remove all but the newest ``keep`` of this lineage's checkpoints (never a
         protected one); return what was removed."""
         ours = self.ours()
-        doomed = ours[:len(ours) - keep] if keep else ours
+        doomed = ours[: len(ours) - keep] if keep else ours
         for path in doomed:
             remove(path)
         return doomed

@@ -28,9 +28,16 @@ def _stored(piece: Piece, kind: str) -> Piece:
     return dataclasses.replace(piece, name=KIND_PREFIX[kind] + piece.name)
 
 
-def save(target: str | Path | SaveDir, step: int, runs: list[FlatRun],
-         pieces: dict[str, Piece], represented: set[str], world: ops.Group, meta: dict,
-         rank_tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
+def save(
+    target: str | Path | SaveDir,
+    step: int,
+    runs: list[FlatRun],
+    pieces: dict[str, Piece],
+    represented: set[str],
+    world: ops.Group,
+    meta: dict,
+    rank_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Path | None:
     """Write a checkpoint of ``step`` (a collective over ``world``); rank 0 returns its path.
 
     ``target``: the ``--save`` directory or a job's view of it; ``pieces``: engine parameter
@@ -76,7 +83,7 @@ def _entries(runs, pieces, represented, rank, rank_tensors) -> list[tuple[Piece,
         layout = [(pieces[name], offset) for name, offset, _ in run.names if name in represented]
         for kind, (tensor, base) in run.tensors.items():
             for sub, lo, hi in pieces_in_range(layout, *run.save_range):
-                entries.append((_stored(sub, kind), tensor[lo - base:hi - base]))
+                entries.append((_stored(sub, kind), tensor[lo - base : hi - base]))
     rng = torch.get_rng_state()
     entries.append((Piece.whole(f"rng.rank{rank}", rng.shape), rng))
     for group, tensors in (rank_tensors or {}).items():
@@ -86,14 +93,15 @@ def _entries(runs, pieces, represented, rank, rank_tensors) -> list[tuple[Piece,
 
 
 @torch.no_grad()
-def load(ckpt: Checkpoint, runs: list[FlatRun], pieces: dict[str, Piece], rank: int,
-         same_layout: bool) -> None:
+def load(
+    ckpt: Checkpoint, runs: list[FlatRun], pieces: dict[str, Piece], rank: int, same_layout: bool
+) -> None:
     """Fill every tensor of ``runs`` from ``ckpt``; restore the RNG on the same layout."""
     for run in runs:
         layout = [(pieces[name], offset) for name, offset, _ in run.names]
         for kind, (tensor, base) in run.tensors.items():
             for sub, lo, hi in pieces_in_range(layout, base, base + tensor.numel()):
-                ckpt.read_into(tensor[lo - base:hi - base], _stored(sub, kind))
+                ckpt.read_into(tensor[lo - base : hi - base], _stored(sub, kind))
     if same_layout:
         torch.set_rng_state(ckpt.read(f"rng.rank{rank}"))
 
@@ -101,11 +109,15 @@ def load(ckpt: Checkpoint, runs: list[FlatRun], pieces: dict[str, Piece], rank: 
 def rank_state(ckpt: Checkpoint, group: str, rank: int) -> dict[str, torch.Tensor]:
     """What ``save`` stored of ``rank``'s ``group`` state: name -> tensor."""
     prefix = f"{group}.rank{rank}."
-    return {name[len(prefix):]: ckpt.read(name) for name in ckpt.tensors
-            if name.startswith(prefix)}
+    return {
+        name[len(prefix) :]: ckpt.read(name) for name in ckpt.tensors if name.startswith(prefix)
+    }
 
 
 def model_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     """Every model parameter, whole, under its single-process name."""
-    return {name[len(PARAM_PREFIX):]: ckpt.read(name) for name in sorted(ckpt.tensors)
-            if name.startswith(PARAM_PREFIX)}
+    return {
+        name[len(PARAM_PREFIX) :]: ckpt.read(name)
+        for name in sorted(ckpt.tensors)
+        if name.startswith(PARAM_PREFIX)
+    }

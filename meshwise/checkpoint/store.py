@@ -45,8 +45,9 @@ def temp_dir(save_dir: str | os.PathLike, step: int, job: str = "") -> Path:
     return Path(save_dir) / f"{TEMP_PREFIX}{step_dir_name(step)}{'-' + job if job else ''}"
 
 
-def write_rank_file(tmp_dir: str | os.PathLike, rank: int,
-                    entries: list[tuple[Piece, torch.Tensor]]) -> dict:
+def write_rank_file(
+    tmp_dir: str | os.PathLike, rank: int, entries: list[tuple[Piece, torch.Tensor]]
+) -> dict:
     """Write this rank's pieces (flat tensors, one per piece) and return its manifest fragment."""
     from safetensors.torch import save_file
 
@@ -54,12 +55,20 @@ def write_rank_file(tmp_dir: str | os.PathLike, rank: int,
     tensors, pieces = {}, []
     for i, (piece, tensor) in enumerate(entries):
         if tensor.numel() != piece.numel:
-            raise ValueError(f"{piece.name}: {tensor.numel()} elements for a piece of "
-                             f"{piece.numel}")
+            raise ValueError(
+                f"{piece.name}: {tensor.numel()} elements for a piece of {piece.numel}"
+            )
         key = f"p{i}"
         tensors[key] = tensor.detach().reshape(-1).contiguous().cpu()
-        pieces.append({"name": piece.name, "shape": list(piece.shape), "key": key,
-                       "dtype": str(tensor.dtype).removeprefix("torch."), **piece.to_dict()})
+        pieces.append(
+            {
+                "name": piece.name,
+                "shape": list(piece.shape),
+                "key": key,
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                **piece.to_dict(),
+            }
+        )
     path = Path(tmp_dir) / file_name
     try:
         save_file(tensors, str(path))
@@ -80,8 +89,12 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def finalize(tmp_dir: str | os.PathLike, fragments: list[dict], meta: dict,
-             final: str | os.PathLike | None = None) -> Path:
+def finalize(
+    tmp_dir: str | os.PathLike,
+    fragments: list[dict],
+    meta: dict,
+    final: str | os.PathLike | None = None,
+) -> Path:
     """Write the manifest for the complete set of fragments and make the checkpoint visible
     as ``final`` (default: ``tmp_dir``'s name without the temporary prefix)."""
     tmp_dir = Path(tmp_dir)
@@ -91,20 +104,34 @@ def finalize(tmp_dir: str | os.PathLike, fragments: list[dict], meta: dict,
         path = tmp_dir / fragment["file"]
         files[fragment["file"]] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
         for p in fragment["pieces"]:
-            entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"],
-                                                   "pieces": []})
+            entry = tensors.setdefault(
+                p["name"], {"shape": p["shape"], "dtype": p["dtype"], "pieces": []}
+            )
             if entry["shape"] != p["shape"]:
-                raise ValueError(f"{p['name']}: pieces disagree on the shape "
-                                 f"({entry['shape']} vs {p['shape']})")
-            entry["pieces"].append({"file": fragment["file"], "key": p["key"],
-                                    **{k: p[k] for k in ("box_offsets", "box_sizes", "flat")}})
+                raise ValueError(
+                    f"{p['name']}: pieces disagree on the shape ({entry['shape']} vs {p['shape']})"
+                )
+            entry["pieces"].append(
+                {
+                    "file": fragment["file"],
+                    "key": p["key"],
+                    **{k: p[k] for k in ("box_offsets", "box_sizes", "flat")},
+                }
+            )
     for name, entry in tensors.items():
         stored = sum(p["flat"][1] - p["flat"][0] for p in entry["pieces"])
         if stored != math.prod(entry["shape"]):
-            raise ValueError(f"{name}: pieces hold {stored} elements, the tensor has "
-                             f"{math.prod(entry['shape'])} (a shard missing or written twice)")
-    manifest = {"format": FORMAT, "version": VERSION, "meta": meta, "files": files,
-                "tensors": tensors}
+            raise ValueError(
+                f"{name}: pieces hold {stored} elements, the tensor has "
+                f"{math.prod(entry['shape'])} (a shard missing or written twice)"
+            )
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "meta": meta,
+        "files": files,
+        "tensors": tensors,
+    }
     manifest_file.write(tmp_dir, manifest)
     final = Path(final) if final else tmp_dir.parent / tmp_dir.name.removeprefix(TEMP_PREFIX)
     if final.exists() or final.is_symlink():
@@ -139,8 +166,10 @@ class Checkpoint:
                 raise CheckpointError(f"{path}: missing from the checkpoint")
             size = path.stat().st_size
             if size != info["bytes"]:
-                raise CheckpointError(f"{path}: {size} bytes, the manifest says {info['bytes']} "
-                                      "(truncated or replaced)")
+                raise CheckpointError(
+                    f"{path}: {size} bytes, the manifest says {info['bytes']} "
+                    "(truncated or replaced)"
+                )
             if _sha256(path) != info["sha256"]:
                 raise CheckpointError(f"{path}: checksum mismatch (the file is damaged)")
 
@@ -151,8 +180,10 @@ class Checkpoint:
         """Fill flat ``out`` with the elements of ``piece`` from whatever pieces were stored."""
         entry = self._entry(piece.name)
         if tuple(entry["shape"]) != piece.shape:
-            raise CheckpointError(f"{self.path}: {piece.name} has shape {tuple(entry['shape'])} "
-                                  f"in the checkpoint but {piece.shape} in the model")
+            raise CheckpointError(
+                f"{self.path}: {piece.name} has shape {tuple(entry['shape'])} "
+                f"in the checkpoint but {piece.shape} in the model"
+            )
         copied = 0
         for stored in entry["pieces"]:
             src_piece = Piece.from_dict(piece.name, piece.shape, stored)
@@ -161,8 +192,10 @@ class Checkpoint:
             src = self._handle(stored["file"]).get_tensor(stored["key"])
             copied += copy_overlap(out, piece, src.to(out.dtype), src_piece)
         if copied != piece.numel:
-            raise CheckpointError(f"{self.path}: {piece.name} is incomplete ({copied} of "
-                                  f"{piece.numel} wanted elements stored)")
+            raise CheckpointError(
+                f"{self.path}: {piece.name} is incomplete ({copied} of "
+                f"{piece.numel} wanted elements stored)"
+            )
 
     def read(self, name: str) -> torch.Tensor:
         """The whole logical tensor ``name``."""
@@ -173,8 +206,9 @@ class Checkpoint:
 
     def _entry(self, name: str) -> dict:
         if name not in self.tensors:
-            raise CheckpointError(f"{self.path}: no tensor {name!r} (a checkpoint of another "
-                                  "model?)")
+            raise CheckpointError(
+                f"{self.path}: no tensor {name!r} (a checkpoint of another model?)"
+            )
         return self.tensors[name]
 
     def _handle(self, file_name: str):
@@ -194,8 +228,11 @@ def complete_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
     root = Path(save_dir)
     if not root.is_dir():
         return []
-    found = [(step_of(p), p) for p in root.iterdir()
-             if step_of(p) is not None and (p / MANIFEST).is_file()]
+    found = [
+        (step_of(p), p)
+        for p in root.iterdir()
+        if step_of(p) is not None and (p / MANIFEST).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -229,8 +266,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def _may_overlap(a: Piece, b: Piece) -> bool:
-    for off_a, size_a, off_b, size_b in zip(a.box_offsets, a.box_sizes, b.box_offsets,
-                                            b.box_sizes):
+    for off_a, size_a, off_b, size_b in zip(a.box_offsets, a.box_sizes, b.box_offsets, b.box_sizes):
         if off_a + size_a <= off_b or off_b + size_b <= off_a:
             return False
     if a.box_offsets == b.box_offsets and a.box_sizes == b.box_sizes:

@@ -20,17 +20,32 @@ from meshwise.train.config import TrainConfig
 log = logging.getLogger("meshwise")
 AXES = ("dp", "cp", "tp", "pp")
 # Layout settings the planner chooses: given as flags, they narrow its search instead.
-CHOSEN = ("dp", "cp", "tp", "pp", "sp", "schedule", "virtual_stages", "micro_batches",
-          "grad_accum", "zero", "activation_checkpointing")
+CHOSEN = (
+    "dp",
+    "cp",
+    "tp",
+    "pp",
+    "sp",
+    "schedule",
+    "virtual_stages",
+    "micro_batches",
+    "grad_accum",
+    "zero",
+    "activation_checkpointing",
+)
 
 
 def add_layout_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layout", choices=("auto",), default=None,
-                        help="auto: the layout meshwise plan predicts fastest for the launched "
-                             "world (torchrun's, else the product of the axis flags given, else "
-                             "one rank per GPU, else 2 on a CPU) that fits the devices' memory; "
-                             "--zero, --schedule, --activation-checkpointing given narrow the "
-                             "choice")
+    parser.add_argument(
+        "--layout",
+        choices=("auto",),
+        default=None,
+        help="auto: the layout meshwise plan predicts fastest for the launched "
+        "world (torchrun's, else the product of the axis flags given, else "
+        "one rank per GPU, else 2 on a CPU) that fits the devices' memory; "
+        "--zero, --schedule, --activation-checkpointing given narrow the "
+        "choice",
+    )
 
 
 def launched_world(cfg: TrainConfig, origins: dict[str, str], device: str) -> int:
@@ -53,8 +68,10 @@ def gpu_profile_name(device: str) -> str:
     for key in ("H200", "H100", "A100"):
         if key in name:
             return key.lower()
-    raise ValueError(f"--layout auto: no planner profile for {name}; valid: GPUs of "
-                     f"{', '.join(GPU_PROFILES)}, or give the layout's flags")
+    raise ValueError(
+        f"--layout auto: no planner profile for {name}; valid: GPUs of "
+        f"{', '.join(GPU_PROFILES)}, or give the layout's flags"
+    )
 
 
 def choose_layout(cfg: TrainConfig, origins: dict[str, str]) -> TrainConfig:
@@ -64,22 +81,37 @@ def choose_layout(cfg: TrainConfig, origins: dict[str, str]) -> TrainConfig:
     space = Space(
         zero=(cfg.parallel.zero,) if "zero" in origins else Space().zero,
         schedules=(cfg.parallel.schedule,) if "schedule" in origins else Space().schedules,
-        activation_checkpointing=((cfg.runtime.activation_checkpointing,)
-                                  if "activation_checkpointing" in origins
-                                  else Space().activation_checkpointing),
-        compress=cfg.comm.compress)
+        activation_checkpointing=(
+            (cfg.runtime.activation_checkpointing,)
+            if "activation_checkpointing" in origins
+            else Space().activation_checkpointing
+        ),
+        compress=cfg.comm.compress,
+    )
     base = Layout().apply(cfg)  # the model, data and runtime; the layout is the planner's
-    request = plan_request(base, world, gpu_profile_name(device), space,
-                           cache_dir=cfg.data.cache_dir)
+    request = plan_request(
+        base, world, gpu_profile_name(device), space, cache_dir=cfg.data.cache_dir
+    )
     ranked = request.run()
     best = ranked[0]
-    log.info("--layout auto: %s for %d ranks on %s: predicted %s tokens/s, peak %.2f GiB of "
-             "%.2f GiB per rank (%d layouts fit)", best.layout.flags(), world,
-             request.device.name, f"{best.tokens_per_s:,.0f}", best.memory.total / 2**30,
-             request.limit / 2**30, len(ranked))
+    log.info(
+        "--layout auto: %s for %d ranks on %s: predicted %s tokens/s, peak %.2f GiB of "
+        "%.2f GiB per rank (%d layouts fit)",
+        best.layout.flags(),
+        world,
+        request.device.name,
+        f"{best.tokens_per_s:,.0f}",
+        best.memory.total / 2**30,
+        request.limit / 2**30,
+        len(ranked),
+    )
     for other in ranked[1:3]:
-        log.info("  next: %s: %s tokens/s, %.2f GiB", other.layout.flags(),
-                 f"{other.tokens_per_s:,.0f}", other.memory.total / 2**30)
+        log.info(
+            "  next: %s: %s tokens/s, %.2f GiB",
+            other.layout.flags(),
+            f"{other.tokens_per_s:,.0f}",
+            other.memory.total / 2**30,
+        )
     chosen, default = best.layout.apply(cfg), Layout().apply(TrainConfig())
     for field in CHOSEN:  # marked where auto set a value (the configuration shows it)
         if field in origins or _value(chosen, field) != _value(default, field):

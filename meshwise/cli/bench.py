@@ -31,16 +31,29 @@ def parse_size(text: str) -> int:
 
 
 def add_bench_comm_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default=DEFAULT_SIZES,
-                        help=f"message sizes, comma-separated (default: {DEFAULT_SIZES})")
-    parser.add_argument("--algorithms", default=",".join(ALGORITHMS),
-                        help=f"comma-separated, of {', '.join(ALGORITHMS)} (default: all that "
-                             "can serve the ranks)")
-    parser.add_argument("--ranks", type=int, default=4,
-                        help="local ranks to spawn (ignored under torchrun; default: 4)")
-    parser.add_argument("--ranks-per-node", type=int, default=0,
-                        help="ranks per (emulated) node; default: torchrun's LOCAL_WORLD_SIZE, "
-                             "locally half the ranks")
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"message sizes, comma-separated (default: {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--algorithms",
+        default=",".join(ALGORITHMS),
+        help=f"comma-separated, of {', '.join(ALGORITHMS)} (default: all that can serve the ranks)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=4,
+        help="local ranks to spawn (ignored under torchrun; default: 4)",
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=0,
+        help="ranks per (emulated) node; default: torchrun's LOCAL_WORLD_SIZE, "
+        "locally half the ranks",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per point")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -57,15 +70,20 @@ def _settings(args) -> dict:
     world = launch.torchrun_world_size() if launch.under_torchrun() else args.ranks
     if world < 2:
         raise ValueError(f"--ranks {world}: an all-reduce needs at least 2 ranks")
-    per_node = args.ranks_per_node or (int(os.environ.get("LOCAL_WORLD_SIZE", world))
-                                       if launch.under_torchrun() else max(1, world // 2))
+    per_node = args.ranks_per_node or (
+        int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if launch.under_torchrun()
+        else max(1, world // 2)
+    )
     if per_node < 1 or world % per_node:
         raise ValueError(f"--ranks-per-node {per_node} does not divide the {world} ranks")
     problem = hierarchical_problem(Topology.of(range(world), per_node), range(world))
     if problem and "hierarchical" in algorithms:
         if args.algorithms != ",".join(ALGORITHMS):  # asked for by name
-            raise ValueError(f"--algorithms hierarchical cannot serve these ranks: {problem}; "
-                             "valid: native, ring, tree, adaptive, or set --ranks-per-node")
+            raise ValueError(
+                f"--algorithms hierarchical cannot serve these ranks: {problem}; "
+                "valid: native, ring, tree, adaptive, or set --ranks-per-node"
+            )
         algorithms.remove("hierarchical")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -74,8 +92,16 @@ def _settings(args) -> dict:
             import matplotlib  # noqa: F401 - only whether it is installed
         except ImportError:
             raise ValueError("--plot needs matplotlib (pip install 'meshwise[plot]')") from None
-    return {"sizes": sizes, "algorithms": algorithms, "world": world, "per_node": per_node,
-            "repeats": args.repeats, "json": args.json, "plot": args.plot, "device": args.device}
+    return {
+        "sizes": sizes,
+        "algorithms": algorithms,
+        "world": world,
+        "per_node": per_node,
+        "repeats": args.repeats,
+        "json": args.json,
+        "plot": args.plot,
+        "device": args.device,
+    }
 
 
 def run_bench_comm(args) -> int:
@@ -111,18 +137,24 @@ def _size_text(nbytes: int) -> str:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"all-reduce on {result['world_size']} ranks, {result['nodes']} node(s) of "
-             f"{result['ranks_per_node']}, {result['backend']}",
-             f"{'size':>10}  {'algorithm':<22} {'time ms':>10} {'busbw GB/s':>11} "
-             f"{'vs native':>10}"]
+    lines = [
+        f"all-reduce on {result['world_size']} ranks, {result['nodes']} node(s) of "
+        f"{result['ranks_per_node']}, {result['backend']}",
+        f"{'size':>10}  {'algorithm':<22} {'time ms':>10} {'busbw GB/s':>11} {'vs native':>10}",
+    ]
     for r in sorted(result["results"], key=lambda r: (r["bytes"], r["algorithm"] != "native")):
         name = r["algorithm"] + (f" ({r['picked']})" if "picked" in r else "")
         ratio = f"{r['speedup_vs_native']:.2f}x" if "speedup_vs_native" in r else "-"
-        lines.append(f"{_size_text(r['bytes']):>10}  {name:<22} {r['time_s'] * 1e3:>10.3f} "
-                     f"{r['busbw_gbps']:>11.3f} {ratio:>10}")
+        lines.append(
+            f"{_size_text(r['bytes']):>10}  {name:<22} {r['time_s'] * 1e3:>10.3f} "
+            f"{r['busbw_gbps']:>11.3f} {ratio:>10}"
+        )
     smallest = min(r["bytes"] for r in result["results"])
-    latency = ", ".join(f"{r['algorithm']} {r['time_s'] * 1e6:.0f} us"
-                        for r in result["results"] if r["bytes"] == smallest)
+    latency = ", ".join(
+        f"{r['algorithm']} {r['time_s'] * 1e6:.0f} us"
+        for r in result["results"]
+        if r["bytes"] == smallest
+    )
     lines.append(f"latency ({_size_text(smallest)}): {latency}")
     if "cost_model" in result:
         lines.append(f"adaptive's probe: {result['cost_model']}")
@@ -139,13 +171,16 @@ def plot(result: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for algorithm in dict.fromkeys(r["algorithm"] for r in result["results"]):
         rows = [r for r in result["results"] if r["algorithm"] == algorithm]
-        ax.plot([r["bytes"] for r in rows], [r["busbw_gbps"] for r in rows], marker="o",
-                label=algorithm)
+        ax.plot(
+            [r["bytes"] for r in rows], [r["busbw_gbps"] for r in rows], marker="o", label=algorithm
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(f"all-reduce, {result['world_size']} ranks on {result['nodes']} node(s), "
-                 f"{result['backend']}")
+    ax.set_title(
+        f"all-reduce, {result['world_size']} ranks on {result['nodes']} node(s), "
+        f"{result['backend']}"
+    )
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -18,9 +18,27 @@ from meshwise.cli import launch
 from meshwise.planner.devices import save_calibration
 
 # The run the runtime's memory and the optimizer's cost are measured on.
-RUN_FLAGS = ["--model", "tiny", "--n-layer", "4", "--d-model", "256", "--n-head", "4",
-             "--seq-len", "128", "--batch-size", "8", "--dp", "2", "--steps", "4",
-             "--eval-batches", "1", "-q"]
+RUN_FLAGS = [
+    "--model",
+    "tiny",
+    "--n-layer",
+    "4",
+    "--d-model",
+    "256",
+    "--n-head",
+    "4",
+    "--seq-len",
+    "128",
+    "--batch-size",
+    "8",
+    "--dp",
+    "2",
+    "--steps",
+    "4",
+    "--eval-batches",
+    "1",
+    "-q",
+]
 RUN_WORLD = 2
 
 
@@ -37,24 +55,28 @@ def calibrate(cache_dir: str | None = None) -> str:
     values["when"] = time.strftime("%Y-%m-%d %H:%M")
     path = save_calibration(values, Path(cache_dir) if cache_dir else None)
     mm = values["matmul_flops"]
-    ar = ", ".join(f"{size} ranks {c['alpha_s'] * 1e6:.0f} us + "
-                   f"{1 / c['beta_s_per_byte'] / 1e9:.2f} GB/s"
-                   for size, c in values["all_reduce"].items())
-    return "\n".join([
-        f"matmul fp32 {mm['fp32'] / 1e9:.1f} GFLOP/s, bf16 {mm['bf16'] / 1e9:.1f} GFLOP/s "
-        f"(one thread); attention at {values['attention_efficiency']:.2f} of it",
-        f"memory {values['memory_bandwidth'] / 1e9:.1f} GB/s, op dispatch "
-        f"{values['op_overhead_s'] * 1e6:.1f} us, optimizer step "
-        f"{values['optimizer_fixed_s'] * 1e3:.1f} ms + {values['optimizer_s_per_param'] * 1e9:.1f}"
-        " ns per parameter",
-        f"all-reduce: {ar}; after 1 s of compute a collective waits for drifting peers "
-        + ", ".join(f"{k * 1e3:.0f} ms ({size} ranks)" for size, k in values["drift"].items())
-        + " (as the square root of the compute)",
-        f"runtime memory per rank {values['overhead_bytes'] / 2**20:.0f} MiB, "
-        f"+{values['given_gradient_bytes'] / 2**20:.0f} MiB on a rank that runs a backward "
-        f"from a given gradient, +{values['checkpointing_bytes'] / 2**20:.0f} MiB with "
-        "activation checkpointing",
-        f"stored in {path} ({time.perf_counter() - start:.0f} s)"])
+    ar = ", ".join(
+        f"{size} ranks {c['alpha_s'] * 1e6:.0f} us + {1 / c['beta_s_per_byte'] / 1e9:.2f} GB/s"
+        for size, c in values["all_reduce"].items()
+    )
+    return "\n".join(
+        [
+            f"matmul fp32 {mm['fp32'] / 1e9:.1f} GFLOP/s, bf16 {mm['bf16'] / 1e9:.1f} GFLOP/s "
+            f"(one thread); attention at {values['attention_efficiency']:.2f} of it",
+            f"memory {values['memory_bandwidth'] / 1e9:.1f} GB/s, op dispatch "
+            f"{values['op_overhead_s'] * 1e6:.1f} us, optimizer step "
+            f"{values['optimizer_fixed_s'] * 1e3:.1f} ms + "
+            f"{values['optimizer_s_per_param'] * 1e9:.1f} ns per parameter",
+            f"all-reduce: {ar}; after 1 s of compute a collective waits for drifting peers "
+            + ", ".join(f"{k * 1e3:.0f} ms ({size} ranks)" for size, k in values["drift"].items())
+            + " (as the square root of the compute)",
+            f"runtime memory per rank {values['overhead_bytes'] / 2**20:.0f} MiB, "
+            f"+{values['given_gradient_bytes'] / 2**20:.0f} MiB on a rank that runs a backward "
+            f"from a given gradient, +{values['checkpointing_bytes'] / 2**20:.0f} MiB with "
+            "activation checkpointing",
+            f"stored in {path} ({time.perf_counter() - start:.0f} s)",
+        ]
+    )
 
 
 def _comm() -> tuple[dict, dict, dict]:
@@ -97,12 +119,15 @@ def _training_run(values: dict) -> dict:
 
     memory = train_records(RUN_FLAGS, live_peak=True)
     ranks_per_core = max(1.0, RUN_WORLD / (cpu_profile(values).cores or 1))
-    (small, t_small), (large, t_large) = (_optimizer_phase(flags) for flags in
-                                          (RUN_FLAGS, [*RUN_FLAGS, *LARGER]))
+    (small, t_small), (large, t_large) = (
+        _optimizer_phase(flags) for flags in (RUN_FLAGS, [*RUN_FLAGS, *LARGER])
+    )
     per_param = max(t_large - t_small, 0.0) / (large - small) / ranks_per_core
-    return {"overhead_bytes": runtime_memory(memory[-1]["peak_rss_bytes"], values),
-            "optimizer_s_per_param": per_param,
-            "optimizer_fixed_s": max(t_small / ranks_per_core - per_param * small, 0.0)}
+    return {
+        "overhead_bytes": runtime_memory(memory[-1]["peak_rss_bytes"], values),
+        "optimizer_s_per_param": per_param,
+        "optimizer_fixed_s": max(t_small / ranks_per_core - per_param * small, 0.0),
+    }
 
 
 LARGER = ["--d-model", "512", "--n-head", "8"]  # the second size: about four times the parameters
@@ -165,12 +190,17 @@ x = torch.ones(4, requires_grad=True)
 (x * 2).sum().backward()
 before = status_kib("VmRSS")
 """
-_GIVEN_GRADIENT = _PLAIN_BACKWARD + """
+_GIVEN_GRADIENT = (
+    _PLAIN_BACKWARD
+    + """
 y = x * 2
 torch.autograd.backward(y, torch.ones(4))
 print((status_kib("VmRSS") - before) * 1024)
 """
-_CHECKPOINTED = _PLAIN_BACKWARD + """
+)
+_CHECKPOINTED = (
+    _PLAIN_BACKWARD
+    + """
 from torch import nn
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 blocks = nn.ModuleList([nn.Linear(4, 4)])
@@ -178,6 +208,7 @@ apply_activation_checkpointing(blocks, "full")
 blocks[0](x).sum().backward()
 print((status_kib("VmRSS") - before) * 1024)
 """
+)
 
 
 def given_gradient_memory() -> float:

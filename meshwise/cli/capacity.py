@@ -54,7 +54,8 @@ def check_memory(cfg: TrainConfig, num_params: int, vocab_size: int, device: str
             f"the model has {num_params / 1e9:.2f} B parameters (--vocab-size {vocab_size}, "
             f"--d-model {m.d_model}, --n-layer {m.n_layer}); its weights, gradients and AdamW "
             f"state alone need at least {human_bytes(need)} on {where}, which has "
-            f"{human_bytes(have)}; valid: a smaller model, or more ranks across machines")
+            f"{human_bytes(have)}; valid: a smaller model, or more ranks across machines"
+        )
 
 
 def _swap_bytes() -> int:

@@ -50,16 +50,21 @@ def held_save_dir(cfg: TrainConfig, run_id: str):
         for path in leftovers:
             shutil.rmtree(path, ignore_errors=True)
         if leftovers:
-            log.info("removed %d unfinished save(s) of an earlier job from %s%s", len(leftovers),
-                     c.save, f" (pid {lock.stale.get('pid')}, gone)" if lock.stale else "")
+            log.info(
+                "removed %d unfinished save(s) of an earlier job from %s%s",
+                len(leftovers),
+                c.save,
+                f" (pid {lock.stale.get('pid')}, gone)" if lock.stale else "",
+            )
         try:
             yield
         finally:
             SaveDir(Path(c.save), run_id).discard_temporaries()
 
 
-def check_start(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
-                new_checkpoint_bytes: int) -> None:
+def check_start(
+    cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None, new_checkpoint_bytes: int
+) -> None:
     """What resuming ``run.resume`` into ``--save`` means, before training: refuse a
     collision (or set the newer entries aside with ``--branch``), and make sure one
     checkpoint fits."""
@@ -72,18 +77,24 @@ def check_start(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
         raise ValueError(resume.branch_problem(c.save, start, start_step, newer))
     if newer and acts_for_the_job():
         folder = resume.set_aside(c.save, newer, run.run_id)
-        log.warning("warning: --branch: moved %s into %s; this run goes on from step %d",
-                    ", ".join(p.name for p in newer), folder, start_step)
+        log.warning(
+            "warning: --branch: moved %s into %s; this run goes on from step %d",
+            ", ".join(p.name for p in newer),
+            folder,
+            start_step,
+        )
     check_room(cfg, run, ckpt, new_checkpoint_bytes)
 
 
-def check_room(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
-               new_checkpoint_bytes: int) -> None:
+def check_room(
+    cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None, new_checkpoint_bytes: int
+) -> None:
     """One checkpoint must fit in ``--save``, counting what ``--keep-last`` may prune."""
     c, start = cfg.checkpoint, run.start
     assert c.save is not None, "check_start checks only a run with --save"
-    needed = with_headroom((checkpoint_bytes(start) if start is not None else 0)
-                           or new_checkpoint_bytes)
+    needed = with_headroom(
+        (checkpoint_bytes(start) if start is not None else 0) or new_checkpoint_bytes
+    )
     free = shutil.disk_usage(c.save).free
     reclaimable = 0
     if c.keep_last and ckpt is not None:  # a resumed run may prune its lineage first
@@ -91,6 +102,8 @@ def check_room(cfg: TrainConfig, run: RunState, ckpt: Checkpoint | None,
         ours = SaveDir(Path(c.save), run.run_id, c.keep_last, lineage, frozenset({start}))
         reclaimable = sum(checkpoint_bytes(p) for p in ours.ours())
     if free + reclaimable < needed:
-        raise ValueError(f"--save {c.save}: {human_bytes(free)} free, but one checkpoint of "
-                         f"this run needs about {human_bytes(needed)}; free some space or "
-                         "choose another --save")
+        raise ValueError(
+            f"--save {c.save}: {human_bytes(free)} free, but one checkpoint of "
+            f"this run needs about {human_bytes(needed)}; free some space or "
+            "choose another --save"
+        )

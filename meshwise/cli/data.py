@@ -25,47 +25,83 @@ from meshwise.data.readers import (
 from meshwise.data.token_files import _ours, exclusive_build, sidecar_path
 from meshwise.data.tokenizer import ByteTokenizer
 
-TEXT_INPUT = ("a text, JSON lines, Parquet or CSV file, a folder of them, or a datasets "
-              "save_to_disk folder")
+TEXT_INPUT = (
+    "a text, JSON lines, Parquet or CSV file, a folder of them, or a datasets save_to_disk folder"
+)
 
 
 def add_data_arguments(parser) -> None:
     """The ``prepare`` and ``train-tokenizer`` subcommands of ``meshwise data``."""
     commands = parser.add_subparsers(dest="data_command", required=True)
     prepare = _text_command(
-        commands, "prepare", "tokenize text into a token file for --data",
+        commands,
+        "prepare",
+        "tokenize text into a token file for --data",
         "Tokenize a file, or every file under a folder (sorted; binary files skipped), into "
         "FILE.bin and its sidecar FILE.bin.meshwise.json, in parallel processes. A text "
         "file is one document; each record of a JSON lines (.jsonl), Parquet, CSV or "
         "datasets save_to_disk source is one (its --text-field). Documents are joined by "
-        "the tokenizer's end-of-text token; byte-level joins them with a newline.")
-    prepare.add_argument("--out", required=True, metavar="FILE.bin",
-                         help="the token file to write (replaced atomically if meshwise wrote it)")
-    prepare.add_argument("--tokenizer", metavar="PATH",
-                         help="a Hugging Face tokenizer.json, or a folder holding one "
-                              "(default: byte-level, vocab 256)")
-    prepare.add_argument("--workers", type=int, default=available_cpus(), metavar="N",
-                         help="processes encoding in parallel (default: the CPUs available, "
-                              f"{available_cpus()} here)")
-    prepare.add_argument("--format", choices=("text", "chat"), default="text",
-                         help="chat: each record's 'messages' ([{role, content}, ...]) rendered "
-                              "with --chat-template, one conversation each, with the assistant's "
-                              "tokens marked in FILE.bin.labels for --loss-on (default: text)")
-    prepare.add_argument("--chat-template", metavar="NAME", default=None,
-                         help="with --format chat: tokenizer (its tokenizer_config.json's "
-                              "chat_template), tokenizer:NAME, chatml (built in) or a .jinja "
-                              "file (default: tokenizer)")
+        "the tokenizer's end-of-text token; byte-level joins them with a newline.",
+    )
+    prepare.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE.bin",
+        help="the token file to write (replaced atomically if meshwise wrote it)",
+    )
+    prepare.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a Hugging Face tokenizer.json, or a folder holding one "
+        "(default: byte-level, vocab 256)",
+    )
+    prepare.add_argument(
+        "--workers",
+        type=int,
+        default=available_cpus(),
+        metavar="N",
+        help="processes encoding in parallel (default: the CPUs available, "
+        f"{available_cpus()} here)",
+    )
+    prepare.add_argument(
+        "--format",
+        choices=("text", "chat"),
+        default="text",
+        help="chat: each record's 'messages' ([{role, content}, ...]) rendered "
+        "with --chat-template, one conversation each, with the assistant's "
+        "tokens marked in FILE.bin.labels for --loss-on (default: text)",
+    )
+    prepare.add_argument(
+        "--chat-template",
+        metavar="NAME",
+        default=None,
+        help="with --format chat: tokenizer (its tokenizer_config.json's "
+        "chat_template), tokenizer:NAME, chatml (built in) or a .jinja "
+        "file (default: tokenizer)",
+    )
     train = _text_command(
-        commands, "train-tokenizer", "train a byte-level BPE tokenizer on local text",
+        commands,
+        "train-tokenizer",
+        "train a byte-level BPE tokenizer on local text",
         "Learn a byte-level BPE (GPT-2's scheme, <|endoftext|> as id 0) from a text file or "
         "a folder of text files, without downloading anything; write it as a tokenizer.json "
         "for --tokenizer, tokenizers.Tokenizer.from_file and "
-        "transformers.PreTrainedTokenizerFast(tokenizer_file=...).")
-    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                       help="entries in the vocabulary: 256 bytes, <|endoftext|> and the "
-                            "merges (fewer if the text runs out of repeated pairs)")
-    train.add_argument("--out", required=True, metavar="tokenizer.json",
-                       help="where to write the tokenizer (a folder: FOLDER/tokenizer.json)")
+        "transformers.PreTrainedTokenizerFast(tokenizer_file=...).",
+    )
+    train.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        metavar="N",
+        help="entries in the vocabulary: 256 bytes, <|endoftext|> and the "
+        "merges (fewer if the text runs out of repeated pairs)",
+    )
+    train.add_argument(
+        "--out",
+        required=True,
+        metavar="tokenizer.json",
+        help="where to write the tokenizer (a folder: FOLDER/tokenizer.json)",
+    )
 
 
 def _text_command(commands, name: str, help_text: str, description: str):
@@ -88,14 +124,20 @@ def add_read_arguments(parser) -> None:
             parser.add_argument(flag, dest=field, action="store_true", help=help_text)
         else:
             default = getattr(defaults, field)
-            parser.add_argument(flag, dest=field, type=kind, default=default,
-                                help=f"{help_text} (default: {default})")
+            parser.add_argument(
+                flag,
+                dest=field,
+                type=kind,
+                default=default,
+                help=f"{help_text} (default: {default})",
+            )
 
 
 def read_options(args) -> ReadOptions:
     if args.data_format not in DATA_FORMATS:
-        raise ValueError(f"--data-format {args.data_format!r} is not valid; valid: "
-                         f"{', '.join(DATA_FORMATS)}")
+        raise ValueError(
+            f"--data-format {args.data_format!r} is not valid; valid: {', '.join(DATA_FORMATS)}"
+        )
     return ReadOptions(args.text_field, args.data_format, args.skip_bad_records)
 
 
@@ -114,8 +156,11 @@ def run_data(args) -> int:
         return 2
     except (KeyboardInterrupt, launch.Stopped) as exc:
         signum = exc.signum if isinstance(exc, launch.Stopped) else signal.SIGINT
-        print(f"meshwise data {args.data_command}: {signal.Signals(signum).name}: stopped, "
-              "nothing written", file=sys.stderr)
+        print(
+            f"meshwise data {args.data_command}: {signal.Signals(signum).name}: stopped, "
+            "nothing written",
+            file=sys.stderr,
+        )
         return 128 + signum
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -139,8 +184,10 @@ def _check_out(out: Path) -> None:
     if out.exists():
         side = sidecar_path(out)
         if not side.exists():
-            raise ValueError(f"--out {out} exists and was not written by meshwise; it is left "
-                             "alone: choose another name or remove it")
+            raise ValueError(
+                f"--out {out} exists and was not written by meshwise; it is left "
+                "alone: choose another name or remove it"
+            )
         _ours(side)  # raises for a file of that name someone else wrote
 
 
@@ -157,18 +204,21 @@ def _prepare(args) -> str:
         return _prepare_chat(args, options, path, out, tokenizer)
     try:
         with exclusive_build(out):
-            stats = build_with_progress(out, files, tokenizer, str(path.resolve()), args.workers,
-                                        options)
+            stats = build_with_progress(
+                out, files, tokenizer, str(path.resolve()), args.workers, options
+            )
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     skipped = f" ({stats['skipped']} binary skipped)" if stats["skipped"] else ""
     bad = stats["records"].summary()
     workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
-    return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens from "
-            f"{stats['files']:,} files{skipped} in {stats['seconds']:.1f} s "
-            f"({stats['content_bytes'] / 1e6 / stats['seconds']:.1f} MB/s, {workers}); "
-            f"tokenizer {tokenizer.describe()}; {stats['documents']:,} documents"
-            f"{'; ' + bad if bad else ''}")
+    return (
+        f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens from "
+        f"{stats['files']:,} files{skipped} in {stats['seconds']:.1f} s "
+        f"({stats['content_bytes'] / 1e6 / stats['seconds']:.1f} MB/s, {workers}); "
+        f"tokenizer {tokenizer.describe()}; {stats['documents']:,} documents"
+        f"{'; ' + bad if bad else ''}"
+    )
 
 
 def _prepare_chat(args, options: ReadOptions, path: Path, out: Path, tokenizer) -> str:
@@ -183,10 +233,12 @@ def _prepare_chat(args, options: ReadOptions, path: Path, out: Path, tokenizer) 
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     skipped = "; " + stats["skipped"] if stats["skipped"] else ""
-    return (f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens, "
-            f"{stats['conversations']:,} conversations ({stats['assistant_tokens']:,} "
-            f"assistant tokens) in {stats['seconds']:.1f} s; template {template.name}; "
-            f"tokenizer {tokenizer.describe()}{skipped}")
+    return (
+        f"wrote {out}: {stats['num_tokens']:,} {stats['dtype']} tokens, "
+        f"{stats['conversations']:,} conversations ({stats['assistant_tokens']:,} "
+        f"assistant tokens) in {stats['seconds']:.1f} s; template {template.name}; "
+        f"tokenizer {tokenizer.describe()}{skipped}"
+    )
 
 
 def _texts(files: list[DataFile], options: ReadOptions, stats: dict) -> Iterator[str]:
@@ -221,18 +273,25 @@ def _train_tokenizer(args) -> str:
     texts = (text for text in _texts(files, options, stats) if text)
     first = next(texts, None)
     if first is None:
-        raise ValueError(f"INPUT {args.input} holds no text (empty, or only binary files); "
-                         f"expected {TEXT_INPUT}")
-    tokenizer = train_bpe(itertools.chain([first], texts), args.vocab_size,
-                          show_progress=sys.stderr.isatty())
+        raise ValueError(
+            f"INPUT {args.input} holds no text (empty, or only binary files); expected {TEXT_INPUT}"
+        )
+    tokenizer = train_bpe(
+        itertools.chain([first], texts), args.vocab_size, show_progress=sys.stderr.isatty()
+    )
     try:
         save_tokenizer(tokenizer, out)
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    short = "" if size == args.vocab_size else (
-        f"; asked {args.vocab_size:,}, but the text has no more pairs seen twice")
+    short = (
+        ""
+        if size == args.vocab_size
+        else (f"; asked {args.vocab_size:,}, but the text has no more pairs seen twice")
+    )
     bad = stats["records"].summary()
-    return (f"wrote {out}: byte-level BPE, vocab {size:,}{short}; from {stats['files']:,} files "
-            f"({stats['text_bytes'] / 1e6:.1f} MB) in "
-            f"{time.perf_counter() - start:.1f} s{'; ' + bad if bad else ''}")
+    return (
+        f"wrote {out}: byte-level BPE, vocab {size:,}{short}; from {stats['files']:,} files "
+        f"({stats['text_bytes'] / 1e6:.1f} MB) in "
+        f"{time.perf_counter() - start:.1f} s{'; ' + bad if bad else ''}"
+    )

@@ -6,13 +6,18 @@ from meshwise.serve.export import FORMATS, export_checkpoint
 
 
 def add_export_arguments(parser) -> None:
-    parser.add_argument("checkpoint", help="a checkpoint directory, or a --save directory "
-                                           "(its newest checkpoint)")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory, or a --save directory (its newest checkpoint)"
+    )
     parser.add_argument("--out", required=True, help="directory to create")
-    parser.add_argument("--format", choices=FORMATS, default="safetensors",
-                        help="safetensors: meshwise names + config.json; hf: a Hugging Face "
-                             "directory (GPT-2 or Llama, with the tokenizer) (default "
-                             "safetensors)")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="safetensors",
+        help="safetensors: meshwise names + config.json; hf: a Hugging Face "
+        "directory (GPT-2 or Llama, with the tokenizer) (default "
+        "safetensors)",
+    )
 
 
 def run_export(args) -> str:

@@ -72,8 +72,9 @@ def _threads_per_rank(num_local_ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_local_ranks)
 
 
-def run_rank(fn: Callable, args: tuple, device: str, timeout_s: float,
-             num_local_ranks: int) -> object:
+def run_rank(
+    fn: Callable, args: tuple, device: str, timeout_s: float, num_local_ranks: int
+) -> object:
     """Initialise this process's rank from the environment, run ``fn(*args)``, clean up."""
     if device == "cuda":
         torch.cuda.set_device(rank_device(device))
@@ -122,17 +123,30 @@ def die_with_torchrun() -> None:
         die_with_parent(os.getppid())
 
 
-def _spawned_child(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple,
-                   device: str, timeout_s: float, parent_pid: int) -> None:
+def _spawned_child(
+    local_rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    device: str,
+    timeout_s: float,
+    parent_pid: int,
+) -> None:
     die_with_parent(parent_pid)
     prefer_for_oom_kill()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler is not the rank's
     # The tokenizers library disables its threads in a forked child, with a warning
     # on first use; say so up front instead.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     try:
         run_rank(fn, args, device, timeout_s, world_size)
     except KeyboardInterrupt:
@@ -150,8 +164,14 @@ def start_method(device: str) -> str:
     return "spawn" if device == "cuda" else "fork"
 
 
-def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: float,
-           ledger_out: str | os.PathLike | None = None) -> None:
+def launch(
+    fn: Callable,
+    args: tuple,
+    world_size: int,
+    device: str,
+    timeout_s: float,
+    ledger_out: str | os.PathLike | None = None,
+) -> None:
     """Run ``fn(*args)`` (importable: CUDA ranks are spawned) on every rank; raise ``RankFailed``
     if any fails. ``ledger_out``: where the ledgers go when they explain a local failure.
     """
@@ -162,15 +182,17 @@ def launch(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
         except KeyboardInterrupt:
             raise RankFailed(f"rank {os.environ['RANK']}: interrupted (SIGINT)") from None
         except Exception:
-            raise RankFailed(failure_message(int(os.environ["RANK"]),
-                                             traceback.format_exc())) from None
+            raise RankFailed(
+                failure_message(int(os.environ["RANK"]), traceback.format_exc())
+            ) from None
         return
     with JobFolder(ledger_out) as job:
         _spawn(fn, args, world_size, device, timeout_s, job)
 
 
-def _spawn(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: float,
-           job: JobFolder) -> None:
+def _spawn(
+    fn: Callable, args: tuple, world_size: int, device: str, timeout_s: float, job: JobFolder
+) -> None:
     import torch.multiprocessing as mp
 
     # Even one rank runs as a child: a rank killed by the kernel (out of memory)
@@ -179,9 +201,12 @@ def _spawn(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
     os.environ.update(job.env())  # the ranks inherit it
     try:
         context = mp.start_processes(
-            _spawned_child, args=(world_size, free_port(), fn, args, device, timeout_s,
-                                  os.getpid()),
-            nprocs=world_size, join=False, start_method=start_method(device))
+            _spawned_child,
+            args=(world_size, free_port(), fn, args, device, timeout_s, os.getpid()),
+            nprocs=world_size,
+            join=False,
+            start_method=start_method(device),
+        )
     finally:
         for name, value in saved.items():
             if value is None:
@@ -190,13 +215,16 @@ def _spawn(fn: Callable, args: tuple, world_size: int, device: str, timeout_s: f
                 os.environ[name] = value
     previous = signal.signal(signal.SIGTERM, raise_stopped)
     try:
-        supervise(context.processes, context.error_files, RankWatch(context.pids()),
-                  explain=job.explain)
+        supervise(
+            context.processes, context.error_files, RankWatch(context.pids()), explain=job.explain
+        )
     except (KeyboardInterrupt, Stopped) as exc:
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         stop_ranks(context.processes)
-        print(f"meshwise: {signal.Signals(signum).name}: all {world_size} ranks stopped",
-              file=sys.stderr)
+        print(
+            f"meshwise: {signal.Signals(signum).name}: all {world_size} ranks stopped",
+            file=sys.stderr,
+        )
         raise Stopped(signum) from None
     finally:
         signal.signal(signal.SIGTERM, previous)

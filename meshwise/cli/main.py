@@ -21,44 +21,59 @@ from meshwise.cli.train_flags import add_train_arguments
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="meshwise", description="3D-parallel training for PyTorch (data, tensor, pipeline).")
+        prog="meshwise", description="3D-parallel training for PyTorch (data, tensor, pipeline)."
+    )
     parser.add_argument("--version", action="version", version=f"meshwise {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
-        "train", help="train a GPT or a Llama across local ranks (or join a torchrun launch)",
+        "train",
+        help="train a GPT or a Llama across local ranks (or join a torchrun launch)",
         description="Train a GPT or a Llama (--model, --init-from). With no flags on a CPU "
-                    "machine: the tiny GPT preset on 2 data-parallel ranks over the Python "
-                    "standard library's sources.")
+        "machine: the tiny GPT preset on 2 data-parallel ranks over the Python "
+        "standard library's sources.",
+    )
     add_train_arguments(train)
     add_layout_argument(train)
     train.add_argument("-q", "--quiet", action="store_true", help="only warnings and the summary")
     schedule = sub.add_parser("schedule", help="print or plot a pipeline schedule and its bubble")
     add_schedule_arguments(schedule)
-    export = sub.add_parser("export", help="write a checkpoint as one unsharded model",
-                            description="Write a checkpoint's model, unsharded, in a format "
-                                        "readable without meshwise.")
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint as one unsharded model",
+        description="Write a checkpoint's model, unsharded, in a format readable without meshwise.",
+    )
     add_export_arguments(export)
-    generate = sub.add_parser("generate", help="sample text from a checkpoint (one process)",
-                              description="Continue a prompt with a checkpoint's model on one "
-                                          "process, using a KV cache.")
+    generate = sub.add_parser(
+        "generate",
+        help="sample text from a checkpoint (one process)",
+        description="Continue a prompt with a checkpoint's model on one process, using a KV cache.",
+    )
     add_generate_arguments(generate)
-    data = sub.add_parser("data", help="text to token files; train a tokenizer",
-                          description="Prepare token files for --data and train tokenizers "
-                                      "for --tokenizer.")
+    data = sub.add_parser(
+        "data",
+        help="text to token files; train a tokenizer",
+        description="Prepare token files for --data and train tokenizers for --tokenizer.",
+    )
     add_data_arguments(data)
     bench = sub.add_parser("bench", help="benchmarks: comm (all-reduce algorithms)")
     bench_comm = bench.add_subparsers(dest="bench", required=True).add_parser(
-        "comm", help="bandwidth and latency per all-reduce algorithm and size",
+        "comm",
+        help="bandwidth and latency per all-reduce algorithm and size",
         description="Time each all-reduce algorithm against the native collective, on local "
-                    "ranks or under torchrun.")
+        "ranks or under torchrun.",
+    )
     add_bench_comm_arguments(bench_comm)
-    plan = sub.add_parser("plan", help="which layout to run on N devices: memory and step "
-                                       "time predicted per layout")
+    plan = sub.add_parser(
+        "plan", help="which layout to run on N devices: memory and step time predicted per layout"
+    )
     add_plan_arguments(plan)
-    plot = sub.add_parser("plot", help="curves of metrics files (loss, throughput, memory, ...)",
-                          description="Plot one or more --metrics files, overlaid: loss, "
-                                      "gradient norm, tokens/s, peak memory, exposed "
-                                      "communication and MFU.")
+    plot = sub.add_parser(
+        "plot",
+        help="curves of metrics files (loss, throughput, memory, ...)",
+        description="Plot one or more --metrics files, overlaid: loss, "
+        "gradient norm, tokens/s, peak memory, exposed "
+        "communication and MFU.",
+    )
     add_plot_arguments(plot)
     return parser
 

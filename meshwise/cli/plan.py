@@ -19,9 +19,10 @@ PROG = "meshwise plan"
 MODEL_FLAGS = [row for row in TRAIN_FLAGS if row[1] == "model" and row[2] != "dropout"]
 PLAN_HELP = {  # where planning reads less than training
     "init_from": "a local Hugging Face directory: the model's sizes come from its config.json "
-                 "(nothing else is read; no weights needed)",
+    "(nothing else is read; no weights needed)",
     "vocab_size": "vocabulary of the model (default: --init-from's config.json, else 256, "
-                  "byte-level)"}
+    "byte-level)",
+}
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,60 +30,122 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "List every valid layout of --world ranks that fits the devices' memory, ranked by "
         "predicted tokens/s, with each one's peak memory and step time and where they go. "
         "The model is given as to meshwise train (--model and its overrides, or --init-from "
-        "a Hugging Face directory: only its config.json is read).")
-    parser.add_argument("--world", type=int, metavar="N",
-                        help="ranks (devices) to lay the model out on")
+        "a Hugging Face directory: only its config.json is read)."
+    )
+    parser.add_argument(
+        "--world", type=int, metavar="N", help="ranks (devices) to lay the model out on"
+    )
     for flag, section, field, kind, help_text in MODEL_FLAGS:
         help_text = PLAN_HELP.get(field) or f"{help_text} (default: {default_text(section, field)})"
-        parser.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
-                            help=help_text)
-    parser.add_argument("--seq-len", type=int, default=TrainConfig().data.seq_len,
-                        help="tokens per sequence (default: %(default)s, as meshwise train)")
-    parser.add_argument("--batch-size", type=int, default=TrainConfig().data.batch_size,
-                        help="global sequences per optimizer step (default: %(default)s)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="compute dtype (auto, the default: bf16 on a GPU profile, fp32 "
-                             "on cpu)")
-    parser.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="fp32",
-                        help="with --dtype bf16: the dtype gradients are summed in "
-                             "(default: fp32)")
-    parser.add_argument("--bucket-mb", type=float, default=TrainConfig().comm.bucket_mb,
-                        help="gradient bucket and ZeRO-3 unit size (default: %(default)s)")
-    parser.add_argument("--device", default="cpu", metavar="NAME",
-                        help=f"device profile: {', '.join(known_devices())} (default: cpu, "
-                             "this machine as --calibrate measured it)")
-    parser.add_argument("--device-memory-gb", type=float, metavar="G",
-                        help="memory of one device in GiB (default: the profile's; for cpu "
-                             "the machine's, shared by its ranks)")
-    parser.add_argument("--nodes", type=int, metavar="K",
-                        help="machines the world spans; groups inside one use its fast links "
-                             "(default: one per 8 GPUs; cpu: 1)")
-    parser.add_argument("--zero", metavar="STAGES", default=None,
-                        help="ZeRO stages to consider, comma-separated (default: 0,1,2,3)")
-    parser.add_argument("--schedule", metavar="KINDS", default=None,
-                        help="pipeline schedules to consider, comma-separated (default: all)")
-    parser.add_argument("--activation-checkpointing", metavar="MODES", default=None,
-                        help="checkpointing modes to consider: none, selective, full "
-                             "(default: all; a layout is listed with the least that fits)")
-    parser.add_argument("--compress", default="none",
-                        help="dp gradient compression to plan with (default: none; a lossy "
-                             "one changes the loss curve, so the search never picks one)")
-    parser.add_argument("--top", type=int, default=15, metavar="N",
-                        help="rows of the table (default: %(default)s; --json lists all)")
-    parser.add_argument("--json", action="store_true",
-                        help="print a JSON list of every layout that fits, best first: layout "
-                             "(meshwise train's flags), peak_mem_bytes, step_time_s, "
-                             "tokens_per_s, mfu and the breakdowns")
-    parser.add_argument("--explain", metavar="LAYOUT",
-                        help="print the memory and time breakdown of one layout, given as "
-                             "meshwise train's flags, e.g. \"--dp 2 --tp 2 --zero 1\"")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="measure this machine (matmul rate per dtype, memory bandwidth, "
-                             "AdamW, a run's fixed memory, all-reduce alpha-beta on 2 and 4 "
-                             "ranks) and store it in the cache folder for --device cpu")
-    parser.add_argument("--cache-dir", default=None,
-                        help="where --calibrate stores its results (default: $MESHWISE_CACHE "
-                             "or ~/.cache/meshwise)")
+        parser.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=help_text)
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=TrainConfig().data.seq_len,
+        help="tokens per sequence (default: %(default)s, as meshwise train)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=TrainConfig().data.batch_size,
+        help="global sequences per optimizer step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="compute dtype (auto, the default: bf16 on a GPU profile, fp32 on cpu)",
+    )
+    parser.add_argument(
+        "--grad-reduce-dtype",
+        choices=GRAD_REDUCE_DTYPES,
+        default="fp32",
+        help="with --dtype bf16: the dtype gradients are summed in (default: fp32)",
+    )
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=TrainConfig().comm.bucket_mb,
+        help="gradient bucket and ZeRO-3 unit size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        metavar="NAME",
+        help=f"device profile: {', '.join(known_devices())} (default: cpu, "
+        "this machine as --calibrate measured it)",
+    )
+    parser.add_argument(
+        "--device-memory-gb",
+        type=float,
+        metavar="G",
+        help="memory of one device in GiB (default: the profile's; for cpu "
+        "the machine's, shared by its ranks)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        metavar="K",
+        help="machines the world spans; groups inside one use its fast links "
+        "(default: one per 8 GPUs; cpu: 1)",
+    )
+    parser.add_argument(
+        "--zero",
+        metavar="STAGES",
+        default=None,
+        help="ZeRO stages to consider, comma-separated (default: 0,1,2,3)",
+    )
+    parser.add_argument(
+        "--schedule",
+        metavar="KINDS",
+        default=None,
+        help="pipeline schedules to consider, comma-separated (default: all)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        metavar="MODES",
+        default=None,
+        help="checkpointing modes to consider: none, selective, full "
+        "(default: all; a layout is listed with the least that fits)",
+    )
+    parser.add_argument(
+        "--compress",
+        default="none",
+        help="dp gradient compression to plan with (default: none; a lossy "
+        "one changes the loss curve, so the search never picks one)",
+    )
+    parser.add_argument(
+        "--top",
+        type=int,
+        default=15,
+        metavar="N",
+        help="rows of the table (default: %(default)s; --json lists all)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON list of every layout that fits, best first: layout "
+        "(meshwise train's flags), peak_mem_bytes, step_time_s, "
+        "tokens_per_s, mfu and the breakdowns",
+    )
+    parser.add_argument(
+        "--explain",
+        metavar="LAYOUT",
+        help="print the memory and time breakdown of one layout, given as "
+        'meshwise train\'s flags, e.g. "--dp 2 --tp 2 --zero 1"',
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (matmul rate per dtype, memory bandwidth, "
+        "AdamW, a run's fixed memory, all-reduce alpha-beta on 2 and 4 "
+        "ranks) and store it in the cache folder for --device cpu",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where --calibrate stores its results (default: $MESHWISE_CACHE or ~/.cache/meshwise)",
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -97,9 +160,15 @@ def run_plan(args: argparse.Namespace) -> int:
                 return 0
         if args.world is None:
             raise ValueError("--world N is needed (the ranks to lay the model out on)")
-        request = plan_request(model_config(args), args.world, args.device,
-                               space_of(args), args.device_memory_gb, args.nodes,
-                               args.cache_dir)
+        request = plan_request(
+            model_config(args),
+            args.world,
+            args.device,
+            space_of(args),
+            args.device_memory_gb,
+            args.nodes,
+            args.cache_dir,
+        )
         if args.explain:
             print(explain(request, Layout.parse(args.explain)))
             return 0
@@ -129,8 +198,9 @@ def model_config(args: argparse.Namespace) -> TrainConfig:
     apply_init_from(cfg, origins)
     cfg.data.seq_len, cfg.data.batch_size = args.seq_len, args.batch_size
     gpu = args.device != "cpu"
-    cfg.runtime.dtype = (args.dtype if args.dtype not in (None, "auto")
-                         else "bf16" if gpu else "fp32")
+    cfg.runtime.dtype = (
+        args.dtype if args.dtype not in (None, "auto") else "bf16" if gpu else "fp32"
+    )
     cfg.runtime.grad_reduce_dtype = args.grad_reduce_dtype
     cfg.runtime.device = "cuda" if gpu else "cpu"
     cfg.comm.bucket_mb = args.bucket_mb
@@ -146,8 +216,9 @@ def space_of(args: argparse.Namespace) -> Space:
     zero = _listed("--zero", args.zero, ZERO_STAGES, int)
     schedules = _listed("--schedule", args.schedule, SCHEDULE_KINDS, str)
     modes = _listed("--activation-checkpointing", args.activation_checkpointing, MODES, str)
-    return Space(zero=zero, schedules=schedules, activation_checkpointing=modes,
-                 compress=args.compress)
+    return Space(
+        zero=zero, schedules=schedules, activation_checkpointing=modes, compress=args.compress
+    )
 
 
 def _listed(flag: str, text: str | None, valid: tuple, kind) -> tuple:
@@ -159,6 +230,8 @@ def _listed(flag: str, text: str | None, valid: tuple, kind) -> tuple:
         chosen = ()
     bad = [v for v in chosen if v not in valid]
     if bad or not chosen:
-        raise ValueError(f"{flag} {text!r} is not valid; valid: a comma-separated list of "
-                         f"{', '.join(map(str, valid))}")
+        raise ValueError(
+            f"{flag} {text!r} is not valid; valid: a comma-separated list of "
+            f"{', '.join(map(str, valid))}"
+        )
     return tuple(v for v in valid if v in chosen)  # in the order of the full list

@@ -9,12 +9,19 @@ from meshwise.train.plot import X_AXES, plot_runs, read_run
 
 
 def add_plot_arguments(parser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN.jsonl",
-                        help="metrics files written by meshwise train --metrics, overlaid")
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN.jsonl",
+        help="metrics files written by meshwise train --metrics, overlaid",
+    )
     parser.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
-    parser.add_argument("--x", choices=tuple(X_AXES), default="step",
-                        help="the horizontal axis: step, tokens seen or training time "
-                             "(default step)")
+    parser.add_argument(
+        "--x",
+        choices=tuple(X_AXES),
+        default="step",
+        help="the horizontal axis: step, tokens seen or training time (default step)",
+    )
 
 
 def run_plot(args) -> int:
@@ -22,8 +29,10 @@ def run_plot(args) -> int:
     try:
         import matplotlib  # noqa: F401 - only whether it is installed
     except ImportError:
-        print("meshwise plot: error: plotting needs matplotlib: pip install 'meshwise[plot]'",
-              file=sys.stderr)
+        print(
+            "meshwise plot: error: plotting needs matplotlib: pip install 'meshwise[plot]'",
+            file=sys.stderr,
+        )
         return 2
     try:
         runs = {}

@@ -40,10 +40,12 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
             raise ValueError("--device cuda but no CUDA device is available; valid: cpu, auto")
         local = cfg.parallel.dims.world_size
         if not launch.under_torchrun() and local > torch.cuda.device_count():
-            raise ValueError(f"{cfg.parallel.axes_text} = {local} local ranks need {local} "
-                             f"GPUs, but {torch.cuda.device_count()} are visible; use fewer "
-                             "ranks, or "
-                             "torchrun across nodes")
+            raise ValueError(
+                f"{cfg.parallel.axes_text} = {local} local ranks need {local} "
+                f"GPUs, but {torch.cuda.device_count()} are visible; use fewer "
+                "ranks, or "
+                "torchrun across nodes"
+            )
         check_gpu_dtypes(cfg)
     if cfg.runtime.metrics:
         check_writable_file(cfg.runtime.metrics, "--metrics")
@@ -53,12 +55,20 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
     if device == "cpu" and cfg.runtime.dtype == "bf16":
         slowdown = bf16_slowdown()
         if slowdown > 2:
-            log.warning("warning: --dtype bf16: a bf16 matmul measured %.0fx slower than fp32 on "
-                        "this CPU (no native bf16 support); fp32 will train faster", slowdown)
+            log.warning(
+                "warning: --dtype bf16: a bf16 matmul measured %.0fx slower than fp32 on "
+                "this CPU (no native bf16 support); fp32 will train faster",
+                slowdown,
+            )
     check_init_from(cfg)
     path = prepare_data(cfg)
-    dataset = TokenDataset(path, cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
-                           token_dtype=cfg.data.token_dtype, data_order=cfg.data.data_order)
+    dataset = TokenDataset(
+        path,
+        cfg.data.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        token_dtype=cfg.data.token_dtype,
+        data_order=cfg.data.data_order,
+    )
     check_batches(cfg, dataset)
     num_params = capacity.parameter_count(cfg, dataset.vocab_size)
     capacity.check_memory(cfg, num_params, dataset.vocab_size, device)
@@ -82,15 +92,19 @@ def check_torchrun(cfg: TrainConfig) -> None:
     world = launch.torchrun_world_size()
     if world != cfg.parallel.dims.world_size:
         flags = "--" + cfg.parallel.axes_text.replace(" x ", " x --")
-        raise ValueError(f"torchrun started {world} processes but {flags} = "
-                         f"{cfg.parallel.dims.world_size}; launch with "
-                         f"--nproc-per-node x --nnodes = {cfg.parallel.dims.world_size}")
+        raise ValueError(
+            f"torchrun started {world} processes but {flags} = "
+            f"{cfg.parallel.dims.world_size}; launch with "
+            f"--nproc-per-node x --nnodes = {cfg.parallel.dims.world_size}"
+        )
     if cfg.checkpoint.max_restarts:
         # Each node would restart on its own, at its own time: the ranks could never meet.
-        raise ValueError(f"--max-restarts {cfg.checkpoint.max_restarts} does not work under "
-                         "torchrun (every node would restart on its own); valid: torchrun "
-                         f"--max-restarts {cfg.checkpoint.max_restarts} with --save DIR "
-                         "--resume auto")
+        raise ValueError(
+            f"--max-restarts {cfg.checkpoint.max_restarts} does not work under "
+            "torchrun (every node would restart on its own); valid: torchrun "
+            f"--max-restarts {cfg.checkpoint.max_restarts} with --save DIR "
+            "--resume auto"
+        )
 
 
 def prepare_data(cfg: TrainConfig) -> Path:
@@ -106,13 +120,19 @@ def prepare_data(cfg: TrainConfig) -> Path:
     if d.format == "chat" and not str(d.path or "").endswith(".bin"):
         if d.path is None:
             raise ValueError("--format chat needs --data: chat records with 'messages'")
-        template = load_template(d.chat_template,
-                                 tokenizer.path if tokenizer is not None else None)
-        path = resolve_chat_data(d.path, d.cache_dir, tokenizer or ByteTokenizer(), template,
-                                 options)
+        template = load_template(d.chat_template, tokenizer.path if tokenizer is not None else None)
+        path = resolve_chat_data(
+            d.path, d.cache_dir, tokenizer or ByteTokenizer(), template, options
+        )
     else:
-        path = resolve_data(d.path, d.cache_dir, tokenizer, num_workers=available_cpus(),
-                            token_dtype=d.token_dtype, options=options)
+        path = resolve_data(
+            d.path,
+            d.cache_dir,
+            tokenizer,
+            num_workers=available_cpus(),
+            token_dtype=d.token_dtype,
+            options=options,
+        )
     tokenizer = tokenizer or recorded_tokenizer(path, d.token_dtype)
     if tokenizer is not None and tokenizer.path is not None:
         d.tokenizer = tokenizer.path
@@ -129,16 +149,21 @@ def check_batches(cfg: TrainConfig, dataset: TokenDataset) -> None:
     d = cfg.data
     source = BatchSource(dataset, d.document_mask, d.loss_on, d.long_conversations)
     if source.chat is None and d.format == "chat":
-        raise ValueError(f"--format chat: --data {d.path} holds no chat records (prepare them "
-                         "with meshwise data prepare --format chat)")
+        raise ValueError(
+            f"--format chat: --data {d.path} holds no chat records (prepare them "
+            "with meshwise data prepare --format chat)"
+        )
     if source.chat is not None and source.rows is not None:  # the rows packed from it
         chat = read_meta(dataset.path, d.token_dtype)["chat"]
         d.format, d.chat_template = "chat", chat["template"]
         log.info("chat data (template %s): %s", chat["template"], source.summary())
         if source.rows.truncated:
-            log.warning("warning: %s conversations longer than --seq-len %d + 1 tokens are "
-                        "truncated (--long-conversations refuse stops instead)",
-                        f"{source.rows.truncated:,}", d.seq_len)
+            log.warning(
+                "warning: %s conversations longer than --seq-len %d + 1 tokens are "
+                "truncated (--long-conversations refuse stops instead)",
+                f"{source.rows.truncated:,}",
+                d.seq_len,
+            )
 
 
 def check_same_tokenizer(saved: dict, cfg: TrainConfig, digest: str | None) -> None:
@@ -147,9 +172,11 @@ def check_same_tokenizer(saved: dict, cfg: TrainConfig, digest: str | None) -> N
     theirs = saved.get("data", {}).get("tokenizer_digest")
     if theirs != digest:
         name = saved.get("data", {}).get("tokenizer") or "byte-level"
-        raise ValueError(f"--resume: the checkpoint was trained with the tokenizer {name} "
-                         f"(digest {theirs}), this run has {cfg.data.tokenizer or 'byte-level'} "
-                         f"(digest {digest}); valid: --tokenizer {name}")
+        raise ValueError(
+            f"--resume: the checkpoint was trained with the tokenizer {name} "
+            f"(digest {theirs}), this run has {cfg.data.tokenizer or 'byte-level'} "
+            f"(digest {digest}); valid: --tokenizer {name}"
+        )
 
 
 def check_gpu_dtypes(cfg: TrainConfig) -> None:
@@ -162,15 +189,19 @@ def check_gpu_dtypes(cfg: TrainConfig) -> None:
     if cfg.runtime.dtype == "bf16":
         for gpu in facts["gpus"]:
             if tuple(gpu["capability"]) < (8, 0):
-                raise ValueError(f"--dtype bf16: {gpu['name']} has no bfloat16 support (CUDA "
-                                 "needs compute capability 8.0 or newer); valid here: --dtype "
-                                 "fp32")
+                raise ValueError(
+                    f"--dtype bf16: {gpu['name']} has no bfloat16 support (CUDA "
+                    "needs compute capability 8.0 or newer); valid here: --dtype "
+                    "fp32"
+                )
     nccl = facts["nccl"]
     if nccl is not None and nccl < (2, 10):
         what = "--dtype bf16" if cfg.runtime.dtype == "bf16" else "--compress bf16"
-        raise ValueError(f"{what}: this PyTorch's NCCL {'.'.join(map(str, nccl))} carries no "
-                         "bfloat16 (2.10 or newer does); valid here: --dtype fp32 and "
-                         "--compress none, fp16, int8, topk:F, powersgd:R")
+        raise ValueError(
+            f"{what}: this PyTorch's NCCL {'.'.join(map(str, nccl))} carries no "
+            "bfloat16 (2.10 or newer does); valid here: --dtype fp32 and "
+            "--compress none, fp16, int8, topk:F, powersgd:R"
+        )
 
 
 def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:

@@ -26,8 +26,10 @@ FAILURE_GRACE_S = 1.0  # after a rank fails, the others (stuck in collectives) g
 STOP_GRACE_S = 5.0  # how long ranks asked to stop get to exit before SIGKILL
 
 # What a rank reports when a peer vanished under it: a consequence, not a cause.
-PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
-                       r"ECONNRESET|EPIPE|connectFullMesh|Socket closed")
+PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"ECONNRESET|EPIPE|connectFullMesh|Socket closed"
+)
 # What a rank reports when other ranks never joined it (under torchrun: a node that
 # stopped before starting its ranks, e.g. on an invalid flag).
 NEVER_JOINED = re.compile(r"Timed out after \d+ seconds waiting for clients[^.]*\.[^.]*\.")
@@ -77,8 +79,9 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-def supervise(processes, error_files: list[str], watch: RankWatch,
-              explain: Callable[..., str] | None = None) -> None:
+def supervise(
+    processes, error_files: list[str], watch: RankWatch, explain: Callable[..., str] | None = None
+) -> None:
     """Wait for every rank; on the first failure stop the rest and raise ``RankFailed``.
 
     ``error_files[i]``: rank i's pickled traceback (``torch.multiprocessing``'s convention).
@@ -95,8 +98,15 @@ def supervise(processes, error_files: list[str], watch: RankWatch,
             while pending and time.monotonic() < deadline:  # peers fail in their turn
                 _wait_some(pending, processes, ended, deadline - time.monotonic())
             stop_ranks(processes)
-            outcomes = [Outcome(rank, processes[rank].exitcode, _trace(error_files[rank]),
-                                watch.peaks.get(rank, 0)) for rank in ended]
+            outcomes = [
+                Outcome(
+                    rank,
+                    processes[rank].exitcode,
+                    _trace(error_files[rank]),
+                    watch.peaks.get(rank, 0),
+                )
+                for rank in ended
+            ]
             culprit = blame(outcomes)
             message = describe(culprit)
             if explain is not None:
@@ -136,19 +146,30 @@ def describe(outcome: Outcome) -> str:
     name = _signal_name(-outcome.exitcode)
     line = f"rank {outcome.rank} was killed by signal {name}"
     if -outcome.exitcode == signal.SIGKILL:
-        facts = [f"peak resident memory so far {_gib(outcome.peak_rss_bytes)}"
-                 if outcome.peak_rss_bytes else "",
-                 f"memory limit here {_gib(memory_limit_bytes())}" if memory_limit_bytes() else ""]
-        line += " (out of memory?)" + "".join(f"{', ' if i else ': '}{fact}" for i, fact in
-                                              enumerate(f for f in facts if f))
+        facts = [
+            f"peak resident memory so far {_gib(outcome.peak_rss_bytes)}"
+            if outcome.peak_rss_bytes
+            else "",
+            f"memory limit here {_gib(memory_limit_bytes())}" if memory_limit_bytes() else "",
+        ]
+        line += " (out of memory?)" + "".join(
+            f"{', ' if i else ': '}{fact}" for i, fact in enumerate(f for f in facts if f)
+        )
     return line
 
 
 # Errors that end a job for a reason the user can act on: reported in one line,
 # without the traceback (which only matters for unexpected errors).
-EXPECTED_ERRORS = ("CollectiveTimeout", "CollectiveDesync", "NcclRuleError", "NonFiniteError",
-                   "ConfigMismatch", "MetricsWriteError", "RankInterrupted",
-                   "CheckpointWriteError")
+EXPECTED_ERRORS = (
+    "CollectiveTimeout",
+    "CollectiveDesync",
+    "NcclRuleError",
+    "NonFiniteError",
+    "ConfigMismatch",
+    "MetricsWriteError",
+    "RankInterrupted",
+    "CheckpointWriteError",
+)
 
 
 def failure_message(rank: int, trace: str) -> str:
@@ -160,12 +181,16 @@ def failure_message(rank: int, trace: str) -> str:
         return f"rank {rank}: {message}"
     never = NEVER_JOINED.search(last)
     if never:
-        return (f"rank {rank}: the other ranks did not all start within --timeout-s "
-                f"({never.group(0)}); the nodes that did not join say why")
+        return (
+            f"rank {rank}: the other ranks did not all start within --timeout-s "
+            f"({never.group(0)}); the nodes that did not join say why"
+        )
     lost = PEER_LOST.search(last)
     if lost:  # under torchrun the peer may be on another node: its output says why
-        return (f"rank {rank}: lost its connection to another rank ({lost.group(0)}): that "
-                "rank ended first, and its own output says why")
+        return (
+            f"rank {rank}: lost its connection to another rank ({lost.group(0)}): that "
+            "rank ended first, and its own output says why"
+        )
     return f"rank {rank} failed:\n{trace}"
 
 

@@ -1,6 +1,7 @@
 """``meshwise schedule``: print (or ``--plot``, with matplotlib) a pipeline schedule and its
 simulated bubble.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,37 +22,70 @@ PROG = "meshwise schedule"
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``meshwise schedule`` flags to ``parser``."""
-    parser.description = ("Show each pipeline rank's order of forwards (F), backwards (B) and "
-                          "weight passes (W, schedules with a split backward), a simulated "
-                          "timeline (costs per rank, communication free; a whole backward "
-                          "costs B + W) and the bubble fraction (idle time / total time) beside "
-                          "the formula or the paper's figure for the schedule.")
-    parser.add_argument("--pp", type=int, required=True, metavar="S",
-                        help="number of pipeline stages (pipeline-parallel ranks), >= 1")
-    parser.add_argument("--micro-batches", type=int, required=True, metavar="M",
-                        help="micro-batches per optimizer step, >= 1 "
-                             "(interleaved-1f1b: a multiple of --pp; dualpipev: >= 2 x --pp)")
-    parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                        help="model chunks per rank: 1 for gpipe, 1f1b and zb-h1, >= 2 for "
-                             "interleaved-1f1b, 2 for zbv and dualpipev (default: 1)")
-    parser.add_argument("--schedule", default="1f1b", metavar="KIND",
-                        help=f"one of {', '.join(SCHEDULE_KINDS)} (default: 1f1b); zb-h1, zbv "
-                             "and dualpipev split the backward into B (input gradient) and W "
-                             "(weight gradients)")
-    parser.add_argument("--costs", default="1,1,1", metavar="F,B,W",
-                        help="per-rank cost of a forward, of a backward's input gradient and "
-                             "of its weight gradients, per micro-batch (default: 1,1,1)")
-    parser.add_argument("--comms", action="store_true",
-                        help="also list the sends/receives in each rank's order; [..] marks "
-                             "those posted together as one batch (SF3>1: send the activation of "
-                             "micro-batch 3 to rank 1, RB3<1: receive its gradient from rank 1)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (schedule, pp, micro_batches, "
-                             "virtual_stages, ranks, bubble_fraction, step_time, peak_in_flight, "
-                             "...) instead of text")
-    parser.add_argument("--plot", metavar="FILE.png",
-                        help="also save a Gantt chart of the timeline to this PNG file "
-                             "(needs matplotlib)")
+    parser.description = (
+        "Show each pipeline rank's order of forwards (F), backwards (B) and "
+        "weight passes (W, schedules with a split backward), a simulated "
+        "timeline (costs per rank, communication free; a whole backward "
+        "costs B + W) and the bubble fraction (idle time / total time) beside "
+        "the formula or the paper's figure for the schedule."
+    )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        required=True,
+        metavar="S",
+        help="number of pipeline stages (pipeline-parallel ranks), >= 1",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        required=True,
+        metavar="M",
+        help="micro-batches per optimizer step, >= 1 "
+        "(interleaved-1f1b: a multiple of --pp; dualpipev: >= 2 x --pp)",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per rank: 1 for gpipe, 1f1b and zb-h1, >= 2 for "
+        "interleaved-1f1b, 2 for zbv and dualpipev (default: 1)",
+    )
+    parser.add_argument(
+        "--schedule",
+        default="1f1b",
+        metavar="KIND",
+        help=f"one of {', '.join(SCHEDULE_KINDS)} (default: 1f1b); zb-h1, zbv "
+        "and dualpipev split the backward into B (input gradient) and W "
+        "(weight gradients)",
+    )
+    parser.add_argument(
+        "--costs",
+        default="1,1,1",
+        metavar="F,B,W",
+        help="per-rank cost of a forward, of a backward's input gradient and "
+        "of its weight gradients, per micro-batch (default: 1,1,1)",
+    )
+    parser.add_argument(
+        "--comms",
+        action="store_true",
+        help="also list the sends/receives in each rank's order; [..] marks "
+        "those posted together as one batch (SF3>1: send the activation of "
+        "micro-batch 3 to rank 1, RB3<1: receive its gradient from rank 1)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (schedule, pp, micro_batches, "
+        "virtual_stages, ranks, bubble_fraction, step_time, peak_in_flight, "
+        "...) instead of text",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also save a Gantt chart of the timeline to this PNG file (needs matplotlib)",
+    )
 
 
 def parse_costs(text: str) -> tuple[float, float, float]:
@@ -62,8 +96,10 @@ def parse_costs(text: str) -> tuple[float, float, float]:
     except ValueError:
         costs = ()
     if len(costs) != 3 or not all(0 < c < float("inf") for c in costs):
-        raise ValueError(f"--costs {text!r} is not valid; valid: three numbers > 0 as F,B,W, "
-                         "e.g. 1,1,1 or 1,1.2,0.8")
+        raise ValueError(
+            f"--costs {text!r} is not valid; valid: three numbers > 0 as F,B,W, "
+            "e.g. 1,1,1 or 1,1.2,0.8"
+        )
     return costs
 
 
@@ -88,29 +124,41 @@ def run_schedule(args: argparse.Namespace) -> int:
         try:
             plot_timeline(timeline, args.plot)
         except ImportError:
-            return _error("--plot needs matplotlib: pip install -e \".[plot]\" "
-                          "(or pip install matplotlib)")
+            return _error(
+                '--plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)'
+            )
         except OSError as exc:
             return _error(f"cannot write --plot {args.plot!r}: {exc.strerror or exc}")
     compute = [[str(a) for a in schedule.compute_actions(r)] for r in range(S)]
     if args.json:
-        print(json.dumps({
-            "schedule": kind, "pp": S, "micro_batches": M, "virtual_stages": V,
-            "forward_cost": timeline.forward_cost, "backward_cost": timeline.backward_cost,
-            "weight_cost": timeline.weight_cost,
-            "bubble_fraction": timeline.bubble_fraction,
-            "bubble_fraction_formula": None if math.isnan(ideal) else ideal,
-            "bubble_fraction_source": source,
-            "bubble_fraction_blocking_sends": strict.bubble_fraction,
-            "step_time": timeline.step_time, "peak_in_flight": timeline.peak_in_flight,
-            "ranks": compute,
-            "ranks_with_comms": [[str(a) for a in actions] for actions in schedule.ranks],
-        }))
+        print(
+            json.dumps(
+                {
+                    "schedule": kind,
+                    "pp": S,
+                    "micro_batches": M,
+                    "virtual_stages": V,
+                    "forward_cost": timeline.forward_cost,
+                    "backward_cost": timeline.backward_cost,
+                    "weight_cost": timeline.weight_cost,
+                    "bubble_fraction": timeline.bubble_fraction,
+                    "bubble_fraction_formula": None if math.isnan(ideal) else ideal,
+                    "bubble_fraction_source": source,
+                    "bubble_fraction_blocking_sends": strict.bubble_fraction,
+                    "step_time": timeline.step_time,
+                    "peak_in_flight": timeline.peak_in_flight,
+                    "ranks": compute,
+                    "ranks_with_comms": [[str(a) for a in actions] for actions in schedule.ranks],
+                }
+            )
+        )
         return 0
     for rank in range(S):
         if args.comms:
-            items = [f"[{' '.join(map(str, step))}]" if isinstance(step, tuple) else str(step)
-                     for step in group_steps(schedule.ranks[rank])]
+            items = [
+                f"[{' '.join(map(str, step))}]" if isinstance(step, tuple) else str(step)
+                for step in group_steps(schedule.ranks[rank])
+            ]
         else:
             items = compute[rank]
         print(f"rank {rank}: {' '.join(items)}")

@@ -33,8 +33,7 @@ log = logging.getLogger("meshwise")
 
 def run_train(args: argparse.Namespace) -> int:
     """``meshwise train``: the exit status."""
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(message)s")
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     launch.die_with_torchrun()  # before the checks, which may take a while (a corpus build)
     # SIGTERM unwinds like Ctrl-C, so a half-built corpus or save leaves no temporary.
     previous = signal.signal(signal.SIGTERM, launch.raise_stopped)
@@ -95,11 +94,21 @@ def apply_launch_defaults(cfg: TrainConfig, origins: dict[str, str]) -> None:
         if world % per_replica == 0 and world // per_replica != p.dp:
             p.dp = world // per_replica
             origins["dp"] = "torchrun"
-            log.info("--dp %d: torchrun started %d processes for cp %d x tp %d x pp %d", p.dp,
-                     world, p.cp, p.tp, p.pp)
+            log.info(
+                "--dp %d: torchrun started %d processes for cp %d x tp %d x pp %d",
+                p.dp,
+                world,
+                p.cp,
+                p.tp,
+                p.pp,
+            )
         return
-    demo = (p.tp == 1 and p.pp == 1 and p.cp == 1
-            and cfg.data.batch_size % (2 * cfg.data.grad_accum) == 0)
+    demo = (
+        p.tp == 1
+        and p.pp == 1
+        and p.cp == 1
+        and cfg.data.batch_size % (2 * cfg.data.grad_accum) == 0
+    )
     if demo and choice.resolve_device(cfg.runtime.device) == "cpu":
         p.dp = 2
         origins["dp"] = "demo"
@@ -115,8 +124,9 @@ def gpus_take_bf16() -> bool:
 def record_config(cfg: TrainConfig, run: RunState, origins: dict[str, str]) -> None:
     """Show the effective configuration once; keep it, with the run state, beside the
     metrics file."""
-    log.info("configuration (marked: not a default):\n  %s",
-             "\n  ".join(effective_config(cfg, origins)))
+    log.info(
+        "configuration (marked: not a default):\n  %s", "\n  ".join(effective_config(cfg, origins))
+    )
     if cfg.runtime.metrics:
         path = Path(cfg.runtime.metrics)
         side = path.with_name(path.name + ".config.json")
@@ -132,20 +142,32 @@ def train(cfg: TrainConfig, run: RunState, data_path: Path) -> None:
     c = cfg.checkpoint
     for attempt in range(c.max_restarts + 1):
         try:
-            launch.launch(_rank_main, (cfg, run, str(data_path), device),
-                          cfg.parallel.dims.world_size, device, cfg.comm.timeout_s,
-                          ledger_out=cfg.ledger_dir())
+            launch.launch(
+                _rank_main,
+                (cfg, run, str(data_path), device),
+                cfg.parallel.dims.world_size,
+                device,
+                cfg.comm.timeout_s,
+                ledger_out=cfg.ledger_dir(),
+            )
             return
         except launch.RankFailed as exc:
             if attempt == c.max_restarts:
                 if c.max_restarts:
-                    raise launch.RankFailed(f"{exc}\ngave up: the job failed {attempt + 1} "
-                                            f"times (--max-restarts {c.max_restarts})") from None
+                    raise launch.RankFailed(
+                        f"{exc}\ngave up: the job failed {attempt + 1} "
+                        f"times (--max-restarts {c.max_restarts})"
+                    ) from None
                 raise
             start = resume.newest_or(c.save, run.start)
             run = run.starting_from(cfg.optim, start)
-            log.warning("%s\nrestart %d of %d from %s", exc, attempt + 1, c.max_restarts,
-                        start or "the beginning (no checkpoint yet)")
+            log.warning(
+                "%s\nrestart %d of %d from %s",
+                exc,
+                attempt + 1,
+                c.max_restarts,
+                start or "the beginning (no checkpoint yet)",
+            )
 
 
 def _rank_main(cfg: TrainConfig, run: RunState, data_path: str, device: str) -> None:

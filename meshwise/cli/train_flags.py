@@ -26,6 +26,7 @@ from meshwise.train.lr_schedule import DECAY_SHAPES, SCHEDULES
 
 # (flag, config section, field, type, help). The help's default is added from
 # ``TrainConfig()`` (or ``DEFAULT_TEXT``), so the dataclasses are the one source.
+# fmt: off
 TRAIN_FLAGS = [
     ("--dp", "parallel", "dp", int, "data-parallel ranks"),
     ("--tp", "parallel", "tp", int, "tensor-parallel ranks"),
@@ -232,31 +233,43 @@ TRAIN_FLAGS = [
      "when a rank dies, restart the job from the newest checkpoint up to N times (not under "
      "torchrun: use torchrun --max-restarts with --resume auto)"),
 ]
-
+# fmt: on
 
 
 # Defaults that are not a plain value of the dataclass field.
 DEFAULT_TEXT = {
     "dp": "2 for the CPU demo (no layout flags), else 1; under torchrun: the world / "
-          "(cp x tp x pp)",
+    "(cp x tp x pp)",
     "sp": "off",
     "micro_batches": "pp",
-    "n_layer": "the preset's", "n_head": "the preset's", "d_model": "the preset's",
-    "block_size": "the preset's", "n_kv_head": "the preset's",
-    "ffn_hidden_size": "the preset's", "rope_theta": "the preset's", "norm_eps": "the preset's",
+    "n_layer": "the preset's",
+    "n_head": "the preset's",
+    "d_model": "the preset's",
+    "block_size": "the preset's",
+    "n_kv_head": "the preset's",
+    "ffn_hidden_size": "the preset's",
+    "rope_theta": "the preset's",
+    "norm_eps": "the preset's",
     "init_from": "none: the initialisation drawn from --seed",
     "vocab_size": "the tokenizer's, else the data's (byte-level: 256)",
     "tokenizer": "byte-level, vocab 256; or the one a .bin was prepared with",
     "path": "the Python standard library's sources, byte-level",
     "cache_dir": "$MESHWISE_CACHE or ~/.cache/meshwise",
-    "metrics": "none", "save": "none", "resume": "none: start fresh",
+    "metrics": "none",
+    "save": "none",
+    "resume": "none: start fresh",
     "log_dir": "DIR/logs with --save DIR, else runs/RUN_NAME",
     "run_name": "--save's folder name, else run-DATE-TIME",
-    "profile_steps": "none", "profile_dir": "LOG_DIR/profile",
-    "save_every": "only at the end", "keep_last": "keep all",
+    "profile_steps": "none",
+    "profile_dir": "LOG_DIR/profile",
+    "save_every": "only at the end",
+    "keep_last": "keep all",
     "token_dtype": "the sidecar's; without one, uint16 unless the file could be uint32",
-    "chat_template": "tokenizer; or the one a .bin was prepared with", "document_mask": "off",
-    "decay_steps": "the last fifth of the steps", "skip_bad_records": "off", "lr_restart": "off",
+    "chat_template": "tokenizer; or the one a .bin was prepared with",
+    "document_mask": "off",
+    "decay_steps": "the last fifth of the steps",
+    "skip_bad_records": "off",
+    "lr_restart": "off",
     "ranks_per_node": "torchrun's LOCAL_WORLD_SIZE; locally, every rank on one node",
 }
 BY_FIELD = {field: (flag, section, kind) for flag, section, field, kind, _ in TRAIN_FLAGS}
@@ -276,13 +289,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, section, field, kind, help_text in TRAIN_FLAGS:
         help_text = f"{help_text} (default: {default_text(section, field)})"
         if kind is bool:  # a switch: given means true (``key = true`` in TOML)
-            parser.add_argument(flag, dest=field, action="store_const", const=True,
-                                default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(
+                flag,
+                dest=field,
+                action="store_const",
+                const=True,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
         else:
-            parser.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
-                                help=help_text)
-    parser.add_argument("--config", dest="config_file", default=argparse.SUPPRESS,
-                        help="TOML file with the same keys; flags given here override it")
+            parser.add_argument(
+                flag, dest=field, type=kind, default=argparse.SUPPRESS, help=help_text
+            )
+    parser.add_argument(
+        "--config",
+        dest="config_file",
+        default=argparse.SUPPRESS,
+        help="TOML file with the same keys; flags given here override it",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]:
@@ -314,8 +338,10 @@ def read_toml(path: str) -> dict:
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
-                          f"at offset {exc.start}); TOML files are UTF-8") from None
+        raise ConfigError(
+            f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+            f"at offset {exc.start}); TOML files are UTF-8"
+        ) from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"--config {path}: not a readable TOML file ({exc})") from None
     sections = sorted({f.name for f in dataclasses.fields(TrainConfig)})
@@ -324,18 +350,22 @@ def read_toml(path: str) -> dict:
     for key, value in raw.items():
         if isinstance(value, dict):
             if key not in sections:
-                raise ConfigError(f"--config {path}: unknown section [{key}]; valid: "
-                                  f"{', '.join(sections)}")
+                raise ConfigError(
+                    f"--config {path}: unknown section [{key}]; valid: {', '.join(sections)}"
+                )
             items: list[tuple[str, object, str | None]] = [
-                (name, item, key) for name, item in value.items()]
+                (name, item, key) for name, item in value.items()
+            ]
         else:
             items = [(key, value, None)]
         for name, item, section in items:
             field, kind = _toml_key(path, name, section)
             where = f"[{section}] {name}" if section else name
             if field in spelled:  # two spellings of one setting: neither may win silently
-                raise ConfigError(f"--config {path}: {spelled[field]!r} and {where!r} both set "
-                                  f"{BY_FIELD[field][0]}; keep one")
+                raise ConfigError(
+                    f"--config {path}: {spelled[field]!r} and {where!r} both set "
+                    f"{BY_FIELD[field][0]}; keep one"
+                )
             spelled[field] = where
             flat[field] = _typed(path, name, item, kind)
     return flat
@@ -346,8 +376,10 @@ def _toml_key(path: str, name: str, section: str | None) -> tuple[str, type]:
     for flag, flag_section, field, kind, _ in TRAIN_FLAGS:
         by_name[flag.lstrip("-")] = by_name[field] = (flag_section, field, kind)
     if name not in by_name:
-        raise ConfigError(f"--config {path}: unknown key {name!r}; valid keys are the flag "
-                          "names, e.g. batch-size, dp, lr")
+        raise ConfigError(
+            f"--config {path}: unknown key {name!r}; valid keys are the flag "
+            "names, e.g. batch-size, dp, lr"
+        )
     want, field, kind = by_name[name]
     if section is not None and section != want:
         raise ConfigError(f"--config {path}: {name!r} belongs under [{want}], not [{section}]")
@@ -356,12 +388,16 @@ def _toml_key(path: str, name: str, section: str | None) -> tuple[str, type]:
 
 def _typed(path: str, name: str, value, kind: type):
     """``value`` as ``kind``, refusing conversions that would change it (2.7 -> 2, true -> 1)."""
-    ok = {int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          str: isinstance(value, str), bool: isinstance(value, bool)}[kind]
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        bool: isinstance(value, bool),
+    }[kind]
     if not ok:
-        wanted = {int: "an integer", float: "a number", str: "a string",
-                  bool: "true or false"}[kind]
+        wanted = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[
+            kind
+        ]
         raise ConfigError(f"--config {path}: {name} = {value!r} is not {wanted}")
     return kind(value)
 

@@ -82,9 +82,18 @@ class Handle:
     ``entries``: its ledger entries, marked complete once waited for;
     ``context``: the rank's ``CommContext``, asked for a diagnosis on a timeout."""
 
-    def __init__(self, works, counters: CommCounters | None, category: str,
-                 on_done=None, keep=None, what: str = "a collective", entries=(),
-                 context=None, device: torch.device | None = None):
+    def __init__(
+        self,
+        works,
+        counters: CommCounters | None,
+        category: str,
+        on_done=None,
+        keep=None,
+        what: str = "a collective",
+        entries=(),
+        context=None,
+        device: torch.device | None = None,
+    ):
         self._works = works if isinstance(works, list) else [works]
         self._keep = keep  # tensors that must outlive the transfer
         self._counters = counters
@@ -100,8 +109,11 @@ class Handle:
 
     def wait(self) -> None:
         assert not self.done, "Handle.wait() called twice"
-        waiting = (self._counters.waiting(self._category, self._device)
-                   if self._counters is not None else contextlib.nullcontext())
+        waiting = (
+            self._counters.waiting(self._category, self._device)
+            if self._counters is not None
+            else contextlib.nullcontext()
+        )
         with ranges.named(f"wait/{self._category}"), waiting:
             for work in self._works:
                 if work is not None:

@@ -29,8 +29,15 @@ class Group:
     """A process group, this rank's index in it, the counters it feeds, and the
     device its tensors live on (declared by whoever builds it, e.g. the mesh)."""
 
-    def __init__(self, pg, ranks: list[int], name: str, counters: CommCounters,
-                 timeout_s: float | None = None, device=None):
+    def __init__(
+        self,
+        pg,
+        ranks: list[int],
+        name: str,
+        counters: CommCounters,
+        timeout_s: float | None = None,
+        device=None,
+    ):
         self.pg = pg
         self.ranks = list(ranks)
         self.name = name
@@ -74,8 +81,9 @@ def _pg_timeout(timeout_s: float, backend_name: str) -> timedelta:
 def init_process_group(backend: str, timeout_s: float) -> None:
     """Initialise from the ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` env."""
     device_id = rank_device("cuda") if backend == "nccl" else None
-    dist.init_process_group(backend=backend, timeout=_pg_timeout(timeout_s, backend),
-                            device_id=device_id)
+    dist.init_process_group(
+        backend=backend, timeout=_pg_timeout(timeout_s, backend), device_id=device_id
+    )
 
 
 def destroy_process_group() -> None:
@@ -96,8 +104,9 @@ def context() -> CommContext:
     world = dist.group.WORLD
     current = _CONTEXT.get("current")
     if current is None or current.world_id != id(world):
-        current = CommContext(dist.get_rank(), dist.get_world_size(), _open_store,
-                              world_id=id(world))
+        current = CommContext(
+            dist.get_rank(), dist.get_world_size(), _open_store, world_id=id(world)
+        )
         _CONTEXT["current"] = current
     return current
 
@@ -108,8 +117,9 @@ def _open_store():
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not (host and port):
         return None
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=60))
+    return dist.TCPStore(
+        host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
 
 
 def start_ledger(timeout_s: float | None, out_dir=None) -> None:
@@ -134,15 +144,23 @@ class CollectiveDesync(RuntimeError):
     """Ranks issued different operations on a group; names the rank and both call sites."""
 
 
-def world_group(counters: CommCounters | None = None, timeout_s: float | None = None,
-                device=None) -> Group:
+def world_group(
+    counters: CommCounters | None = None, timeout_s: float | None = None, device=None
+) -> Group:
     """The whole world; ``timeout_s`` is the one it was initialised with, for messages."""
-    return Group(dist.group.WORLD, list(range(dist.get_world_size())), "world",
-                 counters or CommCounters(), timeout_s, device)
+    return Group(
+        dist.group.WORLD,
+        list(range(dist.get_world_size())),
+        "world",
+        counters or CommCounters(),
+        timeout_s,
+        device,
+    )
 
 
-def new_group(ranks: list[int], name: str, counters: CommCounters,
-              timeout_s: float | None = None, device=None) -> Group | None:
+def new_group(
+    ranks: list[int], name: str, counters: CommCounters, timeout_s: float | None = None, device=None
+) -> Group | None:
     """Create a subgroup. Every rank must call this for every group, in order;
     ranks outside ``ranks`` get ``None``. ``timeout_s``: how long its operations
     may wait (subgroups do not inherit the world's; ``None``: torch's default)."""
@@ -158,10 +176,28 @@ def _begin(group: Group, op: str, tensors, reduce_op: str | None = None):
     return context().begin(group, op, tensors, reduce_op)
 
 
-def _finish(work, group: Group, category: str, async_op: bool, entry, on_done=None,
-            keep=None, op: str = "collective", peer: int | None = None):
-    handle = Handle(work, group.counters, category, on_done, keep, _describe(group, op, peer),
-                    [entry], context(), group.device)
+def _finish(
+    work,
+    group: Group,
+    category: str,
+    async_op: bool,
+    entry,
+    on_done=None,
+    keep=None,
+    op: str = "collective",
+    peer: int | None = None,
+):
+    handle = Handle(
+        work,
+        group.counters,
+        category,
+        on_done,
+        keep,
+        _describe(group, op, peer),
+        [entry],
+        context(),
+        group.device,
+    )
     if async_op:
         return handle
     handle.wait()
@@ -184,8 +220,13 @@ def _ring_fraction(group: Group) -> float:
     return (group.size - 1) / group.size
 
 
-def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum",
-               category: str = "other", async_op: bool = False):
+def all_reduce(
+    tensor: torch.Tensor,
+    group: Group,
+    op: str = "sum",
+    category: str = "other",
+    async_op: bool = False,
+):
     """In-place all-reduce; returns a ``Handle`` when ``async_op``."""
     if group.size == 1:
         return Handle([], None, category) if async_op else None
@@ -195,8 +236,13 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum",
     return _finish(work, group, category, async_op, entry, op="all_reduce")
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
-                   category: str = "other", async_op: bool = False):
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    category: str = "other",
+    async_op: bool = False,
+):
     """Sum ``input`` (``group.size`` equal chunks) across ranks; this rank's chunk -> ``output``."""
     assert input.numel() == output.numel() * group.size, "input must be size * output"
     if group.size == 1:
@@ -208,8 +254,13 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     return _finish(work, group, category, async_op, entry, keep=input, op="reduce_scatter")
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group,
-               category: str = "other", async_op: bool = False):
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    category: str = "other",
+    async_op: bool = False,
+):
     """Concatenate every rank's ``input`` into ``output`` (flat, rank order)."""
     assert output.numel() == input.numel() * group.size, "output must be size * input"
     if group.size == 1:
@@ -254,8 +305,9 @@ def all_gather_object(obj, group: Group, category: str = "other") -> list:
 def barrier(group: Group) -> None:
     if group.size > 1:
         entry = _begin(group, "barrier", [])
-        _finish(dist.barrier(group=group.pg, async_op=True), group, "other", False, entry,
-                op="barrier")
+        _finish(
+            dist.barrier(group=group.pg, async_op=True), group, "other", False, entry, op="barrier"
+        )
 
 
 def _pair_channel(group: Group, src: int, dst: int) -> str:
@@ -265,12 +317,19 @@ def _pair_channel(group: Group, src: int, dst: int) -> str:
 
 def _begin_transfer(group: Group, op: str, tensor: torch.Tensor, peer: int, tag: int):
     src, dst = (group.rank, peer) if op == "send" else (peer, group.rank)
-    return context().begin(group, op, [tensor], peer=peer, channel=_pair_channel(group, src, dst),
-                           tag=tag)
+    return context().begin(
+        group, op, [tensor], peer=peer, channel=_pair_channel(group, src, dst), tag=tag
+    )
 
 
-def send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0,
-         category: str = "p2p", async_op: bool = False):
+def send(
+    tensor: torch.Tensor,
+    dst: int,
+    group: Group,
+    tag: int = 0,
+    category: str = "p2p",
+    async_op: bool = False,
+):
     """Send to group rank ``dst`` with a tag (outside a batch: see ``batch_p2p``)."""
     tensor = tensor.contiguous()
     entry = _begin_transfer(group, "send", tensor, dst, tag)
@@ -280,8 +339,14 @@ def send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0,
     return _finish(work, group, category, async_op, entry, keep=tensor, op="send", peer=dst)
 
 
-def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0,
-         category: str = "p2p", async_op: bool = False):
+def recv(
+    tensor: torch.Tensor,
+    src: int,
+    group: Group,
+    tag: int = 0,
+    category: str = "p2p",
+    async_op: bool = False,
+):
     """Receive from group rank ``src`` into ``tensor`` with a tag (outside a batch)."""
     entry = _begin_transfer(group, "recv", tensor, src, tag)
     work = dist.irecv(tensor, src=group.global_rank(src), group=group.pg, tag=tag)
@@ -289,10 +354,14 @@ def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0,
     return _finish(work, group, category, async_op, entry, op="recv", peer=src)
 
 
-def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
-              recvs: list[tuple[torch.Tensor, int, int]], group: Group,
-              category: str = "p2p", wait_sends: bool = True,
-              recv_handles: list | None = None) -> list[Handle]:
+def batch_p2p(
+    sends: list[tuple[torch.Tensor, int, int]],
+    recvs: list[tuple[torch.Tensor, int, int]],
+    group: Group,
+    category: str = "p2p",
+    wait_sends: bool = True,
+    recv_handles: list | None = None,
+) -> list[Handle]:
     """Post several sends and receives together: ``(tensor, group_rank, tag)`` each.
 
     Posted at once (``batch_isend_irecv``), two neighbours exchange without deadlock, as
@@ -307,35 +376,69 @@ def batch_p2p(sends: list[tuple[torch.Tensor, int, int]],
         keep.append(tensor.contiguous())
         send_entries.append(_begin_transfer(group, "send", keep[-1], dst, tag))
         group.counters.record(category, _nbytes(tensor))
-        ops.append(dist.P2POp(dist.isend, keep[-1], group.global_rank(dst),
-                              group=group.pg, tag=tag))
+        ops.append(
+            dist.P2POp(dist.isend, keep[-1], group.global_rank(dst), group=group.pg, tag=tag)
+        )
     for tensor, src, tag in recvs:
         recv_entries.append(_begin_transfer(group, "recv", tensor, src, tag))
-        ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(src),
-                              group=group.pg, tag=tag))
+        ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(src), group=group.pg, tag=tag))
     works = list(dist.batch_isend_irecv(ops)) if ops else []
     del ops  # the P2POps hold the tensors too
     peers = sorted({group.global_rank(peer) for _, peer, _ in sends + recvs})
     what = f"point-to-point batch on group {group.name} (peers {peers})"
     ctx = context()
     if len(works) != len(sends) + len(recvs):  # one coalesced work for the whole batch (NCCL)
-        whole = Handle(works, group.counters, category, keep=keep, what=what,
-                       entries=send_entries + recv_entries, context=ctx, device=group.device)
+        whole = Handle(
+            works,
+            group.counters,
+            category,
+            keep=keep,
+            what=what,
+            entries=send_entries + recv_entries,
+            context=ctx,
+            device=group.device,
+        )
         if recv_handles is not None and recvs:
             recv_handles += [whole] * len(recvs)
         else:
             whole.wait()
         return []
     if recv_handles is None:
-        Handle(works[len(sends):], group.counters, category, what=what, entries=recv_entries,
-               context=ctx, device=group.device).wait()
+        Handle(
+            works[len(sends) :],
+            group.counters,
+            category,
+            what=what,
+            entries=recv_entries,
+            context=ctx,
+            device=group.device,
+        ).wait()
     else:
-        recv_handles += [Handle(work, group.counters, category, what=what, entries=[entry],
-                                context=ctx, device=group.device)
-                         for work, entry in zip(works[len(sends):], recv_entries)]
-    send_handles = [Handle(work, group.counters, category, keep=tensor, what=what,
-                           entries=[entry], context=ctx, device=group.device)
-                    for work, tensor, entry in zip(works[:len(sends)], keep, send_entries)]
+        recv_handles += [
+            Handle(
+                work,
+                group.counters,
+                category,
+                what=what,
+                entries=[entry],
+                context=ctx,
+                device=group.device,
+            )
+            for work, entry in zip(works[len(sends) :], recv_entries)
+        ]
+    send_handles = [
+        Handle(
+            work,
+            group.counters,
+            category,
+            keep=tensor,
+            what=what,
+            entries=[entry],
+            context=ctx,
+            device=group.device,
+        )
+        for work, tensor, entry in zip(works[: len(sends)], keep, send_entries)
+    ]
     del works, keep
     if wait_sends:
         for handle in send_handles:

@@ -15,9 +15,20 @@ MAX_DIMS = 8
 MESSAGE_LEN = 3 + MAX_DIMS
 _MAGIC = 0x6D657461  # "meta"
 # Codes are positions in this tuple: append only, never reorder (both ends must agree).
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-           torch.complex128)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 
 
 @dataclass(frozen=True)
@@ -38,11 +49,15 @@ class TensorMeta:
     def to_message(self, device: torch.device) -> torch.Tensor:
         """The header, (MESSAGE_LEN,) int64 on ``device``."""
         if len(self.shape) > MAX_DIMS:
-            raise ValueError(f"cannot send a {len(self.shape)}-d tensor {self}: pipeline "
-                             f"messages carry at most {MAX_DIMS} dims")
+            raise ValueError(
+                f"cannot send a {len(self.shape)}-d tensor {self}: pipeline "
+                f"messages carry at most {MAX_DIMS} dims"
+            )
         if self.dtype not in _DTYPES:
-            raise ValueError(f"cannot send a tensor of dtype {self.dtype}; supported: "
-                             f"{', '.join(str(d) for d in _DTYPES)}")
+            raise ValueError(
+                f"cannot send a tensor of dtype {self.dtype}; supported: "
+                f"{', '.join(str(d) for d in _DTYPES)}"
+            )
         padding = [0] * (MAX_DIMS - len(self.shape))
         values = [_MAGIC, _DTYPES.index(self.dtype), len(self.shape), *self.shape, *padding]
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -52,8 +67,10 @@ class TensorMeta:
         """Read a header back (one device-to-host copy)."""
         magic, code, ndim, *sizes = message.tolist()
         if magic != _MAGIC or not 0 <= code < len(_DTYPES) or not 0 <= ndim <= MAX_DIMS:
-            raise RuntimeError(f"received a malformed tensor header {message.tolist()}: the "
-                               "peers' messages are out of step")
+            raise RuntimeError(
+                f"received a malformed tensor header {message.tolist()}: the "
+                "peers' messages are out of step"
+            )
         return cls(tuple(sizes[:ndim]), _DTYPES[code])
 
     def __str__(self) -> str:

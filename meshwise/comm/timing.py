@@ -16,8 +16,9 @@ from meshwise.comm import ops
 from meshwise.device.clocks import synchronize
 
 
-def timed_runs(fn: Callable[[], object], repeats: int, device="cpu",
-               group: "ops.Group | None" = None) -> list[float]:
+def timed_runs(
+    fn: Callable[[], object], repeats: int, device="cpu", group: "ops.Group | None" = None
+) -> list[float]:
     """Seconds each of ``repeats`` calls of ``fn`` took on ``device``, after one
     untimed warm-up call (connections, allocations). With ``group``, every call
     starts after a barrier of it (every rank of the group must call this)."""

@@ -47,26 +47,25 @@ def block_forward(q, k, v, causal: bool, scale: float, keep=None, mask=None):
         return _cuda_forward(q, k, v, causal, scale, mask)
     extra = {} if mask is None else {"attn_mask": additive_mask(mask, q.dtype)}
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal and mask is None, scale=scale, **extra)
+        q, k, v, 0.0, causal and mask is None, scale=scale, **extra
+    )
     lse = lse.to(accumulation_dtype(q.dtype))
     if mask is not None:  # the kernel gives rows without a key a log-sum-exp of 0
         lse = lse.masked_fill(~mask.any(-1), float("-inf"))
     return out, lse
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None,
-                   mask=None):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None, mask=None):
     """``(dq, dk, dv)`` of this block, in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
     if not _fused(q, keep):
-        return tiled_backward(dout, q, k, v, out, lse, causal, scale, keep, _columns(mask),
-                              KV_TILE)
+        return tiled_backward(dout, q, k, v, out, lse, causal, scale, keep, _columns(mask), KV_TILE)
     if q.device.type == "cuda":
         return _cuda_backward(dout, q, k, v, out, lse, causal, scale, mask)
     extra = {} if mask is None else {"attn_mask": additive_mask(mask, q.dtype)}
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse.to(acc), 0.0, causal and mask is None, scale=scale,
-        **extra)  # any strides
+        dout, q, k, v, out, lse.to(acc), 0.0, causal and mask is None, scale=scale, **extra
+    )  # any strides
     return dq.to(acc), dk.to(acc), dv.to(acc)
 
 
@@ -111,17 +110,18 @@ def _cuda_forward(q, k, v, causal: bool, scale: float, mask):
     heads = q.shape[1]
     q, k, v = q.contiguous(), expand_heads(k, heads), expand_heads(v, heads)  # (B, H, L, d)
     if _flash(q, mask):
-        out, lse = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
-                                                            scale=scale)[:2]
+        out, lse = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )[:2]
         return out, lse.float()  # (B, H, Lq), natural log
     bias = None if mask is None else _bias(mask, q, k.shape[2])
     out, lse = _aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias, True, 0.0, causal and mask is None, scale=scale)[:2]
-    lse = lse[..., :q.shape[2]].float()  # (B, H, Lq): the rows past Lq are padding
+        q, k, v, bias, True, 0.0, causal and mask is None, scale=scale
+    )[:2]
+    lse = lse[..., : q.shape[2]].float()  # (B, H, Lq): the rows past Lq are padding
     if mask is not None:  # rows that see no key of the block: nothing, whatever the kernel
         seen = mask.any(-1)  # (B or 1, 1, Lq)
-        out = torch.where(seen[..., None], out, torch.zeros((), dtype=out.dtype,
-                                                            device=out.device))
+        out = torch.where(seen[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         lse = lse.masked_fill(~seen, float("-inf"))
     return out, lse
 
@@ -135,8 +135,22 @@ def _cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask):
     lse = lse.float().contiguous()
     if _flash(q, mask):
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, Lq, Lk, 0.0, causal, _no_rng(), _no_rng(),
-            scale=scale)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            None,
+            Lq,
+            Lk,
+            0.0,
+            causal,
+            _no_rng(),
+            _no_rng(),
+            scale=scale,
+        )
     else:
         if mask is not None and q.dtype != torch.float32:
             # Under a mask the kernel's bf16 backward gave NaN gradients on an H200
@@ -146,9 +160,22 @@ def _cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask):
         padded = math.ceil(Lq / _LSE_ALIGN) * _LSE_ALIGN
         lse = F.pad(lse, (0, padded - Lq), value=float("inf"))  # as its forward pads it
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, bias, out, lse, _no_rng(), _no_rng(), 0.0,
-            [True, True, True, False], causal and mask is None, scale=scale)
+            dout,
+            q,
+            k,
+            v,
+            bias,
+            out,
+            lse,
+            _no_rng(),
+            _no_rng(),
+            0.0,
+            [True, True, True, False],
+            causal and mask is None,
+            scale=scale,
+        )
 
     def per_group(grad):  # (B, H, Lk, d) -> (B, G, Lk, d): each group's heads summed
         return grad.to(acc).view(B, groups, heads // groups, Lk, -1).sum(2)
+
     return dq.to(acc), per_group(dk), per_group(dv)

@@ -33,9 +33,12 @@ class GroupRing:
         """Send ``tensors`` on; return what the previous rank sent (same shapes)."""
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         received = [torch.empty_like(t) for t in tensors]
-        ops.batch_p2p([(t, nxt, i) for i, t in enumerate(tensors)],
-                      [(t, prev, i) for i, t in enumerate(received)], self.group,
-                      category=CATEGORY)
+        ops.batch_p2p(
+            [(t, nxt, i) for i, t in enumerate(tensors)],
+            [(t, prev, i) for i, t in enumerate(received)],
+            self.group,
+            category=CATEGORY,
+        )
         return received
 
 
@@ -61,8 +64,16 @@ class RingBlocks:
     ``window``: a sliding window over global positions (0: none); neither: plain
     causal attention. ``device``: where the masks are made without documents."""
 
-    def __init__(self, rank: int, size: int, length: int, documents=None, on_host=None,
-                 window: int = 0, device=None):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        length: int,
+        documents=None,
+        on_host=None,
+        window: int = 0,
+        device=None,
+    ):
         self.rank, self.size, self.length = rank, size, length
         self.documents, self.on_host, self.window = documents, on_host, window
         self.device = documents.ids.device if documents is not None else device
@@ -75,8 +86,12 @@ class RingBlocks:
             return None  # every key of the block lies outside its queries' documents or windows
         q_pos = zigzag_positions(self.length, self.rank, self.size, self.device)[rows]
         k_pos = zigzag_positions(self.length, src, self.size, self.device)[cols]
-        return rows, cols, causal, keys_seen(q_pos, k_pos, self.window,
-                                             self.documents)  # (B or 1, 1, Lq, Lk)
+        return (
+            rows,
+            cols,
+            causal,
+            keys_seen(q_pos, k_pos, self.window, self.documents),
+        )  # (B or 1, 1, Lq, Lk)
 
     def _may_see(self, src: int) -> bool:
         """Whether any query of a block after step 0 sees any of its keys, decided from
@@ -112,8 +127,9 @@ def ring_forward(q, k, v, ring, scale: float, keep_for=None, blocks_of=None):
         if block is not None:
             rows, cols, causal, mask = block
             keep = keep_for(src, rows, cols) if keep_for else None
-            o, o_lse = blocks.block_forward(q[:, :, rows], kv[0][:, :, cols],
-                                            kv[1][:, :, cols], causal, scale, keep, mask)
+            o, o_lse = blocks.block_forward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale, keep, mask
+            )
         if step == 0:  # its own block: every query sees its first key there
             # copies that the merges below may change: the kernel's own outputs are
             # what selective checkpointing keeps, to hand back unchanged in the recompute
@@ -129,7 +145,7 @@ def ring_backward(dout, q, k, v, out, lse, ring, scale: float, keep_for=None, bl
     """``(dq, dk, dv)``: dq of this rank's queries, dk/dv of its keys and values."""
     blocks_of = blocks_of or RingBlocks(ring.rank, ring.size, q.shape[2])
     kv = torch.stack([k, v])  # (2, B, G, L, d)
-    dq: torch.Tensor   # both set at step 0, from this rank's own block
+    dq: torch.Tensor  # both set at step 0, from this rank's own block
     dkv: torch.Tensor  # the gradient of the keys held now, travelling with them
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size
@@ -138,8 +154,17 @@ def ring_backward(dout, q, k, v, out, lse, ring, scale: float, keep_for=None, bl
             rows, cols, causal, mask = block
             keep = keep_for(src, rows, cols) if keep_for else None
             dq_b, dk_b, dv_b = blocks.block_backward(
-                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                out[:, :, rows], lse[:, :, rows], causal, scale, keep, mask)
+                dout[:, :, rows],
+                q[:, :, rows],
+                kv[0][:, :, cols],
+                kv[1][:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                causal,
+                scale,
+                keep,
+                mask,
+            )
         if step == 0:  # its own block covers every query, key and value
             dq, dkv = dq_b, torch.stack([dk_b, dv_b])  # (2, B, G, L, d)
         elif block is not None:
@@ -164,8 +189,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.scale, ctx.keep_for,
-                                   ctx.blocks_of)
+        dq, dk, dv = ring_backward(
+            dout, q, k, v, out, lse, ctx.ring, ctx.scale, ctx.keep_for, ctx.blocks_of
+        )
         return dq, dk, dv, None, None, None, None
 
 
@@ -182,15 +208,23 @@ class RingAttention(nn.Module):
     def from_sdpa(cls, module, cp_group: ops.Group) -> "RingAttention":
         return cls(cp_group, module.p, module.site)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool = True, window: int = 0,
-                context: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = True,
+        window: int = 0,
+        context: ForwardContext | None = None,
+    ) -> torch.Tensor:
         """``q``: (B, H, L, d); ``k``, ``v``: (B, G, L, d); L this rank's tokens.
         ``window``: a sliding window over the whole sequence's positions (0: none);
         ``context``: the forward's (its samples, heads and documents)."""
         if not causal:
-            raise ValueError("ring attention runs over whole causal sequences; decoding with a "
-                             "KV cache runs on one process (cp 1)")
+            raise ValueError(
+                "ring attention runs over whole causal sequences; decoding with a "
+                "KV cache runs on one process (cp 1)"
+            )
         check_heads(q.shape[1], k.shape[1])
         context = context or WHOLE
         keep_for = self._keep_for(q, context) if self.training and self.p else None
@@ -198,12 +232,16 @@ class RingAttention(nn.Module):
         if window >= q.shape[2] * self.cp_group.size:
             window = 0  # it covers every key: plain causal attention
         documents = context.documents
-        blocks_of = RingBlocks(self.cp_group.rank, self.cp_group.size, q.shape[2],
-                               None if documents is None else documents.documents,
-                               None if documents is None else documents.host_ids,
-                               window=window, device=q.device)
-        return _RingAttention.apply(q, k, v, GroupRing(self.cp_group), scale, keep_for,
-                                    blocks_of)
+        blocks_of = RingBlocks(
+            self.cp_group.rank,
+            self.cp_group.size,
+            q.shape[2],
+            None if documents is None else documents.documents,
+            None if documents is None else documents.host_ids,
+            window=window,
+            device=q.device,
+        )
+        return _RingAttention.apply(q, k, v, GroupRing(self.cp_group), scale, keep_for, blocks_of)
 
     def _keep_for(self, q: torch.Tensor, context: ForwardContext):
         """The keep-mask of a block: its weights' global (query, key) positions. The
@@ -220,11 +258,15 @@ class RingAttention(nn.Module):
             def keep(start: int, end: int) -> torch.Tensor:
                 elements = attention_elements(q_pos, k_pos[start:end], seq_len)
                 shape = torch.Size([B, H, len(q_pos), end - start])
-                return keep_mask(context, self.site, shape, self.p, q.device, per_head=True,
-                                 elements=elements)
+                return keep_mask(
+                    context, self.site, shape, self.p, q.device, per_head=True, elements=elements
+                )
+
             return keep
+
         return keep_for
 
     def extra_repr(self) -> str:
-        return f"cp_size={self.cp_group.size}" + (f", p={self.p}, site={self.site}"
-                                                   if self.p else "")
+        return f"cp_size={self.cp_group.size}" + (
+            f", p={self.p}, site={self.site}" if self.p else ""
+        )

@@ -25,13 +25,17 @@ def document_separator(meta: dict, source) -> int:
     tokenizer = meta.get("tokenizer") or {}
     end_of_text = tokenizer.get("end_of_text")
     if end_of_text is None:
-        what = ("byte-level, its documents joined by newlines"
-                if tokenizer.get("kind", "byte-level") == "byte-level" or not tokenizer
-                else f"by {tokenizer.get('path')}, which has no end-of-text token")
-        raise ValueError(f"--document-mask: {source} was tokenized {what}, which also occur "
-                         "inside documents; valid: --tokenizer with an end-of-text token "
-                         "(<|endoftext|>, <|end_of_text|>, </s>, <eos>), or chat data "
-                         "(--format chat)")
+        what = (
+            "byte-level, its documents joined by newlines"
+            if tokenizer.get("kind", "byte-level") == "byte-level" or not tokenizer
+            else f"by {tokenizer.get('path')}, which has no end-of-text token"
+        )
+        raise ValueError(
+            f"--document-mask: {source} was tokenized {what}, which also occur "
+            "inside documents; valid: --tokenizer with an end-of-text token "
+            "(<|endoftext|>, <|end_of_text|>, </s>, <eos>), or chat data "
+            "(--format chat)"
+        )
     return int(end_of_text)
 
 
@@ -41,11 +45,18 @@ class BatchSource:
     serve (documents without an end-of-text token, a conversation too long to
     ``refuse``, too few rows)."""
 
-    def __init__(self, dataset: TokenDataset, document_mask: bool = False,
-                 loss_on: str = "assistant", long_conversations: str = "truncate"):
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        document_mask: bool = False,
+        loss_on: str = "assistant",
+        long_conversations: str = "truncate",
+    ):
         if loss_on not in LOSS_ON or long_conversations not in LONG_CONVERSATIONS:
-            raise ValueError(f"loss_on {loss_on!r} / long_conversations "
-                             f"{long_conversations!r}; valid: {LOSS_ON} / {LONG_CONVERSATIONS}")
+            raise ValueError(
+                f"loss_on {loss_on!r} / long_conversations "
+                f"{long_conversations!r}; valid: {LOSS_ON} / {LONG_CONVERSATIONS}"
+            )
         self.dataset, self.document_mask, self.loss_on = dataset, document_mask, loss_on
         meta = read_meta(dataset.path, dataset.dtype.name)
         self.chat = open_chat_file(dataset.path, meta)
@@ -62,22 +73,27 @@ class BatchSource:
         if rows.truncated and long_conversations == "refuse":
             number = rows.too_long
             where = record_location(chat.source, int(chat.records[number]), chat.data_format)
-            raise ValueError(f"{where}: the conversation has {chat.lengths[number]} tokens, "
-                             f"more than --seq-len {self.dataset.seq_len} + 1; valid: --seq-len "
-                             f"{chat.lengths.max() - 1} or more, or --long-conversations "
-                             "truncate")
+            raise ValueError(
+                f"{where}: the conversation has {chat.lengths[number]} tokens, "
+                f"more than --seq-len {self.dataset.seq_len} + 1; valid: --seq-len "
+                f"{chat.lengths.max() - 1} or more, or --long-conversations "
+                "truncate"
+            )
         self.num_val = max(int(len(rows) * self.dataset.val_fraction), VAL_MIN_SEQUENCES)
         if len(rows) <= self.num_val:
-            raise ValueError(f"the chat data {chat.source} packs into {len(rows)} rows of "
-                             f"--seq-len {self.dataset.seq_len} + 1 tokens; it needs more than "
-                             f"{self.num_val} ({self.num_val} held out for validation)")
+            raise ValueError(
+                f"the chat data {chat.source} packs into {len(rows)} rows of "
+                f"--seq-len {self.dataset.seq_len} + 1 tokens; it needs more than "
+                f"{self.num_val} ({self.num_val} held out for validation)"
+            )
 
     def epoch_position(self, step: int, batch_size: int) -> dict:
         """Where ``--data-order epochs`` is after global batch ``step`` (of windows, or of
         rows for chat data)."""
         if self.rows is None:
-            return epoch_position(step, batch_size, self.dataset.num_train_tokens,
-                                  self.dataset.seq_len)
+            return epoch_position(
+                step, batch_size, self.dataset.num_train_tokens, self.dataset.seq_len
+            )
         return epoch_position(step, batch_size, len(self.rows) - self.num_val + 1, 1)
 
     def summary(self) -> str:
@@ -86,11 +102,15 @@ class BatchSource:
         if rows is None:
             return ""
         assert chat is not None, "rows are packed from the chat file"
-        text = (f"{len(chat.starts):,} conversations packed into {len(rows):,} rows of "
-                f"{rows.width} tokens ({rows.padding_share:.1%} padding)")
+        text = (
+            f"{len(chat.starts):,} conversations packed into {len(rows):,} rows of "
+            f"{rows.width} tokens ({rows.padding_share:.1%} padding)"
+        )
         if rows.truncated:
-            text += (f"; {rows.truncated:,} longer than --seq-len + 1 truncated "
-                     f"({rows.dropped_tokens:,} tokens dropped)")
+            text += (
+                f"; {rows.truncated:,} longer than --seq-len + 1 truncated "
+                f"({rows.dropped_tokens:,} tokens dropped)"
+            )
         return text
 
     def batch(self, step: int, batch_size: int, seed: int, split: str = "train") -> Batch:
@@ -103,8 +123,11 @@ class BatchSource:
                 starts = separator_starts(tokens[:, :-1], self.separator)
             return Batch(torch.from_numpy(tokens), None, starts)
         assert chat is not None, "rows are packed from the chat file"
-        lo, hi = (0, len(packed) - self.num_val) if split == "train" else \
-            (len(packed) - self.num_val, len(packed))
+        lo, hi = (
+            (0, len(packed) - self.num_val)
+            if split == "train"
+            else (len(packed) - self.num_val, len(packed))
+        )
         order = self.dataset.data_order if split == "train" else "random-windows"
         # Rows are items as windows are: windows of one token at a stride of one over
         # hi - lo + 1 "tokens" are the indices 0 .. hi - lo - 1.

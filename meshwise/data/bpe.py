@@ -19,13 +19,16 @@ MAX_VOCAB_SIZE = 1 << 22  # far past any real vocabulary; ids stay well inside u
 def check_vocab_size(vocab_size: int) -> None:
     """Raise ValueError unless a byte-level BPE can have ``vocab_size`` entries."""
     if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
-        raise ValueError(f"--vocab-size {vocab_size} is not valid: a byte-level BPE holds the "
-                         f"{NUM_BYTES} bytes and {END_OF_TEXT}, so valid: {MIN_VOCAB_SIZE} to "
-                         f"{MAX_VOCAB_SIZE:,}")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is not valid: a byte-level BPE holds the "
+            f"{NUM_BYTES} bytes and {END_OF_TEXT}, so valid: {MIN_VOCAB_SIZE} to "
+            f"{MAX_VOCAB_SIZE:,}"
+        )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
-              show_progress: bool = False):
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, min_frequency: int = 2, show_progress: bool = False
+):
     """A ``tokenizers.Tokenizer``: byte-level BPE with at most ``vocab_size`` entries.
 
     Fewer when the texts run out of pairs seen ``min_frequency`` times.
@@ -38,10 +41,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=show_progress)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 

@@ -31,8 +31,9 @@ def chat_problem(record: dict) -> str | None:
     return None
 
 
-def render(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict]
-           ) -> tuple[np.ndarray, np.ndarray]:
+def render(
+    template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict]
+) -> tuple[np.ndarray, np.ndarray]:
     """Token ids (int64) of the rendered conversation, and whether each is an assistant
     token (bool). ``DataFormatError`` (without the record's place) when the template
     cannot render it or find its assistant tokens."""
@@ -41,8 +42,10 @@ def render(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict]
     except ValueError as exc:
         raise DataFormatError(str(exc)) from None
     except Exception as exc:  # the template's own raise_exception, or its bugs
-        raise DataFormatError(f"the chat template {template.name} cannot render it: "
-                              f"{' '.join(str(exc).split())[:160]}") from None
+        raise DataFormatError(
+            f"the chat template {template.name} cannot render it: "
+            f"{' '.join(str(exc).split())[:160]}"
+        ) from None
     ids, ends = tokenizer.encode_with_ends(text)
     assistant = np.zeros(len(ids), dtype=bool)
     for start, end in spans:
@@ -50,12 +53,13 @@ def render(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict]
     return ids, assistant
 
 
-def generation_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict]
-                      ) -> tuple[list[int], str]:
+def generation_prompt(
+    template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict]
+) -> tuple[list[int], str]:
     """The tokens that ask the model for the next assistant message after ``messages``,
     and the text that ends an assistant message (where generation stops)."""
     prompt = template.render(messages, add_generation_prompt=True)
     marker = "\x00"  # a content that no template changes: what follows it ends the turn
     whole = template.render(messages + [{"role": "assistant", "content": marker}])
-    end = whole[whole.index(marker) + 1:].strip() if marker in whole else ""
+    end = whole[whole.index(marker) + 1 :].strip() if marker in whole else ""
     return tokenizer.encode(prompt), end

@@ -12,9 +12,11 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt "
-          "%}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt "
+    "%}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 BUILT_IN = {"chatml": CHATML}
 TOKENIZER_OWN = "tokenizer"  # --chat-template's default: the tokenizer's own template
 
@@ -33,9 +35,9 @@ class ChatTemplate:
         return hashlib.sha256(self.source.encode()).hexdigest()[:16]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return _compiled(self.source).render(messages=messages,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **self.special)
+        return _compiled(self.source).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+        )
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The whole conversation rendered, and the ``[start, end)`` character spans of
@@ -49,13 +51,15 @@ class ChatTemplate:
             if message["role"] != "assistant":
                 continue
             prompt = self.render(messages[:i], add_generation_prompt=True)
-            upto = self.render(messages[:i + 1])
+            upto = self.render(messages[: i + 1])
             if not (upto.startswith(prompt) and text.startswith(upto)):
-                raise ValueError(f"the chat template {self.name} renders the conversation up "
-                                 f"to message {i} differently inside the whole conversation, "
-                                 "so its assistant tokens cannot be found; valid: "
-                                 "--chat-template chatml, or a template that renders each "
-                                 "message the same whatever follows it")
+                raise ValueError(
+                    f"the chat template {self.name} renders the conversation up "
+                    f"to message {i} differently inside the whole conversation, "
+                    "so its assistant tokens cannot be found; valid: "
+                    "--chat-template chatml, or a template that renders each "
+                    "message the same whatever follows it"
+                )
             spans.append((len(prompt), len(upto)))
         return text, spans
 
@@ -81,19 +85,27 @@ def _compiled(source: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt)
+    )
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"the chat template does not parse: {exc.message} (line "
-                         f"{exc.lineno})") from None
+        raise ValueError(
+            f"the chat template does not parse: {exc.message} (line {exc.lineno})"
+        ) from None
 
 
 def _tokenizer_config(tokenizer_path: str | None) -> tuple[Path | None, dict]:
@@ -129,8 +141,11 @@ def tokenizer_templates(tokenizer_path: str | None) -> dict[str, str]:
     if isinstance(own, str):
         return {"default": own}
     if isinstance(own, list):
-        return {item["name"]: item["template"] for item in own
-                if isinstance(item, dict) and "name" in item and "template" in item}
+        return {
+            item["name"]: item["template"]
+            for item in own
+            if isinstance(item, dict) and "name" in item and "template" in item
+        }
     if folder is not None and (folder / "chat_template.jinja").is_file():
         return {"default": (folder / "chat_template.jinja").read_text()}
     return {}
@@ -156,5 +171,4 @@ def load_template(name: str | None, tokenizer_path: str | None) -> ChatTemplate:
     available = [f"{TOKENIZER_OWN}:{n}" if n != "default" else TOKENIZER_OWN for n in own]
     available += list(BUILT_IN) + ["a .jinja file"]
     lacks = "has no chat template" if not own else f"has no template {name!r}"
-    raise ValueError(f"--chat-template {name}: {whose} {lacks}; available: "
-                     f"{', '.join(available)}")
+    raise ValueError(f"--chat-template {name}: {whose} {lacks}; available: {', '.join(available)}")

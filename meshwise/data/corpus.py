@@ -90,8 +90,10 @@ def plan_pieces(files: Iterable[Path], tokenizer: Tokenizer) -> tuple[list[Piece
             cut = size > PIECE_BYTES and tokenizer.splits_at_lines
             cuts = _line_cuts(f, size, tokenizer) if cut else []
         bounds = [0, *cuts, size]  # an empty file is one empty piece: still a document
-        pieces += [Piece(str(path), start, end, i == 0)
-                   for i, (start, end) in enumerate(zip(bounds, bounds[1:]))]
+        pieces += [
+            Piece(str(path), start, end, i == 0)
+            for i, (start, end) in enumerate(zip(bounds, bounds[1:]))
+        ]
         stats["files"] += 1
         stats["content_bytes"] += size
     return pieces, stats
@@ -122,8 +124,9 @@ def _first_clean_cut(window: bytes, tokenizer: Tokenizer) -> int | None:
     for _ in range(_MAX_CUT_TRIES):
         if pos == -1:
             return None
-        if tokenizer.cuts_cleanly(window[pos + 1 - _CONTEXT:pos + 1],
-                                  window[pos + 1:pos + 1 + _CONTEXT]):
+        if tokenizer.cuts_cleanly(
+            window[pos + 1 - _CONTEXT : pos + 1], window[pos + 1 : pos + 1 + _CONTEXT]
+        ):
             return pos + 1
         pos = window.find(b"\n", pos + 1, end)
     return None
@@ -136,8 +139,9 @@ def source_bytes(file: DataFile) -> int:
     return file.path.stat().st_size
 
 
-def plan_items(files: list[DataFile], tokenizer: Tokenizer, options: ReadOptions,
-               counts: RecordCounts) -> tuple[Iterator[Piece | Texts], dict]:
+def plan_items(
+    files: list[DataFile], tokenizer: Tokenizer, options: ReadOptions, counts: RecordCounts
+) -> tuple[Iterator[Piece | Texts], dict]:
     """The work, in document order (columnar sources are read as it is consumed), and
     counts: ``files``, ``skipped`` (binary), ``content_bytes``."""
     stats = {"files": 0, "skipped": 0, "content_bytes": 0}
@@ -153,15 +157,20 @@ def plan_items(files: list[DataFile], tokenizer: Tokenizer, options: ReadOptions
         stats["files"] += 1
         stats["content_bytes"] += size
         if file.format == "jsonl":
-            parts.append([Piece(str(file.path), start, end, True, records=True)
-                          for start, end in jsonl_ranges(file.path, size, PIECE_BYTES)])
+            parts.append(
+                [
+                    Piece(str(file.path), start, end, True, records=True)
+                    for start, end in jsonl_ranges(file.path, size, PIECE_BYTES)
+                ]
+            )
         else:
             parts.append(_read_texts(file, size, options, counts))
     return itertools.chain.from_iterable(parts), stats
 
 
-def _read_texts(file: DataFile, size: int, options: ReadOptions,
-                counts: RecordCounts) -> Iterator[Texts]:
+def _read_texts(
+    file: DataFile, size: int, options: ReadOptions, counts: RecordCounts
+) -> Iterator[Texts]:
     """A columnar source's documents, read here in batches of about ``PIECE_BYTES``;
     each stands for the source's bytes in proportion to its rows, where their number
     is known."""
@@ -169,8 +178,9 @@ def _read_texts(file: DataFile, size: int, options: ReadOptions,
     mine = RecordCounts()
     batch: list[str] = []
     batch_chars = done = 0
-    documents = tables.documents(file.path, file.format, options.text_field,
-                                 options.skip_bad_records, mine)
+    documents = tables.documents(
+        file.path, file.format, options.text_field, options.skip_bad_records, mine
+    )
     for text in itertools.chain(documents, [None]):
         if text is not None:
             batch.append(text)
@@ -197,8 +207,9 @@ def _tasks(items: Iterable[Piece | Texts]) -> Iterator[list[Piece | Texts]]:
         yield current
 
 
-def encode_task(tokenizer_path: str | None, dtype: str, options: ReadOptions,
-                task: list[Piece | Texts]) -> Encoded:
+def encode_task(
+    tokenizer_path: str | None, dtype: str, options: ReadOptions, task: list[Piece | Texts]
+) -> Encoded:
     """The tokens of ``task``'s documents, joined by separators (runs in a worker, or
     in-process)."""
     counts = RecordCounts()
@@ -207,16 +218,26 @@ def encode_task(tokenizer_path: str | None, dtype: str, options: ReadOptions,
         if isinstance(item, Texts):
             parts += [(True, text) for text in item.texts]
         elif item.records:
-            parts += [(True, text) for text in jsonl_documents(
-                Path(item.path), item.start, item.end, options.text_field,
-                options.skip_bad_records, counts, first_line=None)]
+            parts += [
+                (True, text)
+                for text in jsonl_documents(
+                    Path(item.path),
+                    item.start,
+                    item.end,
+                    options.text_field,
+                    options.skip_bad_records,
+                    counts,
+                    first_line=None,
+                )
+            ]
         else:
             parts.append((item.first, read_piece(item)))
     tokenizer = load_tokenizer(tokenizer_path)  # cached: parsed once per process
     separator = np.asarray(tokenizer.separator, TOKEN_DTYPES[dtype])
     arrays = []
-    for i, ((starts, _), ids) in enumerate(zip(parts, tokenizer.encode_documents(
-            [data for _, data in parts]))):
+    for i, ((starts, _), ids) in enumerate(
+        zip(parts, tokenizer.encode_documents([data for _, data in parts]))
+    ):
         if starts and i:
             arrays.append(separator)
         arrays.append(ids.astype(TOKEN_DTYPES[dtype]))
@@ -231,10 +252,15 @@ def read_piece(piece: Piece) -> bytes:
         return f.read(piece.end - piece.start)
 
 
-def build_token_file(dest: Path, files: Sequence[DataFile | Path], tokenizer: Tokenizer,
-                     source: str, num_workers: int = 1,
-                     progress: Callable[[int, int, int], None] | None = None,
-                     options: ReadOptions = ReadOptions()) -> dict:
+def build_token_file(
+    dest: Path,
+    files: Sequence[DataFile | Path],
+    tokenizer: Tokenizer,
+    source: str,
+    num_workers: int = 1,
+    progress: Callable[[int, int, int], None] | None = None,
+    options: ReadOptions = ReadOptions(),
+) -> dict:
     """Encode ``files`` (a plain ``Path`` is a text file) into the token file ``dest``
     and its sidecar, atomically.
 
@@ -251,8 +277,10 @@ def build_token_file(dest: Path, files: Sequence[DataFile | Path], tokenizer: To
     counts = RecordCounts()
     items, stats = plan_items(listed, tokenizer, options, counts)
     if stats["content_bytes"] == 0:
-        raise ValueError(f"data path {source!r} holds no text (empty corpus or only binary "
-                         f"files); expected {ACCEPTED}")
+        raise ValueError(
+            f"data path {source!r} holds no text (empty corpus or only binary "
+            f"files); expected {ACCEPTED}"
+        )
     dtype = stats["dtype"] = dtype_for_vocab(tokenizer.vocab_size)
     separator = np.asarray(tokenizer.separator, TOKEN_DTYPES[dtype]).tobytes()
     tasks = _tasks(items)
@@ -277,12 +305,22 @@ def build_token_file(dest: Path, files: Sequence[DataFile | Path], tokenizer: To
     def finish(tmp: Path) -> None:
         stats["num_tokens"] = tmp.stat().st_size // TOKEN_DTYPES[dtype].itemsize
         if not stats["num_tokens"]:
-            raise ValueError(f"data path {source!r} holds no text: {stats['documents']} "
-                             f"documents, all empty{_skipped(counts)}")
+            raise ValueError(
+                f"data path {source!r} holds no text: {stats['documents']} "
+                f"documents, all empty{_skipped(counts)}"
+            )
         # The sidecar goes first: a .bin present in a cache always has one.
-        _write_meta(dest, {"num_tokens": stats["num_tokens"], "vocab_size": tokenizer.vocab_size,
-                           "max_token": None, "source": source, "dtype": dtype,
-                           "tokenizer": tokenizer.identity()})
+        _write_meta(
+            dest,
+            {
+                "num_tokens": stats["num_tokens"],
+                "vocab_size": tokenizer.vocab_size,
+                "max_token": None,
+                "source": source,
+                "dtype": dtype,
+                "tokenizer": tokenizer.identity(),
+            },
+        )
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(dest, chunks(), before_replace=finish)

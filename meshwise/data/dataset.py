@@ -58,9 +58,15 @@ class TokenDataset:
     pickling reopens the file instead of copying it.
     """
 
-    def __init__(self, path: str | os.PathLike, seq_len: int, val_fraction: float = 0.01,
-                 vocab_size: int = 0, token_dtype: str | None = None,
-                 data_order: str = "random-windows"):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        seq_len: int,
+        val_fraction: float = 0.01,
+        vocab_size: int = 0,
+        token_dtype: str | None = None,
+        data_order: str = "random-windows",
+    ):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if not 0.0 <= val_fraction < 1.0:
@@ -88,7 +94,8 @@ class TokenDataset:
             raise ValueError(
                 f"the corpus {meta.get('source') or str(self.path)!r} has {num_tokens} tokens; "
                 f"--seq-len {seq_len} needs at least {need} ({VAL_MIN_SEQUENCES} held-out "
-                f"windows and one training window of seq_len + 1 tokens)")
+                f"windows and one training window of seq_len + 1 tokens)"
+            )
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -108,8 +115,9 @@ class TokenDataset:
             raise ValueError("no validation split: this dataset has val_fraction=0")
         return self.num_train_tokens, self.num_train_tokens + self.num_val_tokens
 
-    def window_starts(self, step: int, batch_size: int, seed: int,
-                      split: str = "train") -> np.ndarray:
+    def window_starts(
+        self, step: int, batch_size: int, seed: int, split: str = "train"
+    ) -> np.ndarray:
         """Token offsets of the ``batch_size`` windows of global batch ``step``."""
         for name, value in (("step", step), ("seed", seed)):
             if value < 0:
@@ -118,11 +126,13 @@ class TokenDataset:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         lo, hi = self._split_range(split)
         order = self.data_order if split == "train" else "random-windows"
-        return lo + window_offsets(order, step, batch_size, seed, SPLITS[split], hi - lo,
-                                   self.seq_len)
+        return lo + window_offsets(
+            order, step, batch_size, seed, SPLITS[split], hi - lo, self.seq_len
+        )
 
-    def global_batch(self, step: int, batch_size: int, seed: int,
-                     split: str = "train") -> torch.Tensor:
+    def global_batch(
+        self, step: int, batch_size: int, seed: int, split: str = "train"
+    ) -> torch.Tensor:
         """Global batch ``step`` as an int64 tensor of shape (batch_size, seq_len + 1).
 
         Inputs are ``batch[:, :-1]`` and targets ``batch[:, 1:]``. Only the chosen
@@ -130,8 +140,9 @@ class TokenDataset:
         """
         return torch.from_numpy(self.global_windows(step, batch_size, seed, split))
 
-    def global_windows(self, step: int, batch_size: int, seed: int,
-                       split: str = "train") -> np.ndarray:
+    def global_windows(
+        self, step: int, batch_size: int, seed: int, split: str = "train"
+    ) -> np.ndarray:
         """``global_batch`` as a host array (int64)."""
         starts = self.window_starts(step, batch_size, seed, split)
         window = self.seq_len + 1

@@ -28,8 +28,9 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def list_files(root: Path, suffix: str = "", skip_dirs: frozenset = frozenset(),
-               strict: bool = True) -> list[str]:
+def list_files(
+    root: Path, suffix: str = "", skip_dirs: frozenset = frozenset(), strict: bool = True
+) -> list[str]:
     """Sorted POSIX relative paths of the regular files under ``root``.
 
     Hidden entries and meshwise's sidecars are skipped (a token file written inside its
@@ -48,8 +49,9 @@ def list_files(root: Path, suffix: str = "", skip_dirs: frozenset = frozenset(),
             if problem is None:
                 found.append((rel_dir / name).as_posix())
             elif strict and not problem.startswith("not a regular file"):
-                raise ValueError(f"{Path(dirpath) / name} is {problem}; remove it or make it "
-                                 "a readable file")
+                raise ValueError(
+                    f"{Path(dirpath) / name} is {problem}; remove it or make it a readable file"
+                )
             elif strict:
                 logger.warning("warning: skipping %s: %s", Path(dirpath) / name, problem)
     return sorted(found)
@@ -68,6 +70,11 @@ def file_problem(path: Path) -> str | None:
         return f"unreadable ({exc.strerror})"
     if stat.S_ISREG(mode):
         return None if os.access(path, os.R_OK) else "unreadable (permission denied)"
-    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
-             (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a directory"))
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+        (stat.S_ISDIR, "a directory"),
+    )
     return "not a regular file (" + next((k for test, k in kinds if test(mode)), "special") + ")"

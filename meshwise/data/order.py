@@ -12,8 +12,9 @@ _ROUNDS = 4
 _EPOCH_KEY = 0x65706F6368  # keeps an epoch's keys apart from the batches' streams
 
 
-def window_offsets(order: str, step: int, batch_size: int, seed: int, split_id: int,
-                   num_tokens: int, seq_len: int) -> np.ndarray:
+def window_offsets(
+    order: str, step: int, batch_size: int, seed: int, split_id: int, num_tokens: int, seq_len: int
+) -> np.ndarray:
     """Offsets in the split (of ``num_tokens`` tokens) of global batch ``step``'s
     ``batch_size`` windows of ``seq_len + 1`` tokens."""
     if order == "random-windows":
@@ -54,7 +55,8 @@ def permuted(index: np.ndarray, count: int, seed: int, epoch: int) -> np.ndarray
     """Where each of ``index`` (in ``[0, count)``) goes in epoch ``epoch``'s permutation."""
     half_bits = max(1, (int(count - 1).bit_length() + 1) // 2)
     keys = np.random.default_rng([seed, epoch, _EPOCH_KEY]).integers(
-        0, 2**63, size=_ROUNDS, dtype=np.uint64)
+        0, 2**63, size=_ROUNDS, dtype=np.uint64
+    )
     out = np.asarray(index, dtype=np.uint64).copy()
     todo = np.ones(out.shape, dtype=bool)  # cycle-walk until inside [0, count)
     while todo.any():

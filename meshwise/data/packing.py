@@ -96,8 +96,14 @@ class PackedRows:
     def padding_share(self) -> float:
         return 1.0 - float(self.row_len.sum()) / (len(self) * self.width)
 
-    def batch(self, rows: np.ndarray, tokens: np.ndarray, labels: np.ndarray,
-              loss_on: str, document_mask: bool) -> Batch:
+    def batch(
+        self,
+        rows: np.ndarray,
+        tokens: np.ndarray,
+        labels: np.ndarray,
+        loss_on: str,
+        document_mask: bool,
+    ) -> Batch:
         """The global batch of rows ``rows``: tokens, labels (assistant tokens, or every
         real target; never a conversation's first token, which no conversation of its
         own predicts) and, with ``document_mask``, the conversations' starts."""
@@ -107,13 +113,13 @@ class PackedRows:
         begins = np.zeros((B, width), dtype=bool)
         for i, row in enumerate(rows.tolist()):
             start, length = int(self.row_start[row]), int(self.row_len[row])
-            out[i, :length] = tokens[start:start + length]
-            label[i, :length] = (labels[start:start + length] != 0 if loss_on == "assistant"
-                                 else True)
+            out[i, :length] = tokens[start : start + length]
+            label[i, :length] = (
+                labels[start : start + length] != 0 if loss_on == "assistant" else True
+            )
             first = np.searchsorted(self.conversation_starts, start)
             last = np.searchsorted(self.conversation_starts, start + length)
             begins[i, self.conversation_starts[first:last] - start] = True
-            begins[i, length:length + 1] = True  # the padding: a document of its own
+            begins[i, length : length + 1] = True  # the padding: a document of its own
         label &= ~begins  # a conversation's first token is no target
-        return Batch(torch.from_numpy(out), label[:, 1:], begins[:, :-1] if document_mask
-                     else None)
+        return Batch(torch.from_numpy(out), label[:, 1:], begins[:, :-1] if document_mask else None)

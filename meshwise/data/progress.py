@@ -34,9 +34,11 @@ class Progress:
         self.last = now
         fraction = min(done / max(total, 1), 1.0)
         elapsed = now - self.start
-        text = (f"{self.label}: {fraction:4.0%} {done / 1e6:,.1f}/{total / 1e6:,.1f} MB"
-                f"{', ' + note if note else ''}, {done / 1e6 / max(elapsed, 1e-9):.1f} MB/s, "
-                f"{elapsed:.0f} s")
+        text = (
+            f"{self.label}: {fraction:4.0%} {done / 1e6:,.1f}/{total / 1e6:,.1f} MB"
+            f"{', ' + note if note else ''}, {done / 1e6 / max(elapsed, 1e-9):.1f} MB/s, "
+            f"{elapsed:.0f} s"
+        )
         if self.interactive:
             filled = int(fraction * _BAR_WIDTH)
             bar = "#" * filled + "." * (_BAR_WIDTH - filled)

@@ -30,8 +30,13 @@ logger = logging.getLogger("meshwise")
 
 FORMATS = ("text", "jsonl", "json", "parquet", "csv", "hf-disk")
 DATA_FORMATS = ("auto",) + FORMATS  # what --data-format accepts
-EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".csv": "csv",
-              ".tsv": "csv"}  # a .json is sniffed: JSON lines or one array
+EXTENSIONS = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "csv",
+}  # a .json is sniffed: JSON lines or one array
 FOLDER_DATA = (".jsonl", ".ndjson", ".parquet")  # a folder holding one of these is data
 NOT_DATA = (".gz", ".zst", ".bz2", ".xz", ".zip", ".arrow")  # named, not read as text
 
@@ -56,9 +61,10 @@ class DataFile:
 
 def is_saved_dataset(path: Path) -> bool:
     """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk``."""
-    return path.is_dir() and ((path / "dataset_dict.json").is_file()
-                              or ((path / "state.json").is_file()
-                                  and (path / "dataset_info.json").is_file()))
+    return path.is_dir() and (
+        (path / "dataset_dict.json").is_file()
+        or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+    )
 
 
 def detect_format(path: Path, data_format: str = "auto") -> str:
@@ -67,8 +73,9 @@ def detect_format(path: Path, data_format: str = "auto") -> str:
     ``DataFormatError`` for a compressed file and for a text file that looks like JSON
     lines."""
     if data_format not in DATA_FORMATS:
-        raise DataFormatError(f"--data-format {data_format!r} is not valid; valid: "
-                              f"{', '.join(DATA_FORMATS)}")
+        raise DataFormatError(
+            f"--data-format {data_format!r} is not valid; valid: {', '.join(DATA_FORMATS)}"
+        )
     if is_saved_dataset(path):
         return "hf-disk"
     if data_format not in ("auto", "text"):
@@ -79,18 +86,22 @@ def detect_format(path: Path, data_format: str = "auto") -> str:
     if suffix in EXTENSIONS:
         return EXTENSIONS[suffix]
     if suffix in NOT_DATA:
-        raise DataFormatError(f"{path}: a {suffix} file is not a format meshwise reads; valid: "
-                              "JSON lines, Parquet, CSV, a save_to_disk folder or text "
-                              "(decompress or convert it first)")
+        raise DataFormatError(
+            f"{path}: a {suffix} file is not a format meshwise reads; valid: "
+            "JSON lines, Parquet, CSV, a save_to_disk folder or text "
+            "(decompress or convert it first)"
+        )
     if suffix != ".json":
         return text_format(path)
     first = _head(path).split(b"\n", 1)[0]
     if first.lstrip().startswith(b"["):
         return "json"
     if not _is_json_object(first):
-        raise DataFormatError(f"{path}: one JSON document over several lines, neither JSON "
-                              "lines nor an array of records; valid: one record per line "
-                              "(.jsonl), or --data-format text to read it as text")
+        raise DataFormatError(
+            f"{path}: one JSON document over several lines, neither JSON "
+            "lines nor an array of records; valid: one record per line "
+            "(.jsonl), or --data-format text to read it as text"
+        )
     return "jsonl"
 
 
@@ -101,9 +112,11 @@ def text_format(path: Path) -> str:
     if b"\0" in head:
         return "binary"
     if _is_json_object(head.split(b"\n", 1)[0]):
-        raise DataFormatError(f"{path}: its first line is a JSON object, so it looks like "
-                              "JSON lines, not text; valid: name it .jsonl, or "
-                              "--data-format jsonl, or --data-format text to read it as text")
+        raise DataFormatError(
+            f"{path}: its first line is a JSON object, so it looks like "
+            "JSON lines, not text; valid: name it .jsonl, or "
+            "--data-format jsonl, or --data-format text to read it as text"
+        )
     return "text"
 
 
@@ -139,17 +152,25 @@ def data_files(path: str | Path, data_format: str = "auto") -> list[DataFile]:
     if data_format == "auto" and any(suffixes[n] in FOLDER_DATA for n in names):
         others = [n for n in names if suffixes[n] not in EXTENSIONS and suffixes[n] != ".json"]
         if others:
-            logger.warning("warning: %s holds data files; skipping %d other file%s: %s", path,
-                           len(others), "s" if len(others) > 1 else "", ", ".join(others[:5]))
+            logger.warning(
+                "warning: %s holds data files; skipping %d other file%s: %s",
+                path,
+                len(others),
+                "s" if len(others) > 1 else "",
+                ", ".join(others[:5]),
+            )
         return [DataFile(path / n, detect_format(path / n)) for n in names if n not in others]
     if data_format == "auto":  # a folder of text: a .json or .csv there is text too
         return [DataFile(path / n, text_format(path / n)) for n in names]
     return [DataFile(path / n, detect_format(path / n, data_format)) for n in names]
 
 
-def iter_records(path: str | Path, data_format: str = "auto", skip_bad_records: bool = False,
-                 counts: RecordCounts | None = None
-                 ) -> Iterator[tuple[str | LineLocation, dict]]:
+def iter_records(
+    path: str | Path,
+    data_format: str = "auto",
+    skip_bad_records: bool = False,
+    counts: RecordCounts | None = None,
+) -> Iterator[tuple[str | LineLocation, dict]]:
     """``(location, record)`` for every record under ``path``, in order."""
     counts = counts if counts is not None else RecordCounts()
     for file in data_files(path, data_format):
@@ -159,15 +180,18 @@ def iter_records(path: str | Path, data_format: str = "auto", skip_bad_records: 
             counts.records += 1
             yield str(file.path), {"text": file.path.read_text(errors="replace")}
         elif file.format == "jsonl":
-            yield from jsonl_records(file.path, skip_bad_records=skip_bad_records,
-                                     counts=counts)
+            yield from jsonl_records(file.path, skip_bad_records=skip_bad_records, counts=counts)
         else:
             yield from tables.records(file.path, file.format, counts)
 
 
-def iter_documents(path: str | Path, text_field: str = "text", data_format: str = "auto",
-                   skip_bad_records: bool = False,
-                   counts: RecordCounts | None = None) -> Iterator[str]:
+def iter_documents(
+    path: str | Path,
+    text_field: str = "text",
+    data_format: str = "auto",
+    skip_bad_records: bool = False,
+    counts: RecordCounts | None = None,
+) -> Iterator[str]:
     """The text of every record under ``path``: its ``text_field`` (a plain text file:
     its whole content)."""
     counts = counts if counts is not None else RecordCounts()
@@ -175,8 +199,9 @@ def iter_documents(path: str | Path, text_field: str = "text", data_format: str 
         yield from file_documents(file, text_field, skip_bad_records, counts)
 
 
-def file_documents(file: DataFile, text_field: str, skip_bad_records: bool,
-                   counts: RecordCounts) -> Iterator[str]:
+def file_documents(
+    file: DataFile, text_field: str, skip_bad_records: bool, counts: RecordCounts
+) -> Iterator[str]:
     """The documents of one ``DataFile`` (none for a binary file)."""
     if file.format == "binary":
         return
@@ -184,10 +209,8 @@ def file_documents(file: DataFile, text_field: str, skip_bad_records: bool,
         counts.records += 1
         yield file.path.read_text(errors="replace")
     elif file.format == "jsonl":
-        yield from jsonl_documents(file.path, text_field=text_field,
-                                   skip_bad_records=skip_bad_records, counts=counts)
+        yield from jsonl_documents(
+            file.path, text_field=text_field, skip_bad_records=skip_bad_records, counts=counts
+        )
     else:
-        yield from tables.documents(file.path, file.format, text_field, skip_bad_records,
-                                    counts)
-
-
+        yield from tables.documents(file.path, file.format, text_field, skip_bad_records, counts)

@@ -37,7 +37,7 @@ class RecordCounts:
     def merge(self, other: "RecordCounts") -> None:
         self.records += other.records
         self.skipped += other.skipped
-        self.skipped_at += other.skipped_at[:MAX_NAMED_SKIPS - len(self.skipped_at)]
+        self.skipped_at += other.skipped_at[: MAX_NAMED_SKIPS - len(self.skipped_at)]
 
     def summary(self) -> str:
         """``""``, or what was skipped: ``2 bad records skipped (a.jsonl:3: ...; ...)``."""
@@ -45,8 +45,9 @@ class RecordCounts:
             return ""
         named = "; ".join(f"{location}: {problem}" for location, problem in self.skipped_at)
         more = "; ..." if self.skipped > MAX_NAMED_SKIPS else ""
-        return (f"{self.skipped:,} bad record{'s' if self.skipped > 1 else ''} skipped "
-                f"({named}{more})")
+        return (
+            f"{self.skipped:,} bad record{'s' if self.skipped > 1 else ''} skipped ({named}{more})"
+        )
 
 
 def text_problem(record: dict, text_field: str) -> str | None:
@@ -56,13 +57,17 @@ def text_problem(record: dict, text_field: str) -> str | None:
         return None
     if text_field not in record:
         fields = list(record)
-        named = ", ".join(fields[:MAX_NAMED_FIELDS]) + (", ..." if len(fields) > MAX_NAMED_FIELDS
-                                                        else "")
+        named = ", ".join(fields[:MAX_NAMED_FIELDS]) + (
+            ", ..." if len(fields) > MAX_NAMED_FIELDS else ""
+        )
         chat = ", or --format chat for chat records" if "messages" in record else ""
-        return (f"the record has no field {text_field!r} (its fields: {named or 'none'}); "
-                f"name the text's field with --text-field{chat}")
-    return f"field {text_field!r} is {'null' if value is None else type(value).__name__}, " \
-           "not a string"
+        return (
+            f"the record has no field {text_field!r} (its fields: {named or 'none'}); "
+            f"name the text's field with --text-field{chat}"
+        )
+    return (
+        f"field {text_field!r} is {'null' if value is None else type(value).__name__}, not a string"
+    )
 
 
 def document_text(location, record: dict, text_field: str) -> str:
@@ -75,9 +80,14 @@ def document_text(location, record: dict, text_field: str) -> str:
 
 
 # ----------------------------------------------------------------- JSON lines
-def jsonl_records(path: Path, start: int = 0, end: int | None = None,
-                  skip_bad_records: bool = False, counts: RecordCounts | None = None,
-                  first_line: int | None = 1) -> Iterator[tuple[str | LineLocation, dict]]:
+def jsonl_records(
+    path: Path,
+    start: int = 0,
+    end: int | None = None,
+    skip_bad_records: bool = False,
+    counts: RecordCounts | None = None,
+    first_line: int | None = 1,
+) -> Iterator[tuple[str | LineLocation, dict]]:
     """``(location, record)`` for the lines in bytes ``[start, end)`` of a JSON-lines file
     (``start`` at a line's beginning). ``first_line``: the number of the line at
     ``start``; None (a range in a worker) counts it only when a message names it, and
@@ -92,8 +102,11 @@ def jsonl_records(path: Path, start: int = 0, end: int | None = None,
             line_start, offset = offset, offset + len(line)
             if not line.strip():
                 continue
-            location = (f"{path}:{first_line + index}" if first_line is not None
-                        else LineLocation(path, line_start))
+            location = (
+                f"{path}:{first_line + index}"
+                if first_line is not None
+                else LineLocation(path, line_start)
+            )
             try:
                 record = json.loads(line)
                 if not isinstance(record, dict):
@@ -101,29 +114,35 @@ def jsonl_records(path: Path, start: int = 0, end: int | None = None,
             except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
                 problem = f"not a JSON object ({_short(exc)})"
                 if not skip_bad_records:
-                    raise DataFormatError(f"{location}: {problem}; --skip-bad-records skips "
-                                          "such lines") from None
+                    raise DataFormatError(
+                        f"{location}: {problem}; --skip-bad-records skips such lines"
+                    ) from None
                 counts.skip(location, problem)
                 continue
             counts.records += 1
             yield location, record
 
 
-def jsonl_documents(path: Path, start: int = 0, end: int | None = None,
-                    text_field: str = "text", skip_bad_records: bool = False,
-                    counts: RecordCounts | None = None,
-                    first_line: int | None = 1) -> Iterator[str]:
+def jsonl_documents(
+    path: Path,
+    start: int = 0,
+    end: int | None = None,
+    text_field: str = "text",
+    skip_bad_records: bool = False,
+    counts: RecordCounts | None = None,
+    first_line: int | None = 1,
+) -> Iterator[str]:
     """The ``text_field`` of each record in bytes ``[start, end)`` (``jsonl_records``)."""
     counts = counts if counts is not None else RecordCounts()
-    for location, record in jsonl_records(path, start, end, skip_bad_records, counts,
-                                          first_line):
+    for location, record in jsonl_records(path, start, end, skip_bad_records, counts, first_line):
         text = checked_text(location, record, text_field, skip_bad_records, counts)
         if text is not None:
             yield text
 
 
-def checked_text(location, record: dict, text_field: str, skip_bad_records: bool,
-                 counts: RecordCounts) -> str | None:
+def checked_text(
+    location, record: dict, text_field: str, skip_bad_records: bool, counts: RecordCounts
+) -> str | None:
     """``document_text``, or None for a bad record skipped (and counted as skipped)."""
     problem = text_problem(record, text_field)
     if problem is None:

@@ -42,27 +42,50 @@ def _hash_key(parts: Iterable[object]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build_corpus(dest: Path, files: Sequence[DataFile | Path], source: str, tokenizer: Tokenizer,
-                  num_workers: int, options: ReadOptions = ReadOptions()) -> Path:
+def _build_corpus(
+    dest: Path,
+    files: Sequence[DataFile | Path],
+    source: str,
+    tokenizer: Tokenizer,
+    num_workers: int,
+    options: ReadOptions = ReadOptions(),
+) -> Path:
     """Build the token file ``dest`` (and sidecar) from ``files``, atomically."""
     stats = build_with_progress(dest, files, tokenizer, source, num_workers, options)
     skipped = stats["records"].summary()
-    logger.info("built corpus %s: %d tokens from %d documents in %d files (%d binary skipped%s) "
-                "in %.1f s", dest, stats["num_tokens"], stats["documents"], stats["files"],
-                stats["skipped"], f"; {skipped}" if skipped else "", stats["seconds"])
+    logger.info(
+        "built corpus %s: %d tokens from %d documents in %d files (%d binary skipped%s) in %.1f s",
+        dest,
+        stats["num_tokens"],
+        stats["documents"],
+        stats["files"],
+        stats["skipped"],
+        f"; {skipped}" if skipped else "",
+        stats["seconds"],
+    )
     return dest
 
 
-def build_with_progress(dest: Path, files: Sequence[DataFile | Path], tokenizer: Tokenizer,
-                        source: str, num_workers: int,
-                        options: ReadOptions = ReadOptions()) -> dict:
+def build_with_progress(
+    dest: Path,
+    files: Sequence[DataFile | Path],
+    tokenizer: Tokenizer,
+    source: str,
+    num_workers: int,
+    options: ReadOptions = ReadOptions(),
+) -> dict:
     """``meshwise.data.corpus.build_token_file`` with its progress shown on stderr."""
     bar = Progress(f"tokenizing {source}")
     try:
-        return build_token_file(dest, files, tokenizer, source, num_workers,
-                                lambda done, total, tokens: bar.update(done, total,
-                                                                       f"{tokens:,} tokens"),
-                                options)
+        return build_token_file(
+            dest,
+            files,
+            tokenizer,
+            source,
+            num_workers,
+            lambda done, total, tokens: bar.update(done, total, f"{tokens:,} tokens"),
+            options,
+        )
     finally:
         bar.close()
 
@@ -86,15 +109,21 @@ def _stdlib_corpus(cache_dir: Path, tokenizer: Tokenizer, num_workers: int) -> P
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = frozenset({"site-packages", "__pycache__"})
     files = list_files(root, ".py", skip, strict=False)
-    key = _hash_key(_tokenizer_key(tokenizer) + [(rel, (root / rel).stat().st_size)
-                                                 for rel in files])
+    key = _hash_key(
+        _tokenizer_key(tokenizer) + [(rel, (root / rel).stat().st_size) for rel in files]
+    )
     dest = cache_dir / f"stdlib-{platform.python_version()}-{key}.bin"
-    return _cached(dest, lambda: _build_corpus(dest, [root / rel for rel in files],
-                                               f"stdlib:{root}", tokenizer, num_workers))
+    return _cached(
+        dest,
+        lambda: _build_corpus(
+            dest, [root / rel for rel in files], f"stdlib:{root}", tokenizer, num_workers
+        ),
+    )
 
 
-def _data_corpus(path: Path, cache_dir: Path, tokenizer: Tokenizer, num_workers: int,
-                 options: ReadOptions) -> Path:
+def _data_corpus(
+    path: Path, cache_dir: Path, tokenizer: Tokenizer, num_workers: int, options: ReadOptions
+) -> Path:
     """Tokens of a file, or of every file under a folder, in any format the readers know."""
     path = path.resolve()
     files = data_files(path, options.data_format)
@@ -108,14 +137,18 @@ def _data_corpus(path: Path, cache_dir: Path, tokenizer: Tokenizer, num_workers:
         parts.append(("read", options.text_field, options.data_format, options.skip_bad_records))
     key = _hash_key(_tokenizer_key(tokenizer) + parts)
     dest = cache_dir / f"{path.stem or 'corpus'}-{key}.bin"
-    return _cached(dest, lambda: _build_corpus(dest, files, str(path), tokenizer, num_workers,
-                                               options))
+    return _cached(
+        dest, lambda: _build_corpus(dest, files, str(path), tokenizer, num_workers, options)
+    )
 
 
 def _stats(root: Path, file: DataFile) -> Iterable[tuple[str, os.stat_result]]:
     """The relative name and stat of each file of ``file`` (a folder: the files in it)."""
-    inside = sorted(p for p in file.path.rglob("*") if p.is_file()) if file.path.is_dir() \
+    inside = (
+        sorted(p for p in file.path.rglob("*") if p.is_file())
+        if file.path.is_dir()
         else [file.path]
+    )
     for p in inside:
         rel = p.relative_to(root).as_posix() if root.is_dir() else ""
         yield rel, p.stat()
@@ -129,9 +162,14 @@ def _tokenizer_key(tokenizer: Tokenizer) -> list:
     return [("tokenizer", tokenizer.digest, tuple(tokenizer.separator))]
 
 
-def resolve_data(path: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None,
-                 tokenizer: Tokenizer | None = None, num_workers: int = 1,
-                 token_dtype: str | None = None, options: ReadOptions = ReadOptions()) -> Path:
+def resolve_data(
+    path: str | os.PathLike | None,
+    cache_dir: str | os.PathLike | None = None,
+    tokenizer: Tokenizer | None = None,
+    num_workers: int = 1,
+    token_dtype: str | None = None,
+    options: ReadOptions = ReadOptions(),
+) -> Path:
     """Path of the token ``.bin`` for ``path``, building and caching it if needed.
 
     ``None`` is the default corpus; a file or folder the readers know is encoded with
@@ -156,10 +194,15 @@ def resolve_data(path: str | os.PathLike | None, cache_dir: str | os.PathLike | 
             return _stdlib_corpus(cache, tokenizer, num_workers)
         return _data_corpus(path, cache, tokenizer, num_workers, options)
     except OSError as exc:
-        origin = ("--cache-dir" if cache_dir is not None else
-                  "MESHWISE_CACHE" if os.environ.get("MESHWISE_CACHE") else "the default")
-        raise ValueError(f"cannot build the corpus in the cache directory {cache} (from "
-                         f"{origin}): {exc.strerror or exc}; point MESHWISE_CACHE or "
-                         "--cache-dir at a writable folder") from None
-
-
+        origin = (
+            "--cache-dir"
+            if cache_dir is not None
+            else "MESHWISE_CACHE"
+            if os.environ.get("MESHWISE_CACHE")
+            else "the default"
+        )
+        raise ValueError(
+            f"cannot build the corpus in the cache directory {cache} (from "
+            f"{origin}): {exc.strerror or exc}; point MESHWISE_CACHE or "
+            "--cache-dir at a writable folder"
+        ) from None

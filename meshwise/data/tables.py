@@ -21,12 +21,15 @@ def require(module: str, why: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ValueError(f"{why} needs the {module.split('.')[0]} package; install it with: "
-                         f"pip install 'meshwise[{EXTRAS[module.split('.')[0]]}]'") from None
+        raise ValueError(
+            f"{why} needs the {module.split('.')[0]} package; install it with: "
+            f"pip install 'meshwise[{EXTRAS[module.split('.')[0]]}]'"
+        ) from None
 
 
-def records(path: Path, data_format: str,
-            counts: RecordCounts | None = None) -> Iterator[tuple[str, dict]]:
+def records(
+    path: Path, data_format: str, counts: RecordCounts | None = None
+) -> Iterator[tuple[str, dict]]:
     """``(location, record)`` of every row of a ``parquet``, ``hf-disk``, ``json`` or ``csv``
     source, each row a dict of its columns."""
     counts = counts if counts is not None else RecordCounts()
@@ -35,8 +38,13 @@ def records(path: Path, data_format: str,
         yield location, row
 
 
-def documents(path: Path, data_format: str, text_field: str, skip_bad_records: bool = False,
-              counts: RecordCounts | None = None) -> Iterator[str]:
+def documents(
+    path: Path,
+    data_format: str,
+    text_field: str,
+    skip_bad_records: bool = False,
+    counts: RecordCounts | None = None,
+) -> Iterator[str]:
     """The ``text_field`` of every row (a row without a string there is a bad record)."""
     counts = counts if counts is not None else RecordCounts()
     for location, row in _rows(path, data_format, text_field):
@@ -66,9 +74,11 @@ def _rows(path: Path, data_format: str, column: str | None) -> Iterator[tuple[st
 
 def _check_column(path: Path, names: list[str], column: str | None) -> None:
     if column is not None and column not in names:
-        raise DataFormatError(f"{path}: no column {column!r} (its columns: "
-                              f"{', '.join(names) or 'none'}); name the text's column with "
-                              "--text-field")
+        raise DataFormatError(
+            f"{path}: no column {column!r} (its columns: "
+            f"{', '.join(names) or 'none'}); name the text's column with "
+            "--text-field"
+        )
 
 
 def _parquet_batches(path: Path, column: str | None) -> Iterator[dict]:
@@ -94,8 +104,9 @@ def _parquet_file(parquet, path: Path):
     try:
         return parquet.ParquetFile(path, buffer_size=_READ_BUFFER, pre_buffer=False)
     except Exception as exc:  # pyarrow raises ArrowInvalid and others for a bad file
-        raise DataFormatError(f"{path}: not a readable Parquet file "
-                              f"({' '.join(str(exc).split())[:120]})") from None
+        raise DataFormatError(
+            f"{path}: not a readable Parquet file ({' '.join(str(exc).split())[:120]})"
+        ) from None
 
 
 def _saved(path: Path):
@@ -106,9 +117,11 @@ def _saved(path: Path):
     if isinstance(saved, datasets.DatasetDict):
         splits = list(saved)
         if "train" not in saved and len(splits) != 1:
-            raise DataFormatError(f"{path}: a DatasetDict with the splits "
-                                  f"{', '.join(splits)} and no 'train'; valid: --data "
-                                  f"{path / splits[0]} (one split's folder)")
+            raise DataFormatError(
+                f"{path}: a DatasetDict with the splits "
+                f"{', '.join(splits)} and no 'train'; valid: --data "
+                f"{path / splits[0]} (one split's folder)"
+            )
         saved = saved["train" if "train" in saved else splits[0]]
     return saved
 
@@ -125,8 +138,9 @@ def _loaded_batches(path: Path, data_format: str, column: str | None) -> Iterato
     datasets = require("datasets", f"reading {path}")
     options = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
     try:
-        loaded = datasets.load_dataset(data_format, data_files=[str(path)], split="train",
-                                       streaming=True, **options)  # nothing cached
+        loaded = datasets.load_dataset(
+            data_format, data_files=[str(path)], split="train", streaming=True, **options
+        )  # nothing cached
         first = True
         for batch in loaded.iter(batch_size=BATCH_ROWS):
             if first:
@@ -136,5 +150,6 @@ def _loaded_batches(path: Path, data_format: str, column: str | None) -> Iterato
     except DataFormatError:
         raise
     except Exception as exc:  # the builders raise many kinds for a file they cannot parse
-        raise DataFormatError(f"{path}: not readable as {data_format} "
-                              f"({' '.join(str(exc).split())[:120]})") from None
+        raise DataFormatError(
+            f"{path}: not readable as {data_format} ({' '.join(str(exc).split())[:120]})"
+        ) from None

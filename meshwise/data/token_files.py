@@ -26,8 +26,10 @@ WRITTEN_BY = "meshwise"
 SIDECAR_SUFFIX = ".meshwise.json"  # corpus.bin -> corpus.bin.meshwise.json
 TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_DTYPE = TOKEN_DTYPES["uint16"]  # the default, and the only one before sidecars said
-ACCEPTED = ("a text, JSON lines, Parquet or CSV file, a folder of them, a datasets "
-            "save_to_disk folder, or a .bin of token ids (uint16 or uint32)")
+ACCEPTED = (
+    "a text, JSON lines, Parquet or CSV file, a folder of them, a datasets "
+    "save_to_disk folder, or a .bin of token ids (uint16 or uint32)"
+)
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -39,8 +41,10 @@ def token_dtype(meta: dict) -> np.dtype:
     """The dtype a token file's metadata records (uint16 when it says none)."""
     name = meta.get("dtype") or "uint16"
     if name not in TOKEN_DTYPES:
-        raise ValueError(f"{meta.get('source')}: its sidecar records token dtype {name!r}; "
-                         f"valid: {', '.join(TOKEN_DTYPES)}")
+        raise ValueError(
+            f"{meta.get('source')}: its sidecar records token dtype {name!r}; "
+            f"valid: {', '.join(TOKEN_DTYPES)}"
+        )
     return TOKEN_DTYPES[name]
 
 
@@ -112,8 +116,10 @@ def _ours(side: Path) -> dict | None:
     except (OSError, ValueError):
         meta = None
     if not isinstance(meta, dict) or meta.get("written_by") != WRITTEN_BY:
-        raise ValueError(f"{side} exists but was not written by meshwise; it is left alone: "
-                         "move or rename it so meshwise can record the token file's metadata")
+        raise ValueError(
+            f"{side} exists but was not written by meshwise; it is left alone: "
+            "move or rename it so meshwise can record the token file's metadata"
+        )
     return meta
 
 
@@ -131,24 +137,37 @@ def read_meta(path: str | os.PathLike, dtype: str | None = None) -> dict:
     meta = _ours(side) if side.exists() else None
     recorded = (meta.get("dtype") or "uint16") if meta else None
     if recorded and dtype and recorded != dtype:
-        raise ValueError(f"--token-dtype {dtype}, but {side} records {recorded} for {path}; "
-                         "valid: leave --token-dtype out")
+        raise ValueError(
+            f"--token-dtype {dtype}, but {side} records {recorded} for {path}; "
+            "valid: leave --token-dtype out"
+        )
     name = recorded or dtype or _settled_dtype(path, st)
     itemsize = token_dtype({**(meta or {}), "dtype": name}).itemsize
     if st.st_size == 0 or st.st_size % itemsize:
-        raise ValueError(f"token file {str(path)!r} has {st.st_size} bytes, not a non-empty "
-                         f"array of {name} tokens; expected {ACCEPTED}")
+        raise ValueError(
+            f"token file {str(path)!r} has {st.st_size} bytes, not a non-empty "
+            f"array of {name} tokens; expected {ACCEPTED}"
+        )
     if meta is not None:
-        if (meta.get("num_tokens") == st.st_size // itemsize
-                and meta.get("format") == FORMAT_VERSION):
+        if (
+            meta.get("num_tokens") == st.st_size // itemsize
+            and meta.get("format") == FORMAT_VERSION
+        ):
             return meta
         if meta.get("tokenizer"):  # built from text: a rescan would lose what wrote it
-            raise ValueError(f"token file {str(path)!r} has {st.st_size} bytes, but its sidecar "
-                             f"records {meta.get('num_tokens')} {name} tokens: it changed "
-                             "since meshwise wrote it; prepare it again")
+            raise ValueError(
+                f"token file {str(path)!r} has {st.st_size} bytes, but its sidecar "
+                f"records {meta.get('num_tokens')} {name} tokens: it changed "
+                "since meshwise wrote it; prepare it again"
+            )
         logger.warning("rebuilding the stale sidecar %s", side)
-    meta = {"num_tokens": st.st_size // itemsize, "vocab_size": None, "max_token": None,
-            "source": str(path.resolve()), "dtype": name}
+    meta = {
+        "num_tokens": st.st_size // itemsize,
+        "vocab_size": None,
+        "max_token": None,
+        "source": str(path.resolve()),
+        "dtype": name,
+    }
     meta["max_token"] = largest_id(path, meta)
     return _remember(path, meta)
 
@@ -158,8 +177,10 @@ def check_regular(path: Path) -> None:
     if path.is_file():
         return
     if path.is_symlink() and not path.exists():
-        raise ValueError(f"data path {str(path)!r} is a symbolic link to nothing (or a loop); "
-                         f"expected {ACCEPTED}")
+        raise ValueError(
+            f"data path {str(path)!r} is a symbolic link to nothing (or a loop); "
+            f"expected {ACCEPTED}"
+        )
     if path.exists():
         raise ValueError(f"data path {str(path)!r} is not a regular file; expected {ACCEPTED}")
     raise ValueError(f"data path {str(path)!r} does not exist; expected {ACCEPTED}")
@@ -169,10 +190,12 @@ def _settled_dtype(path: Path, st: os.stat_result) -> str:
     """uint16 for a ``.bin`` without a sidecar, unless it could be uint32 (then refuse)."""
     share = token_scan.uint32_share(str(path.resolve()), st.st_size, st.st_mtime_ns)
     if share:
-        raise ValueError(f"--data {path} has no meshwise sidecar and could hold uint16 or uint32 "
-                         f"ids (read as uint16, {share:.0%} of every other id is 0, as in a "
-                         "uint32 file); say which with --token-dtype uint16 or --token-dtype "
-                         "uint32")
+        raise ValueError(
+            f"--data {path} has no meshwise sidecar and could hold uint16 or uint32 "
+            f"ids (read as uint16, {share:.0%} of every other id is 0, as in a "
+            "uint32 file); say which with --token-dtype uint16 or --token-dtype "
+            "uint32"
+        )
     return "uint16"
 
 
@@ -184,8 +207,9 @@ def largest_id(path: str | os.PathLike, meta: dict) -> int:
     scanned = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     if meta.get("max_token") is not None and meta.get("scanned") == scanned:
         return meta["max_token"]
-    found = token_scan.max_token(str(path.resolve()), st.st_size, st.st_mtime_ns,
-                                 token_dtype(meta).str)
+    found = token_scan.max_token(
+        str(path.resolve()), st.st_size, st.st_mtime_ns, token_dtype(meta).str
+    )
     meta_now = {**meta, "max_token": found, "scanned": scanned}
     if meta.get("written_by") == WRITTEN_BY:  # our sidecar: keep the scan for the next load
         _remember(path, meta_now)
@@ -204,8 +228,9 @@ def _remember(path: Path, meta: dict) -> dict:
     return meta
 
 
-def resolve_vocab_size(meta: dict, requested: int = 0,
-                       path: str | os.PathLike | None = None) -> int:
+def resolve_vocab_size(
+    meta: dict, requested: int = 0, path: str | os.PathLike | None = None
+) -> int:
     """The vocabulary a model of this data needs, checked against the tokens.
 
     ``requested`` (``--vocab-size``, 0 for none) must hold every id; else the sidecar's
@@ -216,26 +241,34 @@ def resolve_vocab_size(meta: dict, requested: int = 0,
     source = meta.get("source", "the data")
     if stated and max_token is not None and max_token >= stated:
         name = path or f"the token file of {source}"
-        raise ValueError(f"{name} holds token id {max_token}, outside the vocabulary of {stated} "
-                         "it was tokenized with: it changed since meshwise wrote it; prepare it "
-                         "again")
+        raise ValueError(
+            f"{name} holds token id {max_token}, outside the vocabulary of {stated} "
+            "it was tokenized with: it changed since meshwise wrote it; prepare it "
+            "again"
+        )
     if requested:
         if max_token is not None and max_token >= requested:
-            raise ValueError(f"{source} holds token id {max_token}, outside --vocab-size "
-                             f"{requested}; valid: --vocab-size {max_token + 1} or more")
+            raise ValueError(
+                f"{source} holds token id {max_token}, outside --vocab-size "
+                f"{requested}; valid: --vocab-size {max_token + 1} or more"
+            )
         if stated and requested < stated:
-            raise ValueError(f"--vocab-size {requested} is smaller than the vocabulary of "
-                             f"{stated} the data was tokenized with; valid: --vocab-size "
-                             f"{stated} or more")
+            raise ValueError(
+                f"--vocab-size {requested} is smaller than the vocabulary of "
+                f"{stated} the data was tokenized with; valid: --vocab-size "
+                f"{stated} or more"
+            )
         return requested
     if stated:
         return stated
     assert max_token is not None, "read_meta records the largest id of a file without a vocabulary"
     if max_token < BYTE_VOCAB_SIZE:
         return max_token + 1
-    raise ValueError(f"{source} holds token ids up to {max_token}, beyond the byte-level "
-                     f"{BYTE_VOCAB_SIZE}; say the vocabulary with --vocab-size "
-                     f"(at least {max_token + 1})")
+    raise ValueError(
+        f"{source} holds token ids up to {max_token}, beyond the byte-level "
+        f"{BYTE_VOCAB_SIZE}; say the vocabulary with --vocab-size "
+        f"(at least {max_token + 1})"
+    )
 
 
 def check_tokenizer(meta: dict, tokenizer: Tokenizer, data: str | os.PathLike) -> None:
@@ -250,8 +283,10 @@ def check_tokenizer(meta: dict, tokenizer: Tokenizer, data: str | os.PathLike) -
     if recorded is None:
         max_token = meta.get("max_token")
         if max_token is not None and max_token >= tokenizer.vocab_size:
-            raise ValueError(f"--data {data} holds token id {max_token}, outside the "
-                             f"vocabulary of --tokenizer {tokenizer.describe()}")
+            raise ValueError(
+                f"--data {data} holds token id {max_token}, outside the "
+                f"vocabulary of --tokenizer {tokenizer.describe()}"
+            )
         return
     if recorded.get("digest") != tokenizer.digest:
         if recorded.get("kind") == BYTE_LEVEL:
@@ -259,9 +294,11 @@ def check_tokenizer(meta: dict, tokenizer: Tokenizer, data: str | os.PathLike) -
         else:
             theirs = f"{recorded.get('path')} (digest {recorded.get('digest')})"
             valid = f"--tokenizer {recorded.get('path')}"
-        raise ValueError(f"--data {data} was tokenized with {theirs}, not with --tokenizer "
-                         f"{tokenizer.describe()}; valid: {valid}, or the text prepared "
-                         "again with this tokenizer")
+        raise ValueError(
+            f"--data {data} was tokenized with {theirs}, not with --tokenizer "
+            f"{tokenizer.describe()}; valid: {valid}, or the text prepared "
+            "again with this tokenizer"
+        )
 
 
 def recorded_tokenizer(bin_path: str | os.PathLike, dtype: str | None = None) -> Tokenizer | None:
@@ -272,8 +309,12 @@ def recorded_tokenizer(bin_path: str | os.PathLike, dtype: str | None = None) ->
         return None
     tokenizer = load_unchanged(recorded["path"], recorded.get("digest"))
     if tokenizer is None:
-        logger.warning("warning: %s was tokenized with %s (digest %s), which is no longer "
-                       "there unchanged; pass --tokenizer to decode samples", bin_path,
-                       recorded["path"], recorded.get("digest"))
+        logger.warning(
+            "warning: %s was tokenized with %s (digest %s), which is no longer "
+            "there unchanged; pass --tokenizer to decode samples",
+            bin_path,
+            recorded["path"],
+            recorded.get("digest"),
+        )
         return None
     return tokenizer

@@ -22,7 +22,7 @@ def max_token(path: str, size: int, mtime_ns: int, dtype: str) -> int:
     tokens = np.memmap(path, dtype=dtype, mode="r")
     largest = 0
     for start in range(0, len(tokens), SCAN_CHUNK):
-        largest = max(largest, int(tokens[start:start + SCAN_CHUNK].max()))
+        largest = max(largest, int(tokens[start : start + SCAN_CHUNK].max()))
     return largest
 
 
@@ -36,7 +36,7 @@ def uint32_share(path: str, size: int, mtime_ns: int) -> float:
     zero_low = zero_high = 0
     high_max = 0
     for start in range(0, len(halves), 2 * SCAN_CHUNK):
-        chunk = halves[start:start + 2 * SCAN_CHUNK].reshape(-1, 2)  # (pairs, [low, high])
+        chunk = halves[start : start + 2 * SCAN_CHUNK].reshape(-1, 2)  # (pairs, [low, high])
         high_max = max(high_max, int(chunk[:, 1].max()))
         if high_max >= _HIGH_HALF_LIMIT:
             return 0.0  # ids of 2**20 and more: not a tokenizer's

@@ -22,8 +22,12 @@ END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 EXPECTED = "a Hugging Face tokenizer.json file (or a folder holding one)"
 # Texts with line breaks: a tokenizer that gives the same tokens for none of
 # them cut after a newline as whole is never fed pieces of a document.
-_CUT_PROBES = ("x = 1\ny = 2\nprint(x)", "Hello world.\n\nSecond line here\n#end",
-               "def f(a):\n    return a\n\n\nf(1)\n", "é\nü\n中文\nend")
+_CUT_PROBES = (
+    "x = 1\ny = 2\nprint(x)",
+    "Hello world.\n\nSecond line here\n#end",
+    "def f(a):\n    return a\n\n\nf(1)\n",
+    "é\nü\n中文\nend",
+)
 
 
 class Tokenizer:
@@ -61,9 +65,12 @@ class Tokenizer:
         """Whether a long document may be cut after some line breaks at all
         (``cuts_cleanly`` then checks each cut): a quick test on a few texts."""
         try:
-            return any(self.cuts_cleanly(text[:i + 1], text[i + 1:])
-                       for text in (t.encode() for t in _CUT_PROBES)
-                       for i in range(len(text) - 1) if text[i] == 0x0A)
+            return any(
+                self.cuts_cleanly(text[: i + 1], text[i + 1 :])
+                for text in (t.encode() for t in _CUT_PROBES)
+                for i in range(len(text) - 1)
+                if text[i] == 0x0A
+            )
         except ValueError:  # it cannot encode a probe: encode documents whole
             return False
 
@@ -78,13 +85,18 @@ class Tokenizer:
         """
         head = self.decode(prompt).rstrip("\ufffd")
         whole = self.decode(prompt + new)
-        return whole[len(head):] if whole.startswith(head) else self.decode(new)
+        return whole[len(head) :] if whole.startswith(head) else self.decode(new)
 
     def identity(self) -> dict:
         """What a token file's sidecar records about the tokenizer that wrote it."""
-        return {"kind": self.kind, "path": self.path, "digest": self.digest,
-                "vocab_size": self.vocab_size, "separator": list(self.separator),
-                "end_of_text": self.end_of_text}
+        return {
+            "kind": self.kind,
+            "path": self.path,
+            "digest": self.digest,
+            "vocab_size": self.vocab_size,
+            "separator": list(self.separator),
+            "end_of_text": self.end_of_text,
+        }
 
 
 class ByteTokenizer(Tokenizer):
@@ -102,8 +114,10 @@ class ByteTokenizer(Tokenizer):
         return list(text.encode("utf-8"))
 
     def encode_documents(self, documents: Sequence[bytes | str]) -> list[np.ndarray]:
-        return [np.frombuffer(data.encode() if isinstance(data, str) else data, np.uint8)
-                for data in documents]  # bytes as they are
+        return [
+            np.frombuffer(data.encode() if isinstance(data, str) else data, np.uint8)
+            for data in documents
+        ]  # bytes as they are
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -140,14 +154,18 @@ class HFTokenizer(Tokenizer):
 
         ``encode_batch_fast`` skips the offsets ``encode`` computes: about 3x faster.
         """
-        texts = [data if isinstance(data, str) else data.decode("utf-8", errors="replace")
-                 for data in documents]
+        texts = [
+            data if isinstance(data, str) else data.decode("utf-8", errors="replace")
+            for data in documents
+        ]
         with serial_tokenizers():
             try:
                 encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
             except Exception as exc:  # e.g. a WordLevel model without an unknown token
-                raise ValueError(f"--tokenizer {self.path} cannot encode the text: "
-                                 f"{' '.join(str(exc).split())[:160]}") from None
+                raise ValueError(
+                    f"--tokenizer {self.path} cannot encode the text: "
+                    f"{' '.join(str(exc).split())[:160]}"
+                ) from None
         return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -194,8 +212,9 @@ def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
         st = file.stat()
         return _load_file(str(file), st.st_size, st.st_mtime_ns)
     except OSError as exc:
-        raise ValueError(f"--tokenizer {path}: cannot read it ({exc.strerror or exc}); "
-                         f"expected {EXPECTED}") from None
+        raise ValueError(
+            f"--tokenizer {path}: cannot read it ({exc.strerror or exc}); expected {EXPECTED}"
+        ) from None
 
 
 def load_unchanged(path: str, digest: str | None) -> Tokenizer | None:
@@ -218,20 +237,27 @@ def _load_file(path: str, size: int, mtime_ns: int) -> HFTokenizer:
     try:
         tok = RustTokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # the library raises plain Exception with serde's message
-        hint = (" (a SentencePiece .model: load it with transformers' AutoTokenizer and "
-                "save_pretrained to get a tokenizer.json)" if path.endswith(".model") else "")
+        hint = (
+            " (a SentencePiece .model: load it with transformers' AutoTokenizer and "
+            "save_pretrained to get a tokenizer.json)"
+            if path.endswith(".model")
+            else ""
+        )
         reason = " ".join(str(exc).split())[:160]
-        raise ValueError(f"--tokenizer {path} is not a tokenizer.json ({reason}){hint}; "
-                         f"expected {EXPECTED}") from None
+        raise ValueError(
+            f"--tokenizer {path} is not a tokenizer.json ({reason}){hint}; expected {EXPECTED}"
+        ) from None
     return HFTokenizer(path, tok, hashlib.sha256(raw).hexdigest()[:16])
 
 
 def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
     """``--vocab-size`` (0: the tokenizer's) must hold every id of the tokenizer."""
     if vocab_size and vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"--vocab-size {vocab_size} is smaller than the vocabulary of "
-                         f"{tokenizer.vocab_size} of the tokenizer {tokenizer.describe()}; "
-                         f"valid: --vocab-size {tokenizer.vocab_size} or more, or leave it out")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is smaller than the vocabulary of "
+            f"{tokenizer.vocab_size} of the tokenizer {tokenizer.describe()}; "
+            f"valid: --vocab-size {tokenizer.vocab_size} or more, or leave it out"
+        )
 
 
 def printable(text: str) -> str:
@@ -239,8 +265,9 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
-def decode_sample(path: str | None, prompt: list[int], new: list[int],
-                  vocab_size: int) -> tuple[str, str]:
+def decode_sample(
+    path: str | None, prompt: list[int], new: list[int], vocab_size: int
+) -> tuple[str, str]:
     """A prompt and its continuation as text (as ids when no tokenizer covers them)."""
     if path is None and vocab_size > BYTE_VOCAB_SIZE:
         return " ".join(map(str, prompt)), " " + " ".join(map(str, new))

@@ -22,8 +22,9 @@ def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def ordered_results(function: Callable[[T], R], tasks: Iterable[T], num_workers: int,
-                    in_process: bool = False) -> Iterator[tuple[T, R]]:
+def ordered_results(
+    function: Callable[[T], R], tasks: Iterable[T], num_workers: int, in_process: bool = False
+) -> Iterator[tuple[T, R]]:
     """``(task, function(task))`` for each task, in order: here when ``in_process`` (a
     small job), else in ``num_workers`` processes. ``function`` must be picklable (module level,
     or a ``functools.partial`` of one)."""
@@ -37,8 +38,9 @@ def ordered_results(function: Callable[[T], R], tasks: Iterable[T], num_workers:
     finished = False
     try:
         todo = iter(tasks)
-        pending = deque((task, pool.submit(function, task))
-                        for _, task in zip(range(2 * num_workers), todo))
+        pending = deque(
+            (task, pool.submit(function, task)) for _, task in zip(range(2 * num_workers), todo)
+        )
         while pending:
             task, future = pending.popleft()
             result = future.result()

@@ -39,8 +39,9 @@ def resolve_dtype(dtype: str, device: str, bf16_ready) -> str:
 def takes_bf16(capabilities, nccl) -> bool:
     """Whether GPUs of these compute capabilities, with this NCCL version (None:
     no NCCL), compute in bfloat16 and carry it between ranks."""
-    return (all(tuple(c) >= BF16_CAPABILITY for c in capabilities)
-            and (nccl is None or tuple(nccl) >= BF16_NCCL))
+    return all(tuple(c) >= BF16_CAPABILITY for c in capabilities) and (
+        nccl is None or tuple(nccl) >= BF16_NCCL
+    )
 
 
 _GPU_FACTS = """
@@ -56,8 +57,9 @@ def gpu_facts() -> dict:
     """The visible GPUs (name, compute capability) and the NCCL version, asked of a
     short-lived child process: the launching process creates no CUDA context, so
     every rank gets its whole GPU (a context holds memory on the device it is on)."""
-    out = subprocess.run([sys.executable, "-c", _GPU_FACTS], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _GPU_FACTS], capture_output=True, text=True, timeout=120
+    )
     if out.returncode != 0:
         raise ValueError(f"cannot query the GPUs: {out.stderr.strip().splitlines()[-1:]}")
     facts = json.loads(out.stdout.strip().splitlines()[-1])
@@ -78,7 +80,9 @@ def rank_device(kind: str) -> torch.device:
     if visible == 1:
         return torch.device("cuda", 0)
     if local_rank >= visible:
-        raise RuntimeError(f"LOCAL_RANK {local_rank} but this process sees {visible} GPUs "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); "
-                           "start at most one rank per visible GPU on each node")
+        raise RuntimeError(
+            f"LOCAL_RANK {local_rank} but this process sees {visible} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); "
+            "start at most one rank per visible GPU on each node"
+        )
     return torch.device("cuda", local_rank)

@@ -25,8 +25,9 @@ def synchronize(device: torch.device | str) -> None:
         return
     backend = getattr(torch, device.type, None)  # e.g. torch.xpu, torch.mps
     if backend is None or not hasattr(backend, "synchronize"):
-        raise ValueError(f"cannot wait for device {device}: torch.{device.type}.synchronize "
-                         "does not exist")
+        raise ValueError(
+            f"cannot wait for device {device}: torch.{device.type}.synchronize does not exist"
+        )
     backend.synchronize()
 
 
@@ -120,5 +121,7 @@ class IntervalClock:
             return list(self._marks)
         if self._marks:  # read after the step: the device is past them already
             self._marks[-1][2].synchronize()
-        return [(label, self._origin.elapsed_time(b) / 1e3, self._origin.elapsed_time(e) / 1e3)
-                for label, b, e in self._marks]
+        return [
+            (label, self._origin.elapsed_time(b) / 1e3, self._origin.elapsed_time(e) / 1e3)
+            for label, b, e in self._marks
+        ]

@@ -33,15 +33,20 @@ class Documents(Generic[Array]):
 
     def rows(self, first: int, count: int) -> Documents[Array]:
         """Rows ``[first, first + count)`` (the sequences one forward computes)."""
-        return Documents(self.ids[first:first + count], self.positions[first:first + count])
+        return Documents(self.ids[first : first + count], self.positions[first : first + count])
 
     def to(self, device) -> Documents[torch.Tensor]:
         """As tensors on ``device`` (from host arrays or tensors)."""
-        return Documents(torch.as_tensor(self.ids, device=device),
-                         torch.as_tensor(self.positions, device=device))
+        return Documents(
+            torch.as_tensor(self.ids, device=device), torch.as_tensor(self.positions, device=device)
+        )
 
-    def allowed(self: Documents[torch.Tensor], q_positions: torch.Tensor,
-                k_positions: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def allowed(
+        self: Documents[torch.Tensor],
+        q_positions: torch.Tensor,
+        k_positions: torch.Tensor,
+        causal: bool = True,
+    ) -> torch.Tensor:
         """(B, 1, Lq, Lk) bool: which keys each query may see, by global positions
         ``q_positions`` (Lq,) and ``k_positions`` (Lk,): those of its own document, and
         with ``causal`` none after it. Dim 1 broadcasts over the heads."""
@@ -63,4 +68,5 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``allowed`` as an additive mask of ``dtype``: 0 where allowed, -inf elsewhere
     (what fused attention kernels take; a row with no key allowed gives zeros)."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf"))
+        ~allowed, float("-inf")
+    )

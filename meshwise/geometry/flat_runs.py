@@ -32,5 +32,5 @@ def owned_values(runs: list[FlatRun]) -> dict[str, torch.Tensor]:
         for name, offset, numel in run.names:
             lo, hi = max(offset, start), min(offset + numel, end)
             if lo < hi:
-                out[name] = tensor[lo - base:hi - base]
+                out[name] = tensor[lo - base : hi - base]
     return out

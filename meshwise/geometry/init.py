@@ -76,9 +76,9 @@ class _Blocks:
             first = block * BLOCK
             a, b = max(lo, first), min(hi, first + BLOCK, self.numel)
             if a == first and b == min(first + BLOCK, self.numel):
-                self.draw(block, out[a - lo:b - lo])  # the same stream as a scratch block
+                self.draw(block, out[a - lo : b - lo])  # the same stream as a scratch block
             else:
-                out[a - lo:b - lo] = self.block(block)[a - first:b - first]
+                out[a - lo : b - lo] = self.block(block)[a - first : b - first]
 
     def fill_rows(self, rows: Rows, first: int, count: int, out: torch.Tensor) -> None:
         """``out`` (contiguous, ``count x rows.length``) gets rows ``[first, first +
@@ -88,8 +88,9 @@ class _Blocks:
         span = (count - 1) * rows.stride + rows.length
         window = torch.empty(span)
         self.fill_run(lo, lo + span, window)
-        out.view(count, rows.length).copy_(window.as_strided((count, rows.length),
-                                                             (rows.stride, 1)))
+        out.view(count, rows.length).copy_(
+            window.as_strided((count, rows.length), (rows.stride, 1))
+        )
 
 
 def _row_jobs(rows: Rows, flat_start: int, flat_end: int) -> list[tuple]:
@@ -132,9 +133,9 @@ def _run_jobs(blocks: _Blocks, rows: Rows, jobs: list[tuple], out: torch.Tensor)
     def run(job):
         kind, a, b, pos = job
         if kind == "run":
-            blocks.fill_run(a, b, out[pos:pos + b - a])
+            blocks.fill_run(a, b, out[pos : pos + b - a])
         else:
-            blocks.fill_rows(rows, a, b, out[pos:pos + b * rows.length])
+            blocks.fill_rows(rows, a, b, out[pos : pos + b * rows.length])
 
     threads = min(torch.get_num_threads(), len(jobs))
     if threads <= 1:
@@ -159,13 +160,14 @@ def _fill_by_index(blocks: _Blocks, piece: Piece, out: torch.Tensor) -> None:
         for block, count in zip(found.tolist(), counts.tolist()):
             if cached is None or cached[0] != block:  # indices increase: never needed again
                 cached = (block, blocks.block(block))
-            local = index[pos - start:pos - start + count] - block * BLOCK
-            out[pos:pos + count] = cached[1][local]
+            local = index[pos - start : pos - start + count] - block * BLOCK
+            out[pos : pos + count] = cached[1][local]
             pos += count
 
 
-def init_values(init: Init, seed: int, piece: Piece, dtype: torch.dtype = torch.float32,
-                device=None) -> torch.Tensor:
+def init_values(
+    init: Init, seed: int, piece: Piece, dtype: torch.dtype = torch.float32, device=None
+) -> torch.Tensor:
     """The elements of ``piece`` (flat, in its order) as one process would draw them."""
     if init.kind in ("zeros", "ones"):
         fill = 0.0 if init.kind == "zeros" else 1.0
@@ -181,8 +183,9 @@ def init_values(init: Init, seed: int, piece: Piece, dtype: torch.dtype = torch.
     return out.to(dtype=dtype, device=device)
 
 
-def full_init(init: Init, seed: int, name: str, shape, dtype: torch.dtype = torch.float32
-              ) -> torch.Tensor:
+def full_init(
+    init: Init, seed: int, name: str, shape, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The whole logical tensor ``name`` (for one process, or small tensors)."""
     return init_values(init, seed, Piece.whole(name, shape), dtype).view(tuple(shape))
 
@@ -206,9 +209,11 @@ def on_meta():
     init functions are swapped process-wide while inside: build on one thread."""
     from torch.nn import init
 
-    saved = {name: getattr(init, name) for name in dir(init)
-             if name.endswith("_") and not name.startswith("_")
-             and callable(getattr(init, name))}
+    saved = {
+        name: getattr(init, name)
+        for name in dir(init)
+        if name.endswith("_") and not name.startswith("_") and callable(getattr(init, name))
+    }
     try:
         for name in saved:
             setattr(init, name, _unchanged)
@@ -221,4 +226,3 @@ def on_meta():
 
 def _unchanged(tensor, *args, **kwargs):
     return tensor
-

@@ -41,11 +41,14 @@ class Piece:
             raise ValueError(f"{self.name}: box rank does not match shape {self.shape}")
         for dim, (off, size, full) in enumerate(zip(self.box_offsets, self.box_sizes, self.shape)):
             if off < 0 or size < 0 or off + size > full:
-                raise ValueError(f"{self.name}: box [{off}, {off + size}) outside dim {dim} "
-                                 f"of size {full}")
+                raise ValueError(
+                    f"{self.name}: box [{off}, {off + size}) outside dim {dim} of size {full}"
+                )
         if not 0 <= self.flat_start <= self.flat_end <= self.box_numel:
-            raise ValueError(f"{self.name}: flat range [{self.flat_start}, {self.flat_end}) "
-                             f"outside a box of {self.box_numel} elements")
+            raise ValueError(
+                f"{self.name}: flat range [{self.flat_start}, {self.flat_end}) "
+                f"outside a box of {self.box_numel} elements"
+            )
 
     @classmethod
     def whole(cls, name: str, shape) -> "Piece":
@@ -61,8 +64,14 @@ class Piece:
         """The sub-run ``[start, end)`` of this piece's elements."""
         if not 0 <= start <= end <= self.numel:
             raise ValueError(f"{self.name}: [{start}, {end}) outside a piece of {self.numel}")
-        return Piece(self.name, self.shape, self.box_offsets, self.box_sizes,
-                     self.flat_start + start, self.flat_start + end)
+        return Piece(
+            self.name,
+            self.shape,
+            self.box_offsets,
+            self.box_sizes,
+            self.flat_start + start,
+            self.flat_start + end,
+        )
 
     @property
     def box_numel(self) -> int:
@@ -100,7 +109,7 @@ class Piece:
         Trailing dimensions the box holds whole join the last one it cuts into one run
         (a tensor-parallel row slice of a matrix: one run per row; a column slice, or
         a whole tensor: a single run)."""
-        strides = [math.prod(self.shape[d + 1:]) for d in range(len(self.shape))]
+        strides = [math.prod(self.shape[d + 1 :]) for d in range(len(self.shape))]
         start = sum(o * s for o, s in zip(self.box_offsets, strides))
         cut = [d for d in range(len(self.shape)) if self.box_sizes[d] != self.shape[d]]
         if not cut:
@@ -116,30 +125,44 @@ class Piece:
         return Rows(start, stride, count, length)
 
     def to_dict(self) -> dict:
-        return {"box_offsets": list(self.box_offsets), "box_sizes": list(self.box_sizes),
-                "flat": [self.flat_start, self.flat_end]}
+        return {
+            "box_offsets": list(self.box_offsets),
+            "box_sizes": list(self.box_sizes),
+            "flat": [self.flat_start, self.flat_end],
+        }
 
     @classmethod
     def from_dict(cls, name: str, shape, d: dict) -> "Piece":
-        return cls(name, tuple(shape), tuple(d["box_offsets"]), tuple(d["box_sizes"]),
-                   d["flat"][0], d["flat"][1])
+        return cls(
+            name,
+            tuple(shape),
+            tuple(d["box_offsets"]),
+            tuple(d["box_sizes"]),
+            d["flat"][0],
+            d["flat"][1],
+        )
 
 
 def copy_overlap(dst: torch.Tensor, dst_piece: Piece, src: torch.Tensor, src_piece: Piece) -> int:
     """Copy into flat ``dst`` (elements of ``dst_piece``) those of flat ``src`` it shares
     with ``src_piece``; return how many elements were copied."""
     if dst_piece.shape != src_piece.shape:
-        raise ValueError(f"{dst_piece.name}: stored shape {src_piece.shape} differs from "
-                         f"the model's {dst_piece.shape}")
-    same_box = (dst_piece.box_offsets == src_piece.box_offsets
-                and dst_piece.box_sizes == src_piece.box_sizes)
+        raise ValueError(
+            f"{dst_piece.name}: stored shape {src_piece.shape} differs from "
+            f"the model's {dst_piece.shape}"
+        )
+    same_box = (
+        dst_piece.box_offsets == src_piece.box_offsets
+        and dst_piece.box_sizes == src_piece.box_sizes
+    )
     if same_box:
         start = max(dst_piece.flat_start, src_piece.flat_start)
         end = min(dst_piece.flat_end, src_piece.flat_end)
         if end <= start:
             return 0
-        dst[start - dst_piece.flat_start:end - dst_piece.flat_start].copy_(
-            src[start - src_piece.flat_start:end - src_piece.flat_start])
+        dst[start - dst_piece.flat_start : end - dst_piece.flat_start].copy_(
+            src[start - src_piece.flat_start : end - src_piece.flat_start]
+        )
         return end - start
     if dst_piece.is_whole_box and src_piece.is_whole_box:
         return _copy_box_overlap(dst, dst_piece, src, src_piece)
@@ -151,8 +174,10 @@ def _copy_box_overlap(dst, dst_piece: Piece, src, src_piece: Piece) -> int:
     src_view = src.view(src_piece.box_sizes)
     for dim in range(len(dst_piece.shape)):
         lo = max(dst_piece.box_offsets[dim], src_piece.box_offsets[dim])
-        hi = min(dst_piece.box_offsets[dim] + dst_piece.box_sizes[dim],
-                 src_piece.box_offsets[dim] + src_piece.box_sizes[dim])
+        hi = min(
+            dst_piece.box_offsets[dim] + dst_piece.box_sizes[dim],
+            src_piece.box_offsets[dim] + src_piece.box_sizes[dim],
+        )
         if hi <= lo:
             return 0
         dst_view = dst_view.narrow(dim, lo - dst_piece.box_offsets[dim], hi - lo)
@@ -174,8 +199,9 @@ def _copy_index_overlap(dst, dst_piece: Piece, src, src_piece: Piece) -> int:
     return int(hit.sum())
 
 
-def pieces_in_range(layout: list[tuple[Piece, int]], start: int, end: int
-                    ) -> list[tuple[Piece, int, int]]:
+def pieces_in_range(
+    layout: list[tuple[Piece, int]], start: int, end: int
+) -> list[tuple[Piece, int, int]]:
     """Which parts of which pieces a flat buffer's run ``[start, end)`` holds.
 
     ``layout``: ``(piece, offset)`` for each piece packed into the buffer (a ZeRO

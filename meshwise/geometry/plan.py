@@ -9,8 +9,14 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-TP_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "position_embedding",
-             "shard_norm")
+TP_STYLES = (
+    "colwise",
+    "rowwise",
+    "vocab_embedding",
+    "vocab_head",
+    "position_embedding",
+    "shard_norm",
+)
 CP_STYLES = ("positions", "ring_attention")
 
 
@@ -29,8 +35,9 @@ class ParallelPlan:
         for entries, styles in ((self.tp, TP_STYLES), (self.cp, CP_STYLES)):
             for pattern, style in entries:
                 if style not in styles:
-                    raise ValueError(f"plan: style {style!r} for {pattern!r}; valid: "
-                                     f"{', '.join(styles)}")
+                    raise ValueError(
+                        f"plan: style {style!r} for {pattern!r}; valid: {', '.join(styles)}"
+                    )
         names = [n for tie in self.ties for n in tie]
         if len(names) != len(set(names)):
             raise ValueError("plan: a parameter is listed in two ties")
@@ -65,7 +72,8 @@ def _match(entries: tuple[tuple[str, str], ...], module_path: str) -> tuple[str,
     for pattern, style in entries:
         pattern_parts = pattern.split(".")
         if len(parts) == len(pattern_parts) and all(
-                fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pattern_parts)):
+            fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pattern_parts)
+        ):
             return pattern, style
     return None
 

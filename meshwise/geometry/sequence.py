@@ -22,12 +22,18 @@ def zigzag_positions(local_len: int, cp_rank: int, cp_size: int, device=None) ->
     if cp_size == 1:
         return torch.arange(local_len, device=device)
     if local_len % 2:
-        raise ValueError(f"a context-parallel rank holds two equal chunks; {local_len} tokens "
-                         "do not split in two")
+        raise ValueError(
+            f"a context-parallel rank holds two equal chunks; {local_len} tokens "
+            "do not split in two"
+        )
     chunk = local_len // 2
     first, second = zigzag_chunks(cp_rank, cp_size)
-    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
-                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+    return torch.cat(
+        [
+            torch.arange(first * chunk, (first + 1) * chunk, device=device),
+            torch.arange(second * chunk, (second + 1) * chunk, device=device),
+        ]
+    )
 
 
 def zigzag_slice(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
@@ -39,8 +45,9 @@ def zigzag_slice(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch
         raise ValueError(f"{length} tokens do not split into 2 x cp = {2 * cp_size} chunks")
     chunk = length // (2 * cp_size)
     first, second = zigzag_chunks(cp_rank, cp_size)
-    return torch.cat([x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)],
-                     dim=dim)
+    return torch.cat(
+        [x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)], dim=dim
+    )
 
 
 def position_owner(position: int, seq_len: int, cp_size: int) -> tuple[int, int]:

@@ -12,31 +12,64 @@ from meshwise.models.llama import LlamaConfig, rope_type_of
 
 ARCHITECTURE = "LlamaForCausalLM"
 # model_type -> the architecture transformers builds for it
-ARCHITECTURES = {"llama": ARCHITECTURE, "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": ARCHITECTURE,
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # Mixture-of-experts keys of transformers' configs: a value > 0 means MoE blocks.
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # Our LlamaConfig field <- config.json key.
-SIZES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-         "n_kv_head": "num_key_value_heads", "d_model": "hidden_size",
-         "ffn_hidden_size": "intermediate_size", "block_size": "max_position_embeddings",
-         "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps"}
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings")
+SIZES = {
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_kv_head": "num_key_value_heads",
+    "d_model": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "block_size": "max_position_embeddings",
+    "vocab_size": "vocab_size",
+    "norm_eps": "rms_norm_eps",
+}
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 DEFAULT_ROPE_THETA = 10000.0  # what transformers assumes when config.json names none
 # The JSON type of every config.json key meshwise reads ("?": null allowed, as
 # transformers reads null there as "not given").
-KEY_TYPES = {**{key: "int" for key in SIZES.values()}, "rms_norm_eps": "number",
-             "num_key_value_heads": "int?", "head_dim": "int?", "rope_theta": "number",
-             "tie_word_embeddings": "bool", "attention_bias": "bool", "mlp_bias": "bool",
-             "hidden_act": "str", "model_type": "str", "architectures": "list?",
-             "rope_scaling": "object?", "rope_parameters": "object?", "sliding_window": "int?",
-             "use_sliding_window": "bool", **{key: "int?" for key in MOE_KEYS}}
-ROPE_KEY_TYPES = {"factor": "number", "low_freq_factor": "number",
-                  "high_freq_factor": "number", "original_max_position_embeddings": "int",
-                  "rope_type": "str", "type": "str", "rope_theta": "number"}
-_WANTED = {"int": "an integer", "number": "a number", "bool": "true or false",
-           "str": "a string", "list": "a list", "object": "an object"}
+KEY_TYPES = {
+    **{key: "int" for key in SIZES.values()},
+    "rms_norm_eps": "number",
+    "num_key_value_heads": "int?",
+    "head_dim": "int?",
+    "rope_theta": "number",
+    "tie_word_embeddings": "bool",
+    "attention_bias": "bool",
+    "mlp_bias": "bool",
+    "hidden_act": "str",
+    "model_type": "str",
+    "architectures": "list?",
+    "rope_scaling": "object?",
+    "rope_parameters": "object?",
+    "sliding_window": "int?",
+    "use_sliding_window": "bool",
+    **{key: "int?" for key in MOE_KEYS},
+}
+ROPE_KEY_TYPES = {
+    "factor": "number",
+    "low_freq_factor": "number",
+    "high_freq_factor": "number",
+    "original_max_position_embeddings": "int",
+    "rope_type": "str",
+    "type": "str",
+    "rope_theta": "number",
+}
+_WANTED = {
+    "int": "an integer",
+    "number": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "list": "a list",
+    "object": "an object",
+}
 
 
 def hf_name(name: str) -> str:
@@ -48,13 +81,17 @@ def read_config(directory: str | Path) -> dict:
     """``DIR/config.json`` as a dict; ValueError when missing or unreadable."""
     path = Path(directory) / "config.json"
     if not Path(directory).is_dir():
-        raise ValueError(f"--init-from {directory}: no such directory; expected a Hugging Face "
-                         "Llama directory (config.json + model.safetensors)")
+        raise ValueError(
+            f"--init-from {directory}: no such directory; expected a Hugging Face "
+            "Llama directory (config.json + model.safetensors)"
+        )
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"--init-from {directory}: no config.json there; expected a Hugging "
-                         "Face Llama directory (config.json + model.safetensors)") from None
+        raise ValueError(
+            f"--init-from {directory}: no config.json there; expected a Hugging "
+            "Face Llama directory (config.json + model.safetensors)"
+        ) from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"--init-from {path}: not a readable JSON file ({exc})") from None
 
@@ -73,8 +110,10 @@ def llama_sizes(config: dict, where: str) -> dict:
     architectures = config.get("architectures") or [expected or ""]
     if expected is None or expected not in architectures:
         valid = ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items())
-        raise ValueError(f"--init-from {where}: config.json describes model_type "
-                         f"{kind!r} ({', '.join(architectures)}); valid: {valid}")
+        raise ValueError(
+            f"--init-from {where}: config.json describes model_type "
+            f"{kind!r} ({', '.join(architectures)}); valid: {valid}"
+        )
     missing = [key for key in SIZES.values() if key not in config and key != "num_key_value_heads"]
     if missing:
         raise ValueError(f"--init-from {where}: config.json lacks {', '.join(missing)}")
@@ -84,12 +123,18 @@ def llama_sizes(config: dict, where: str) -> dict:
     _check_supported(config, sizes, where)
     sizes.update(_variant(config, sizes, where))
     rope = dict(config.get("rope_parameters") or {})
-    theta = (config["rope_theta"] if "rope_theta" in config
-             else rope.get("rope_theta", DEFAULT_ROPE_THETA))
+    theta = (
+        config["rope_theta"]
+        if "rope_theta" in config
+        else rope.get("rope_theta", DEFAULT_ROPE_THETA)
+    )
     scaling = config.get("rope_scaling") or rope
-    sizes.update(rope_theta=float(theta), norm_eps=float(sizes["norm_eps"]),
-                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                 rope_scaling=_rope_scaling(scaling, where))
+    sizes.update(
+        rope_theta=float(theta),
+        norm_eps=float(sizes["norm_eps"]),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_scaling=_rope_scaling(scaling, where),
+    )
     try:
         LlamaConfig(**sizes)
     except ValueError as exc:
@@ -108,13 +153,18 @@ def check_types(config: dict, types: dict[str, str], where: str) -> None:
         value, base = config[key], kind.rstrip("?")
         if value is None and kind.endswith("?"):
             continue
-        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-              "number": isinstance(value, (int, float)) and not isinstance(value, bool),
-              "bool": isinstance(value, bool), "str": isinstance(value, str),
-              "list": isinstance(value, list), "object": isinstance(value, dict)}[base]
+        ok = {
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "str": isinstance(value, str),
+            "list": isinstance(value, list),
+            "object": isinstance(value, dict),
+        }[base]
         if not ok:
-            raise ValueError(f"--init-from {where}: {key} = {json.dumps(value)} is not "
-                             f"{_WANTED[base]}")
+            raise ValueError(
+                f"--init-from {where}: {key} = {json.dumps(value)} is not {_WANTED[base]}"
+            )
 
 
 def _check_supported(config: dict, sizes: dict, where: str) -> None:
@@ -123,15 +173,23 @@ def _check_supported(config: dict, sizes: dict, where: str) -> None:
         (moe, f"MoE blocks ({moe[0]} {config.get(moe[0])})" if moe else "", "a dense model"),
         (config.get("attention_bias", False), "attention_bias true", "false"),
         (config.get("mlp_bias", False), "mlp_bias true", "false"),
-        (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r}",
-         "'silu'"),
-        (config.get("use_sliding_window", False), "use_sliding_window true (Qwen's "
-         "sliding-window layers)", "false"),
+        (
+            config.get("hidden_act", "silu") != "silu",
+            f"hidden_act {config.get('hidden_act')!r}",
+            "'silu'",
+        ),
+        (
+            config.get("use_sliding_window", False),
+            "use_sliding_window true (Qwen's sliding-window layers)",
+            "false",
+        ),
     ]
     for bad, what, valid in unsupported:
         if bad:
-            raise ValueError(f"--init-from {where}: config.json has {what}, which meshwise "
-                             f"does not compute; valid: {valid}")
+            raise ValueError(
+                f"--init-from {where}: config.json has {what}, which meshwise "
+                f"does not compute; valid: {valid}"
+            )
 
 
 def _variant(config: dict, sizes: dict, where: str) -> dict:
@@ -141,8 +199,13 @@ def _variant(config: dict, sizes: dict, where: str) -> dict:
     head_dim = config.get("head_dim") or sizes["d_model"] // sizes["n_head"]
     own_head = head_dim if head_dim * sizes["n_head"] != sizes["d_model"] else 0
     window = config.get("sliding_window") if kind == "mistral" else None
-    return {"qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3", "head_size": own_head,
-            "sliding_window": window or 0, "hf_type": kind}
+    return {
+        "qkv_bias": kind == "qwen2",
+        "qk_norm": kind == "qwen3",
+        "head_size": own_head,
+        "sliding_window": window or 0,
+        "hf_type": kind,
+    }
 
 
 def _rope_scaling(scaling: dict, where: str) -> dict | None:
@@ -151,8 +214,10 @@ def _rope_scaling(scaling: dict, where: str) -> dict | None:
     if kind == "default":
         return None
     if kind != "llama3":
-        raise ValueError(f"--init-from {where}: rope_scaling type {kind!r} is not supported; "
-                         "valid: llama3, or no rope_scaling")
+        raise ValueError(
+            f"--init-from {where}: rope_scaling type {kind!r} is not supported; "
+            "valid: llama3, or no rope_scaling"
+        )
     missing = [key for key in LLAMA3_KEYS if key not in scaling]
     if missing:
         raise ValueError(f"--init-from {where}: llama3 rope_scaling lacks {', '.join(missing)}")
@@ -161,12 +226,21 @@ def _rope_scaling(scaling: dict, where: str) -> dict | None:
 
 def hf_config(cfg: LlamaConfig) -> dict:
     """The ``config.json`` of ``cfg`` for its family's architecture (``LlamaForCausalLM``...)."""
-    config = {"architectures": [ARCHITECTURES[cfg.hf_type]], "model_type": cfg.hf_type,
-              **{theirs: getattr(cfg, ours) for ours, theirs in SIZES.items()},
-              "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False,
-              "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-              "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
-              "torch_dtype": "float32", "use_cache": True}
+    config = {
+        "architectures": [ARCHITECTURES[cfg.hf_type]],
+        "model_type": cfg.hf_type,
+        **{theirs: getattr(cfg, ours) for ours, theirs in SIZES.items()},
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
     if cfg.hf_type in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None)
     if cfg.hf_type == "mistral":
@@ -184,16 +258,27 @@ def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embed_tokens.weight": (cfg.vocab_size, d), "norm.weight": (d,)}
     for i in range(cfg.n_layer):
         layer, attn = f"layers.{i}.", f"layers.{i}.self_attn."
-        shapes.update({
-            layer + "input_layernorm.weight": (d,),
-            layer + "post_attention_layernorm.weight": (d,),
-            attn + "q_proj.weight": (q, d), attn + "k_proj.weight": (kv, d),
-            attn + "v_proj.weight": (kv, d), attn + "o_proj.weight": (d, q),
-            layer + "mlp.gate_proj.weight": (ffn, d), layer + "mlp.up_proj.weight": (ffn, d),
-            layer + "mlp.down_proj.weight": (d, ffn)})
+        shapes.update(
+            {
+                layer + "input_layernorm.weight": (d,),
+                layer + "post_attention_layernorm.weight": (d,),
+                attn + "q_proj.weight": (q, d),
+                attn + "k_proj.weight": (kv, d),
+                attn + "v_proj.weight": (kv, d),
+                attn + "o_proj.weight": (d, q),
+                layer + "mlp.gate_proj.weight": (ffn, d),
+                layer + "mlp.up_proj.weight": (ffn, d),
+                layer + "mlp.down_proj.weight": (d, ffn),
+            }
+        )
         if cfg.qkv_bias:
-            shapes.update({attn + "q_proj.bias": (q,), attn + "k_proj.bias": (kv,),
-                           attn + "v_proj.bias": (kv,)})
+            shapes.update(
+                {
+                    attn + "q_proj.bias": (q,),
+                    attn + "k_proj.bias": (kv,),
+                    attn + "v_proj.bias": (kv,),
+                }
+            )
         if cfg.qk_norm:
             shapes.update({attn + "q_norm.weight": (hd,), attn + "k_norm.weight": (hd,)})
     if not cfg.tie_embeddings:

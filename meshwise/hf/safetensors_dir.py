@@ -26,13 +26,13 @@ class SafetensorsDir:
             try:
                 self.weight_map: dict[str, str] | None = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError) as exc:
-                raise ValueError(f"--init-from {index}: not a readable index with a weight_map "
-                                 f"({exc})") from None
+                raise ValueError(
+                    f"--init-from {index}: not a readable index with a weight_map ({exc})"
+                ) from None
         elif single.is_file():
             self.weight_map = None  # every tensor in the one file; names from its header
         else:
-            raise ValueError(f"--init-from {self.directory}: neither {SINGLE} nor {INDEX} is "
-                             "there")
+            raise ValueError(f"--init-from {self.directory}: neither {SINGLE} nor {INDEX} is there")
         self._open: dict[str, object] = {}
 
     def _file(self, name: str) -> str:
@@ -48,21 +48,24 @@ class SafetensorsDir:
 
             path = self.directory / file
             if not path.is_file():
-                raise ValueError(f"--init-from {self.directory}: the shard {file} that {INDEX} "
-                                 "names is missing")
+                raise ValueError(
+                    f"--init-from {self.directory}: the shard {file} that {INDEX} names is missing"
+                )
             try:
                 self._open[file] = safe_open(str(path), framework="pt")
             except Exception as exc:  # safetensors raises its own error types
-                raise ValueError(f"--init-from {path}: not a readable safetensors file "
-                                 f"({exc})") from None
+                raise ValueError(
+                    f"--init-from {path}: not a readable safetensors file ({exc})"
+                ) from None
         return self._open[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The stored shape of ``name`` (from its file's header)."""
         handle = self._handle(self._file(name))
         if name not in handle.keys():
-            raise ValueError(f"--init-from {self.directory}: no tensor {name} in "
-                             f"{self._file(name)}")
+            raise ValueError(
+                f"--init-from {self.directory}: no tensor {name} in {self._file(name)}"
+            )
         return tuple(handle.get_slice(name).get_shape())
 
     def check(self, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] = ()) -> None:
@@ -73,8 +76,10 @@ class SafetensorsDir:
         for name, shape in expected.items():
             stored = self.shape(name)
             if stored != tuple(shape):
-                raise ValueError(f"--init-from {self.directory}: {name} is stored as "
-                                 f"{list(stored)} but config.json implies {list(shape)}")
+                raise ValueError(
+                    f"--init-from {self.directory}: {name} is stored as "
+                    f"{list(stored)} but config.json implies {list(shape)}"
+                )
         for name in optional:
             if self.has(name):
                 self.shape(name)
@@ -97,4 +102,4 @@ class SafetensorsDir:
         rest = tuple(slice(o, o + s) for o, s in zip(piece.box_offsets[1:], piece.box_sizes[1:]))
         block = self._handle(self._file(name)).get_slice(name)[(rows, *rest)]  # (rows, *box)
         start = piece.flat_start - first * inner
-        return block.reshape(-1)[start:start + piece.numel].float()
+        return block.reshape(-1)[start : start + piece.numel].float()

@@ -36,8 +36,9 @@ class Positions(nn.Module):
         """The ``positions`` style: the positions of this cp rank's chunks."""
         return cls(SequenceShard(cp_group.rank, cp_group.size))
 
-    def forward(self, start: int, length: int, device,
-                context: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self, start: int, length: int, device, context: ForwardContext | None = None
+    ) -> torch.Tensor:
         held = self.held(start, length, device)  # (T,) global positions
         documents = (context or WHOLE).documents
         return held if documents is None else documents.positions(held)  # (B, T)
@@ -47,8 +48,10 @@ class Positions(nn.Module):
         if self.tokens.cp_size == 1:
             return torch.arange(start, start + length, device=device)  # (T,)
         if start:
-            raise ValueError("a context-parallel forward holds chunks of whole sequences "
-                             "from position 0; decoding after a KV cache runs at cp 1")
+            raise ValueError(
+                "a context-parallel forward holds chunks of whole sequences "
+                "from position 0; decoding after a KV cache runs at cp 1"
+            )
         return self.tokens.local_positions(length, device)  # (T / cp,)
 
     def extra_repr(self) -> str:
@@ -69,9 +72,15 @@ class ScaledDotProductAttention(nn.Module):
         super().__init__()
         self.p, self.site = p, site
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool = True, window: int = 0,
-                context: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = True,
+        window: int = 0,
+        context: ForwardContext | None = None,
+    ) -> torch.Tensor:
         check_heads(q.shape[1], k.shape[1])
         context = context or WHOLE
         whole = causal and q.shape[2] == k.shape[2]
@@ -79,12 +88,14 @@ class ScaledDotProductAttention(nn.Module):
         keep = self._keep(q, k.shape[2], context) if self.training and self.p else None
         return attention(q, k, v, causal, window, documents, keep)  # (B, H, Tq, d)
 
-    def _with_dropout(self, q, k, v, causal: bool, mask=None,
-                      context: ForwardContext | None = None) -> torch.Tensor:
+    def _with_dropout(
+        self, q, k, v, causal: bool, mask=None, context: ForwardContext | None = None
+    ) -> torch.Tensor:
         """The weights formed explicitly, dropped per (sample, head), then applied.
         ``mask``: an additive (B, 1, Tq, Tk) mask in place of the causal one."""
-        return explicit_attention(q, k, v, causal, self._keep(q, k.shape[2], context or WHOLE),
-                                  mask)
+        return explicit_attention(
+            q, k, v, causal, self._keep(q, k.shape[2], context or WHOLE), mask
+        )
 
     def _keep(self, q: torch.Tensor, num_keys: int, context: ForwardContext):
         """The keep-mask of key columns ``start .. end`` (B, H, Tq, end - start), keyed
@@ -96,9 +107,16 @@ class ScaledDotProductAttention(nn.Module):
         def keep(start: int, end: int) -> torch.Tensor:
             rows = torch.arange(t_q, device=q.device)
             cols = torch.arange(start, end, device=q.device)
-            return keep_mask(context, self.site, torch.Size([B, H, t_q, end - start]), self.p,
-                             q.device, per_head=True,
-                             elements=attention_elements(rows, cols, num_keys))
+            return keep_mask(
+                context,
+                self.site,
+                torch.Size([B, H, t_q, end - start]),
+                self.p,
+                q.device,
+                per_head=True,
+                elements=attention_elements(rows, cols, num_keys),
+            )
+
         return keep
 
     def extra_repr(self) -> str:
@@ -108,6 +126,8 @@ class ScaledDotProductAttention(nn.Module):
 def check_heads(n_head: int, n_kv_head: int) -> None:
     """Each key/value head must serve a whole group of query heads."""
     if n_kv_head < 1 or n_head % n_kv_head:
-        raise ValueError(f"{n_head} query heads do not split into groups over {n_kv_head} "
-                         "key/value heads (grouped-query attention needs n_kv_head to "
-                         "divide n_head)")
+        raise ValueError(
+            f"{n_head} query heads do not split into groups over {n_kv_head} "
+            "key/value heads (grouped-query attention needs n_kv_head to "
+            "divide n_head)"
+        )

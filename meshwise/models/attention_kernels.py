@@ -28,8 +28,15 @@ KERNELS = ("sdpa", "sdpa_expanded", "sdpa_mask", "flex", "each_document", "expli
 # attention dropout (any mask)       tiled                        explicit
 # On CUDA no path forms a (T, T) score matrix; on the CPU the exact paths stay what the
 # parity tests hold them to.
-def choose_kernel(device_type: str, dtype: torch.dtype, grouped: bool, window: bool,
-                  documents: bool, dropout: bool, whole: bool) -> str:
+def choose_kernel(
+    device_type: str,
+    dtype: torch.dtype,
+    grouped: bool,
+    window: bool,
+    documents: bool,
+    dropout: bool,
+    whole: bool,
+) -> str:
     """The kernel of a call (the table above). ``window``: a window that hides some
     keys; ``whole``: causal queries over their own keys (no KV cache)."""
     cuda = device_type == "cuda"
@@ -44,9 +51,16 @@ def choose_kernel(device_type: str, dtype: torch.dtype, grouped: bool, window: b
     return "sdpa"
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              window: int = 0, documents: DocumentMask | None = None, keep=None,
-              kernel: str | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    window: int = 0,
+    documents: DocumentMask | None = None,
+    keep=None,
+    kernel: str | None = None,
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v: (B, H, Tq, d) from q (B, H, Tq, d) and k, v
     (B, G, Tk, d), G dividing H.
 
@@ -58,22 +72,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     t_q, t_k = q.shape[2], k.shape[2]
     whole = causal and t_q == t_k
     if causal and not whole:
-        raise ValueError(f"causal attention of {t_q} queries over {t_k} keys; valid: as "
-                         "many keys as queries, or causal=False after a KV cache")
+        raise ValueError(
+            f"causal attention of {t_q} queries over {t_k} keys; valid: as "
+            "many keys as queries, or causal=False after a KV cache"
+        )
     if documents is not None and not whole:
         raise ValueError("document masking runs over whole sequences, not after a KV cache")
     window = window if window and t_k > window else 0  # one covering every key hides none
     grouped = k.shape[1] != q.shape[1]
-    kernel = kernel or choose_kernel(q.device.type, q.dtype, grouped, bool(window),
-                                     documents is not None, keep is not None, whole)
+    kernel = kernel or choose_kernel(
+        q.device.type,
+        q.dtype,
+        grouped,
+        bool(window),
+        documents is not None,
+        keep is not None,
+        whole,
+    )
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel {kernel!r}; valid: {', '.join(KERNELS)}")
     return _RUN[kernel](q, k, v, causal, window, documents, keep)  # (B, H, Tq, d)
 
 
 def _sdpa(q, k, v, causal, window, documents, keep):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 def expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -89,8 +113,9 @@ def _sdpa_expanded(q, k, v, causal, window, documents, keep):
     # forms (B, H, T, T) scores: with the heads expanded the memory-efficient kernel
     # serves it, for (H - G) / G more key/value memory than grouped heads take.
     heads = q.shape[1]
-    return F.scaled_dot_product_attention(q, expand_heads(k, heads), expand_heads(v, heads),
-                                          is_causal=causal)
+    return F.scaled_dot_product_attention(
+        q, expand_heads(k, heads), expand_heads(v, heads), is_causal=causal
+    )
 
 
 def _seen(q, k, window, documents, start: int = 0, end: int | None = None):
@@ -98,7 +123,7 @@ def _seen(q, k, window, documents, start: int = 0, end: int | None = None):
     the queries being the last positions."""
     t_q, t_k = q.shape[2], k.shape[2]
     positions = torch.arange(t_k, device=q.device)
-    queries, keys = positions[t_k - t_q:], positions[start:end]
+    queries, keys = positions[t_k - t_q :], positions[start:end]
     if documents is None:
         return keys_seen(queries, keys, window)
     return documents.seen(queries, keys, window)
@@ -109,8 +134,9 @@ def _sdpa_mask(q, k, v, causal, window, documents, keep):
     # decoding after a KV cache, where Tq is the few new tokens.
     if not causal and not window:
         return _sdpa(q, k, v, causal, window, documents, keep)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_seen(q, k, window, documents),
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=_seen(q, k, window, documents), enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 @functools.cache
@@ -135,8 +161,9 @@ def _flex(q, k, v, causal, window, documents, keep):
     return run(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        lengths: list[list[int]], window: int = 0) -> torch.Tensor:
+def documents_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[list[int]], window: int = 0
+) -> torch.Tensor:
     """Causal attention inside each document, each on its own (what flash attention's varlen
     kernels do in one launch): no work across documents, no (T, T) mask. ``lengths``: each
     row's document lengths (host integers, summing to T); q (B, H, T, d), k, v (B, G, T, d);
@@ -146,8 +173,15 @@ def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows = []
     for b, row in enumerate(lengths):
         parts = zip(q[b].split(row, dim=1), k[b].split(row, dim=1), v[b].split(row, dim=1))
-        rows.append(torch.cat([_one_document(qd[None], kd[None], vd[None], window, grouped)[0]
-                               for qd, kd, vd in parts], dim=1))  # (H, T, d)
+        rows.append(
+            torch.cat(
+                [
+                    _one_document(qd[None], kd[None], vd[None], window, grouped)[0]
+                    for qd, kd, vd in parts
+                ],
+                dim=1,
+            )
+        )  # (H, T, d)
     return torch.stack(rows)  # (B, H, T, d)
 
 
@@ -156,9 +190,9 @@ def _one_document(q, k, v, window: int, grouped: bool) -> torch.Tensor:
     if not window or length <= window:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
     positions = torch.arange(length, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keys_seen(positions, positions,
-                                                                       window),
-                                          enable_gqa=grouped)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=keys_seen(positions, positions, window), enable_gqa=grouped
+    )
 
 
 def _each_document(q, k, v, causal, window, documents, keep):
@@ -198,12 +232,21 @@ def _explicit(q, k, v, causal, window, documents, keep):
 def _tiled(q, k, v, causal, window, documents, keep):
     allowed = None
     if window or documents is not None:
+
         def allowed(start: int, end: int) -> torch.Tensor:
             return _seen(q, k, window, documents, start, end)
-    return tiled.tiled_attention(q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]), keep, allowed,
-                                 tiled.KV_TILE)
+
+    return tiled.tiled_attention(
+        q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]), keep, allowed, tiled.KV_TILE
+    )
 
 
-_RUN = {"sdpa": _sdpa, "sdpa_expanded": _sdpa_expanded, "sdpa_mask": _sdpa_mask,
-        "flex": _flex, "each_document": _each_document, "explicit": _explicit,
-        "tiled": _tiled}
+_RUN = {
+    "sdpa": _sdpa,
+    "sdpa_expanded": _sdpa_expanded,
+    "sdpa_mask": _sdpa_mask,
+    "flex": _flex,
+    "each_document": _each_document,
+    "explicit": _explicit,
+    "tiled": _tiled,
+}

@@ -27,8 +27,12 @@ def window_mask(num_queries: int, num_keys: int, window: int, device):
     return keys_seen(positions[first:], positions, window)[0, 0]
 
 
-def keys_seen(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int = 0,
-              documents: Documents[torch.Tensor] | None = None) -> torch.Tensor:
+def keys_seen(
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    window: int = 0,
+    documents: Documents[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """(B or 1, 1, Lq, Lk) bool: the keys at ``k_positions`` (Lk,) that the queries at
     ``q_positions`` (Lq,) see: at or before them, inside ``window`` (0: no window)
     and, with ``documents``, in their own document."""
@@ -43,6 +47,7 @@ def keys_seen(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int 
 def mask_mod(window: int = 0, ids: torch.Tensor | None = None):
     """The same rule as ``keys_seen`` for ``flex_attention``, one (query, key) pair at a time.
     ``ids``: (B, T) document ids, or None."""
+
     def seen(b, h, q, k):
         allowed = k <= q
         if window:
@@ -50,11 +55,17 @@ def mask_mod(window: int = 0, ids: torch.Tensor | None = None):
         if ids is not None:
             allowed = allowed & (ids[b, q] == ids[b, k])
         return allowed
+
     return seen
 
 
-def block_mask(length: int, window: int = 0, ids: torch.Tensor | None = None,
-               block_size: int = BLOCK_SIZE, device=None):
+def block_mask(
+    length: int,
+    window: int = 0,
+    ids: torch.Tensor | None = None,
+    block_size: int = BLOCK_SIZE,
+    device=None,
+):
     """The ``BlockMask`` of causal attention over ``length`` tokens with a ``window``
     (0: none) and, with ``ids`` ((B, T) document ids, never decreasing along a
     row), inside each document; without ids its batch dim broadcasts."""
@@ -79,11 +90,17 @@ def block_mask(length: int, window: int = 0, ids: torch.Tensor | None = None,
         # the causal mask and the window this is exact: a shared document's closest
         # pair is the query block's first token and the key block's last.
         some = some & (low[:, :, None] <= high[:, None, :]) & (low[:, None, :] <= high[:, :, None])
-        every = (every & (low[:, :, None] == high[:, None, :])
-                 & (high[:, :, None] == low[:, None, :]))
+        every = (
+            every & (low[:, :, None] == high[:, None, :]) & (high[:, :, None] == low[:, None, :])
+        )
     partial = some & ~every
-    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(every), BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod(window, ids), seq_lengths=(length, length))
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial),
+        *_ordered(every),
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod(window, ids),
+        seq_lengths=(length, length),
+    )
 
 
 def _id_range(ids: torch.Tensor, num_blocks: int, block_size: int):
@@ -105,8 +122,7 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=16)
-def window_block_mask(length: int, window: int, device: torch.device,
-                      block_size: int = BLOCK_SIZE):
+def window_block_mask(length: int, window: int, device: torch.device, block_size: int = BLOCK_SIZE):
     """``block_mask`` of a sliding window alone, made once per shape and device."""
     return block_mask(length, window, None, block_size, device)
 
@@ -120,14 +136,17 @@ class DocumentMask:
     every layer and by the recompute under activation checkpointing.
     """
 
-    def __init__(self, documents: Documents[torch.Tensor],
-                 lengths: list[list[int]] | None = None, host_ids=None):
+    def __init__(
+        self,
+        documents: Documents[torch.Tensor],
+        lengths: list[list[int]] | None = None,
+        host_ids=None,
+    ):
         self.documents, self.lengths, self.host_ids = documents, lengths, host_ids
         self._made: dict = {}
 
     @classmethod
-    def of(cls, host: Documents[np.ndarray], on_device: Documents[torch.Tensor]
-           ) -> DocumentMask:
+    def of(cls, host: Documents[np.ndarray], on_device: Documents[torch.Tensor]) -> DocumentMask:
         """The same documents as host arrays and on the device (rows of a copy made once
         per step): the lengths and ids a host decision reads come from the first."""
         return cls(on_device, document_lengths(host.ids), host.ids)
@@ -143,15 +162,19 @@ class DocumentMask:
 
     def additive(self, length: int, window: int, dtype: torch.dtype) -> torch.Tensor:
         """(B, 1, T, T) additive mask of whole sequences (the explicit weights' form)."""
+
         def make():
             positions = torch.arange(length, device=self.documents.ids.device)
             return additive_mask(self.seen(positions, positions, window), dtype)
+
         return self._once(("additive", length, window, dtype), make)
 
     def block_mask(self, length: int, window: int = 0, block_size: int = BLOCK_SIZE):
         """``block_mask`` of these documents (and a window)."""
-        return self._once(("block", length, window, block_size),
-                          lambda: block_mask(length, window, self.documents.ids, block_size))
+        return self._once(
+            ("block", length, window, block_size),
+            lambda: block_mask(length, window, self.documents.ids, block_size),
+        )
 
     def _once(self, key, make):
         if key not in self._made:
@@ -161,5 +184,7 @@ class DocumentMask:
 
 def document_lengths(ids) -> list[list[int]]:
     """Each row's document lengths, in order, from (B, T) ids on the host (numpy)."""
-    return [np.diff(np.append(np.flatnonzero(np.diff(row, prepend=-1)), len(row))).tolist()
-            for row in ids]
+    return [
+        np.diff(np.append(np.flatnonzero(np.diff(row, prepend=-1)), len(row))).tolist()
+        for row in ids
+    ]

@@ -38,5 +38,4 @@ def takes_context(module) -> bool:
     """Whether ``module``'s forward takes ``context=`` (meshwise's families do; a model of
     one's own may not, and is then called with its inputs alone)."""
     parameters = inspect.signature(module.forward).parameters.values()
-    return any(p.name == "context" or p.kind is inspect.Parameter.VAR_KEYWORD
-               for p in parameters)
+    return any(p.name == "context" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

@@ -34,8 +34,15 @@ def _splitmix(z: torch.Tensor) -> torch.Tensor:
     return z.bitwise_xor_(_shift_right(z, 31))
 
 
-def keep_mask(context: ForwardContext, site: str, shape: torch.Size, p: float, device,
-              per_head: bool = False, elements: torch.Tensor | None = None) -> torch.Tensor:
+def keep_mask(
+    context: ForwardContext,
+    site: str,
+    shape: torch.Size,
+    p: float,
+    device,
+    per_head: bool = False,
+    elements: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Keep-mask, scaled by 1/(1-p), of ``context``'s samples at ``site``, shape (B, ...); with
     ``per_head`` dim 1 holds this rank's attention heads.
 
@@ -49,8 +56,9 @@ def keep_mask(context: ForwardContext, site: str, shape: torch.Size, p: float, d
     key = _splitmix(_splitmix(samples) ^ base)  # (B,)
     lead = 1
     if per_head:  # local head i is global head tp_rank * local_heads + i
-        heads = torch.arange(context.tp_rank * shape[1], (context.tp_rank + 1) * shape[1],
-                             device=device)
+        heads = torch.arange(
+            context.tp_rank * shape[1], (context.tp_rank + 1) * shape[1], device=device
+        )
         key = _splitmix(key[:, None] ^ _splitmix(heads)[None, :])  # (B, H)
         lead = 2
     if elements is None and per_head:
@@ -72,8 +80,9 @@ def stream_elements(tokens: SequenceShard, shape: torch.Size, device) -> torch.T
     return (rows[:, None] * inner + torch.arange(inner, device=device)).view(shape[1:])
 
 
-def attention_elements(q_positions: torch.Tensor, k_positions: torch.Tensor,
-                       seq_len: int) -> torch.Tensor:
+def attention_elements(
+    q_positions: torch.Tensor, k_positions: torch.Tensor, seq_len: int
+) -> torch.Tensor:
     """Indices of attention weights (query, key) in their sample and head: the place of
     ``(q, k)`` in the (T, T) matrix one process forms (Tq, Tk)."""
     return q_positions[:, None] * seq_len + k_positions[None, :]

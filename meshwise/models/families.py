@@ -26,26 +26,37 @@ class ModelFamily:
     build: Callable[[Any], nn.Module]  # config -> the plain model
     plan: Callable[[Any], ParallelPlan]
     init: Callable[[Any, str], Init] | None  # (config, logical name) -> Init; None: the
-    check_tp: Callable[[Any, int], None]     # modules' own (meshwise.apply.module_init)
+    check_tp: Callable[[Any, int], None]  # modules' own (meshwise.apply.module_init)
 
     @classmethod
-    def own(cls, factory: Callable[[], nn.Module], plan: ParallelPlan,
-            init_of: Callable[[str], Init] | None = None) -> "ModelFamily":
+    def own(
+        cls,
+        factory: Callable[[], nn.Module],
+        plan: ParallelPlan,
+        init_of: Callable[[str], Init] | None = None,
+    ) -> "ModelFamily":
         """A model of one's own: ``factory()`` builds it (the trainer calls it on the meta
         device), ``plan`` lays it out, ``init_of(name)`` draws its initial values
         (``None``: each module's own initialisation). Its checks are ``parallelize``'s."""
-        return cls("own", type(None), lambda cfg: factory(), lambda cfg: plan,
-                   None if init_of is None else (lambda cfg, name: init_of(name)),
-                   lambda cfg, tp: None)
+        return cls(
+            "own",
+            type(None),
+            lambda cfg: factory(),
+            lambda cfg: plan,
+            None if init_of is None else (lambda cfg, name: init_of(name)),
+            lambda cfg, tp: None,
+        )
 
     def create(self, cfg, seed: int = 0) -> nn.Module:
         """The whole model on one process, holding the layout-independent initial
         values of ``seed`` (what every layout starts from; a reference)."""
         init = self.init
         if init is None:
-            raise ValueError(f"model family {self.name!r} has no init: create() draws each "
-                             "parameter's values from it; valid: ModelFamily.own(factory, "
-                             "plan, init_of)")
+            raise ValueError(
+                f"model family {self.name!r} has no init: create() draws each "
+                "parameter's values from it; valid: ModelFamily.own(factory, "
+                "plan, init_of)"
+            )
         model = self.build(cfg)
         init_module(model, lambda name: init(cfg, name), seed, self.plan(cfg).logical_name)
         return model

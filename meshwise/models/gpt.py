@@ -42,8 +42,12 @@ class CausalSelfAttention(nn.Module):
         self.sdpa = ScaledDotProductAttention(cfg.dropout, f"{site}.weights")
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
-                context: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerCache | None = None,
+        context: ForwardContext | None = None,
+    ) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, 3 C): T of the output (more than x's under --sp)
         B, T = qkv.shape[:2]
         qkv = qkv.view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd)
@@ -81,8 +85,12 @@ class Block(nn.Module):
         self.drop_attn = KeyedDropout(cfg.dropout, f"{site}.attn.out")
         self.drop_mlp = KeyedDropout(cfg.dropout, f"{site}.mlp.out")
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
-                context: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerCache | None = None,
+        context: ForwardContext | None = None,
+    ) -> torch.Tensor:
         x = x + self.drop_attn(self.attn(self.ln1(x), cache, context), context)
         return x + self.drop_mlp(self.mlp(self.ln2(x)), context)
 
@@ -107,8 +115,12 @@ class GPT(nn.Module):
         init_module(self, lambda name: gpt_init(self.cfg, name), seed)
         return self
 
-    def forward(self, x: torch.Tensor, cache: list[LayerCache] | None = None,
-                context: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: list[LayerCache] | None = None,
+        context: ForwardContext | None = None,
+    ) -> torch.Tensor:
         """``x``: token ids (B, T) where the embedding is held, else hidden states
         (B, T, C). Returns logits (B, T, V) where the head is held, else hidden
         states. ``cache``: one ``LayerCache`` per layer (generation); ``context``:
@@ -136,10 +148,15 @@ def gpt_plan(cfg: GPTConfig) -> ParallelPlan:
         layers="blocks",
         first_stage=("wte", "wpe", "drop_embed"),
         last_stage=("ln_f", "lm_head"),
-        tp=(("wte", "vocab_embedding"), ("wpe", "position_embedding"),
+        tp=(
+            ("wte", "vocab_embedding"),
+            ("wpe", "position_embedding"),
             ("blocks.*.attn.qkv", "colwise"),
-            ("blocks.*.attn.proj", "rowwise"), ("blocks.*.mlp.fc", "colwise"),
-            ("blocks.*.mlp.proj", "rowwise"), ("lm_head", "vocab_head")),
+            ("blocks.*.attn.proj", "rowwise"),
+            ("blocks.*.mlp.fc", "colwise"),
+            ("blocks.*.mlp.proj", "rowwise"),
+            ("lm_head", "vocab_head"),
+        ),
         cp=(("positions", "positions"), ("blocks.*.attn.sdpa", "ring_attention")),
         ties=(("wte.weight", "lm_head.weight"),),
     )
@@ -160,5 +177,7 @@ def gpt_init(cfg: GPTConfig, name: str) -> Init:
 def check_gpt_tp(cfg: GPTConfig, tp: int) -> None:
     """Tensor parallelism splits whole attention heads."""
     if cfg.n_head % tp:
-        raise ValueError(f"--n-head {cfg.n_head} is not divisible by --tp {tp}: tensor "
-                         "parallelism splits whole attention heads")
+        raise ValueError(
+            f"--n-head {cfg.n_head} is not divisible by --tp {tp}: tensor "
+            "parallelism splits whole attention heads"
+        )

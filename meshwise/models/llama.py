@@ -47,20 +47,25 @@ class LlamaConfig:
 
     def __post_init__(self):
         if not self.head_size and self.d_model % self.n_head:
-            raise ValueError(f"--d-model {self.d_model} is not divisible by --n-head "
-                             f"{self.n_head}")
+            raise ValueError(f"--d-model {self.d_model} is not divisible by --n-head {self.n_head}")
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
             valid = [k for k in range(1, self.n_head + 1) if self.n_head % k == 0]
-            raise ValueError(f"--n-kv-head {self.n_kv_head} does not divide --n-head "
-                             f"{self.n_head} (each key/value head serves a whole group of "
-                             f"query heads); valid: {', '.join(map(str, valid))}")
+            raise ValueError(
+                f"--n-kv-head {self.n_kv_head} does not divide --n-head "
+                f"{self.n_head} (each key/value head serves a whole group of "
+                f"query heads); valid: {', '.join(map(str, valid))}"
+            )
         if self.dropout:
-            raise ValueError(f"--dropout {self.dropout}: the llama family trains without "
-                             "dropout, as Llama does; valid: 0")
+            raise ValueError(
+                f"--dropout {self.dropout}: the llama family trains without "
+                "dropout, as Llama does; valid: 0"
+            )
         rope_type = rope_type_of(self.rope_scaling)
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; valid: "
-                             f"{', '.join(ROPE_TYPES)} (or no rope_scaling)")
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported; valid: "
+                f"{', '.join(ROPE_TYPES)} (or no rope_scaling)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -167,8 +172,13 @@ class Attention(nn.Module):
         self.sdpa = ScaledDotProductAttention()
         self.o_proj = nn.Linear(q, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None,
-                context: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope,
+        cache: LayerCache | None = None,
+        context: ForwardContext | None = None,
+    ) -> torch.Tensor:
         """``rope(length, device, dtype)``: cos and sin at the positions of the
         ``length`` tokens whose queries this forward holds; ``context``: the forward's
         (its documents)."""
@@ -243,8 +253,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None,
-                context: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope,
+        cache: LayerCache | None = None,
+        context: ForwardContext | None = None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, context)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -266,12 +281,17 @@ class Llama(nn.Module):
 
     def init_weights(self, seed: int = 0) -> "Llama":
         """Hugging Face's initial values (``llama_init``), drawn as every layout draws them."""
-        init_module(self, lambda name: llama_init(self.cfg, name), seed,
-                    llama_plan(self.cfg).logical_name)
+        init_module(
+            self, lambda name: llama_init(self.cfg, name), seed, llama_plan(self.cfg).logical_name
+        )
         return self
 
-    def forward(self, x: torch.Tensor, cache: list[LayerCache] | None = None,
-                context: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: list[LayerCache] | None = None,
+        context: ForwardContext | None = None,
+    ) -> torch.Tensor:
         """``x``: token ids (B, T) where the embedding is held, else hidden states
         (B, T, C). Returns logits (B, T, V) where the head is held, else hidden
         states. ``cache``: one ``LayerCache`` per layer (generation); ``context``:
@@ -306,13 +326,25 @@ def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
         layers="layers",
         first_stage=("embed_tokens",),
         last_stage=("norm", "lm_head"),
-        tp=(("embed_tokens", "vocab_embedding"),
-            ("layers.*.self_attn.q_proj", "colwise"), ("layers.*.self_attn.k_proj", "colwise"),
-            ("layers.*.self_attn.v_proj", "colwise"), ("layers.*.self_attn.o_proj", "rowwise"),
-            ("layers.*.mlp.gate_proj", "colwise"), ("layers.*.mlp.up_proj", "colwise"),
-            ("layers.*.mlp.down_proj", "rowwise"), ("lm_head", "vocab_head"),
-            *((("layers.*.self_attn.q_norm", "shard_norm"),
-               ("layers.*.self_attn.k_norm", "shard_norm")) if cfg.qk_norm else ())),
+        tp=(
+            ("embed_tokens", "vocab_embedding"),
+            ("layers.*.self_attn.q_proj", "colwise"),
+            ("layers.*.self_attn.k_proj", "colwise"),
+            ("layers.*.self_attn.v_proj", "colwise"),
+            ("layers.*.self_attn.o_proj", "rowwise"),
+            ("layers.*.mlp.gate_proj", "colwise"),
+            ("layers.*.mlp.up_proj", "colwise"),
+            ("layers.*.mlp.down_proj", "rowwise"),
+            ("lm_head", "vocab_head"),
+            *(
+                (
+                    ("layers.*.self_attn.q_norm", "shard_norm"),
+                    ("layers.*.self_attn.k_norm", "shard_norm"),
+                )
+                if cfg.qk_norm
+                else ()
+            ),
+        ),
         cp=(("positions", "positions"), ("layers.*.self_attn.sdpa", "ring_attention")),
         ties=(("embed_tokens.weight", "lm_head.weight"),) if cfg.tie_embeddings else (),
     )
@@ -330,8 +362,11 @@ def llama_init(cfg: LlamaConfig, name: str) -> Init:
 
 def valid_llama_tp(cfg: LlamaConfig) -> list[int]:
     """Tensor-parallel degrees that split whole query and key/value heads and the MLP."""
-    return [t for t in range(1, cfg.n_kv_head + 1)
-            if cfg.n_kv_head % t == 0 and cfg.n_head % t == 0 and cfg.ffn_hidden_size % t == 0]
+    return [
+        t
+        for t in range(1, cfg.n_kv_head + 1)
+        if cfg.n_kv_head % t == 0 and cfg.n_head % t == 0 and cfg.ffn_hidden_size % t == 0
+    ]
 
 
 def check_llama_tp(cfg: LlamaConfig, tp: int) -> None:
@@ -342,6 +377,8 @@ def check_llama_tp(cfg: LlamaConfig, tp: int) -> None:
     if tp in valid_llama_tp(cfg):
         return
     valid = ", ".join(map(str, valid_llama_tp(cfg)))
-    raise ValueError(f"--tp {tp} cannot split the model's {cfg.n_kv_head} key/value heads, "
-                     f"{cfg.n_head} query heads and MLP width {cfg.ffn_hidden_size}: each tp "
-                     f"rank must hold whole key/value heads; valid: --tp {valid}")
+    raise ValueError(
+        f"--tp {tp} cannot split the model's {cfg.n_kv_head} key/value heads, "
+        f"{cfg.n_head} query heads and MLP width {cfg.ffn_hidden_size}: each tp "
+        f"rank must hold whole key/value heads; valid: --tp {valid}"
+    )

@@ -35,8 +35,9 @@ def _scores(qg, k_tile, start: int, causal: bool, scale: float, allowed=None) ->
     return s
 
 
-def tiled_forward(q, k, v, causal: bool, scale: float, keep=None, allowed=None,
-                  tile: int = KV_TILE):
+def tiled_forward(
+    q, k, v, causal: bool, scale: float, keep=None, allowed=None, tile: int = KV_TILE
+):
     """``(out, lse)``: out (B, H, Lq, d) in q's dtype, lse (B, H, Lq) accumulated.
 
     q (B, H, Lq, d); k, v (B, G, Lk, d), G dividing H (never repeated). ``causal`` masks key
@@ -46,19 +47,19 @@ def tiled_forward(q, k, v, causal: bool, scale: float, keep=None, allowed=None,
     """
     acc = accumulation_dtype(q.dtype)
     groups = k.shape[1]
-    qg = _grouped(q.to(acc), groups)                      # (B, G, R, Lq, d)
+    qg = _grouped(q.to(acc), groups)  # (B, G, R, Lq, d)
     out = torch.zeros_like(qg)
     lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     for start in range(0, k.shape[2], tile):
         end = min(start + tile, k.shape[2])
         s = _scores(qg, k[:, :, start:end].to(acc), start, causal, scale, allowed)
-        m = s.amax(-1)                                    # (B, G, R, Lq)
+        m = s.amax(-1)  # (B, G, R, Lq)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with no key here
         p = torch.exp(s - m.unsqueeze(-1))
-        tile_lse = m + torch.log(p.sum(-1))               # -inf where no key is seen
+        tile_lse = m + torch.log(p.sum(-1))  # -inf where no key is seen
         if keep is not None:
             p = p * _grouped(keep(start, end), groups).to(acc)
-        o = p @ v[:, :, start:end].to(acc).unsqueeze(2)   # unnormalised, relative to m
+        o = p @ v[:, :, start:end].to(acc).unsqueeze(2)  # unnormalised, relative to m
         merge(out, lse, o, m, tile_lse)
     B, H, Lq, d = q.shape
     return out.reshape(B, H, Lq, d).to(q.dtype), lse.reshape(B, H, Lq)
@@ -78,15 +79,26 @@ def merge(out, lse, o, o_scale, o_lse) -> None:
     lse.copy_(new)
 
 
-def tiled_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None,
-                   allowed=None, tile: int = KV_TILE):
+def tiled_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal: bool,
+    scale: float,
+    keep=None,
+    allowed=None,
+    tile: int = KV_TILE,
+):
     """``(dq, dk, dv)`` in the accumulation dtype, given the final ``out`` and ``lse``."""
     # Per tile, from the final out and lse: P = exp(S - lse), dS = P (dP - rowsum(dout * out)).
     acc = accumulation_dtype(q.dtype)
     groups = k.shape[1]
-    qg = _grouped(q.to(acc), groups)                      # (B, G, R, Lq, d)
+    qg = _grouped(q.to(acc), groups)  # (B, G, R, Lq, d)
     dog = _grouped(dout.to(acc), groups)
-    lse_g = _grouped(lse.to(acc).unsqueeze(-1), groups)   # (B, G, R, Lq, 1)
+    lse_g = _grouped(lse.to(acc).unsqueeze(-1), groups)  # (B, G, R, Lq, 1)
     rowdot = (dog * _grouped(out.to(acc), groups)).sum(-1, keepdim=True)  # rowsum(dO * O)
     dq = torch.zeros_like(qg)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -124,8 +136,9 @@ class _TiledAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def tiled_attention(q, k, v, causal: bool, scale: float, keep=None, allowed=None,
-                    tile: int = KV_TILE) -> torch.Tensor:
+def tiled_attention(
+    q, k, v, causal: bool, scale: float, keep=None, allowed=None, tile: int = KV_TILE
+) -> torch.Tensor:
     """Attention of whole rows, differentiable, holding (B, H, Lq, tile) scores at a
     time in the forward and in the backward. ``keep`` is called again in the
     backward (the masks are keyed: drawing them again gives the same ones)."""

@@ -2,6 +2,7 @@
 2024, section 2) and messages, per-rank lists, and the ``loop`` (Narayanan et al. 2021)
 and ``v`` stage maps. See docs/pipelines.md "The schedule's contract".
 """
+
 from __future__ import annotations
 
 import itertools
@@ -13,8 +14,12 @@ from typing import Optional, Union
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 STAGE_MAPS = ("loop", "v")
-_SHORT = {"SEND_F": ("SF", ">"), "RECV_F": ("RF", "<"),
-          "SEND_B": ("SB", ">"), "RECV_B": ("RB", "<")}
+_SHORT = {
+    "SEND_F": ("SF", ">"),
+    "RECV_F": ("RF", "<"),
+    "SEND_B": ("SB", ">"),
+    "RECV_B": ("RB", "<"),
+}
 _ACTION_RE = re.compile(r"^(F|B|W|SF|RF|SB|RB)(\d+)(?:\.(\d+))?(?:([<>])(\d+))?$")
 
 
@@ -59,8 +64,13 @@ def parse_action(text: str, show_chunk: bool = False) -> Action:
     kind = {"SF": "SEND_F", "RF": "RECV_F", "SB": "SEND_B", "RB": "RECV_B"}.get(short, short)
     if (kind in COMM_KINDS) != (peer is not None) or (peer and arrow != _SHORT[kind][1]):
         raise ValueError(f"bad peer in action string {text!r}: sends use '>rank', receives '<rank'")
-    return Action(kind, int(mb), int(chunk or 0), None if peer is None else int(peer),
-                  show_chunk=show_chunk or chunk is not None)
+    return Action(
+        kind,
+        int(mb),
+        int(chunk or 0),
+        None if peer is None else int(peer),
+        show_chunk=show_chunk or chunk is not None,
+    )
 
 
 def stage_index(rank: int, chunk: int, num_stages: int, stage_map: str = "loop") -> int:
@@ -107,8 +117,12 @@ class Schedule:
 
     @cached_property
     def _split(self) -> frozenset:
-        return frozenset((r, a.micro_batch, a.chunk) for r, actions in enumerate(self.ranks)
-                         for a in actions if a.kind == "W")
+        return frozenset(
+            (r, a.micro_batch, a.chunk)
+            for r, actions in enumerate(self.ranks)
+            for a in actions
+            if a.kind == "W"
+        )
 
     def splits_backward(self, rank: int, micro_batch: int, chunk: int) -> bool:
         """Whether that B computes only the input gradient (a W does the weights)."""

@@ -35,8 +35,7 @@ class Mailbox:
     def _tag(self, backward: bool, receiver_stage: int, micro_batch: int) -> int:
         """The same number on both ends of a message, unique within the step."""
         num_mb = self.schedule.num_micro_batches
-        return ((int(backward) * self.schedule.num_logical) + receiver_stage) * num_mb + \
-            micro_batch
+        return ((int(backward) * self.schedule.num_logical) + receiver_stage) * num_mb + micro_batch
 
     def post(self, batch: tuple[Action, ...], outputs: dict) -> None:
         """Post one batch; ``outputs``: the runtime's chunk outputs by (chunk, mb), sent by
@@ -49,12 +48,27 @@ class Mailbox:
             assert peer is not None, f"{a}: a message names its peer"
             stage = self.schedule.stage_of(self.rank, a.chunk)
             if a.kind == "SEND_F":
-                sends.append(Outgoing(outputs[key].detach(), peer,
-                                      self._tag(False, stage + 1, mb), stage, stage + 1))
+                sends.append(
+                    Outgoing(
+                        outputs[key].detach(),
+                        peer,
+                        self._tag(False, stage + 1, mb),
+                        stage,
+                        stage + 1,
+                    )
+                )
                 sent_keys.append((outputs, key))
             elif a.kind == "SEND_B":
-                sends.append(Outgoing(self.to_send.pop(key), peer,
-                                      self._tag(True, stage - 1, mb), stage, stage - 1, True))
+                sends.append(
+                    Outgoing(
+                        self.to_send.pop(key),
+                        peer,
+                        self._tag(True, stage - 1, mb),
+                        stage,
+                        stage - 1,
+                        True,
+                    )
+                )
                 sent_keys.append(None)
             else:
                 backward = a.kind == "RECV_B"
@@ -77,8 +91,9 @@ class Mailbox:
         later: list[InFlight] = []
         for i, a in enumerate(batch):
             if a.kind in ("SEND_F", "SEND_B"):
-                answered = any(b.kind in ("RECV_F", "RECV_B") and b.peer == a.peer
-                               for b in batch[i + 1:])
+                answered = any(
+                    b.kind in ("RECV_F", "RECV_B") and b.peer == a.peer for b in batch[i + 1 :]
+                )
                 (now if answered else later).append(next(sent))
         self._in_flight += now
         self.finish_sends()

@@ -54,9 +54,13 @@ class Channels:
         self._meta_tag_base = meta_tag_base
         self.headers_sent = self.headers_received = 0
 
-    def exchange(self, sends: list[Outgoing], recvs: list[Incoming], device: torch.device,
-                 recv_handles: list | None = None
-                 ) -> tuple[list[torch.Tensor], list[list[ops.Handle]]]:
+    def exchange(
+        self,
+        sends: list[Outgoing],
+        recvs: list[Incoming],
+        device: torch.device,
+        recv_handles: list | None = None,
+    ) -> tuple[list[torch.Tensor], list[list[ops.Handle]]]:
         """Post one batch; return the received tensors (in ``recvs`` order) once they
         have all arrived, and per send the handles still in flight (its header's and its
         own; none where the backend completed the batch as a whole). With
@@ -75,7 +79,7 @@ class Channels:
             # One phase: every receive whose header is known, up to the first one whose
             # header has to arrive first (its tensor goes in the next phase).
             posts, header = [], None
-            for r in recvs[len(received):]:
+            for r in recvs[len(received) :]:
                 meta = self._known(r)
                 if meta is None:
                     header = empty_message(device)
@@ -83,9 +87,14 @@ class Channels:
                     break
                 posts.append((meta.empty(device), r.peer, r.tag))
             lazy = recv_handles is not None and header is None
-            handles += ops.batch_p2p(outgoing if first else [], posts, self.group,
-                                     category="p2p", wait_sends=False,
-                                     recv_handles=recv_handles if lazy else None)
+            handles += ops.batch_p2p(
+                outgoing if first else [],
+                posts,
+                self.group,
+                category="p2p",
+                wait_sends=False,
+                recv_handles=recv_handles if lazy else None,
+            )
             first = False
             if recv_handles is not None and not lazy:
                 recv_handles += [None] * (len(posts) - 1)  # arrived; the header is not one
@@ -97,7 +106,7 @@ class Channels:
             received += [buffer for buffer, _, _ in posts]
         per_send, start = [], 0
         for items in messages:
-            per_send.append(handles[start:start + len(items)])
+            per_send.append(handles[start : start + len(items)])
             start += len(items)
         assert not handles or start == len(handles), "one handle per posted send"
         return received, per_send
@@ -111,7 +120,8 @@ class Channels:
         meta, message = TensorMeta.of(send.tensor), (send.tensor, send.peer, send.tag)
         if send.backward:
             assert meta == self._meta[(send.dst, send.src)], (
-                f"gradient {meta} of stage {send.src}'s input differs from its activation")
+                f"gradient {meta} of stage {send.src}'s input differs from its activation"
+            )
             return [message]
         known = self._meta.get((send.src, send.dst))
         if known is None:
@@ -125,7 +135,8 @@ class Channels:
                 f"but {known} earlier: every micro-batch of every step must give each stage "
                 "the same shape and dtype (cut the batch into equal micro-batches; where "
                 "shapes change between steps, call PipelineRuntime.reset_shapes() on every "
-                "rank first)")
+                "rank first)"
+            )
         return [message]
 
 

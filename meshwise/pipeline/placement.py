@@ -2,6 +2,7 @@
 timeline and both ends post it in their first gap after, so every rank meets its
 messages in one global order and no batch can deadlock, whatever the costs.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -21,8 +22,9 @@ def _dependencies(kind: str, mb: int, stage: int, last: int) -> list[tuple[str, 
     return [d for d in deps if 0 <= d[2] <= last]
 
 
-def dataflow_times(orders: list[Order], S: int, V: int, stage_map: str
-                   ) -> list[list[tuple[int, int]]]:
+def dataflow_times(
+    orders: list[Order], S: int, V: int, stage_map: str
+) -> list[list[tuple[int, int]]]:
     """(start, end) of each compute action when it starts as soon as its rank is free and its
     inputs are ready, in ticks (F = 1, B = 1 plus 1 when it has no W, W = 1)."""
     last = S * V - 1
@@ -47,8 +49,10 @@ def dataflow_times(orders: list[Order], S: int, V: int, stage_map: str
     for r in range(S):
         if len(times[r]) < len(orders[r]):
             kind, mb, chunk = orders[r][len(times[r])]
-            raise ScheduleError(f"rank {r}: {kind}{mb} on chunk {chunk} can never run: the compute "
-                                "orders wait on each other")
+            raise ScheduleError(
+                f"rank {r}: {kind}{mb} on chunk {chunk} can never run: the compute "
+                "orders wait on each other"
+            )
     return times
 
 
@@ -73,8 +77,9 @@ def _meeting_time(gaps_a: tuple[list, list], gaps_b: tuple[list, list], lo: int,
     return lo
 
 
-def place_messages(orders: list[Order], S: int, V: int, stage_map: str = "loop"
-                   ) -> list[list[Action]]:
+def place_messages(
+    orders: list[Order], S: int, V: int, stage_map: str = "loop"
+) -> list[list[Action]]:
     """Each rank's compute order with its sends and receives placed between the actions.
 
     A message's meeting time lies between its producer's end and its consumer's start; each
@@ -84,8 +89,12 @@ def place_messages(orders: list[Order], S: int, V: int, stage_map: str = "loop"
     """
     times, show, last = dataflow_times(orders, S, V, stage_map), V > 1, S * V - 1
     gaps = [_gaps(t) for t in times]
-    where = {(k, mb, stage_index(r, c, S, stage_map)): (r, i)
-             for r in range(S) for i, (k, mb, c) in enumerate(orders[r]) if k != "W"}
+    where = {
+        (k, mb, stage_index(r, c, S, stage_map)): (r, i)
+        for r in range(S)
+        for i, (k, mb, c) in enumerate(orders[r])
+        if k != "W"
+    }
     posts: list[list[list]] = [[[] for _ in range(len(o) + 1)] for o in orders]
     for (kind, mb, stage), (a, i) in where.items():
         target = stage + 1 if kind == "F" else stage - 1

@@ -4,6 +4,7 @@ A run of consecutive messages is one batch, posted at once; a message completes
 ``p2p_latency`` after both ends are posted. Waiting for whole batches (``blocking_sends``)
 is the validator's deadlock check; waiting for receives only is what the simulator times.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -38,12 +39,16 @@ def match_messages(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]
             send, recv = schedule.ranks[src][si], schedule.ranks[dst][ri]
             step = 1 if send.kind == "SEND_F" else -1
             next_stage = schedule.stage_of(src, send.chunk) + step
-            if recv.kind != "RECV_" + send.kind[-1] or recv.micro_batch != send.micro_batch \
-                    or schedule.stage_of(dst, recv.chunk) != next_stage:
+            if (
+                recv.kind != "RECV_" + send.kind[-1]
+                or recv.micro_batch != send.micro_batch
+                or schedule.stage_of(dst, recv.chunk) != next_stage
+            ):
                 raise ScheduleError(
                     f"message {n + 1} from rank {src} to rank {dst} pairs rank {src}: {send} with "
                     f"rank {dst}: {recv}; two ranks must post their sends and receives in the "
-                    "same order")
+                    "same order"
+                )
             partner[(src, si)], partner[(dst, ri)] = (dst, ri), (src, si)
         if len(send_list) > len(recv_list):
             extra = schedule.ranks[src][send_list[len(recv_list)]]
@@ -75,8 +80,12 @@ def _index_steps(schedule: Schedule) -> tuple[list[list[tuple]], dict[tuple[int,
     return steps, step_of
 
 
-def replay(schedule: Schedule, cost: Callable[[int, Action], float], p2p_latency: float = 0.0,
-           blocking_sends: bool = True) -> tuple[list[list[Interval]], list[float]]:
+def replay(
+    schedule: Schedule,
+    cost: Callable[[int, Action], float],
+    p2p_latency: float = 0.0,
+    blocking_sends: bool = True,
+) -> tuple[list[list[Interval]], list[float]]:
     """Execute the lists batch by batch; return compute intervals and finish time per rank.
 
     ``cost(rank, action)``: a compute action's duration; ``blocking_sends``: as the module
@@ -86,8 +95,13 @@ def replay(schedule: Schedule, cost: Callable[[int, Action], float], p2p_latency
     partner = match_messages(schedule)
     steps, step_of = _index_steps(schedule)
     S = schedule.num_stages
-    waits = [[_waited_batches(schedule, r, indices, partner, step_of, blocking_sends)
-              for _, indices in rank_steps] for r, rank_steps in enumerate(steps)]
+    waits = [
+        [
+            _waited_batches(schedule, r, indices, partner, step_of, blocking_sends)
+            for _, indices in rank_steps
+        ]
+        for r, rank_steps in enumerate(steps)
+    ]
     pointer, clock = [0] * S, [0.0] * S
     posted: dict[tuple[int, int], float] = {}  # (rank, step) -> time the batch was posted
     blocked_on: dict[tuple[int, int], list[int]] = defaultdict(list)  # batch -> ranks waiting
@@ -115,19 +129,25 @@ def replay(schedule: Schedule, cost: Callable[[int, Action], float], p2p_latency
             pointer[rank] += 1
     stuck = [r for r in range(S) if pointer[r] < len(steps[r])]
     if stuck:
-        raise ScheduleError("deadlock with blocking point-to-point: " + "; ".join(
-            _blocked(schedule, r, steps[r][pointer[r]][1], waits[r][pointer[r]], posted)
-            for r in stuck))
+        raise ScheduleError(
+            "deadlock with blocking point-to-point: "
+            + "; ".join(
+                _blocked(schedule, r, steps[r][pointer[r]][1], waits[r][pointer[r]], posted)
+                for r in stuck
+            )
+        )
     return rows, clock
 
 
-def _waited_batches(schedule: Schedule, rank: int, indices, partner, step_of,
-                    blocking_sends: bool) -> list[tuple[int, int]]:
+def _waited_batches(
+    schedule: Schedule, rank: int, indices, partner, step_of, blocking_sends: bool
+) -> list[tuple[int, int]]:
     """The (rank, step) batches holding the partners of the messages a batch waits for."""
     if indices is None:  # a compute step
         return []
-    waited = [j for j in indices
-              if blocking_sends or schedule.ranks[rank][j].kind.startswith("RECV")]
+    waited = [
+        j for j in indices if blocking_sends or schedule.ranks[rank][j].kind.startswith("RECV")
+    ]
     return [(p, step_of[(p, i)]) for p, i in (partner[(rank, j)] for j in waited)]
 
 

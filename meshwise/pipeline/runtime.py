@@ -31,8 +31,9 @@ class PipelineRuntime:
     ``action_times()``: the last run's actions on the device's clock.
     """
 
-    def __init__(self, chunks, schedule: Schedule, pp_group: ops.Group | None, engine,
-                 loss_fn=None):
+    def __init__(
+        self, chunks, schedule: Schedule, pp_group: ops.Group | None, engine, loss_fn=None
+    ):
         self.chunks, self.schedule, self.pp_group = chunks, schedule, pp_group
         self.engine, self.loss_fn = engine, loss_fn
         self.rank = pp_group.rank if pp_group is not None else 0
@@ -70,8 +71,11 @@ class PipelineRuntime:
             w: Step | None = b
             if self._split(b):
                 w = self.steps[i + 1] if i + 1 < len(self.steps) else None
-                if not (isinstance(w, Action) and w.kind == "W"
-                        and (w.chunk, w.micro_batch) == (b.chunk, b.micro_batch)):
+                if not (
+                    isinstance(w, Action)
+                    and w.kind == "W"
+                    and (w.chunk, w.micro_batch) == (b.chunk, b.micro_batch)
+                ):
                     continue
             if (self._last_b[b.chunk] == b) == (self._last_weights[b.chunk] == w):
                 whole.add((b.chunk, b.micro_batch))
@@ -81,8 +85,7 @@ class PipelineRuntime:
     def compute_s(self) -> float:
         """Seconds of the last run's compute actions on the device (read it once the
         device has finished: the rest of the step is bubble and communication)."""
-        return sum(end - start for label, start, end in self.clock.intervals()
-                   if label != "p2p")
+        return sum(end - start for label, start, end in self.clock.intervals() if label != "p2p")
 
     def action_times(self) -> list[tuple[str, float, float]]:
         """The last run's actions (``F3``, ``B3.1``, ``W2``, ``p2p`` for a batch of
@@ -90,8 +93,9 @@ class PipelineRuntime:
         clock (CUDA events on a GPU): read once the device has finished the step."""
         return self.clock.intervals()
 
-    def run(self, micro_batches, loss_scale: float, sync: bool = True,
-            contexts=None) -> torch.Tensor:
+    def run(
+        self, micro_batches, loss_scale: float, sync: bool = True, contexts=None
+    ) -> torch.Tensor:
         """One pass of the schedule over ``micro_batches`` [(inputs, targets)].
 
         Returns the summed scaled loss, a 0-dim float64 device tensor not waited for (zero off
@@ -102,8 +106,9 @@ class PipelineRuntime:
         assert contexts is None or len(contexts) == len(micro_batches)
         self._contexts = contexts
         self._device = self._device_of(micro_batches)
-        self.channels.start(meta_tag_base=2 * self.num_logical * len(micro_batches),
-                            keep_shapes=True)
+        self.channels.start(
+            meta_tag_base=2 * self.num_logical * len(micro_batches), keep_shapes=True
+        )
         self.mail.start(self._device)
         # (chunk, mb) -> a forward's input and output; (stage, mb) -> what a stage on
         # this rank hands the next (or, backwards, the previous) one on this rank
@@ -128,8 +133,9 @@ class PipelineRuntime:
                 with ranges.named(f"pipeline/{step}"), self.clock.measure(str(step)):
                     {"F": self._forward, "B": self._backward, "W": self._weights}[step.kind](step)
             self.mail.finish_sends()
-        assert not (self._outputs or self._inputs or self.mail.arriving), \
+        assert not (self._outputs or self._inputs or self.mail.arriving), (
             "activations left after the step"
+        )
         return self._loss
 
     # ------------------------------------------------------------ compute
@@ -179,8 +185,9 @@ class PipelineRuntime:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = "loss_fn" if self.loss_fn is not None else "the last chunk called with targets"
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"{what} must return a 0-dim tensor (the sum of token losses), "
-                             f"got {shape}")
+            raise ValueError(
+                f"{what} must return a 0-dim tensor (the sum of token losses), got {shape}"
+            )
         return loss
 
     def _backward(self, a: Action) -> None:
@@ -236,12 +243,14 @@ class PipelineRuntime:
                 x = inputs
             elif owner(stage - 1)[0] != self.rank:
                 [x], _ = self.channels.exchange(
-                    [], [Incoming(owner(stage - 1)[0], stage, stage - 1, stage)], device)
+                    [], [Incoming(owner(stage - 1)[0], stage, stage - 1, stage)], device
+                )
             last = stage == self.num_logical - 1
             x = self._stage_forward(chunk, x, targets, last and targets is not None, context)
             if not last and owner(stage + 1)[0] != self.rank:
                 _, [pending] = self.channels.exchange(
-                    [Outgoing(x, owner(stage + 1)[0], stage + 1, stage, stage + 1)], [], device)
+                    [Outgoing(x, owner(stage + 1)[0], stage + 1, stage, stage + 1)], [], device
+                )
                 for handle in pending:
                     handle.wait()
         # Its shapes are not training's: the next run sends its headers again, as every
@@ -252,8 +261,11 @@ class PipelineRuntime:
     def _device_of(self, micro_batches) -> torch.device:
         """Where this rank computes: its chunks' parameters, else the batch's tensors."""
         for chunk in self.chunks:
-            tensors = itertools.chain(chunk.parameters(), chunk.buffers()) \
-                if hasattr(chunk, "parameters") else ()
+            tensors = (
+                itertools.chain(chunk.parameters(), chunk.buffers())
+                if hasattr(chunk, "parameters")
+                else ()
+            )
             for t in tensors:
                 return t.device
         for t in itertools.chain.from_iterable(micro_batches):

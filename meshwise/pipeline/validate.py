@@ -4,6 +4,7 @@
 needs its forward)``); the deadlock check replays the lists waiting for whole batches, a
 message completing only once both ends posted it (the strictest transport).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -22,8 +23,10 @@ def validate(schedule: Schedule) -> None:
     """
     S, M, V = schedule.num_stages, schedule.num_micro_batches, schedule.num_virtual_stages
     if min(S, M, V) < 1 or len(schedule.ranks) != S:
-        raise ScheduleError(f"schedule has {len(schedule.ranks)} rank lists for S={S}, M={M}, "
-                            f"V={V}; needs S lists and S, M, V >= 1")
+        raise ScheduleError(
+            f"schedule has {len(schedule.ranks)} rank lists for S={S}, M={M}, "
+            f"V={V}; needs S lists and S, M, V >= 1"
+        )
     for rank, actions in enumerate(schedule.ranks):
         for action in actions:
             problem = _field_problem(schedule, rank, action)
@@ -96,18 +99,24 @@ def _check_rank_order(schedule: Schedule, rank: int) -> None:
             raise ScheduleError(f"rank {rank}: {action} appears twice")
         for need, peer, why in _prerequisites(schedule, rank, action):
             if need not in seen:
-                raise ScheduleError(f"rank {rank}: {action} on chunk {action.chunk} runs before "
-                                    f"{Action(*need, peer, show)} ({why})")
+                raise ScheduleError(
+                    f"rank {rank}: {action} on chunk {action.chunk} runs before "
+                    f"{Action(*need, peer, show)} ({why})"
+                )
         seen.add(key)
     for kind in ("F", "B"):
         for chunk in range(schedule.num_virtual_stages):
             for mb in range(schedule.num_micro_batches):
                 compute = Action(kind, mb, chunk, None, show)
                 if (kind, mb, chunk) not in seen:
-                    raise ScheduleError(f"rank {rank}: {compute} is missing (every micro-batch "
-                                        "runs forward and backward once on every chunk)")
+                    raise ScheduleError(
+                        f"rank {rank}: {compute} is missing (every micro-batch "
+                        "runs forward and backward once on every chunk)"
+                    )
                 send = Action("SEND_" + kind, mb, chunk)
-                if ("SEND_" + kind, mb, chunk) not in seen and \
-                        neighbour_rank(schedule, rank, send) is not None:
-                    raise ScheduleError(f"rank {rank}: the output of {compute} is never sent "
-                                        f"(no SEND_{kind})")
+                if ("SEND_" + kind, mb, chunk) not in seen and neighbour_rank(
+                    schedule, rank, send
+                ) is not None:
+                    raise ScheduleError(
+                        f"rank {rank}: the output of {compute} is never sent (no SEND_{kind})"
+                    )

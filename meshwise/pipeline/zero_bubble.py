@@ -4,6 +4,7 @@ One rank's order as ``(kind, micro_batch, chunk)``: a ``B`` followed later by it
 split backward, a ``B`` alone a whole one; ``schedules`` places the messages. The orders are
 torch.distributed.pipelining's (``tests/unit/test_zero_bubble.py``); docs/pipelines.md.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -17,16 +18,16 @@ def zb_h1_order(S: int, M: int, V: int, rank: int) -> Order:
     the remaining W passes fill the cool-down.
     """
     num_warmup = min(S - rank - 1, M)
-    order: Order = [("F", m, 0) for m in range(num_warmup)]           # warm-up: forwards
+    order: Order = [("F", m, 0) for m in range(num_warmup)]  # warm-up: forwards
     next_weight = 0
-    for k in range(M):                                                  # one backward per step
+    for k in range(M):  # one backward per step
         if num_warmup + k < M:
             order.append(("F", num_warmup + k, 0))
         order.append(("B", k, 0))
         if k >= rank:  # the first `rank` weight passes wait for the cool-down
             order.append(("W", next_weight, 0))
             next_weight += 1
-    order += [("W", m, 0) for m in range(next_weight, M)]              # cool-down: W fills it
+    order += [("W", m, 0) for m in range(next_weight, M)]  # cool-down: W fills it
     return order
 
 
@@ -69,21 +70,21 @@ def zbv_order(S: int, M: int, V: int, rank: int) -> Order:
     """
     n = max(M, 2 * S - 1)
     c = _Counters()
-    for _ in range(2 * (S - rank) - 1):                  # warm-up down the first chunk
+    for _ in range(2 * (S - rank) - 1):  # warm-up down the first chunk
         c.forward(0)
-    for _ in range(rank):                                # both chunks start
+    for _ in range(rank):  # both chunks start
         c.forward(1)
         c.forward(0)
-    for _ in range(S - rank):                            # the second chunk's first backwards
+    for _ in range(S - rank):  # the second chunk's first backwards
         c.forward(1)
         c.backward(1, weight_now=True)
-    while c.next[("F", 1)] < c.next[("F", 0)] or c.next[("F", 0)] < n:   # steady state
+    while c.next[("F", 1)] < c.next[("F", 0)] or c.next[("F", 0)] < n:  # steady state
         if c.next[("F", 0)] < n:
             c.forward(0)
         c.backward(0, weight_now=True)
         c.forward(1)
         c.backward(1, weight_now=True)
-    for _ in range(rank):                                # cool-down: W postponed
+    for _ in range(rank):  # cool-down: W postponed
         c.backward(0, split=True)
         c.backward(1, split=True)
     postponed_second = [w for w in c.waiting_weights if w[1] == 1]
@@ -103,33 +104,33 @@ def dualpipev_order(S: int, M: int, V: int, rank: int) -> Order:
     run back to back here (DualPipe overlaps their communication on a GPU).
     """
     c = _Counters()
-    for _ in range(2 * (S - rank - 1)):                  # 1: forwards of the first chunk
+    for _ in range(2 * (S - rank - 1)):  # 1: forwards of the first chunk
         c.forward(0)
-    for _ in range(rank + 1):                            # 2: both chunks
+    for _ in range(rank + 1):  # 2: both chunks
         c.forward(0)
         c.forward(1)
-    for _ in range(S - rank - 1):                        # 3: split backwards of the second
+    for _ in range(S - rank - 1):  # 3: split backwards of the second
         c.backward(1, split=True)
         c.weight()
         c.forward(1)
-    for _ in range(M - 2 * S + rank + 1):                # 4: F of one chunk with B of the other
+    for _ in range(M - 2 * S + rank + 1):  # 4: F of one chunk with B of the other
         c.forward(0)  # (the last rank's first pair runs unpaired; the order is the same)
         c.backward(1)
         c.forward(1)
         c.backward(0)
-    for _ in range(S - rank - 1):                        # 5: the second chunk drains
+    for _ in range(S - rank - 1):  # 5: the second chunk drains
         c.backward(1)
         c.forward(1)
         c.backward(0)
     split = False
-    for i in range(rank + 1):                            # 6: both chunks' last backwards,
-        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)   # split from halfway
+    for i in range(rank + 1):  # 6: both chunks' last backwards,
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)  # split from halfway
         c.backward(1, split=split)
         split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
         c.backward(0, split=split)
-    for _ in range(S - rank - 1):                        # 7: postponed W between backwards
+    for _ in range(S - rank - 1):  # 7: postponed W between backwards
         c.weight()
         c.backward(0, split=split)
-    for _ in range(rank + 1):                            # 8: the remaining W passes
+    for _ in range(rank + 1):  # 8: the remaining W passes
         c.weight()
     return c.order

@@ -40,8 +40,9 @@ def p2p_s(device: DeviceProfile, nbytes: float, link: str) -> float:
     return device.link(link).time(nbytes) if nbytes > 0 else 0.0
 
 
-def sync_wait_s(device: DeviceProfile, size: int, syncs: float, compute_s: float,
-                world: int) -> float:
+def sync_wait_s(
+    device: DeviceProfile, size: int, syncs: float, compute_s: float, world: int
+) -> float:
     """What a rank waits at ``syncs`` blocking collectives of ``size`` ranks, spread over
     ``compute_s`` of its compute: ``drift x sqrt(syncs x compute_s)`` (``DeviceProfile.drift``).
 

@@ -43,8 +43,15 @@ def micro_batch_tokens(layout: Layout, st: Settings) -> int:
     return sequences * st.seq_len // layout.cp
 
 
-def action_costs(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile,
-                 layers: int, first: bool, last: bool) -> ActionCosts:
+def action_costs(
+    shape: ModelShape,
+    layout: Layout,
+    st: Settings,
+    device: DeviceProfile,
+    layers: int,
+    first: bool,
+    last: bool,
+) -> ActionCosts:
     """Costs of a rank holding ``layers`` layers (and the embedding / head)."""
     n = micro_batch_tokens(layout, st)
     t, a = layout.tp, DTYPE_BYTES[st.dtype]
@@ -57,8 +64,9 @@ def action_costs(shape: ModelShape, layout: Layout, st: Settings, device: Device
     # attention's backward: about 2.5 forwards of it (FlashAttention-2's count)
     backward = matmul + 2.5 * attention + ew_backward + 2 * kernels
     mode = layout.activation_checkpointing
-    backward += forward if mode == "full" else (ew_recompute + kernels if mode == "selective"
-                                                else 0.0)
+    backward += (
+        forward if mode == "full" else (ew_recompute + kernels if mode == "selective" else 0.0)
+    )
     weights = matmul + _collect_s(shape.layer_split / t + shape.layer_replicated, st, device)
     factor = device.layer_time_factor.get(shape.family, 1.0)
     layer_compute = factor * (forward + backward + weights)
@@ -77,16 +85,19 @@ def action_costs(shape: ModelShape, layout: Layout, st: Settings, device: Device
     return ActionCosts(f, b, w, tp, cp)
 
 
-def _elementwise_s(shape, layout: Layout, st: Settings, device: DeviceProfile,
-                   n: int) -> tuple[float, float, float]:
+def _elementwise_s(
+    shape, layout: Layout, st: Settings, device: DeviceProfile, n: int
+) -> tuple[float, float, float]:
     """Seconds of one layer's element-wise work on ``n`` tokens: forward, backward, and
     what checkpointing's recompute adds. With ``counted_traffic`` (GPU profiles) the
     bytes the family's eager kernels move (``meshwise.planner.traffic``); else passes
     over the activations a layer keeps (the CPU's calibration measured against these)."""
     if device.counted_traffic:
         traffic = layer_traffic(shape, layout, st.dtype)
-        forward, backward, recompute = (traffic[phase] * n / device.memory_bandwidth
-                                        for phase in ("forward", "backward", "recompute"))
+        forward, backward, recompute = (
+            traffic[phase] * n / device.memory_bandwidth
+            for phase in ("forward", "backward", "recompute")
+        )
         return forward, backward, recompute
     act = activation_bytes_per_token(shape, layout, st.dtype)["none"] * n
     forward = ELEMENTWISE_PASSES * act / device.memory_bandwidth
@@ -106,14 +117,17 @@ def _loss_s(st: Settings, device: DeviceProfile, logits: int) -> tuple[float, fl
     """Seconds of the loss over ``logits`` logits (this rank's vocabulary slice): the
     log-softmax forward, and its gradient."""
     if device.counted_traffic:
-        return (logits * LOSS_FORWARD[st.dtype] / device.memory_bandwidth,
-                logits * LOSS_BACKWARD[st.dtype] / device.memory_bandwidth)
+        return (
+            logits * LOSS_FORWARD[st.dtype] / device.memory_bandwidth,
+            logits * LOSS_BACKWARD[st.dtype] / device.memory_bandwidth,
+        )
     both = logits * 4 * 6 / device.memory_bandwidth
     return both / 2, both / 2
 
 
-def _tp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n: int,
-                  layer_compute: float) -> float:
+def _tp_per_layer(
+    shape, layout: Layout, st: Settings, device: DeviceProfile, n: int, layer_compute: float
+) -> float:
     """Exposed tp communication of one layer, forward and backward, and the waits for the
     other tp ranks at each of its collectives (``layer_compute``: the layer's seconds)."""
     if layout.tp == 1:
@@ -129,19 +143,28 @@ def _tp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n:
         counts = {"all_gather": 6 + 2 * recompute, "reduce_scatter": 4 + recompute}
     else:  # after each row layer, and its transpose before each pair of column layers
         counts = {"all_reduce": 4 + recompute}
-    moved = sum(k * collective_s(device, kind, nbytes, layout.tp, link)
-                for kind, k in counts.items())
+    moved = sum(
+        k * collective_s(device, kind, nbytes, layout.tp, link) for kind, k in counts.items()
+    )
     if layout.sp and device.counted_traffic and n * layout.cp > st.seq_len:
         # Several sequences per micro-batch: a gather (scatter) along the sequence puts
         # the ranks' blocks in (out of) place with a copy of the whole activation
         # (meshwise.tensor_parallel.mappings); one sequence needs none.
         moved += sum(counts.values()) * 2 * nbytes / device.memory_bandwidth
-    return moved + sync_wait_s(device, layout.tp, sum(counts.values()), layer_compute,
-                               layout.world_size)
+    return moved + sync_wait_s(
+        device, layout.tp, sum(counts.values()), layer_compute, layout.world_size
+    )
 
 
-def _cp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n: int,
-                  attention: float, layer_compute: float) -> float:
+def _cp_per_layer(
+    shape,
+    layout: Layout,
+    st: Settings,
+    device: DeviceProfile,
+    n: int,
+    attention: float,
+    layer_compute: float,
+) -> float:
     """Exposed ring-attention communication of one layer, forward and backward, and the
     waits for the ring's neighbours at each exchange where it is not hidden."""
     if layout.cp == 1:
@@ -157,5 +180,4 @@ def _cp_per_layer(shape, layout: Layout, st: Settings, device: DeviceProfile, n:
         window = 3.5 * attention
         return max(0.0, total - window) + device.overlap_slowdown * min(total, window)
     exchanges = (layout.cp - 1) * (2 + recompute) + 1  # the keys' gradients come home
-    return total + sync_wait_s(device, layout.cp, exchanges, layer_compute,
-                               layout.world_size)
+    return total + sync_wait_s(device, layout.cp, exchanges, layer_compute, layout.world_size)

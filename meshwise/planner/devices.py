@@ -81,21 +81,39 @@ class DeviceProfile:
         return self.drift[max(below)], max(below)
 
 
-def _gpu(name: str, memory_gb: float, bf16_tflops: float, fp32_tflops: float, hbm_tbs: float,
-         nvlink_gbs: float, nic_gbs: float, matmul_eff: float,
-         attention_eff: float) -> DeviceProfile:
+def _gpu(
+    name: str,
+    memory_gb: float,
+    bf16_tflops: float,
+    fp32_tflops: float,
+    hbm_tbs: float,
+    nvlink_gbs: float,
+    nic_gbs: float,
+    matmul_eff: float,
+    attention_eff: float,
+) -> DeviceProfile:
     return DeviceProfile(
-        name=name, memory_bytes=memory_gb * 2**30,
-        matmul_flops={"bf16": bf16_tflops * 1e12 * matmul_eff,
-                      "fp32": fp32_tflops * 1e12 * matmul_eff},
+        name=name,
+        memory_bytes=memory_gb * 2**30,
+        matmul_flops={
+            "bf16": bf16_tflops * 1e12 * matmul_eff,
+            "fp32": fp32_tflops * 1e12 * matmul_eff,
+        },
         peak_flops={"bf16": bf16_tflops * 1e12, "fp32": fp32_tflops * 1e12},
         attention_efficiency=attention_eff / matmul_eff,
-        memory_bandwidth=hbm_tbs * 1e12 * EAGER_BANDWIDTH, op_overhead_s=4e-6,
-        links={"intra": LinkCost(10e-6, 1 / (nvlink_gbs * GB * 0.8)),
-               "inter": LinkCost(20e-6, 1 / (nic_gbs * GB * 0.9))},
-        ranks_per_node=8, overhead_bytes=1.5 * 2**30, overlap=True, counted_traffic=True,
+        memory_bandwidth=hbm_tbs * 1e12 * EAGER_BANDWIDTH,
+        op_overhead_s=4e-6,
+        links={
+            "intra": LinkCost(10e-6, 1 / (nvlink_gbs * GB * 0.8)),
+            "inter": LinkCost(20e-6, 1 / (nic_gbs * GB * 0.9)),
+        },
+        ranks_per_node=8,
+        overhead_bytes=1.5 * 2**30,
+        overlap=True,
+        counted_traffic=True,
         overlap_slowdown=OVERLAP_SLOWDOWN,
-        source=f"{name} data sheet x stated efficiencies (meshwise.planner.devices)")
+        source=f"{name} data sheet x stated efficiencies (meshwise.planner.devices)",
+    )
 
 
 # Efficiencies, for eager PyTorch as meshwise runs it (each checked against published runs
@@ -141,14 +159,21 @@ GPU_PROFILES = {
 # This kind of machine (2 x86 cores, torch 2.13 CPU, gloo), measured by --calibrate on it
 # (medians of three calibrations): used until a machine's own calibration is stored.
 CPU_DEFAULTS = {
-    "matmul_flops": {"fp32": 89e9, "bf16": 203e9}, "attention_efficiency": 0.41,
-    "memory_bandwidth": 19e9, "op_overhead_s": 4.9e-6,
+    "matmul_flops": {"fp32": 89e9, "bf16": 203e9},
+    "attention_efficiency": 0.41,
+    "memory_bandwidth": 19e9,
+    "op_overhead_s": 4.9e-6,
     "links": {"intra": {"alpha_s": 280e-6, "beta_s_per_byte": 1 / 2.6e9}},
-    "overhead_bytes": 199 * 2**20, "given_gradient_bytes": 35 * 2**20,
-    "checkpointing_bytes": 77 * 2**20, "collective_factor": {},
-    "all_reduce": {"2": {"alpha_s": 410e-6, "beta_s_per_byte": 1 / 1.23e9},
-                   "4": {"alpha_s": 1.54e-3, "beta_s_per_byte": 1 / 0.56e9}},
-    "optimizer_s_per_param": 6.8e-9, "optimizer_fixed_s": 0.0079,
+    "overhead_bytes": 199 * 2**20,
+    "given_gradient_bytes": 35 * 2**20,
+    "checkpointing_bytes": 77 * 2**20,
+    "collective_factor": {},
+    "all_reduce": {
+        "2": {"alpha_s": 410e-6, "beta_s_per_byte": 1 / 1.23e9},
+        "4": {"alpha_s": 1.54e-3, "beta_s_per_byte": 1 / 0.56e9},
+    },
+    "optimizer_s_per_param": 6.8e-9,
+    "optimizer_fixed_s": 0.0079,
     "layer_time_factor": {"gpt": 1.10, "llama": 1.05},
     "drift": {"2": 0.023, "4": 0.080},
 }
@@ -158,8 +183,12 @@ def known_devices() -> list[str]:
     return ["cpu", *GPU_PROFILES]
 
 
-def device_profile(name: str, cache_dir: Path | None = None, cores: int | None = None,
-                   memory_bytes: float | None = None) -> DeviceProfile:
+def device_profile(
+    name: str,
+    cache_dir: Path | None = None,
+    cores: int | None = None,
+    memory_bytes: float | None = None,
+) -> DeviceProfile:
     """The profile of ``name`` (ValueError listing the known ones); for ``cpu`` this
     machine's calibration from ``cache_dir`` when one is stored."""
     if name in GPU_PROFILES:
@@ -177,25 +206,42 @@ def cpu_profile(calibration: dict | None, cores: int | None = None) -> DevicePro
     """This machine's CPU: its cores, memory and the calibration's rates (else the
     defaults). Its memory is the machine's, shared by the ranks it runs."""
     values = {**CPU_DEFAULTS, **(calibration or {})}
-    links = {kind: LinkCost(c["alpha_s"], c["beta_s_per_byte"])
-             for kind, c in values["links"].items()}
-    source = (f"calibrated here ({calibration.get('when', 'meshwise plan --calibrate')})"
-              if calibration else "defaults of a 2-core machine (run meshwise plan --calibrate)")
+    links = {
+        kind: LinkCost(c["alpha_s"], c["beta_s_per_byte"]) for kind, c in values["links"].items()
+    }
+    source = (
+        f"calibrated here ({calibration.get('when', 'meshwise plan --calibrate')})"
+        if calibration
+        else "defaults of a 2-core machine (run meshwise plan --calibrate)"
+    )
     return DeviceProfile(
-        name="cpu", memory_bytes=machine_memory_bytes(), matmul_flops=values["matmul_flops"],
-        peak_flops=values["matmul_flops"], attention_efficiency=values["attention_efficiency"],
-        memory_bandwidth=values["memory_bandwidth"], op_overhead_s=values["op_overhead_s"],
-        links=links, ranks_per_node=0, overhead_bytes=values["overhead_bytes"], overlap=False,
-        source=source, cores=cores or len(os.sched_getaffinity(0)),
-        collective_factor=values["collective_factor"], memory_per_node=True,
-        all_reduce={int(size): LinkCost(c["alpha_s"], c["beta_s_per_byte"])
-                    for size, c in values["all_reduce"].items()},
-        collectives_as_all_reduce=True, given_gradient_bytes=values["given_gradient_bytes"],
+        name="cpu",
+        memory_bytes=machine_memory_bytes(),
+        matmul_flops=values["matmul_flops"],
+        peak_flops=values["matmul_flops"],
+        attention_efficiency=values["attention_efficiency"],
+        memory_bandwidth=values["memory_bandwidth"],
+        op_overhead_s=values["op_overhead_s"],
+        links=links,
+        ranks_per_node=0,
+        overhead_bytes=values["overhead_bytes"],
+        overlap=False,
+        source=source,
+        cores=cores or len(os.sched_getaffinity(0)),
+        collective_factor=values["collective_factor"],
+        memory_per_node=True,
+        all_reduce={
+            int(size): LinkCost(c["alpha_s"], c["beta_s_per_byte"])
+            for size, c in values["all_reduce"].items()
+        },
+        collectives_as_all_reduce=True,
+        given_gradient_bytes=values["given_gradient_bytes"],
         checkpointing_bytes=values["checkpointing_bytes"],
         optimizer_s_per_param=values["optimizer_s_per_param"],
         optimizer_fixed_s=values.get("optimizer_fixed_s", 0.0),
         layer_time_factor=values.get("layer_time_factor", {}),
-        drift={int(size): k for size, k in values["drift"].items()})
+        drift={int(size): k for size, k in values["drift"].items()},
+    )
 
 
 def machine_memory_bytes() -> float:
@@ -232,5 +278,3 @@ def save_calibration(values: dict, cache_dir: Path | None = None) -> Path:
     tmp.write_text(json.dumps(values, indent=1) + "\n")
     tmp.replace(path)
     return path
-
-

@@ -56,25 +56,45 @@ class Layout:
     def apply(self, cfg: TrainConfig) -> TrainConfig:
         """A copy of ``cfg`` laid out this way (not validated)."""
         parallel = dataclasses.replace(
-            cfg.parallel, dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, sp=self.sp,
-            schedule=self.schedule, virtual_stages=self.virtual_stages,
-            micro_batches=self.micro_batches if self.pp > 1 else 0, zero=self.zero)
+            cfg.parallel,
+            dp=self.dp,
+            cp=self.cp,
+            tp=self.tp,
+            pp=self.pp,
+            sp=self.sp,
+            schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            micro_batches=self.micro_batches if self.pp > 1 else 0,
+            zero=self.zero,
+        )
         return dataclasses.replace(
-            cfg, parallel=parallel,
+            cfg,
+            parallel=parallel,
             data=dataclasses.replace(cfg.data, grad_accum=self.grad_accum),
-            runtime=dataclasses.replace(cfg.runtime,
-                                        activation_checkpointing=self.activation_checkpointing),
-            comm=dataclasses.replace(cfg.comm, compress=self.compress))
+            runtime=dataclasses.replace(
+                cfg.runtime, activation_checkpointing=self.activation_checkpointing
+            ),
+            comm=dataclasses.replace(cfg.comm, compress=self.compress),
+        )
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> "Layout":
         """The layout a configuration runs."""
         p = cfg.parallel
-        return cls(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp, sp=p.sp, schedule=p.schedule,
-                   virtual_stages=p.virtual_stages, micro_batches=p.num_micro_batches,
-                   grad_accum=cfg.data.grad_accum, zero=p.zero,
-                   activation_checkpointing=cfg.runtime.activation_checkpointing,
-                   compress=cfg.comm.compress)
+        return cls(
+            dp=p.dp,
+            cp=p.cp,
+            tp=p.tp,
+            pp=p.pp,
+            sp=p.sp,
+            schedule=p.schedule,
+            virtual_stages=p.virtual_stages,
+            micro_batches=p.num_micro_batches,
+            grad_accum=cfg.data.grad_accum,
+            zero=p.zero,
+            activation_checkpointing=cfg.runtime.activation_checkpointing,
+            compress=cfg.comm.compress,
+        )
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
@@ -91,8 +111,9 @@ class Layout:
                 continue
             if name not in _PARSED or i + 1 >= len(words):
                 valid = ", ".join("--" + n.replace("_", "-") for n in (*_PARSED, "sp"))
-                raise ValueError(f"--explain: {flag!r} is not a layout flag with a value; "
-                                 f"valid: {valid}")
+                raise ValueError(
+                    f"--explain: {flag!r} is not a layout flag with a value; valid: {valid}"
+                )
             values[name] = _PARSED[name](words[i + 1])
             i += 2
         if values.get("pp", 1) > 1 and "micro_batches" not in values:
@@ -100,6 +121,16 @@ class Layout:
         return cls(**values)
 
 
-_PARSED = {"dp": int, "cp": int, "tp": int, "pp": int, "schedule": str, "virtual_stages": int,
-           "micro_batches": int, "grad_accum": int, "zero": int,
-           "activation_checkpointing": str, "compress": str}
+_PARSED = {
+    "dp": int,
+    "cp": int,
+    "tp": int,
+    "pp": int,
+    "schedule": str,
+    "virtual_stages": int,
+    "micro_batches": int,
+    "grad_accum": int,
+    "zero": int,
+    "activation_checkpointing": str,
+    "compress": str,
+}

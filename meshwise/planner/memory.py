@@ -41,13 +41,24 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return (self.model_state + self.pipeline_state + self.buffers + self.activations
-                + self.logits + self.overhead)
+        return (
+            self.model_state
+            + self.pipeline_state
+            + self.buffers
+            + self.activations
+            + self.logits
+            + self.overhead
+        )
 
     def parts(self) -> dict[str, float]:
-        return {"model state": self.model_state, "pipeline ZeRO": self.pipeline_state,
-                "buffers": self.buffers, "activations": self.activations,
-                "logits and loss": self.logits, "runtime": self.overhead}
+        return {
+            "model state": self.model_state,
+            "pipeline ZeRO": self.pipeline_state,
+            "buffers": self.buffers,
+            "activations": self.activations,
+            "logits and loss": self.logits,
+            "runtime": self.overhead,
+        }
 
 
 def model_state_bytes_per_param(zero: int, n: int, dtype: str, grad_reduce_dtype: str) -> float:
@@ -100,14 +111,22 @@ def activation_bytes_per_token(shape: ModelShape, layout: Layout, dtype: str) ->
         between = 2 * d * norm
         inside = (3 * shape.q_width + 2 * shape.kv_width + 3 * shape.ffn) * a
         kept = (2 * shape.q_width + 2 * shape.kv_width + 2 * shape.ffn) * a
-    return {"none": between / s + inside / t + lse,
-            "selective": d * a / s + kept / t + 2 * d * a + lse,
-            "full": d * a / s}
+    return {
+        "none": between / s + inside / t + lse,
+        "selective": d * a / s + kept / t + 2 * d * a + lse,
+        "full": d * a / s,
+    }
 
 
-def peak_memory(shape: ModelShape, layout: Layout, settings: Settings, in_flight: list[int],
-                overhead_bytes: float, given_gradient_bytes: float = 0.0,
-                checkpointing_bytes: float = 0.0) -> MemoryBreakdown:
+def peak_memory(
+    shape: ModelShape,
+    layout: Layout,
+    settings: Settings,
+    in_flight: list[int],
+    overhead_bytes: float,
+    given_gradient_bytes: float = 0.0,
+    checkpointing_bytes: float = 0.0,
+) -> MemoryBreakdown:
     """The worst rank's peak. ``in_flight[r]``: (micro-batch, chunk) activations pipeline
     rank r keeps at most at once (the simulator's count; ``[1]`` without a pipeline);
     ``overhead_bytes``, ``given_gradient_bytes``, ``checkpointing_bytes``: the device
@@ -118,8 +137,10 @@ def peak_memory(shape: ModelShape, layout: Layout, settings: Settings, in_flight
         if role in seen:
             continue  # the same memory as a rank already counted
         seen.add(role)
-        loaded = max(given_gradient_bytes * _backward_from_gradient(layout, rank),
-                     checkpointing_bytes * (layout.activation_checkpointing != "none"))
+        loaded = max(
+            given_gradient_bytes * _backward_from_gradient(layout, rank),
+            checkpointing_bytes * (layout.activation_checkpointing != "none"),
+        )
         overhead = overhead_bytes + loaded
         b = _rank_memory(shape, layout, settings, rank, in_flight[rank], overhead)
         if worst is None or b.total > worst.total:
@@ -133,12 +154,12 @@ def _backward_from_gradient(layout: Layout, rank: int) -> bool:
     the last stage) or a W pass (a split backward's weight gradients)."""
     if layout.pp == 1:
         return False
-    return (layout.schedule in SPLIT_BACKWARD or layout.virtual_stages > 1
-            or rank < layout.pp - 1)
+    return layout.schedule in SPLIT_BACKWARD or layout.virtual_stages > 1 or rank < layout.pp - 1
 
 
-def _rank_memory(shape, layout: Layout, st: Settings, rank: int, in_flight: int,
-                 overhead: float) -> MemoryBreakdown:
+def _rank_memory(
+    shape, layout: Layout, st: Settings, rank: int, in_flight: int, overhead: float
+) -> MemoryBreakdown:
     layers, first, last = rank_params(shape, layout, rank)
     params = layers + first + last
     n, a = layout.dp * layout.cp, DTYPE_BYTES[st.dtype]
@@ -148,8 +169,12 @@ def _rank_memory(shape, layout: Layout, st: Settings, rank: int, in_flight: int,
         pipeline = params * 4 * (1 - 1 / n)  # the stage's full fp32 gradients
         if layout.zero == 3:
             pipeline += params * a  # and its gathered parameters
-    tokens = st.batch_size // (layout.dp * layout.grad_accum * layout.micro_batches) * \
-        st.seq_len // layout.cp  # of one micro-batch on this rank
+    tokens = (
+        st.batch_size
+        // (layout.dp * layout.grad_accum * layout.micro_batches)
+        * st.seq_len
+        // layout.cp
+    )  # of one micro-batch on this rank
     per_layer = activation_bytes_per_token(shape, layout, st.dtype)
     mode = layout.activation_checkpointing
     layers_per_chunk = shape.n_layer // (layout.pp * layout.virtual_stages)
@@ -157,8 +182,9 @@ def _rank_memory(shape, layout: Layout, st: Settings, rank: int, in_flight: int,
     # The layer whose backward runs: its activations whole again under checkpointing,
     # and its gradients of them (about one layer's worth).
     working = per_layer["none"] * tokens * (2 if mode != "none" else 1)
-    buffers = _buffers(shape, layout, st, layers, first + last, n) + \
-        (2 * tokens * shape.d_model * a if layout.pp > 1 else 0)
+    buffers = _buffers(shape, layout, st, layers, first + last, n) + (
+        2 * tokens * shape.d_model * a if layout.pp > 1 else 0
+    )
     is_last = last > 0
     logits = 0.0
     if is_last:
@@ -166,12 +192,14 @@ def _rank_memory(shape, layout: Layout, st: Settings, rank: int, in_flight: int,
         # logits in the compute dtype, their fp32 log-softmax kept for the backward, and
         # its gradient; under a pipeline the last rank keeps one micro-batch's at a time.
         logits = tokens * vocab * (a + 4 + 4)
-    return MemoryBreakdown(rank, params, state, pipeline, buffers, kept + working, logits,
-                           overhead, in_flight)
+    return MemoryBreakdown(
+        rank, params, state, pipeline, buffers, kept + working, logits, overhead, in_flight
+    )
 
 
-def _buffers(shape: ModelShape, layout: Layout, st: Settings, layer_params: int,
-             root_params: int, n: int) -> float:
+def _buffers(
+    shape: ModelShape, layout: Layout, st: Settings, layer_params: int, root_params: int, n: int
+) -> float:
     """Gradient buckets and ZeRO-3's gathered units (transient, reused across steps)."""
     if n == 1:
         return 0.0

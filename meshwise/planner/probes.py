@@ -72,9 +72,16 @@ def optimizer_seconds_per_param(numel: int = 2**21) -> float:
 
 
 # One layer of each family, timed whole (forward and backward) at these sizes.
-LAYER_SIZES: dict[str, dict[str, Any]] = {"gpt": {"preset": "tiny", "n_head": 4, "d_model": 256},
-               "llama": {"preset": "llama-tiny", "n_head": 4, "n_kv_head": 2, "d_model": 256,
-                         "ffn_hidden_size": 768}}
+LAYER_SIZES: dict[str, dict[str, Any]] = {
+    "gpt": {"preset": "tiny", "n_head": 4, "d_model": 256},
+    "llama": {
+        "preset": "llama-tiny",
+        "n_head": 4,
+        "n_kv_head": 2,
+        "d_model": 256,
+        "ffn_hidden_size": 768,
+    },
+}
 LAYER_TOKENS = 512
 
 
@@ -117,8 +124,15 @@ def layer_time_factors(values: dict) -> dict[str, float]:
         cfg = TrainConfig()
         for field, value in sizes.items():
             setattr(cfg.model, field, value)
-        costs = action_costs(model_shape(cfg), Layout(), Settings(LAYER_TOKENS, 1), device,
-                             1, first=False, last=False)
+        costs = action_costs(
+            model_shape(cfg),
+            Layout(),
+            Settings(LAYER_TOKENS, 1),
+            device,
+            1,
+            first=False,
+            last=False,
+        )
         factors[family_name] = layer_seconds(family_name) / costs.compute
     return factors
 
@@ -129,10 +143,13 @@ def local_probes() -> dict:
     torch.set_num_threads(1)
     try:
         fp32 = matmul_rate(torch.float32)
-        values = {"matmul_flops": {"fp32": fp32, "bf16": matmul_rate(torch.bfloat16)},
-                  "attention_efficiency": attention_efficiency(fp32),
-                  "memory_bandwidth": memory_bandwidth(), "op_overhead_s": op_overhead(),
-                  "optimizer_s_per_param": optimizer_seconds_per_param()}
+        values = {
+            "matmul_flops": {"fp32": fp32, "bf16": matmul_rate(torch.bfloat16)},
+            "attention_efficiency": attention_efficiency(fp32),
+            "memory_bandwidth": memory_bandwidth(),
+            "op_overhead_s": op_overhead(),
+            "optimizer_s_per_param": optimizer_seconds_per_param(),
+        }
         values["layer_time_factor"] = layer_time_factors(values)
         return values
     finally:
@@ -177,14 +194,17 @@ def comm_probe() -> dict:
     from meshwise.comm import ops
 
     group = ops.world_group(timeout_s=120.0)
-    model = probe(group, Topology.of(tuple(range(group.size)), group.size), large=8 * 2**20,
-                  repeats=7)
+    model = probe(
+        group, Topology.of(tuple(range(group.size)), group.size), large=8 * 2**20, repeats=7
+    )
     link, native = model.links["intra"], model.native
     assert native is not None, "probe measures the native all-reduce"
-    return {"size": group.size,
-            "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte},
-            "all_reduce": {"alpha_s": native.alpha_s, "beta_s_per_byte": native.beta_s_per_byte},
-            "drift": rank_drift(group)}
+    return {
+        "size": group.size,
+        "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte},
+        "all_reduce": {"alpha_s": native.alpha_s, "beta_s_per_byte": native.beta_s_per_byte},
+        "drift": rank_drift(group),
+    }
 
 
 def rank_drift(group, repeats: int = 40) -> float:

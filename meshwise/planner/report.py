@@ -19,36 +19,52 @@ def _seconds(s: float) -> str:
 def header(request) -> list[str]:
     cfg, shape, device = request.cfg, request.shape, request.device
     m = cfg.model.resolved()
-    where = (f"{device.memory_bytes / GIB:.1f} GiB machine, {request.limit / GIB:.2f} GiB "
-             "per rank" if device.memory_per_node else f"{request.limit / GIB:.1f} GiB per device")
-    nodes = (f", {request.world // device.ranks_per_node} node(s) of {device.ranks_per_node}"
-             if device.ranks_per_node > 0 else "")
+    where = (
+        f"{device.memory_bytes / GIB:.1f} GiB machine, {request.limit / GIB:.2f} GiB per rank"
+        if device.memory_per_node
+        else f"{request.limit / GIB:.1f} GiB per device"
+    )
+    nodes = (
+        f", {request.world // device.ranks_per_node} node(s) of {device.ranks_per_node}"
+        if device.ranks_per_node > 0
+        else ""
+    )
     cores = f", {device.cores} cores" if device.cores else ""
-    return [f"model {m.preset if not m.init_from else m.init_from}: {shape.num_params / 1e6:,.1f}M "
-            f"parameters, {shape.n_layer} layers, d_model {shape.d_model}; global batch "
-            f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens, {cfg.runtime.dtype}",
-            f"world {request.world} on {device.name} ({where}{nodes}{cores}); {device.source}"]
+    return [
+        f"model {m.preset if not m.init_from else m.init_from}: {shape.num_params / 1e6:,.1f}M "
+        f"parameters, {shape.n_layer} layers, d_model {shape.d_model}; global batch "
+        f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens, {cfg.runtime.dtype}",
+        f"world {request.world} on {device.name} ({where}{nodes}{cores}); {device.source}",
+    ]
 
 
 def table(request, results: list[Prediction], top: int) -> str:
     """The best ``top`` layouts, one line each, with where memory and time go."""
     lines = header(request)
-    lines.append(f"{len(results)} valid layouts fit; the best {min(top, len(results))}, "
-                 "by predicted tokens/s:")
+    lines.append(
+        f"{len(results)} valid layouts fit; the best {min(top, len(results))}, "
+        "by predicted tokens/s:"
+    )
     width = max([len(p.layout.flags()) for p in results[:top]] + [6])
-    lines.append(f"{'#':>3}  {'layout':<{width}} {'peak mem':>10} {'step':>9} {'tokens/s':>10} "
-                 f"{'MFU':>6}  {'compute':>7} {'bubble':>6} {'comm':>6} {'optim':>6}")
+    lines.append(
+        f"{'#':>3}  {'layout':<{width}} {'peak mem':>10} {'step':>9} {'tokens/s':>10} "
+        f"{'MFU':>6}  {'compute':>7} {'bubble':>6} {'comm':>6} {'optim':>6}"
+    )
     for i, p in enumerate(results[:top], 1):
         t = p.time
         comm = t.tp + t.cp + t.dp
         share = [100 * x / t.step for x in (t.compute, t.bubble, comm, t.optimizer)]
-        lines.append(f"{i:>3}  {p.layout.flags():<{width}} {_bytes(p.memory.total):>10} "
-                     f"{_seconds(t.step):>9} {p.tokens_per_s:>10,.0f} {100 * p.mfu:>5.1f}%  "
-                     + " ".join(f"{s:>6.0f}%" for s in share))
+        lines.append(
+            f"{i:>3}  {p.layout.flags():<{width}} {_bytes(p.memory.total):>10} "
+            f"{_seconds(t.step):>9} {p.tokens_per_s:>10,.0f} {100 * p.mfu:>5.1f}%  "
+            + " ".join(f"{s:>6.0f}%" for s in share)
+        )
     if results:
-        lines.append(f"run the best: meshwise train {results[0].layout.flags()} "
-                     f"--seq-len {request.cfg.data.seq_len} --batch-size "
-                     f"{request.cfg.data.batch_size} ...; --explain LAYOUT for a breakdown")
+        lines.append(
+            f"run the best: meshwise train {results[0].layout.flags()} "
+            f"--seq-len {request.cfg.data.seq_len} --batch-size "
+            f"{request.cfg.data.batch_size} ...; --explain LAYOUT for a breakdown"
+        )
     return "\n".join(lines)
 
 
@@ -59,13 +75,17 @@ def explain(request, layout: Layout) -> str:
     lines = header(request)
     lines.append(f"layout: {layout.flags()}")
     verdict = "fits" if p.fits else "does NOT fit"
-    lines.append(f"peak memory {_bytes(m.total)} on pipeline rank {m.rank} ({verdict} in "
-                 f"{_bytes(request.limit)}); {m.params / 1e6:,.2f}M parameters there, "
-                 f"{m.in_flight} micro-batch(es) of activations kept at once")
+    lines.append(
+        f"peak memory {_bytes(m.total)} on pipeline rank {m.rank} ({verdict} in "
+        f"{_bytes(request.limit)}); {m.params / 1e6:,.2f}M parameters there, "
+        f"{m.in_flight} micro-batch(es) of activations kept at once"
+    )
     for name, value in m.parts().items():
         lines.append(f"  {name:<18} {_bytes(value):>10}  {100 * value / m.total:5.1f}%")
-    lines.append(f"step time {_seconds(t.step)}: {p.tokens_per_s:,.0f} tokens/s, MFU "
-                 f"{100 * p.mfu:.1f}%, pipeline bubble {100 * t.bubble_fraction:.1f}%")
+    lines.append(
+        f"step time {_seconds(t.step)}: {p.tokens_per_s:,.0f} tokens/s, MFU "
+        f"{100 * p.mfu:.1f}%, pipeline bubble {100 * t.bubble_fraction:.1f}%"
+    )
     for name, value in t.parts().items():
         lines.append(f"  {name:<18} {_seconds(value):>10}  {100 * value / t.step:5.1f}%")
     return "\n".join(lines)

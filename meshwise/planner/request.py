@@ -41,11 +41,14 @@ class PlanRequest:
         """One layout's prediction; ValueError (the configuration check's own message) for
         one ``meshwise train`` would refuse, or one of another world."""
         if layout.world_size != self.world:
-            raise ValueError(f"--explain {layout.flags()!r} has dp x cp x tp x pp = "
-                             f"{layout.world_size} ranks, not --world {self.world}")
+            raise ValueError(
+                f"--explain {layout.flags()!r} has dp x cp x tp x pp = "
+                f"{layout.world_size} ranks, not --world {self.world}"
+            )
         layout.apply(self.cfg).validate()
-        return predict(self.shape, layout, settings_of(self.cfg, self.device), self.device,
-                       self.limit)
+        return predict(
+            self.shape, layout, settings_of(self.cfg, self.device), self.device, self.limit
+        )
 
     def run(self) -> list[Prediction]:
         """Every valid layout that fits, best first (NoLayoutFits when none does)."""
@@ -56,9 +59,12 @@ class PlanRequest:
         raise NoLayoutFits(self._what_would_fit(found))
 
     def _what_would_fit(self, found: list[Prediction]) -> str:
-        where = ("per device" if not self.device.memory_per_node
-                 else f"per rank ({self.device.memory_bytes / GIB:.1f} GiB shared by the "
-                      f"machine's ranks)")
+        where = (
+            "per device"
+            if not self.device.memory_per_node
+            else f"per rank ({self.device.memory_bytes / GIB:.1f} GiB shared by the "
+            f"machine's ranks)"
+        )
         if not found:
             probe = Layout(dp=self.world)
             try:
@@ -66,9 +72,11 @@ class PlanRequest:
                 reason = "the batch or the model does not split over it"
             except ValueError as exc:
                 reason = str(exc)
-            return (f"no valid layout of --world {self.world} for this model and batch "
-                    f"({reason}); valid: a world whose ranks the model's heads, layers, "
-                    "sequence and --batch-size divide among")
+            return (
+                f"no valid layout of --world {self.world} for this model and batch "
+                f"({reason}); valid: a world whose ranks the model's heads, layers, "
+                "sequence and --batch-size divide among"
+            )
         least = found[0]
         need_gb = math.ceil(least.memory.total / GIB * 10) / 10  # enough, at 0.1 GiB
         if self.device.memory_per_node:
@@ -78,42 +86,59 @@ class PlanRequest:
             fix = f"--device-memory-gb {need_gb:.1f} or more"
         world = self._smallest_world()
         more = f", or --world {world}" if world else ""
-        return (f"no layout of --world {self.world} fits {self.limit / GIB:.1f} GiB {where}: "
-                f"the least any needs is {least.memory.total / GIB:.2f} GiB "
-                f"({least.layout.flags()}); valid: "
-                f"{fix}{more}")
+        return (
+            f"no layout of --world {self.world} fits {self.limit / GIB:.1f} GiB {where}: "
+            f"the least any needs is {least.memory.total / GIB:.2f} GiB "
+            f"({least.layout.flags()}); valid: "
+            f"{fix}{more}"
+        )
 
     def _smallest_world(self) -> int | None:
         """The smallest multiple of the world (doubling) with a layout that fits, searched
         with the most frugal choices allowed (highest ZeRO stage, most recomputation)."""
         space = self.space
-        frugal = dataclasses.replace(space, zero=space.zero[-1:],
-                                     activation_checkpointing=space.activation_checkpointing[-1:])
+        frugal = dataclasses.replace(
+            space,
+            zero=space.zero[-1:],
+            activation_checkpointing=space.activation_checkpointing[-1:],
+        )
         world = self.world * 2
         while world <= self.world * MAX_WORLD_FACTOR:
-            found = search(self.cfg, self.shape, world, self.device, frugal,
-                           memory_limit(self.device, world))
+            found = search(
+                self.cfg, self.shape, world, self.device, frugal, memory_limit(self.device, world)
+            )
             if any(p.fits for p in found):
                 return world
             world *= 2
         return None
 
 
-def plan_request(cfg: TrainConfig, world: int, device_name: str, space: Space,
-                 memory_gb: float | None = None, nodes: int | None = None,
-                 cache_dir: str | None = None) -> PlanRequest:
+def plan_request(
+    cfg: TrainConfig,
+    world: int,
+    device_name: str,
+    space: Space,
+    memory_gb: float | None = None,
+    nodes: int | None = None,
+    cache_dir: str | None = None,
+) -> PlanRequest:
     """Resolve the device profile for ``world`` ranks over ``nodes`` machines."""
     if world < 1:
         raise ValueError(f"--world must be >= 1, got {world}")
     if memory_gb is not None and memory_gb <= 0:
         raise ValueError(f"--device-memory-gb must be > 0, got {memory_gb:g}")
-    device = device_profile(device_name, Path(cache_dir) if cache_dir else None,
-                            memory_bytes=memory_gb * GIB if memory_gb else None)
+    device = device_profile(
+        device_name,
+        Path(cache_dir) if cache_dir else None,
+        memory_bytes=memory_gb * GIB if memory_gb else None,
+    )
     if nodes is not None:
         if nodes < 1 or world % nodes:
             divisors = [k for k in range(1, world + 1) if world % k == 0]
-            raise ValueError(f"--nodes {nodes} does not divide --world {world}; valid: "
-                             f"{', '.join(map(str, divisors[:12]))}")
+            raise ValueError(
+                f"--nodes {nodes} does not divide --world {world}; valid: "
+                f"{', '.join(map(str, divisors[:12]))}"
+            )
         device = dataclasses.replace(device, ranks_per_node=world // nodes)
     elif device.ranks_per_node > 0:
         device = dataclasses.replace(device, ranks_per_node=min(device.ranks_per_node, world))

@@ -48,20 +48,39 @@ class Prediction:
     fits: bool
 
     def as_json(self) -> dict:
-        return {"layout": self.layout.flags(), "peak_mem_bytes": int(self.memory.total),
-                "step_time_s": self.time.step, "tokens_per_s": self.tokens_per_s,
-                "mfu": self.mfu, "memory": {k: int(v) for k, v in self.memory.parts().items()},
-                "time": self.time.parts(), "bubble_fraction": self.time.bubble_fraction,
-                "micro_batches_in_flight": self.memory.in_flight}
+        return {
+            "layout": self.layout.flags(),
+            "peak_mem_bytes": int(self.memory.total),
+            "step_time_s": self.time.step,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "memory": {k: int(v) for k, v in self.memory.parts().items()},
+            "time": self.time.parts(),
+            "bubble_fraction": self.time.bubble_fraction,
+            "micro_batches_in_flight": self.memory.in_flight,
+        }
 
 
-def predict(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile,
-            memory_limit: float, pipe: Pipeline | None = None) -> Prediction:
+def predict(
+    shape: ModelShape,
+    layout: Layout,
+    st: Settings,
+    device: DeviceProfile,
+    memory_limit: float,
+    pipe: Pipeline | None = None,
+) -> Prediction:
     """Predicted memory and time of one layout (any layout, valid or not); ``pipe``: its
     pipeline part, when already timed (it does not depend on the ZeRO stage)."""
     time, flights = step_time(shape, layout, st, device, pipe)
-    memory = peak_memory(shape, layout, st, flights, device.overhead_bytes,
-                         device.given_gradient_bytes, device.checkpointing_bytes)
+    memory = peak_memory(
+        shape,
+        layout,
+        st,
+        flights,
+        device.overhead_bytes,
+        device.given_gradient_bytes,
+        device.checkpointing_bytes,
+    )
     tokens = st.batch_size * st.seq_len / time.step
     peak = device.peak_flops.get(st.dtype) or device.matmul_rate(st.dtype)
     mfu = shape.model_flops_per_token(st.seq_len) * tokens / (_peak_units(device, layout) * peak)
@@ -85,8 +104,14 @@ def memory_limit(device: DeviceProfile, world: int) -> float:
     return device.memory_bytes / local
 
 
-def search(cfg: TrainConfig, shape: ModelShape, world: int, device: DeviceProfile,
-           space: Space, limit: float) -> list[Prediction]:
+def search(
+    cfg: TrainConfig,
+    shape: ModelShape,
+    world: int,
+    device: DeviceProfile,
+    space: Space,
+    limit: float,
+) -> list[Prediction]:
     """Every valid layout of ``world`` ranks with its prediction, best first, then those over
     ``limit`` bytes per rank, least memory first. Pipelines are simulated at coarse costs
     (one significant digit, so thousands of layouts share a few); the best ``REFINED`` exactly.
@@ -101,8 +126,7 @@ def search(cfg: TrainConfig, shape: ModelShape, world: int, device: DeviceProfil
         for mode in modes:
             base = _replace(structure, activation_checkpointing=mode)
             pipe = _pipe(shape, base, st, device)
-            found = [predict(shape, _replace(base, zero=z), st, device, limit, pipe)
-                     for z in zeros]
+            found = [predict(shape, _replace(base, zero=z), st, device, limit, pipe) for z in zeros]
             for p in found:
                 (fitting if p.fits else over).append(p)
             # more recomputation would only be slower where this mode fits
@@ -140,15 +164,15 @@ def _pipe(shape: ModelShape, structure: Layout, st: Settings, device: DeviceProf
     return _pipe_cached(shape, structure, st, id(device))
 
 
-
 def _valid_choices(cfg: TrainConfig, space: Space) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The ZeRO stages and checkpointing modes of the space that the configuration check
     accepts. The check has no rule that ties either to the axes, so each is checked once
     (tests/unit/test_planner.py validates every layout listed: a rule that ties them
     later fails there)."""
     zeros = tuple(z for z in space.zero if _valid(cfg, Layout(zero=z)))
-    modes = tuple(m for m in space.activation_checkpointing
-                  if _valid(cfg, Layout(activation_checkpointing=m)))
+    modes = tuple(
+        m for m in space.activation_checkpointing if _valid(cfg, Layout(activation_checkpointing=m))
+    )
     return zeros, modes
 
 
@@ -158,9 +182,13 @@ def settings_of(cfg: TrainConfig, device: DeviceProfile) -> Settings:
     dtype = cfg.runtime.dtype
     if dtype == "auto":
         dtype = "fp32" if device.name == "cpu" else "bf16"
-    return Settings(seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size, dtype=dtype,
-                    grad_reduce_dtype=cfg.runtime.grad_reduce_dtype,
-                    bucket_mb=cfg.comm.bucket_mb)
+    return Settings(
+        seq_len=cfg.data.seq_len,
+        batch_size=cfg.data.batch_size,
+        dtype=dtype,
+        grad_reduce_dtype=cfg.runtime.grad_reduce_dtype,
+        bucket_mb=cfg.comm.bucket_mb,
+    )
 
 
 def _replace(layout: Layout, **changes) -> Layout:
@@ -186,7 +214,7 @@ def _structures(cfg: TrainConfig, world: int, space: Space):
         per_dp = cfg.data.batch_size // dp if cfg.data.batch_size % dp == 0 else 0
         if not per_dp:
             continue
-        for sp in ((False, True) if tp > 1 else (False,)):
+        for sp in (False, True) if tp > 1 else (False,):
             base = Layout(dp=dp, cp=cp, tp=tp, pp=pp, sp=sp, compress=space.compress)
             for layout in _pipelines(base, per_dp, space, cfg.model.resolved().n_layer):
                 if _valid(cfg, layout):
@@ -201,8 +229,11 @@ def _pipelines(base: Layout, per_dp: int, space: Space, n_layer: int):
         return
     counts = [m for m in _divisors(per_dp) if m >= base.pp] or [per_dp]
     for kind in space.schedules:
-        chunks = {"interleaved-1f1b": [v for v in (2, 3, 4) if n_layer % (base.pp * v) == 0],
-                  "zbv": [2], "dualpipev": [2]}.get(kind, [1])
+        chunks = {
+            "interleaved-1f1b": [v for v in (2, 3, 4) if n_layer % (base.pp * v) == 0],
+            "zbv": [2],
+            "dualpipev": [2],
+        }.get(kind, [1])
         for v in chunks:
             for m in _spread(counts):
                 yield _replace(base, schedule=kind, virtual_stages=v, micro_batches=m)

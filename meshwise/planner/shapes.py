@@ -40,9 +40,13 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         """Parameters of the whole model (a tied head counted once)."""
-        return (self.n_layer * (self.layer_split + self.layer_replicated) + self.embed_split
-                + self.embed_replicated + self.final_replicated
-                + (0 if self.tied else self.head_split))
+        return (
+            self.n_layer * (self.layer_split + self.layer_replicated)
+            + self.embed_split
+            + self.embed_replicated
+            + self.final_replicated
+            + (0 if self.tied else self.head_split)
+        )
 
     @property
     def q_width(self) -> int:
@@ -55,8 +59,10 @@ class ModelShape:
     def model_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per token of a training step, by ``meshwise.train.flops``'s
         convention (6 per matmul weight, the head included; attention's 12 L d T)."""
-        return 6.0 * (self.n_layer * self.layer_matmul + self.head_split) + \
-            12.0 * self.n_layer * self.d_model * seq_len
+        return (
+            6.0 * (self.n_layer * self.layer_matmul + self.head_split)
+            + 12.0 * self.n_layer * self.d_model * seq_len
+        )
 
 
 def model_shape(cfg: TrainConfig) -> ModelShape:
@@ -88,16 +94,23 @@ def _shape(items: tuple) -> ModelShape:
     with on_meta():
         model = fam.build(one)
     layers = getattr(model, plan.layers)
-    (layer_key, layer), = layers.items()
-    counts = {"layer_split": 0, "layer_replicated": 0, "embed_split": 0, "embed_replicated": 0,
-              "final_replicated": 0, "head_split": 0}
+    ((layer_key, layer),) = layers.items()
+    counts = {
+        "layer_split": 0,
+        "layer_replicated": 0,
+        "embed_split": 0,
+        "embed_replicated": 0,
+        "final_replicated": 0,
+        "head_split": 0,
+    }
     tied = bool(plan.ties)
     seen = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         module, _, kind = name.rpartition(".")
         style = plan.tp_style(module)
         split = style in ("colwise", "vocab_embedding", "vocab_head") or (
-            style == "rowwise" and kind == "weight")
+            style == "rowwise" and kind == "weight"
+        )
         if name.startswith(f"{plan.layers}."):
             where = "layer"
         elif any(name.startswith(m + ".") for m in plan.first_stage):
@@ -111,7 +124,15 @@ def _shape(items: tuple) -> ModelShape:
         counts[key] += param.numel()
     head_dim = getattr(full, "head_dim", full.d_model // full.n_head)
     return ModelShape(
-        family=sizes["family"], n_layer=full.n_layer, d_model=full.d_model, n_head=full.n_head,
-        n_kv_head=getattr(full, "n_kv_head", full.n_head), head_dim=head_dim,
-        ffn=getattr(full, "ffn_hidden_size", 4 * full.d_model), vocab=full.vocab_size,
-        tied=tied, layer_matmul=matmul_params(layer), **counts)
+        family=sizes["family"],
+        n_layer=full.n_layer,
+        d_model=full.d_model,
+        n_head=full.n_head,
+        n_kv_head=getattr(full, "n_kv_head", full.n_head),
+        head_dim=head_dim,
+        ffn=getattr(full, "ffn_hidden_size", 4 * full.d_model),
+        vocab=full.vocab_size,
+        tied=tied,
+        layer_matmul=matmul_params(layer),
+        **counts,
+    )

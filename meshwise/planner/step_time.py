@@ -36,13 +36,27 @@ class TimeBreakdown:
         return self.compute + self.bubble + self.tp + self.cp + self.dp + self.optimizer
 
     def parts(self) -> dict[str, float]:
-        return {"compute": self.compute, "pipeline bubble": self.bubble, "tp comm": self.tp,
-                "cp comm": self.cp, "dp comm": self.dp, "optimizer": self.optimizer}
+        return {
+            "compute": self.compute,
+            "pipeline bubble": self.bubble,
+            "tp comm": self.tp,
+            "cp comm": self.cp,
+            "dp comm": self.dp,
+            "optimizer": self.optimizer,
+        }
 
 
 @functools.lru_cache(maxsize=4096)
-def simulated(kind: str, stages: int, micro_batches: int, virtual: int, forward: float,
-              backward: float, weights: float, latency: float):
+def simulated(
+    kind: str,
+    stages: int,
+    micro_batches: int,
+    virtual: int,
+    forward: float,
+    backward: float,
+    weights: float,
+    latency: float,
+):
     """(step time, peak micro-batches in flight per rank) of a schedule, cached across ZeRO
     stages and dp. Past ``SIMULATED_ROUNDS`` x pp micro-batches each further one adds a forward
     and a backward per rank and no kept activation (GPipe keeps them all): simulated there,
@@ -51,8 +65,14 @@ def simulated(kind: str, stages: int, micro_batches: int, virtual: int, forward:
     from meshwise.pipeline.simulator import simulate
 
     simulated_m = min(micro_batches, SIMULATED_ROUNDS * stages)
-    timeline = simulate(_schedule(kind, stages, simulated_m, virtual), forward, backward,
-                        weights, latency, check=False)
+    timeline = simulate(
+        _schedule(kind, stages, simulated_m, virtual),
+        forward,
+        backward,
+        weights,
+        latency,
+        check=False,
+    )
     extra = (micro_batches - simulated_m) * (forward + backward + weights)
     flights = tuple(timeline.peak_in_flight)
     if kind == "gpipe":
@@ -83,8 +103,18 @@ def in_flight(layout: Layout) -> list[int]:
     unit costs."""
     if layout.pp == 1:
         return [1]
-    return list(simulated(layout.schedule, layout.pp, layout.micro_batches,
-                          layout.virtual_stages, 1.0, 1.0, 1.0, 0.0)[1])
+    return list(
+        simulated(
+            layout.schedule,
+            layout.pp,
+            layout.micro_batches,
+            layout.virtual_stages,
+            1.0,
+            1.0,
+            1.0,
+            0.0,
+        )[1]
+    )
 
 
 @dataclass
@@ -101,14 +131,17 @@ class Pipeline:
     exact: bool
 
 
-def pipeline(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile,
-             exact: bool = True) -> Pipeline:
+def pipeline(
+    shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile, exact: bool = True
+) -> Pipeline:
     """Simulated with the costs rounded to 2 significant digits (``exact``), else to 1 (a
     first ranking of many layouts; the best are timed again exactly)."""
     ranks = list({rank_params(shape, layout, r) for r in range(layout.pp)})
     layers = shape.n_layer // layout.pp
-    per_rank = [action_costs(shape, layout, st, device, layers, first > 0, last > 0)
-                for _, first, last in ranks]
+    per_rank = [
+        action_costs(shape, layout, st, device, layers, first > 0, last > 0)
+        for _, first, last in ranks
+    ]
     worst = max(per_rank, key=lambda c: c.compute + c.tp + c.cp)
     m = layout.micro_batches * layout.grad_accum
     share = _core_share(layout, device)
@@ -118,15 +151,23 @@ def pipeline(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProf
     n = micro_batch_tokens(layout, st)
     # a stage's output; under sequence parallelism each tp rank holds, and sends, its slice
     message = n * shape.d_model * DTYPE_BYTES[st.dtype] // (layout.tp if layout.sp else 1)
-    latency = p2p_s(device, message,
-                    link_kind(layout.tp * layout.cp, layout.pp, device.ranks_per_node))
+    latency = p2p_s(
+        device, message, link_kind(layout.tp * layout.cp, layout.pp, device.ranks_per_node)
+    )
     scale = worst.forward + worst.tp / 2 + worst.cp / 3
     backward = (worst.backward + worst.tp / 2 + 2 * worst.cp / 3) / scale
     weights = worst.weights / scale
     if exact:
-        sim_step, flights = simulated(layout.schedule, layout.pp, layout.micro_batches,
-                                      layout.virtual_stages, 1.0, _round(backward),
-                                      _round(weights), _round(latency / scale))
+        sim_step, flights = simulated(
+            layout.schedule,
+            layout.pp,
+            layout.micro_batches,
+            layout.virtual_stages,
+            1.0,
+            _round(backward),
+            _round(weights),
+            _round(latency / scale),
+        )
     else:
         sim_step, flights = _coarse(layout, backward, weights, latency / scale)
     # Ranks sharing cores: a pipeline's idle ranks leave theirs to the others.
@@ -137,8 +178,7 @@ def pipeline(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProf
     # drifted behind, which the simulator's exact costs do not see.
     stages = layout.pp * layout.virtual_stages
     receives = 2 * m * layout.virtual_stages * (stages - 1) / stages
-    seconds += sync_wait_s(device, 2, receives, m * worst.compute * share,
-                           layout.world_size)
+    seconds += sync_wait_s(device, 2, receives, m * worst.compute * share, layout.world_size)
     return Pipeline(worst, m, share, seconds, list(flights), ranks, exact)
 
 
@@ -146,16 +186,23 @@ def _coarse(layout: Layout, backward: float, weights: float, latency: float):
     """A first estimate for ranking many layouts: the schedule's bubble at unit costs
     (simulated once per schedule shape) applied to these costs, each message's latency on
     the way down and back up (2 (S - 1) of them)."""
-    unit_step, flights = simulated(layout.schedule, layout.pp, layout.micro_batches,
-                                   layout.virtual_stages, 1.0, 1.0, 1.0, 0.0)
+    unit_step, flights = simulated(
+        layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages, 1.0, 1.0, 1.0, 0.0
+    )
     work = layout.micro_batches * 3.0
     per_micro_batch = 1.0 + backward + weights
-    return (unit_step / work * layout.micro_batches * per_micro_batch
-            + 2 * (layout.pp - 1) * latency), flights
+    return (
+        unit_step / work * layout.micro_batches * per_micro_batch + 2 * (layout.pp - 1) * latency
+    ), flights
 
 
-def step_time(shape: ModelShape, layout: Layout, st: Settings, device: DeviceProfile,
-              pipe: Pipeline | None = None) -> tuple[TimeBreakdown, list[int]]:
+def step_time(
+    shape: ModelShape,
+    layout: Layout,
+    st: Settings,
+    device: DeviceProfile,
+    pipe: Pipeline | None = None,
+) -> tuple[TimeBreakdown, list[int]]:
     """The slowest rank's step, and the micro-batches each pipeline rank keeps."""
     pipe = pipe or pipeline(shape, layout, st, device)
     w, m = pipe.worst, pipe.micro_steps
@@ -163,8 +210,15 @@ def step_time(shape: ModelShape, layout: Layout, st: Settings, device: DevicePro
     bubble = max(0.0, pipe.seconds - compute - m * (w.tp + w.cp))
     dp = _dp_exposed(shape, layout, st, device, pipe.ranks, m * (w.backward + w.weights))
     optimizer = _optimizer_s(layout, st, device, pipe.ranks) * pipe.share
-    breakdown = TimeBreakdown(compute, bubble, m * w.tp, m * w.cp, dp, optimizer,
-                              bubble / pipe.seconds if pipe.seconds > 0 else 0.0)
+    breakdown = TimeBreakdown(
+        compute,
+        bubble,
+        m * w.tp,
+        m * w.cp,
+        dp,
+        optimizer,
+        bubble / pipe.seconds if pipe.seconds > 0 else 0.0,
+    )
     return breakdown, pipe.flights
 
 
@@ -172,14 +226,18 @@ def _core_share(layout: Layout, device: DeviceProfile) -> float:
     """How much slower a rank computes because its machine's ranks share the cores."""
     if device.cores is None:
         return 1.0
-    local = layout.world_size if device.ranks_per_node <= 0 else min(
-        layout.world_size, device.ranks_per_node)
+    local = (
+        layout.world_size
+        if device.ranks_per_node <= 0
+        else min(layout.world_size, device.ranks_per_node)
+    )
     threads = max(1, device.cores // local)  # what meshwise.cli.launch gives each rank
     return 1.0 / min(threads, device.cores / local)
 
 
-def _dp_exposed(shape, layout: Layout, st: Settings, device: DeviceProfile, ranks,
-                backward_s: float) -> float:
+def _dp_exposed(
+    shape, layout: Layout, st: Settings, device: DeviceProfile, ranks, backward_s: float
+) -> float:
     """Exposed seconds of the gradient (and ZeRO parameter) collectives over dp x cp."""
     n = layout.dp * layout.cp
     if n == 1:
@@ -223,8 +281,11 @@ def _dp_exposed(shape, layout: Layout, st: Settings, device: DeviceProfile, rank
     tail = coll("all_reduce", min(grad_bytes, st.bucket_mb * 2**20))
     if z == 3 and layout.pp == 1:
         root = max(first + last for _, first, last in ranks)
-        tail = max(tail, coll("all_gather", root * a)
-                   + coll("reduce_scatter", grad_bytes * root / max(params, 1)))
+        tail = max(
+            tail,
+            coll("all_gather", root * a)
+            + coll("reduce_scatter", grad_bytes * root / max(params, 1)),
+        )
     window = backward_s * (1.5 if z == 3 else 1.0)
     # what is hidden still slows the compute it runs beside
     return max(tail, total - window) + device.overlap_slowdown * min(total, window)

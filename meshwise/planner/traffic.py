@@ -15,16 +15,22 @@ from meshwise.planner.shapes import ModelShape
 # d_model. "recompute": what selective and full checkpointing add to the backward (the
 # element-wise forward again). Counted in torch 2.13.
 LAYER_TRAFFIC: dict[tuple[str, str], dict[str, tuple[float, ...]]] = {
-    ("llama", "bf16"): {"forward": (84.0, 20.5, 20.7, 10.3),
-                        "backward": (222.0, 24.5, 24.7, 24.3),
-                        "recompute": (78.0, 20.6, 20.7, 10.4)},
-    ("llama", "fp32"): {"forward": (80.0, 41.0, 41.3, 20.6),
-                        "backward": (252.0, 49.0, 49.3, 48.6),
-                        "recompute": (68.0, 41.0, 41.4, 20.6)},
-    ("gpt", "bf16"): {"forward": (20.0, 16.0), "backward": (28.0, 62.0),
-                      "recompute": (14.0, 16.1)},
-    ("gpt", "fp32"): {"forward": (40.0, 32.1), "backward": (56.0, 124.1),
-                      "recompute": (28.0, 32.0)},
+    ("llama", "bf16"): {
+        "forward": (84.0, 20.5, 20.7, 10.3),
+        "backward": (222.0, 24.5, 24.7, 24.3),
+        "recompute": (78.0, 20.6, 20.7, 10.4),
+    },
+    ("llama", "fp32"): {
+        "forward": (80.0, 41.0, 41.3, 20.6),
+        "backward": (252.0, 49.0, 49.3, 48.6),
+        "recompute": (68.0, 41.0, 41.4, 20.6),
+    },
+    ("gpt", "bf16"): {"forward": (20.0, 16.0), "backward": (28.0, 62.0), "recompute": (14.0, 16.1)},
+    ("gpt", "fp32"): {
+        "forward": (40.0, 32.1),
+        "backward": (56.0, 124.1),
+        "recompute": (28.0, 32.0),
+    },
 }
 # The loss over the vocabulary, bytes per logit: the logits cast to fp32, log-softmax,
 # the picked log-probabilities, and their gradients (vocab_parallel_cross_entropy).
@@ -48,8 +54,9 @@ def layer_traffic(shape: ModelShape, layout: Layout, dtype: str) -> dict[str, fl
         if len(c) == 2:  # GPT: both regions scale with d_model
             out[phase] = c[0] * d / s + c[1] * d / t
         else:
-            out[phase] = (c[0] * d / s + (c[1] * shape.q_width + c[2] * shape.kv_width
-                                          + c[3] * shape.ffn) / t)
+            out[phase] = (
+                c[0] * d / s + (c[1] * shape.q_width + c[2] * shape.kv_width + c[3] * shape.ffn) / t
+            )
     return out
 
 

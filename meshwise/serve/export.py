@@ -24,8 +24,9 @@ FORMATS = ("safetensors", "hf")
 log = logging.getLogger("meshwise")
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
-                      fmt: str = "safetensors") -> Path:
+def export_checkpoint(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str = "safetensors"
+) -> Path:
     """Write ``checkpoint``'s model to the new directory ``out`` in format ``fmt``
     (``FORMATS``); ``ValueError`` names what cannot be done."""
     if fmt not in FORMATS:
@@ -44,15 +45,22 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
         tensors, config = _to_gpt2(tensors, cfg), _gpt2_config(cfg)
     else:
         tied = family == "gpt" or cfg.tie_embeddings
-        config = {"architecture": f"meshwise-{family}", **ckpt.meta["model"],
-                  "tied_embeddings": tied, "step": ckpt.step}
+        config = {
+            "architecture": f"meshwise-{family}",
+            **ckpt.meta["model"],
+            "tied_embeddings": tied,
+            "step": ckpt.step,
+        }
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(tmp / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if fmt == "hf":
         _copy_tokenizer(ckpt, tmp)
@@ -73,8 +81,11 @@ def _copy_tokenizer(ckpt, out: Path) -> None:
         return
     tokenizer = load_unchanged(path, digest)
     if tokenizer is None:
-        log.warning("meshwise export: the tokenizer %s is gone or changed since training; "
-                    "copy it into the export yourself", path)
+        log.warning(
+            "meshwise export: the tokenizer %s is gone or changed since training; "
+            "copy it into the export yourself",
+            path,
+        )
         return
     if tokenizer.path is None:  # byte-level: no file to copy
         return
@@ -90,10 +101,12 @@ def _copy_tokenizer(ckpt, out: Path) -> None:
 
 def _to_gpt2(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     hd = cfg.d_model // cfg.n_head
-    out = {"transformer.wte.weight": tensors["wte.weight"],
-           "transformer.wpe.weight": tensors["wpe.weight"],
-           "transformer.ln_f.weight": tensors["ln_f.weight"],
-           "transformer.ln_f.bias": tensors["ln_f.bias"]}
+    out = {
+        "transformer.wte.weight": tensors["wte.weight"],
+        "transformer.wpe.weight": tensors["wpe.weight"],
+        "transformer.ln_f.weight": tensors["ln_f.weight"],
+        "transformer.ln_f.bias": tensors["ln_f.bias"],
+    }
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
         # Our QKV rows are (n_head, 3, hd); GPT-2's c_attn columns are (3, n_head, hd).
@@ -104,8 +117,11 @@ def _to_gpt2(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
         for mine, gpt2 in (("ln1", "ln_1"), ("ln2", "ln_2")):
             out[theirs + gpt2 + ".weight"] = tensors[ours + mine + ".weight"]
             out[theirs + gpt2 + ".bias"] = tensors[ours + mine + ".bias"]
-        for mine, gpt2 in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
-                           ("mlp.proj", "mlp.c_proj")):
+        for mine, gpt2 in (
+            ("attn.proj", "attn.c_proj"),
+            ("mlp.fc", "mlp.c_fc"),
+            ("mlp.proj", "mlp.c_proj"),
+        ):
             # Conv1D keeps its weight as (in, out), the transpose of ours.
             out[theirs + gpt2 + ".weight"] = tensors[ours + mine + ".weight"].t()
             out[theirs + gpt2 + ".bias"] = tensors[ours + mine + ".bias"]
@@ -113,10 +129,23 @@ def _to_gpt2(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
 
 
 def _gpt2_config(cfg) -> dict:
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
-            "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-            "n_inner": 4 * cfg.d_model, "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0, "tie_word_embeddings": True, "torch_dtype": "float32",
-            "bos_token_id": 0, "eos_token_id": 0}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": 4 * cfg.d_model,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }

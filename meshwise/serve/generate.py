@@ -17,10 +17,17 @@ from meshwise.models.kv_cache import LayerCache
 from meshwise.serve.model import load_model, model_config
 
 
-def continue_prompt(checkpoint: str | os.PathLike, prompt_text: str, max_new_tokens: int,
-                    temperature: float = 0.8, top_k: int = 0, seed: int = 0,
-                    tokenizer_path: str | None = None, chat: bool = False,
-                    chat_template: str | None = None) -> str:
+def continue_prompt(
+    checkpoint: str | os.PathLike,
+    prompt_text: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    seed: int = 0,
+    tokenizer_path: str | None = None,
+    chat: bool = False,
+    chat_template: str | None = None,
+) -> str:
     """The text ``checkpoint``'s model generates after ``prompt_text``, encoded and
     decoded with the tokenizer it was trained with (``tokenizer_path``: a copy of
     it, when it has moved). ``chat``: ``prompt_text`` is a user's message, rendered
@@ -32,20 +39,26 @@ def continue_prompt(checkpoint: str | os.PathLike, prompt_text: str, max_new_tok
     tokenizer = checkpoint_tokenizer(data, tokenizer_path)
     vocab_size = cfg.vocab_size
     if tokenizer.kind == ByteTokenizer.kind and vocab_size != tokenizer.vocab_size:
-        raise ValueError(f"the checkpoint's vocabulary has {vocab_size} tokens and it names no "
-                         "tokenizer; --prompt text would be encoded byte-level (256): pass "
-                         "--tokenizer PATH")
+        raise ValueError(
+            f"the checkpoint's vocabulary has {vocab_size} tokens and it names no "
+            "tokenizer; --prompt text would be encoded byte-level (256): pass "
+            "--tokenizer PATH"
+        )
     if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"--tokenizer {tokenizer.describe()} has more tokens than the "
-                         f"checkpoint's vocabulary of {vocab_size}")
+        raise ValueError(
+            f"--tokenizer {tokenizer.describe()} has more tokens than the "
+            f"checkpoint's vocabulary of {vocab_size}"
+        )
     prompt, end = tokenizer.encode(prompt_text), None
     if chat:
         template = chat_template_of(data, chat_template, tokenizer)
-        prompt, end = generation_prompt(template, tokenizer,
-                                        [{"role": "user", "content": prompt_text}])
+        prompt, end = generation_prompt(
+            template, tokenizer, [{"role": "user", "content": prompt_text}]
+        )
     if not prompt or len(prompt) >= cfg.block_size:
-        raise ValueError(f"--prompt is {len(prompt)} tokens; the model's context holds 1 to "
-                         f"{cfg.block_size - 1}")
+        raise ValueError(
+            f"--prompt is {len(prompt)} tokens; the model's context holds 1 to {cfg.block_size - 1}"
+        )
 
     def ended(tokens: list[int]) -> bool:
         if not end:
@@ -63,9 +76,11 @@ def chat_template_of(data: dict, name: str | None, tokenizer: Tokenizer) -> Chat
     recorded, digest = data.get("chat_template"), data.get("chat_template_digest")
     template = load_template(name or recorded, tokenizer.path)
     if name is None and digest and template.digest != digest:
-        raise ValueError(f"the chat template {template.name} changed since the model was "
-                         f"fine-tuned with it (digest {template.digest}, then {digest}); pass "
-                         "--chat-template to the one it was trained with")
+        raise ValueError(
+            f"the chat template {template.name} changed since the model was "
+            f"fine-tuned with it (digest {template.digest}, then {digest}); pass "
+            "--chat-template to the one it was trained with"
+        )
     return template
 
 
@@ -78,27 +93,40 @@ def checkpoint_tokenizer(data: dict, flag: str | None) -> Tokenizer:
     if flag:
         tokenizer = load_tokenizer(flag)
         if digest and tokenizer.digest != digest:
-            raise ValueError(f"--tokenizer {tokenizer.describe()} is not the tokenizer the "
-                             f"checkpoint was trained with: {path} (digest {digest})")
+            raise ValueError(
+                f"--tokenizer {tokenizer.describe()} is not the tokenizer the "
+                f"checkpoint was trained with: {path} (digest {digest})"
+            )
         return tokenizer
     if not path:
         return ByteTokenizer()
     try:
         tokenizer = load_tokenizer(path)
     except ValueError:
-        raise ValueError(f"the checkpoint was trained with the tokenizer {path} (digest "
-                         f"{digest}), which cannot be read there; pass --tokenizer PATH to a "
-                         "copy of it") from None
+        raise ValueError(
+            f"the checkpoint was trained with the tokenizer {path} (digest "
+            f"{digest}), which cannot be read there; pass --tokenizer PATH to a "
+            "copy of it"
+        ) from None
     if tokenizer.digest != digest:
-        raise ValueError(f"the tokenizer {path} changed since the checkpoint was trained with "
-                         f"it (digest {tokenizer.digest}, then {digest}); pass --tokenizer PATH "
-                         "to the one it was trained with")
+        raise ValueError(
+            f"the tokenizer {path} changed since the checkpoint was trained with "
+            f"it (digest {tokenizer.digest}, then {digest}); pass --tokenizer PATH "
+            "to the one it was trained with"
+        )
     return tokenizer
 
 
 @torch.no_grad()
-def generate(model, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 0, seed: int = 0, stop=None) -> list[int]:
+def generate(
+    model,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    seed: int = 0,
+    stop=None,
+) -> list[int]:
     """New tokens after ``prompt`` (stops when the model's context is full, or when
     ``stop(tokens so far)`` says so)."""
     gen = torch.Generator().manual_seed(seed)
@@ -114,8 +142,11 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float =
             return out
         inputs = torch.tensor([[token]])  # (1, 1): the cache holds the rest
     if budget < max_new_tokens:
-        print(f"meshwise generate: stopped after {budget} tokens: the model's context of "
-              f"{model.cfg.block_size} is full", file=sys.stderr)
+        print(
+            f"meshwise generate: stopped after {budget} tokens: the model's context of "
+            f"{model.cfg.block_size} is full",
+            file=sys.stderr,
+        )
     return out
 
 

@@ -28,10 +28,18 @@ class AdamWConfig:
 
 
 @torch.no_grad()
-def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor],
-                 exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], step: int,
-                 lr: float, cfg: AdamWConfig, weight_decay: float | None = None,
-                 grad_scale=1.0, skip: torch.Tensor | None = None) -> None:
+def adamw_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step: int,
+    lr: float,
+    cfg: AdamWConfig,
+    weight_decay: float | None = None,
+    grad_scale=1.0,
+    skip: torch.Tensor | None = None,
+) -> None:
     """One AdamW step in place on each ``params[i]`` (all of one dtype and device),
     gradients times ``grad_scale`` (a number or a 0-dim tensor on the device: the
     clipping factor). ``step`` is 1-based; ``weight_decay`` overrides ``cfg``'s.
@@ -58,14 +66,26 @@ def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     found_inf = None if skip is None else skip.to(device=device, dtype=torch.float32)
     # The functional API counts steps in tensors, adding one before the update (and
     # taking ``found_inf`` off after it): fresh ones, one per tensor, at ``step - 1``.
-    steps = list(torch.full((len(params),), step - 1, dtype=torch.float32,
-                            device=device).unbind())
+    steps = list(torch.full((len(params),), step - 1, dtype=torch.float32, device=device).unbind())
     beta1, beta2 = cfg.betas
-    _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True,
-                 grad_scale=unscale, found_inf=found_inf, amsgrad=False, beta1=beta1,
-                 beta2=beta2, lr=lr,
-                 weight_decay=cfg.weight_decay if weight_decay is None else weight_decay,
-                 eps=cfg.eps, maximize=False)
+    _torch_adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        fused=True,
+        grad_scale=unscale,
+        found_inf=found_inf,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=lr,
+        weight_decay=cfg.weight_decay if weight_decay is None else weight_decay,
+        eps=cfg.eps,
+        maximize=False,
+    )
 
 
 def decays(name: str, param: torch.Tensor) -> bool:

@@ -30,8 +30,10 @@ def values_of(named_params: Iterable[tuple[str, torch.Tensor]]) -> Values:
     params = dict(named_params)
     for name, p in params.items():
         if p.device.type == "meta":
-            raise ValueError(f"parameter {name} is on the meta device: pass the values to "
-                             "materialise it from (see meshwise.apply.parallelize)")
+            raise ValueError(
+                f"parameter {name} is on the meta device: pass the values to "
+                "materialise it from (see meshwise.apply.parallelize)"
+            )
 
     def read(name: str, start: int, end: int) -> torch.Tensor:
         return params[name].detach().reshape(-1)[start:end]
@@ -64,8 +66,10 @@ def rebind(param: nn.Parameter, storage: torch.Tensor, owners) -> nn.Parameter:
         param.data = storage
         return param
     if not owners.get(id(param)):
-        raise ValueError("a parameter on another device or dtype than its engine buffer must "
-                         "be reached through the modules given to the engine")
+        raise ValueError(
+            "a parameter on another device or dtype than its engine buffer must "
+            "be reached through the modules given to the engine"
+        )
     new = nn.Parameter(storage, requires_grad=param.requires_grad)
     new.__dict__.update(param.__dict__)  # tensor-parallel marks and the like
     for module, attr in owners[id(param)]:
@@ -112,8 +116,9 @@ class BufferPool:
         self._free[(base.dtype, str(base.device))].append(base)
 
 
-def cut_into_units(model: nn.Module, units: list[nn.Module] | None,
-                   cap_bytes: float | None = None, alone=()):
+def cut_into_units(
+    model: nn.Module, units: list[nn.Module] | None, cap_bytes: float | None = None, alone=()
+):
     """Cut ``model``'s trainable parameters into units, which own them from then on (they
     are unregistered from their modules).
 
@@ -133,8 +138,12 @@ def cut_into_units(model: nn.Module, units: list[nn.Module] | None,
         last = merged[-1] if merged else None
         mergeable = last is not None and module not in alone and last[1][-1] not in alone
         if last is not None and mergeable and cap_bytes and last[3] + size <= cap_bytes:
-            last[0], last[1], last[2], last[3] = (f"{last[0]}+{name}", last[1] + [module],
-                                                  last[2] + params, last[3] + size)
+            last[0], last[1], last[2], last[3] = (
+                f"{last[0]}+{name}",
+                last[1] + [module],
+                last[2] + params,
+                last[3] + size,
+            )
         else:
             merged.append([name, [module], params, size])
     return [(name, modules, params) for name, modules, params, _ in merged], groups[-1]
@@ -148,9 +157,12 @@ def _resolve_layers(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
         if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) and len(blocks) > 0:
             units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
         else:
-            warnings.warn(f"{type(model).__name__} has no `blocks`: ZeRO-3 treats the whole "
-                          "model as one unit, so every parameter is gathered at once; pass "
-                          "`units` to shard the peak", stacklevel=4)
+            warnings.warn(
+                f"{type(model).__name__} has no `blocks`: ZeRO-3 treats the whole "
+                "model as one unit, so every parameter is gathered at once; pass "
+                "`units` to shard the peak",
+                stacklevel=4,
+            )
             return []
     resolved = []
     for module in units:
@@ -174,8 +186,10 @@ def _assign_params(model: nn.Module, unit_modules: list[nn.Module]) -> list[list
             continue  # frozen parameters stay ordinary, unsharded parameters
         held_by = {unit_of.get(id(module), len(unit_modules)) for module, _ in owners[id(p)]}
         if len(held_by) > 1:
-            raise ValueError(f"parameter {name!r} is shared by several units; "
-                             "tied parameters must live in one unit")
+            raise ValueError(
+                f"parameter {name!r} is shared by several units; "
+                "tied parameters must live in one unit"
+            )
         groups[held_by.pop()].append((name, p, owners[id(p)]))
     # Only once everything is validated: the units' flat buffers now own them.
     for _, _, held in (param for group in groups for param in group):
@@ -197,9 +211,11 @@ def tie_groups(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, ops
     for i, (name, param) in enumerate(named):
         tied, group = cross_stage_tie(param)
         if tied and group is None:
-            raise ValueError(f"{name} is tied to a parameter on another pipeline stage, but "
-                             "parallelize was given no group to sum their gradients over; "
-                             "pass mesh= (or tie_group=mesh.tie_group) to parallelize")
+            raise ValueError(
+                f"{name} is tied to a parameter on another pipeline stage, but "
+                "parallelize was given no group to sum their gradients over; "
+                "pass mesh= (or tie_group=mesh.tie_group) to parallelize"
+            )
         if tied:
             out.append((i, cast(ops.Group, group)))  # the mesh's group parallelize attached
     return out

@@ -57,11 +57,22 @@ class ZeroOptimizer(EngineBase):
     line up with a tied partner's on another stage (``tie_grad``).
     """
 
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group, stage: int,
-                 adamw: AdamWConfig, bucket_cap_mb: float = 25.0, *,
-                 precision: Precision | None = None, modules: list[nn.Module] | None = None,
-                 values=None, device=None, grad_reducer=None, reduce_once: bool = False,
-                 own_buckets=()):
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        dp_group,
+        stage: int,
+        adamw: AdamWConfig,
+        bucket_cap_mb: float = 25.0,
+        *,
+        precision: Precision | None = None,
+        modules: list[nn.Module] | None = None,
+        values=None,
+        device=None,
+        grad_reducer=None,
+        reduce_once: bool = False,
+        own_buckets=(),
+    ):
         if stage not in ZERO_STAGES:
             raise ValueError(f"stage must be one of {ZERO_STAGES}, got {stage!r}")
         named, seen = [], set()
@@ -85,8 +96,9 @@ class ZeroOptimizer(EngineBase):
         # dp shard lines up with its partner's (``tie_grad``).
         self._ties = tie_groups(named)
         own = set(own_buckets) | {named[i][0] for i, _ in self._ties}
-        specs = [ParamSpec(n, p.numel(), grad_bytes, ("own", n) if n in own else None)
-                 for n, p in named]
+        specs = [
+            ParamSpec(n, p.numel(), grad_bytes, ("own", n) if n in own else None) for n, p in named
+        ]
         self.reduce_once = reduce_once and stage == 2
         self.plan = BucketPlan(specs, bucket_cap_mb, pad_to=dp_group.size)
         self._slots = [self.plan.slots[n] for n in self._names]
@@ -104,8 +116,10 @@ class ZeroOptimizer(EngineBase):
         if stage < 2:
             for b in range(len(self.flats)):
                 self._set_views(b, self.flats[b].grad)
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
-                       for i, p in enumerate(self._params)]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
+            for i, p in enumerate(self._params)
+        ]
         self._gathers: list = [None] * len(self.flats)
         self._wait_in_forward = bool(modules) and stage > 0
         if modules and self._wait_in_forward:
@@ -118,14 +132,22 @@ class ZeroOptimizer(EngineBase):
 
     def _make_flat(self, bucket, named, values, device) -> FlatParams:
         params = dict(named)
-        slots = [ParamSlot(n, params[n].shape, self.plan.slots[n].offset, params[n].numel(),
-                           decays(n, params[n])) for n in bucket.names]
+        slots = [
+            ParamSlot(
+                n,
+                params[n].shape,
+                self.plan.slots[n].offset,
+                params[n].numel(),
+                decays(n, params[n]),
+            )
+            for n in bucket.names
+        ]
         return FlatParams(slots, self.group, self.stage, self.precision, device, values)
 
     def _param_view(self, i: int) -> torch.Tensor:
         slot = self._slots[i]
         flat = self.flats[slot.bucket].params
-        return flat[slot.offset:slot.offset + slot.numel].view(self._shapes[i])
+        return flat[slot.offset : slot.offset + slot.numel].view(self._shapes[i])
 
     # ------------------------------------------------------------ gradient buffers
     def _set_views(self, b: int, grad_buf: torch.Tensor) -> None:
@@ -133,8 +155,9 @@ class ZeroOptimizer(EngineBase):
         gradient."""
         for i in self._members[b]:
             slot = self._slots[i]
-            self._grad_views[i] = grad_buf[slot.offset:slot.offset + slot.numel].view_as(
-                self._params[i])
+            self._grad_views[i] = grad_buf[slot.offset : slot.offset + slot.numel].view_as(
+                self._params[i]
+            )
             self._fresh[i] = True
 
     def _full_grad(self, b: int) -> torch.Tensor:
@@ -205,11 +228,13 @@ class ZeroOptimizer(EngineBase):
             # chunks finish at different times), never into a bucket in flight.
             assert self._handles[bucket] is None, (
                 f"gradient of {self._names[index]} arrived in no_sync() after its bucket's "
-                "reduction started")
+                "reduction started"
+            )
             return
         assert not self._ready[index], (
             f"gradient of {self._names[index]} arrived twice before finish_grad_sync(); "
-            "run one backward per sync (use no_sync() for the others)")
+            "run one backward per sync (use no_sync() for the others)"
+        )
         self._ready[index] = self._backward_seen = True
         self._pending[bucket] -= 1
         if self._pending[bucket] == 0:
@@ -223,8 +248,9 @@ class ZeroOptimizer(EngineBase):
             full_grad = self._full_grad(b)
             self._zero_unwritten(b)
             release = partial(self._release_full_grad, b) if self.stage == 2 else None
-            self._handles[b] = self.flats[b].start_reduce(full_grad, self.grad_reducer, key=b,
-                                                          on_done=release)
+            self._handles[b] = self.flats[b].start_reduce(
+                full_grad, self.grad_reducer, key=b, on_done=release
+            )
             self._next_launch += 1
             if self.stage == 2:
                 # Each reduction in flight holds a full bucket of gradient: finish the
@@ -247,15 +273,18 @@ class ZeroOptimizer(EngineBase):
     def _finish_reductions(self) -> None:
         assert self._sync_enabled, "finish_grad_sync() called inside no_sync()"
         assert self._backward_seen, (
-            "finish_grad_sync() without a backward outside no_sync() since the last one")
+            "finish_grad_sync() without a backward outside no_sync() since the last one"
+        )
         unused = [n for n, seen in zip(self._names, self._seen) if not seen]
         if unused and not self._warned_unused:
             self._warned_unused = True
             # Their buckets (and every later one) could only start here, not during
             # backward; a parameter that is never used should not require grad.
-            warnings.warn(f"parameters got no gradient this step (their gradient stays zero; "
-                          f"their buckets wait for finish_grad_sync()): {', '.join(unused)}",
-                          stacklevel=2)
+            warnings.warn(
+                f"parameters got no gradient this step (their gradient stays zero; "
+                f"their buckets wait for finish_grad_sync()): {', '.join(unused)}",
+                stacklevel=2,
+            )
         self.wait_params()  # a bucket unused in forward: its gather must land first
         self._pending = [0] * len(self._pending)
         self._launch_in_order()
@@ -335,8 +364,13 @@ class ZeroOptimizer(EngineBase):
         bucket_of = {id(p): self._slots[i].bucket for i, p in enumerate(self._params)}
         for root in modules:
             for module in root.modules():
-                buckets = sorted({bucket_of[id(p)] for p in module._parameters.values()
-                                  if p is not None and id(p) in bucket_of})
+                buckets = sorted(
+                    {
+                        bucket_of[id(p)]
+                        for p in module._parameters.values()
+                        if p is not None and id(p) in bucket_of
+                    }
+                )
                 if buckets:
                     module.register_forward_pre_hook(partial(self._wait_buckets, buckets))
 

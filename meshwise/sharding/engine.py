@@ -118,13 +118,22 @@ class EngineBase:
         used = self._used_names()
         pieces = [piece for flat in self.flats for piece in flat.update_pieces(used)]
         decay = self.adamw.weight_decay
-        for decays in ((True, False) if decay else (None,)):
+        for decays in (True, False) if decay else (None,):
             chosen = [piece[1:] for piece in pieces if decays is None or piece[0] == decays]
             if chosen:
                 params, grads, exp_avgs, exp_avg_sqs = (list(t) for t in zip(*chosen))
-                adamw_update(params, grads, exp_avgs, exp_avg_sqs, self.step_count, lr,
-                             self.adamw, weight_decay=decay if decays is not False else 0.0,
-                             grad_scale=grad_scale, skip=skip)
+                adamw_update(
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    self.step_count,
+                    lr,
+                    self.adamw,
+                    weight_decay=decay if decays is not False else 0.0,
+                    grad_scale=grad_scale,
+                    skip=skip,
+                )
         self._publish()
 
     def unstep(self) -> None:
@@ -149,8 +158,10 @@ class EngineBase:
     def reduction_layouts(self) -> dict:
         """``{key: [(offset, shape), ...]}``: the parameters inside each flat buffer whose
         gradient a ``GradReducer`` reduces under that key."""
-        return {key: [(s.offset, tuple(s.shape)) for s in flat.slots]
-                for key, flat in enumerate(self.flats)}
+        return {
+            key: [(s.offset, tuple(s.shape)) for s in flat.slots]
+            for key, flat in enumerate(self.flats)
+        }
 
     def state_bytes(self) -> int:
         """Bytes of parameters, gradients and optimizer state this rank keeps between

@@ -73,8 +73,7 @@ class ParamSlot:
 class PendingReduce:
     """A gradient reduction in flight; ``finish()`` exactly once."""
 
-    def __init__(self, flat: "FlatParams", handle, full_grad: torch.Tensor, out=None,
-                 on_done=None):
+    def __init__(self, flat: "FlatParams", handle, full_grad: torch.Tensor, out=None, on_done=None):
         self.flat, self._handle = flat, handle
         self._full: torch.Tensor | None = full_grad
         self._out: torch.Tensor | None = out
@@ -99,8 +98,9 @@ class FlatParams:
     (flattened) initial value; only what this rank keeps is asked for.
     """
 
-    def __init__(self, slots: list[ParamSlot], group, stage: int, precision: Precision,
-                 device, values):
+    def __init__(
+        self, slots: list[ParamSlot], group, stage: int, precision: Precision, device, values
+    ):
         self.slots, self.group, self.stage, self.precision = slots, group, stage, precision
         self.numel = sum(s.numel for s in slots)
         self.plan = ShardPlan(self.numel, group.size)
@@ -111,8 +111,9 @@ class FlatParams:
         fp32 = precision.master_dtype
         self.params: torch.Tensor | None = None  # the persistent compute buffer (stages 0-2)
         if stage < 3:
-            self.params = torch.zeros(self.plan.padded_numel, dtype=precision.param_dtype,
-                                      device=device)
+            self.params = torch.zeros(
+                self.plan.padded_numel, dtype=precision.param_dtype, device=device
+            )
             self._fill(self.params, 0, self.numel, values)
         if self.params is not None and not precision.mixed:
             self.master = self.params[lo:hi]  # the optimizer updates the compute values
@@ -127,8 +128,9 @@ class FlatParams:
         self.grad_shard: torch.Tensor | None = None
         self._all_pieces: list[tuple] | None = None  # update_pieces() of every parameter
         if stage < 2:
-            self.grad = torch.zeros(self.plan.padded_numel, dtype=precision.reduce_dtype,
-                                    device=device)
+            self.grad = torch.zeros(
+                self.plan.padded_numel, dtype=precision.reduce_dtype, device=device
+            )
         else:
             self.grad_shard = torch.zeros(self.plan.shard_numel, dtype=fp32, device=device)
 
@@ -143,19 +145,21 @@ class FlatParams:
         """``dst`` holds buffer elements ``[start, ...)``: fill ``[start, end)`` from ``values``."""
         with torch.no_grad():
             for slot, a, b in self._overlaps(start, end):
-                dst[a - start:b - start].copy_(
-                    values(slot.name, a - slot.offset, b - slot.offset))
+                dst[a - start : b - start].copy_(
+                    values(slot.name, a - slot.offset, b - slot.offset)
+                )
 
     # ------------------------------------------------------------ gradients
     def new_full_grad(self, pool) -> torch.Tensor:
         """A full-size gradient buffer (stages 2-3: only while reducing) whose padding is
         zero; the caller writes every parameter's part before reducing it."""
         buf = pool.acquire(self.plan.padded_numel, self.precision.reduce_dtype, self.device)
-        buf[self.numel:].zero_()
+        buf[self.numel :].zero_()
         return buf
 
-    def start_reduce(self, full_grad: torch.Tensor, reducer=None, key=None,
-                     on_done=None) -> PendingReduce:
+    def start_reduce(
+        self, full_grad: torch.Tensor, reducer=None, key=None, on_done=None
+    ) -> PendingReduce:
         """Sum ``full_grad`` over dp: in place (stages 0-1) or into our shard (2-3)."""
         scatter = self.stage >= 2
         if reducer is not None:
@@ -182,7 +186,7 @@ class FlatParams:
     def owned_grad(self) -> torch.Tensor:
         """The reduced gradient of ``update_range`` (the full buffer's part, or the shard)."""
         lo, hi = self.update_range
-        return self.full_grad()[lo:hi] if self.stage < 2 else self.shard_grad()[:hi - lo]
+        return self.full_grad()[lo:hi] if self.stage < 2 else self.shard_grad()[: hi - lo]
 
     def held_grads(self, names: set[str]) -> list[torch.Tensor]:
         """Views of the reduced gradient this rank holds of the parameters ``names``, in
@@ -191,11 +195,12 @@ class FlatParams:
         of one dp rank) get views of the same elements."""
         if self.stage < 2:
             grad = self.full_grad()
-            return [grad[s.offset:s.offset + s.numel] for s in self.slots if s.name in names]
+            return [grad[s.offset : s.offset + s.numel] for s in self.slots if s.name in names]
         lo, hi = self.update_range
         shard = self.shard_grad()
-        return [shard[a - lo:b - lo] for slot, a, b in self._overlaps(lo, hi)
-                if slot.name in names]
+        return [
+            shard[a - lo : b - lo] for slot, a, b in self._overlaps(lo, hi) if slot.name in names
+        ]
 
     def grad_sq_sum(self, include=None) -> torch.Tensor:
         """Sum of squared reduced-gradient elements this rank holds (stages 0-1: the
@@ -204,12 +209,12 @@ class FlatParams:
         One pass over the whole buffer, less the parameters ``include`` leaves out
         (few: replicas counted on another rank), each subtracted in float64."""
         lo, hi = (0, self.numel) if self.stage < 2 else self.update_range
-        grad = self.full_grad()[:self.numel] if self.stage < 2 else self.shard_grad()[:hi - lo]
+        grad = self.full_grad()[: self.numel] if self.stage < 2 else self.shard_grad()[: hi - lo]
         total = squared_sum(_upcast(grad))
         if include is not None:
             for slot, a, b in self._overlaps(lo, hi):
                 if not include(slot.name):
-                    total = total - squared_sum(_upcast(grad[a - lo:b - lo]))
+                    total = total - squared_sum(_upcast(grad[a - lo : b - lo]))
         return total
 
     # ------------------------------------------------------------ update
@@ -229,9 +234,17 @@ class FlatParams:
         if cast:
             grad = grad.to(self.master.dtype)
         lo, hi = self.update_range
-        pieces = [(slot.decays, self.master[a - lo:b - lo], grad[a - lo:b - lo],
-                   self.exp_avg[a - lo:b - lo], self.exp_avg_sq[a - lo:b - lo])
-                  for slot, a, b in self._overlaps(lo, hi) if used is None or slot.name in used]
+        pieces = [
+            (
+                slot.decays,
+                self.master[a - lo : b - lo],
+                grad[a - lo : b - lo],
+                self.exp_avg[a - lo : b - lo],
+                self.exp_avg_sq[a - lo : b - lo],
+            )
+            for slot, a, b in self._overlaps(lo, hi)
+            if used is None or slot.name in used
+        ]
         if used is None and not cast:
             self._all_pieces = pieces
         return pieces
@@ -279,15 +292,15 @@ class FlatParams:
         # fp32 stages 0-2 update the compute buffer itself: every rank loads all of it.
         shared = self.stage < 3 and not self.precision.mixed
         param = (self.params, 0) if shared and self.params is not None else (self.master, lo)
-        return FlatRun([(s.name, s.offset, s.numel) for s in self.slots],
-                       self.plan.owned_range(self.group.rank),
-                       {"param": param, "exp_avg": (self.exp_avg, lo),
-                        "exp_avg_sq": (self.exp_avg_sq, lo)})
+        return FlatRun(
+            [(s.name, s.offset, s.numel) for s in self.slots],
+            self.plan.owned_range(self.group.rank),
+            {"param": param, "exp_avg": (self.exp_avg, lo), "exp_avg_sq": (self.exp_avg_sq, lo)},
+        )
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor kept between steps (views share their storage)."""
-        kept = [self.params, self.master, self.exp_avg, self.exp_avg_sq, self.grad,
-                self.grad_shard]
+        kept = [self.params, self.master, self.exp_avg, self.exp_avg_sq, self.grad, self.grad_shard]
         return [t for t in kept if t is not None]
 
 

@@ -138,8 +138,9 @@ class BucketPlan:
                 self.slots[spec.name] = Slot(index, offset, spec.numel)
                 offset += spec.numel
             padded = -(-offset // pad_to) * pad_to
-            self.buckets.append(Bucket(index, tuple(p.name for p in members),
-                                       members[0].group_key, offset, padded))
+            self.buckets.append(
+                Bucket(index, tuple(p.name for p in members), members[0].group_key, offset, padded)
+            )
 
     def __repr__(self) -> str:
         sizes = ", ".join(str(b.padded_numel) for b in self.buckets)

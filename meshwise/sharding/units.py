@@ -53,8 +53,19 @@ class Gathered(dict):
 class Unit:
     """Sharded storage, gathered buffer and gradient hand-off of one ZeRO-3 unit."""
 
-    def __init__(self, name: str, modules: list[nn.Module], params, group, precision,
-                 device, values, pool, gathered: Gathered, on_gradient):
+    def __init__(
+        self,
+        name: str,
+        modules: list[nn.Module],
+        params,
+        group,
+        precision,
+        device,
+        values,
+        pool,
+        gathered: Gathered,
+        on_gradient,
+    ):
         self.name, self.modules, self.pool, self.gathered = name, modules, pool, gathered
         self.on_gradient = on_gradient  # called with (unit, grads per parameter, ctx)
         slots, offset = [], 0
@@ -94,8 +105,9 @@ class Unit:
         if whole is not None:
             self.buffer = whole
         else:
-            self.buffer = self.pool.acquire(self.flat.plan.padded_numel, self.param_dtype,
-                                            self.flat.device)
+            self.buffer = self.pool.acquire(
+                self.flat.plan.padded_numel, self.param_dtype, self.flat.device
+            )
             self._gather = self.flat.publish(self.buffer)
         self.gathered[self.buffer.untyped_storage().data_ptr()] = self
         self.gathered.events.append(("gather_start", self.name))
@@ -133,14 +145,17 @@ class Unit:
     def can_hold_gradient(self) -> bool:
         """Whether the gathered buffer may take the unit's gradient once its backward is
         over (the pool's, in the reduction dtype): one buffer less at the peak."""
-        return (self._pooled and self.buffer is not None
-                and self.buffer.dtype == self.flat.precision.reduce_dtype)
+        return (
+            self._pooled
+            and self.buffer is not None
+            and self.buffer.dtype == self.flat.precision.reduce_dtype
+        )
 
     # -- views ---------------------------------------------------------------------
     def plain_views(self) -> list[torch.Tensor]:
         buf = self.buffer
         assert buf is not None, f"unit {self.name}: its views were asked for while freed"
-        return [buf[s.offset:s.offset + s.numel].view(s.shape) for s in self.flat.slots]
+        return [buf[s.offset : s.offset + s.numel].view(s.shape) for s in self.flat.slots]
 
     def use_views(self) -> None:
         """Point module attributes at views of the gathered buffer; with autograd on,
@@ -167,8 +182,9 @@ class Unit:
         ``waiting``) for the rest."""
         grads = list(grads)
         if getattr(ctx, "partial", None) is not None:
-            grads = [g if p is None else (p if g is None else p + g)
-                     for g, p in zip(grads, ctx.partial)]
+            grads = [
+                g if p is None else (p if g is None else p + g) for g, p in zip(grads, ctx.partial)
+            ]
             ctx.partial = None
             waiting.pop(id(ctx), None)
         deferred = [any(defers_weight_grad(m, a) for m, a in owners) for owners in self.owners]
@@ -179,18 +195,24 @@ class Unit:
         return grads
 
     @torch.no_grad()
-    def add_gradient(self, grads, full: torch.Tensor | None = None,
-                     buffer: torch.Tensor | None = None) -> torch.Tensor:
+    def add_gradient(
+        self, grads, full: torch.Tensor | None = None, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``grads`` (per parameter; None: none) added into the flat gradient ``full``,
         or written into a new one (``buffer``, else the pool's), zero where none came."""
         flat = self.flat
         fresh = full is None
         if full is None:
-            full = buffer if buffer is not None else self.pool.acquire(
-                flat.plan.padded_numel, flat.precision.reduce_dtype, flat.device)
-            full[flat.numel:].zero_()  # padding
+            full = (
+                buffer
+                if buffer is not None
+                else self.pool.acquire(
+                    flat.plan.padded_numel, flat.precision.reduce_dtype, flat.device
+                )
+            )
+            full[flat.numel :].zero_()  # padding
         for i, (slot, grad) in enumerate(zip(flat.slots, grads)):
-            part = full[slot.offset:slot.offset + slot.numel]
+            part = full[slot.offset : slot.offset + slot.numel]
             if grad is not None:
                 (part.copy_ if fresh else part.add_)(grad.reshape(-1))
                 self.has_grad[i] = True
@@ -202,11 +224,18 @@ class Unit:
 def saved_views(gathered: Gathered) -> saved_tensors_hooks:
     """Saved-tensor hooks that keep a view of a gathered buffer as its place in its
     unit, rebuilt from the unit's buffer when used."""
+
     def pack(tensor: torch.Tensor):
-        unit = gathered.get(tensor.untyped_storage().data_ptr()) \
-            if tensor.layout == torch.strided else None
-        return tensor if unit is None else (unit, tensor.size(), tensor.stride(),
-                                             tensor.storage_offset())
+        unit = (
+            gathered.get(tensor.untyped_storage().data_ptr())
+            if tensor.layout == torch.strided
+            else None
+        )
+        return (
+            tensor
+            if unit is None
+            else (unit, tensor.size(), tensor.stride(), tensor.storage_offset())
+        )
 
     def unpack(packed):
         if not isinstance(packed, tuple):
@@ -228,9 +257,11 @@ def check_same_units(units: list[Unit], ran: list[Unit], group) -> None:
     ops.all_reduce(bounds, group, op="max", category="check")
     differ = [u.name for u, hi, neg_lo in zip(units, bounds[0], bounds[1]) if hi != -neg_lo]
     if differ:
-        raise RuntimeError(f"ZeRO-3 units {', '.join(differ)} ran on some dp ranks but not on "
-                           "others in this forward; every dp rank must run the same units "
-                           "(use ZeRO 0-2, whose buckets allow it)")
+        raise RuntimeError(
+            f"ZeRO-3 units {', '.join(differ)} ran on some dp ranks but not on "
+            "others in this forward; every dp rank must run the same units "
+            "(use ZeRO 0-2, whose buckets allow it)"
+        )
 
 
 def grad_tensors(output) -> list[torch.Tensor]:

@@ -69,18 +69,31 @@ class ZeroStage3(EngineBase):
     ``gather_start``, ``forward``, ``free``, ``backward``, ``reduce_scatter``.
     """
 
-    def __init__(self, model: nn.Module | list[nn.Module], dp_group, adamw: AdamWConfig,
-                 units=None, prefetch: bool = True, *, reshard: str | None = None, alone=(),
-                 precision: Precision | None = None, values=None, device=None,
-                 unit_cap_mb: float | None = None, grad_reducer=None):
+    def __init__(
+        self,
+        model: nn.Module | list[nn.Module],
+        dp_group,
+        adamw: AdamWConfig,
+        units=None,
+        prefetch: bool = True,
+        *,
+        reshard: str | None = None,
+        alone=(),
+        precision: Precision | None = None,
+        values=None,
+        device=None,
+        unit_cap_mb: float | None = None,
+        grad_reducer=None,
+    ):
         modules = [model] if isinstance(model, nn.Module) else list(model)
         pipelined = not isinstance(model, nn.Module)
         reshard = reshard_policy(pipelined) if reshard is None else reshard
         if reshard not in RESHARD:
             raise ValueError(f"reshard {reshard!r} is not valid; valid: {', '.join(RESHARD)}")
         named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
-        super().__init__(dp_group, 3, adamw, precision or Precision.of(named[0][1].dtype),
-                         grad_reducer)
+        super().__init__(
+            dp_group, 3, adamw, precision or Precision.of(named[0][1].dtype), grad_reducer
+        )
         self.model, self.prefetch, self.reshard = model, prefetch, reshard
         self.max_inflight = policy.overlapped_reductions(dp_group)
         self.param_names = [n for n, _ in named]
@@ -88,17 +101,29 @@ class ZeroStage3(EngineBase):
         # alone, a layer) are held at once.
         self.pool = BufferPool(exact=pipelined or reshard == "after-step")
         self.gathered = Gathered()
-        make = partial(Unit, group=dp_group, precision=self.precision,
-                       device=device or device_of(p for _, p in named),
-                       values=values or values_of(named), pool=self.pool,
-                       gathered=self.gathered, on_gradient=self._views_backward)
+        make = partial(
+            Unit,
+            group=dp_group,
+            precision=self.precision,
+            device=device or device_of(p for _, p in named),
+            values=values or values_of(named),
+            pool=self.pool,
+            gathered=self.gathered,
+            on_gradient=self._views_backward,
+        )
         self._chunks: list[_Chunk] = []
         for c, module in enumerate(modules):
             unit_params, root_params = cut_into_units(
-                module, units[c] if pipelined else units,
-                unit_cap_mb * 2**20 if unit_cap_mb else None, alone)
-            root = make(f"root{c}" if pipelined else ROOT, [module], root_params) \
-                if root_params else None
+                module,
+                units[c] if pipelined else units,
+                unit_cap_mb * 2**20 if unit_cap_mb else None,
+                alone,
+            )
+            root = (
+                make(f"root{c}" if pipelined else ROOT, [module], root_params)
+                if root_params
+                else None
+            )
             self._chunks.append(_Chunk(module, root, [make(*u) for u in unit_params]))
             self._register(self._chunks[-1])
         self.units = [u for ch in self._chunks for u in ([ch.root] if ch.root else []) + ch.blocks]
@@ -124,13 +149,16 @@ class ZeroStage3(EngineBase):
         for unit, following in zip(chunk.blocks, chunk.blocks[1:] + [None]):
             for j, module in enumerate(unit.modules):
                 module.register_forward_pre_hook(
-                    partial(self._pre_forward, chunk, unit, j == 0, following))
+                    partial(self._pre_forward, chunk, unit, j == 0, following)
+                )
             unit.modules[-1].register_forward_hook(partial(self._post_forward, chunk, unit))
         # The chunk's hooks run first before and last after its forward.
-        chunk.module.register_forward_pre_hook(partial(self._chunk_pre_forward, chunk),
-                                               prepend=True)
-        chunk.module.register_forward_hook(partial(self._chunk_post_forward, chunk),
-                                           always_call=True)
+        chunk.module.register_forward_pre_hook(
+            partial(self._chunk_pre_forward, chunk), prepend=True
+        )
+        chunk.module.register_forward_hook(
+            partial(self._chunk_post_forward, chunk), always_call=True
+        )
 
     def _frees_now(self, unit: Unit) -> bool:
         """After a forward or a backward: a root's ``after-forward`` is ``after-backward``."""
@@ -160,8 +188,7 @@ class ZeroStage3(EngineBase):
         if chunk.root is not None:
             self._post_forward(chunk, chunk.root, module, args, output)
 
-    def _pre_forward(self, chunk: _Chunk, unit: Unit, first: bool, following, module,
-                     args) -> None:
+    def _pre_forward(self, chunk: _Chunk, unit: Unit, first: bool, following, module, args) -> None:
         unit.ensure_gathered()
         if unit.in_backward or not first:
             # A recompute (activation checkpointing) inside backward finds the views its
@@ -186,8 +213,9 @@ class ZeroStage3(EngineBase):
         if tensors:
             unit.pending += 1
             previous = next((u for u in reversed(chunk.ran) if u is not unit), None)
-            register_multi_grad_hook(tensors, partial(self._pre_backward, unit, previous),
-                                     mode="any")
+            register_multi_grad_hook(
+                tensors, partial(self._pre_backward, unit, previous), mode="any"
+            )
         if self._frees_now(unit):
             unit.free()
 
@@ -219,8 +247,7 @@ class ZeroStage3(EngineBase):
         ends_backward = getattr(ctx, "partial", None) is None
         grads = unit.merge_parts(grads, ctx, self._partials)
         whole = ends_backward and grads is not None
-        buffer = self._end_backward(unit, take=True) if whole and unit.can_hold_gradient() \
-            else None
+        buffer = self._end_backward(unit, take=True) if whole and unit.can_hold_gradient() else None
         if grads is not None:
             self._gradient(unit, grads, buffer)
         if ends_backward:
@@ -239,9 +266,11 @@ class ZeroStage3(EngineBase):
 
     def _reduce(self, unit: Unit, full: torch.Tensor) -> None:
         self.events.append(("reduce_scatter", unit.name))
-        self._pending.append(unit.flat.start_reduce(full, self.grad_reducer,
-                                                    key=self.units.index(unit),
-                                                    on_done=self.pool.release))
+        self._pending.append(
+            unit.flat.start_reduce(
+                full, self.grad_reducer, key=self.units.index(unit), on_done=self.pool.release
+            )
+        )
         while len(self._pending) > self.max_inflight:
             self._pending.popleft().finish()
 
@@ -298,17 +327,21 @@ class ZeroStage3(EngineBase):
             unit.has_grad = [False] * len(unit.has_grad)
 
     def _gradient_flags(self) -> tuple[list[str], list[bool]]:
-        return ([slot.name for u in self.units for slot in u.flat.slots],
-                [flag for u in self.units for flag in u.has_grad])
+        return (
+            [slot.name for u in self.units for slot in u.flat.slots],
+            [flag for u in self.units for flag in u.has_grad],
+        )
 
     def tie_grad(self, name: str) -> torch.Tensor:
         """The reduced gradient shard of parameter ``name``, which has a unit of its own."""
         for unit in self.units:
             if [s.name for s in unit.flat.slots] == [name]:
                 return unit.flat.shard_grad()
-        raise ValueError(f"{name} is tied across pipeline stages and needs a unit of its own, "
-                         "so that its dp shard lines up with its partner's; pass its module "
-                         "in alone=")
+        raise ValueError(
+            f"{name} is tied across pipeline stages and needs a unit of its own, "
+            "so that its dp shard lines up with its partner's; pass its module "
+            "in alone="
+        )
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -321,13 +354,30 @@ class ZeroStage3(EngineBase):
         for flat in self.flats:
             full = torch.empty(flat.plan.padded_numel, dtype=flat.master.dtype, device=flat.device)
             ops.all_gather(full, flat.master, self.group, category="param")
-            out.update({s.name: full[s.offset:s.offset + s.numel].view(s.shape).clone()
-                        for s in flat.slots})
+            out.update(
+                {
+                    s.name: full[s.offset : s.offset + s.numel].view(s.shape).clone()
+                    for s in flat.slots
+                }
+            )
         return {name: out[name] for name in self.param_names}
 
 
-def PipelineZeroStage3(chunks: list[nn.Module], dp_group, adamw: AdamWConfig, units, *,
-                       reshard_after_forward: bool = False, **options) -> ZeroStage3:
+def PipelineZeroStage3(
+    chunks: list[nn.Module],
+    dp_group,
+    adamw: AdamWConfig,
+    units,
+    *,
+    reshard_after_forward: bool = False,
+    **options,
+) -> ZeroStage3:
     """``ZeroStage3`` over a rank's pipeline ``chunks`` (its former name for them)."""
-    return ZeroStage3(list(chunks), dp_group, adamw, units,
-                      reshard=reshard_policy(True, reshard_after_forward), **options)
+    return ZeroStage3(
+        list(chunks),
+        dp_group,
+        adamw,
+        units,
+        reshard=reshard_policy(True, reshard_after_forward),
+        **options,
+    )

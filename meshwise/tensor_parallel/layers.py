@@ -37,8 +37,17 @@ def _check_divisible(name: str, value: int, tp_size: int) -> None:
         raise ValueError(f"{name}={value} is not divisible by tp size {tp_size}")
 
 
-def sharded_param(full_shape, dim: int, group, dtype, device, init: Init | None = None,
-             seed: int = 0, real_rows: int | None = None, source=None) -> nn.Parameter:
+def sharded_param(
+    full_shape,
+    dim: int,
+    group,
+    dtype,
+    device,
+    init: Init | None = None,
+    seed: int = 0,
+    real_rows: int | None = None,
+    source=None,
+) -> nn.Parameter:
     """This rank's slice along ``dim`` of a tensor of ``full_shape``, as a parameter: empty on
     the meta device, else the slice of ``source`` (a full tensor) or of the single-process
     ``init`` from ``seed``. Along dim 0, rows at or past ``real_rows`` are padding, zero.
@@ -88,29 +97,55 @@ class ColumnParallelLinear(nn.Module):
 
     weight_grads: WeightGradStore | None = None
 
-    def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
-                 gather_output: bool = False, init_std: float = 0.02, init_seed: int = 0,
-                 dtype: torch.dtype | None = None, device=None, _source=None, sequence=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_group,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_std: float = 0.02,
+        init_seed: int = 0,
+        dtype: torch.dtype | None = None,
+        device=None,
+        _source=None,
+        sequence=None,
+    ):
         super().__init__()
         _check_divisible("out_features", out_features, tp_size_of(tp_group))
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.gather_output, self.sequence = tp_group, gather_output, sequence
         dtype = dtype or torch.get_default_dtype()
         weight, b = (None, None) if _source is None else _source
-        self.weight = sharded_param((out_features, in_features), 0, tp_group, dtype, device,
-                               normal(init_std), init_seed, source=weight)  # (out / tp, in)
+        self.weight = sharded_param(
+            (out_features, in_features),
+            0,
+            tp_group,
+            dtype,
+            device,
+            normal(init_std),
+            init_seed,
+            source=weight,
+        )  # (out / tp, in)
         if bias:
             self.bias = sharded_param((out_features,), 0, tp_group, dtype, device, source=b)
         else:
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tp_group, gather_output: bool = False,
-                    sequence=None):
+    def from_linear(cls, linear: nn.Linear, tp_group, gather_output: bool = False, sequence=None):
         """The column-parallel form of ``linear`` (its slice of the values, or shapes on meta)."""
-        return cls(linear.in_features, linear.out_features, tp_group, linear.bias is not None,
-                   gather_output, dtype=linear.weight.dtype, device=linear.weight.device,
-                   _source=(linear.weight, linear.bias), sequence=sequence)
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            tp_group,
+            linear.bias is not None,
+            gather_output,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            _source=(linear.weight, linear.bias),
+            sequence=sequence,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence is not None:
@@ -118,14 +153,17 @@ class ColumnParallelLinear(nn.Module):
             # gradient comes in B, also under a split backward.
             y = self.sequence.linear(x, self.weight, self.bias)  # (B, T, out / tp)
         else:
-            y = linear(copy_to_tp(x, self.tp_group), self.weight, self.bias,
-                       self.weight_grads)  # (..., out / tp)
+            y = linear(
+                copy_to_tp(x, self.tp_group), self.weight, self.bias, self.weight_grads
+            )  # (..., out / tp)
         return gather_from_tp(y, self.tp_group, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp_size={tp_size_of(self.tp_group)}, gather_output={self.gather_output}"
-                + (", sequence parallel" if self.sequence is not None else ""))
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"tp_size={tp_size_of(self.tp_group)}, gather_output={self.gather_output}"
+            + (", sequence parallel" if self.sequence is not None else "")
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -138,10 +176,20 @@ class RowParallelLinear(nn.Module):
 
     weight_grads: WeightGradStore | None = None
 
-    def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
-                 input_is_parallel: bool = True, init_std: float = 0.02, init_seed: int = 0,
-                 dtype: torch.dtype | None = None, device=None, _source=None,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_group,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_std: float = 0.02,
+        init_seed: int = 0,
+        dtype: torch.dtype | None = None,
+        device=None,
+        _source=None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         _check_divisible("in_features", in_features, tp_size_of(tp_group))
         self.in_features, self.out_features = in_features, out_features
@@ -149,27 +197,44 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         dtype = dtype or torch.get_default_dtype()
         weight, b = (None, None) if _source is None else _source
-        self.weight = sharded_param((out_features, in_features), 1, tp_group, dtype, device,
-                               normal(init_std), init_seed, source=weight)  # (out, in / tp)
+        self.weight = sharded_param(
+            (out_features, in_features),
+            1,
+            tp_group,
+            dtype,
+            device,
+            normal(init_std),
+            init_seed,
+            source=weight,
+        )  # (out, in / tp)
         if bias:
             self.bias = replicated_param((out_features,), dtype, device, source=b)
         else:
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tp_group, input_is_parallel: bool = True,
-                    sequence=None):
+    def from_linear(
+        cls, linear: nn.Linear, tp_group, input_is_parallel: bool = True, sequence=None
+    ):
         """The row-parallel form of ``linear`` (its slice of the values, or shapes on meta);
         ``sequence``: the chunk's ``SequenceGather`` under sequence parallelism."""
-        return cls(linear.in_features, linear.out_features, tp_group, linear.bias is not None,
-                   input_is_parallel, dtype=linear.weight.dtype, device=linear.weight.device,
-                   _source=(linear.weight, linear.bias), sequence_parallel=sequence is not None)
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            tp_group,
+            linear.bias is not None,
+            input_is_parallel,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            _source=(linear.weight, linear.bias),
+            sequence_parallel=sequence is not None,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size_of(self.tp_group) == 1:
             return linear(x, self.weight, self.bias, self.weight_grads)  # exactly nn.Linear
         if not self.input_is_parallel:
-            x = scatter_to_tp(x, self.tp_group, dim=-1)          # (..., in / tp)
+            x = scatter_to_tp(x, self.tp_group, dim=-1)  # (..., in / tp)
         partial = linear(x, self.weight, None, self.weight_grads)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(partial, self.tp_group)  # (B, T/tp, out)
@@ -178,9 +243,11 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp_size={tp_size_of(self.tp_group)}, input_is_parallel={self.input_is_parallel}"
-                + (", sequence parallel" if self.sequence_parallel else ""))
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"tp_size={tp_size_of(self.tp_group)}, input_is_parallel={self.input_is_parallel}"
+            + (", sequence parallel" if self.sequence_parallel else "")
+        )
 
 
 # ---------------------------------------------------------------- norms on a shard
@@ -201,8 +268,16 @@ class ShardRMSNorm(nn.Module):
     it over tp, except under sequence parallelism, where the gradient sync already does.
     """
 
-    def __init__(self, dim: int, eps: float, tp_group, dtype=None, device=None, source=None,
-                 sum_grad: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        tp_group,
+        dtype=None,
+        device=None,
+        source=None,
+        sum_grad: bool = True,
+    ):
         super().__init__()
         self.eps, self.tp_group, self.sum_grad = eps, tp_group, sum_grad
         self.weight = replicated_param((dim,), dtype, device, source)
@@ -212,8 +287,15 @@ class ShardRMSNorm(nn.Module):
         """From an RMSNorm (``weight`` of one dim and ``eps``; ``nn.RMSNorm`` included);
         ``sequence``: the chunk's ``SequenceGather`` under sequence parallelism."""
         eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
-        return cls(norm.weight.shape[0], eps, tp_group, dtype=norm.weight.dtype,
-                   device=norm.weight.device, source=norm.weight, sum_grad=sequence is None)
+        return cls(
+            norm.weight.shape[0],
+            eps,
+            tp_group,
+            dtype=norm.weight.dtype,
+            device=norm.weight.device,
+            source=norm.weight,
+            sum_grad=sequence is None,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

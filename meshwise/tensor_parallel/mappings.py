@@ -44,17 +44,17 @@ def _split_own_chunk(x: torch.Tensor, group: ops.Group, dim: int) -> torch.Tenso
 def _all_gather(x: torch.Tensor, group: ops.Group, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
     dim = dim % x.dim()
-    flat_in = x.contiguous().view(-1)                       # (numel,)
-    flat_out = x.new_empty(group.size * flat_in.numel())     # (tp * numel,)
+    flat_in = x.contiguous().view(-1)  # (numel,)
+    flat_out = x.new_empty(group.size * flat_in.numel())  # (tp * numel,)
     ops.all_gather(flat_out, flat_in, group, category=CATEGORY)
-    stacked = flat_out.view(group.size, *x.shape)           # (tp, s0, .., s_dim, .., s_n)
+    stacked = flat_out.view(group.size, *x.shape)  # (tp, s0, .., s_dim, .., s_n)
     if dim == 0:
         return stacked.view(group.size * x.shape[0], *x.shape[1:])  # (tp * s0, ...)
     # Bring the rank axis next to ``dim`` so that merging the two keeps rank order.
-    moved = stacked.movedim(0, dim)                         # (s0, .., tp, s_dim, .., s_n)
+    moved = stacked.movedim(0, dim)  # (s0, .., tp, s_dim, .., s_n)
     shape = list(x.shape)
     shape[dim] *= group.size
-    return moved.reshape(shape)                             # (s0, .., tp * s_dim, .., s_n)
+    return moved.reshape(shape)  # (s0, .., tp * s_dim, .., s_n)
 
 
 def _reduce_scatter(x: torch.Tensor, group: ops.Group, dim: int) -> torch.Tensor:
@@ -65,7 +65,7 @@ def _reduce_scatter(x: torch.Tensor, group: ops.Group, dim: int) -> torch.Tensor
     chunk = size // group.size
     # The chunks along ``dim`` become contiguous runs of a flat buffer: (S, ...) with S
     # = size, rank r's run r * chunk .. (r + 1) * chunk.
-    leading = x.movedim(dim, 0)                             # (S, ...)
+    leading = x.movedim(dim, 0)  # (S, ...)
     if policy.reduce_scatter_by_all_reduce(group):
         # Out of place (``x`` may be saved by autograd); the chunk is copied out so the
         # full-size sum is freed on return.
@@ -74,9 +74,9 @@ def _reduce_scatter(x: torch.Tensor, group: ops.Group, dim: int) -> torch.Tensor
         mine = leading.narrow(0, group.rank * chunk, chunk).clone()  # (chunk, ...)
     else:
         leading = leading.contiguous()
-        mine = leading.new_empty(chunk, *leading.shape[1:])     # (chunk, ...)
+        mine = leading.new_empty(chunk, *leading.shape[1:])  # (chunk, ...)
         ops.reduce_scatter(mine.view(-1), leading.view(-1), group, category=CATEGORY)
-    return mine.movedim(0, dim).contiguous()                # x's shape, dim / tp
+    return mine.movedim(0, dim).contiguous()  # x's shape, dim / tp
 
 
 # ---------------------------------------------------------------- autograd pairs
@@ -197,8 +197,7 @@ def gather_sequence(x: torch.Tensor, group: ops.Group | None, dim: int = 1) -> t
     return _GatherSequence.apply(x, group, dim)
 
 
-def reduce_scatter_sequence(x: torch.Tensor, group: ops.Group | None,
-                            dim: int = 1) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group: ops.Group | None, dim: int = 1) -> torch.Tensor:
     """Partial sums over the whole sequence -> this rank's slice of their total
     (reduce-scatter along ``dim``); backward all-gathers the gradient."""
     if tp_size_of(group) == 1:

@@ -25,11 +25,12 @@ class SequenceGather:
 
     def __init__(self, group):
         self.group = group
-        self._gathered: tuple | None = None    # (weakref to the slice, whole sequence)
+        self._gathered: tuple | None = None  # (weakref to the slice, whole sequence)
         self._regathered: tuple | None = None  # the same, in backward
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``F.linear`` of the whole sequence of ``x`` (this rank's slice along dim 1)."""
         whole = self._gather(x)  # (B, T, in)
         if not torch.is_grad_enabled():
@@ -102,26 +103,46 @@ class SequenceParallelEmbedding(nn.Module):
     """Learned positions, replicated across tp, looked up for this rank's slice of the
     positions only (their rows' gradients are summed over tp by the gradient sync)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group, dtype=None,
-                 device=None, _source=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_group,
+        dtype=None,
+        device=None,
+        _source=None,
+    ):
         super().__init__()
-        self.num_embeddings, self.embedding_dim, self.tp_group = (num_embeddings,
-                                                                  embedding_dim, tp_group)
-        self.weight = replicated_param((num_embeddings, embedding_dim),
-                                       dtype or torch.get_default_dtype(), device, _source)
+        self.num_embeddings, self.embedding_dim, self.tp_group = (
+            num_embeddings,
+            embedding_dim,
+            tp_group,
+        )
+        self.weight = replicated_param(
+            (num_embeddings, embedding_dim), dtype or torch.get_default_dtype(), device, _source
+        )
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, tp_group, sequence=None):
         if sequence is None:  # without sequence parallelism every rank holds every position
             return embedding
-        return cls(embedding.num_embeddings, embedding.embedding_dim, tp_group,
-                   embedding.weight.dtype, embedding.weight.device, embedding.weight)
+        return cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            tp_group,
+            embedding.weight.dtype,
+            embedding.weight.device,
+            embedding.weight,
+        )
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        mine = sequence_run(positions, positions.dim() - 1, tp_rank_of(self.tp_group),
-                            tp_size_of(self.tp_group))  # (..., T / tp)
+        mine = sequence_run(
+            positions, positions.dim() - 1, tp_rank_of(self.tp_group), tp_size_of(self.tp_group)
+        )  # (..., T / tp)
         return F.embedding(mine, self.weight)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, "
-                f"tp_size={tp_size_of(self.tp_group)}, sequence parallel")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, "
+            f"tp_size={tp_size_of(self.tp_group)}, sequence parallel"
+        )

@@ -38,8 +38,9 @@ class WeightGradStore:
         finally:
             self.key = previous
 
-    def put(self, key: Hashable, weight: GradientEdge, inputs: torch.Tensor,
-            grad_output: torch.Tensor) -> None:
+    def put(
+        self, key: Hashable, weight: GradientEdge, inputs: torch.Tensor, grad_output: torch.Tensor
+    ) -> None:
         self._jobs[key].append((weight, inputs, grad_output))
 
     def pending(self, key: Hashable) -> bool:
@@ -52,8 +53,9 @@ class WeightGradStore:
         where: dict[tuple[int, int], int] = {}  # a gradient edge -> its place in the lists
         for weight, inputs, grad_output in self._jobs.pop(key, []):
             # dW = dY^T X over every row of the micro-batch: (out, rows) @ (rows, in)
-            grad = grad_output.reshape(-1, grad_output.shape[-1]).t() @ \
-                inputs.reshape(-1, inputs.shape[-1])
+            grad = grad_output.reshape(-1, grad_output.shape[-1]).t() @ inputs.reshape(
+                -1, inputs.shape[-1]
+            )
             edge = (id(weight.node), weight.output_nr)
             if edge in where:  # a weight used twice in one micro-batch
                 grads[where[edge]] += grad
@@ -95,14 +97,22 @@ class _LinearWeightLater(torch.autograd.Function):
         return grad_inputs, None, grad_bias, None, None, None
 
 
-def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_grads: WeightGradStore | None = None) -> torch.Tensor:
+def linear(
+    inputs: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_grads: WeightGradStore | None = None,
+) -> torch.Tensor:
     """``F.linear``, deferring the weight gradient to ``weight_grads`` while it captures."""
-    if weight_grads is None or weight_grads.key is None or not (
-            torch.is_grad_enabled() and weight.requires_grad):
+    if (
+        weight_grads is None
+        or weight_grads.key is None
+        or not (torch.is_grad_enabled() and weight.requires_grad)
+    ):
         return F.linear(inputs, weight, bias)
-    return _LinearWeightLater.apply(inputs, weight.detach(), bias, weight_grads,
-                                    weight_grads.key, get_gradient_edge(weight))
+    return _LinearWeightLater.apply(
+        inputs, weight.detach(), bias, weight_grads, weight_grads.key, get_gradient_edge(weight)
+    )
 
 
 class _DefersWeightGrad:
@@ -144,5 +154,8 @@ def defers_weight_grad(module: nn.Module, attr: str) -> bool:
     """Whether ``module.attr`` gets its gradient in a W pass when a split backward runs
     (not a sequence-parallel layer's: it gathers its input in an autograd function of
     its own, and its weight gradient comes in B)."""
-    return (attr == "weight" and getattr(module, "weight_grads", None) is not None
-            and getattr(module, "sequence", None) is None)
+    return (
+        attr == "weight"
+        and getattr(module, "weight_grads", None) is not None
+        and getattr(module, "sequence", None) is None
+    )

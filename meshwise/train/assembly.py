@@ -34,8 +34,9 @@ from meshwise.train.run_state import RunState, record
 def join_job(cfg: TrainConfig, run: RunState, data_path, device: torch.device) -> Mesh:
     """Every rank runs the same job (or all stop, naming the difference); the mesh of
     its groups; the collective ledger."""
-    check_same_job(cfg, run, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s,
-                                                        device=device))
+    check_same_job(
+        cfg, run, data_path, ops.world_group(timeout_s=cfg.comm.timeout_s, device=device)
+    )
     mesh = Mesh.build(cfg.parallel.dims, timeout_s=cfg.comm.timeout_s, device=device)
     ops.start_ledger(cfg.comm.timeout_s, out_dir=cfg.ledger_dir())
     return mesh
@@ -58,13 +59,21 @@ def lay_out_model(cfg: TrainConfig, mesh: Mesh, vocab_size: int, own: ModelFamil
     return fam, model_cfg, parallel_model, model_shape
 
 
-def build_optimizer(cfg: TrainConfig, mesh: Mesh, fam: ModelFamily, model_cfg,
-                    parallel_model: ParallelModel, device: torch.device):
+def build_optimizer(
+    cfg: TrainConfig,
+    mesh: Mesh,
+    fam: ModelFamily,
+    model_cfg,
+    parallel_model: ParallelModel,
+    device: torch.device,
+):
     """The gradient compressor (``--compress``), the engine that syncs the gradients and
     steps AdamW, holding this rank's initial values, and what counts its bytes."""
     o = cfg.optim
     adamw = AdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-    values = initial_values(parallel_model, cfg, fam.init and partial(fam.init, model_cfg), cfg.data.seed)
+    values = initial_values(
+        parallel_model, cfg, fam.init and partial(fam.init, model_cfg), cfg.data.seed
+    )
     compressor = grad_compressor(mesh, cfg)
     reducer = grad_reducer(mesh, cfg, compressor)
     engine = build_engine(parallel_model, mesh, cfg, adamw, values, device, reducer)
@@ -78,25 +87,37 @@ def build_runtime(cfg: TrainConfig, mesh: Mesh, parallel_model: ParallelModel, e
     if p.pp == 1:
         return model, None
     schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
-    return model, PipelineRuntime(chunks, schedule, mesh.pp_group, engine, loss_fn=parallel_model.loss)
+    return model, PipelineRuntime(
+        chunks, schedule, mesh.pp_group, engine, loss_fn=parallel_model.loss
+    )
 
 
-def start_run(cfg: TrainConfig, run: RunState, checkpointer: RunCheckpointer,
-              logging_rank: bool):
+def start_run(cfg: TrainConfig, run: RunState, checkpointer: RunCheckpointer, logging_rank: bool):
     """Where the run starts (the checkpoint resumed, else step 0), its learning-rate
     schedule (from the run state's start) and its metrics log (the logging rank's)."""
     start_step = checkpointer.load(run.resume) if run.resume else 0
-    metrics = MetricsLog(cfg.runtime.metrics if logging_rank else None, cfg.optim.steps,
-                         cfg.runtime.log_every, resume_step=start_step, quiet=cfg.runtime.quiet)
+    metrics = MetricsLog(
+        cfg.runtime.metrics if logging_rank else None,
+        cfg.optim.steps,
+        cfg.runtime.log_every,
+        resume_step=start_step,
+        quiet=cfg.runtime.quiet,
+    )
     return start_step, LRSchedule.of(cfg.optim, run.schedule_start), metrics
 
 
-def build_observer(cfg: TrainConfig, run: RunState, mesh: Mesh, device: torch.device,
-                   fam: ModelFamily, model_cfg, parallel_model: ParallelModel) -> RunObserver:
+def build_observer(
+    cfg: TrainConfig,
+    run: RunState,
+    mesh: Mesh,
+    device: torch.device,
+    fam: ModelFamily,
+    model_cfg,
+    parallel_model: ParallelModel,
+) -> RunObserver:
     """FLOPs come from the whole model's shapes (built on the meta device)."""
     with on_meta():
         whole = fam.build(model_cfg)
     layers = list(getattr(whole, parallel_model.plan.layers).values())
     d_model = None if model_cfg else hidden_size(layers[0])
-    return RunObserver(cfg, run, mesh, device, whole, layers, record(cfg, run)["config"],
-                       d_model)
+    return RunObserver(cfg, run, mesh, device, whole, layers, record(cfg, run)["config"], d_model)

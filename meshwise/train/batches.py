@@ -55,8 +55,10 @@ class StepBatches:
         tokens = rank_slice(batch.tokens, dp_rank, dp)
         both = torch.cat([tokens[:, :-1], rank_slice(batch.targets(), dp_rank, dp)])
         inputs, targets = host_to_device(both, both.dtype, self.device).split(rows)
-        micro_batches = [(self.tokens.cut(x), self.tokens.cut(y))
-                         for x, y in zip(inputs.chunk(num), targets.chunk(num))]
+        micro_batches = [
+            (self.tokens.cut(x), self.tokens.cut(y))
+            for x, y in zip(inputs.chunk(num), targets.chunk(num))
+        ]
         if not self.with_context:
             return micro_batches, [None] * num, batch.num_labelled
         starts = None
@@ -65,18 +67,25 @@ class StepBatches:
         contexts = self._contexts(step, seed, dp_rank * rows, rows // num, num, starts)
         return micro_batches, contexts, batch.num_labelled
 
-    def _contexts(self, step: int, seed: int, first: int, rows: int, num: int,
-                  starts: np.ndarray | None) -> list[ForwardContext]:
+    def _contexts(
+        self, step: int, seed: int, first: int, rows: int, num: int, starts: np.ndarray | None
+    ) -> list[ForwardContext]:
         """The contexts of ``num`` micro-batches of ``rows`` sequences each, from global
         sample ``first``; ``starts``: where their documents begin, or None."""
         documents: list[DocumentMask | None] = [None] * num
         if starts is not None:
             host = documents_from_starts(starts)
             on_device = host.to(self.device)  # one copy for the step; rows are views of it
-            documents = [DocumentMask.of(host.rows(m * rows, rows), on_device.rows(m * rows, rows))
-                         for m in range(num)]
-        return [ForwardContext(seed, step, first + m * rows, self.tokens, self.mesh.tp_rank,
-                               documents[m]) for m in range(num)]
+            documents = [
+                DocumentMask.of(host.rows(m * rows, rows), on_device.rows(m * rows, rows))
+                for m in range(num)
+            ]
+        return [
+            ForwardContext(
+                seed, step, first + m * rows, self.tokens, self.mesh.tp_rank, documents[m]
+            )
+            for m in range(num)
+        ]
 
     def sample_prompt(self, seed: int, length: int) -> torch.Tensor:
         """A held-out prompt of up to ``length`` tokens; under document masking only its
@@ -84,8 +93,8 @@ class StepBatches:
         batch = self.source.batch(0, 1, seed, "val")
         prompt = batch.tokens[0, :length]
         if batch.starts is not None:
-            begins = np.flatnonzero(batch.starts[0, :len(prompt)])
-            prompt = prompt[int(begins[-1]) if len(begins) else 0:]
+            begins = np.flatnonzero(batch.starts[0, : len(prompt)])
+            prompt = prompt[int(begins[-1]) if len(begins) else 0 :]
         return prompt
 
 
@@ -97,11 +106,16 @@ def _check_documents_reach(chunks, with_context: bool) -> None:
     positions = any(isinstance(m, Positions) for m in modules)
     if with_context and attention and positions:
         return
-    missing = ("a forward that takes context= (and passes it to its attention and positions)"
-               if not with_context else
-               "ScaledDotProductAttention modules (the plan's ring_attention style)"
-               if not attention else "a Positions module (the plan's positions style; one "
-               "that is never called serves a model without positions)")
-    raise ValueError("document masking needs the model's attention and positions to be "
-                     f"meshwise.models.attention modules reached by its forward's context; "
-                     f"this model has no {missing}")
+    missing = (
+        "a forward that takes context= (and passes it to its attention and positions)"
+        if not with_context
+        else "ScaledDotProductAttention modules (the plan's ring_attention style)"
+        if not attention
+        else "a Positions module (the plan's positions style; one "
+        "that is never called serves a model without positions)"
+    )
+    raise ValueError(
+        "document masking needs the model's attention and positions to be "
+        f"meshwise.models.attention modules reached by its forward's context; "
+        f"this model has no {missing}"
+    )

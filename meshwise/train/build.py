@@ -22,19 +22,28 @@ from meshwise.sharding.zero3 import ZeroStage3, reshard_policy
 from meshwise.train.config import TrainConfig
 
 
-def build_model(cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh,
-                vocab_size: int | None) -> ParallelModel:
+def build_model(
+    cfg: TrainConfig, family: ModelFamily, model_cfg, mesh: Mesh, vocab_size: int | None
+) -> ParallelModel:
     """This rank's part of the model: pipeline chunks with tensor-parallel layers (and
     sequence parallelism), context-parallel positions and attention, on meta."""
     p = cfg.parallel
     with on_meta():
         model = family.build(model_cfg)
-    return parallelize(model, family.plan(model_cfg), tp_group=mesh.tp_group if p.tp > 1 else None,
-                       pp_rank=mesh.pp_rank, pp_size=p.pp, virtual_stages=p.virtual_stages,
-                       vocab_size=vocab_size, sequence_parallel=p.sp, cp_group=mesh.cp_group,
-                       stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop",
-                       tie_group=mesh.tie_group,
-                       check_forward=FAMILIES.get(family.name) is not family)
+    return parallelize(
+        model,
+        family.plan(model_cfg),
+        tp_group=mesh.tp_group if p.tp > 1 else None,
+        pp_rank=mesh.pp_rank,
+        pp_size=p.pp,
+        virtual_stages=p.virtual_stages,
+        vocab_size=vocab_size,
+        sequence_parallel=p.sp,
+        cp_group=mesh.cp_group,
+        stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop",
+        tie_group=mesh.tie_group,
+        check_forward=FAMILIES.get(family.name) is not family,
+    )
 
 
 def dtype_resolved(cfg: TrainConfig, device: torch.device) -> TrainConfig:
@@ -42,8 +51,11 @@ def dtype_resolved(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     command line resolves it before launch)."""
     if cfg.runtime.dtype != "auto":
         return cfg
-    dtype = resolve_dtype("auto", device.type, lambda: takes_bf16(
-        [torch.cuda.get_device_capability(device)], torch.cuda.nccl.version()))
+    dtype = resolve_dtype(
+        "auto",
+        device.type,
+        lambda: takes_bf16([torch.cuda.get_device_capability(device)], torch.cuda.nccl.version()),
+    )
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype))
 
 
@@ -55,8 +67,15 @@ def precision_of(cfg: TrainConfig) -> Precision:
     return Precision(param_dtype=torch.bfloat16, reduce_dtype=reduce)
 
 
-def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: AdamWConfig,
-                 values, device, grad_reducer=None):
+def build_engine(
+    model: ParallelModel,
+    mesh: Mesh,
+    cfg: TrainConfig,
+    adamw: AdamWConfig,
+    values,
+    device,
+    grad_reducer=None,
+):
     """The gradient synchroniser + optimizer for ``--zero`` (``ZeroOptimizer`` for stages 0-2,
     ``ZeroStage3``), filled from ``values``, reducing over ``mesh.dp_cp_group`` (through
     ``grad_reducer`` when given).
@@ -73,15 +92,34 @@ def build_engine(model: ParallelModel, mesh: Mesh, cfg: TrainConfig, adamw: Adam
                 per_chunk.append(first + list(getattr(chunk, model.plan.layers).values()) + last)
                 alone += first + last
             target, units = model.chunks, per_chunk
-        return ZeroStage3(target, mesh.dp_cp_group, adamw, units,
-                          reshard=reshard_policy(p.pp > 1, p.reshard_after_forward),
-                          alone=alone, precision=precision, values=values, device=device,
-                          unit_cap_mb=cfg.comm.bucket_mb, grad_reducer=grad_reducer)
+        return ZeroStage3(
+            target,
+            mesh.dp_cp_group,
+            adamw,
+            units,
+            reshard=reshard_policy(p.pp > 1, p.reshard_after_forward),
+            alone=alone,
+            precision=precision,
+            values=values,
+            device=device,
+            unit_cap_mb=cfg.comm.bucket_mb,
+            grad_reducer=grad_reducer,
+        )
     tied = list(model.cross_stage_ties) + [n for group in model.local_ties for n in group]
-    return ZeroOptimizer(model.named_parameters(), mesh.dp_cp_group, stage=p.zero,
-                         adamw=adamw, bucket_cap_mb=cfg.comm.bucket_mb, precision=precision,
-                         modules=model.chunks, values=values, device=device,
-                         grad_reducer=grad_reducer, reduce_once=p.pp > 1, own_buckets=tied)
+    return ZeroOptimizer(
+        model.named_parameters(),
+        mesh.dp_cp_group,
+        stage=p.zero,
+        adamw=adamw,
+        bucket_cap_mb=cfg.comm.bucket_mb,
+        precision=precision,
+        modules=model.chunks,
+        values=values,
+        device=device,
+        grad_reducer=grad_reducer,
+        reduce_once=p.pp > 1,
+        own_buckets=tied,
+    )
 
 
 def own_model_shape(model: ParallelModel, data_vocab_size: int) -> dict:
@@ -89,9 +127,11 @@ def own_model_shape(model: ParallelModel, data_vocab_size: int) -> dict:
     token ids do not fit its vocabulary."""
     vocab = model.vocab_size
     if vocab is not None and data_vocab_size > vocab:
-        raise ValueError(f"the data has {data_vocab_size} token ids but the model's vocabulary "
-                         f"holds {vocab}; valid: a model with vocabulary >= {data_vocab_size}, "
-                         "or data of its tokenizer")
+        raise ValueError(
+            f"the data has {data_vocab_size} token ids but the model's vocabulary "
+            f"holds {vocab}; valid: a model with vocabulary >= {data_vocab_size}, "
+            "or data of its tokenizer"
+        )
     return {"family": "own", "vocab_size": vocab, "num_stages": model.num_stages}
 
 

@@ -21,8 +21,13 @@ log = logging.getLogger("meshwise")
 # Layout keys a checkpoint may lack, and what they were then.
 LAYOUT_DEFAULTS = {"cp": 1, "sp": False}
 # What fixes the dp buckets and what a compressor carries for them, besides the layout.
-BUCKET_SETTINGS = (("comm", "compress"), ("comm", "error_feedback"), ("comm", "bucket_mb"),
-                   ("runtime", "dtype"), ("runtime", "grad_reduce_dtype"))
+BUCKET_SETTINGS = (
+    ("comm", "compress"),
+    ("comm", "error_feedback"),
+    ("comm", "bucket_mb"),
+    ("runtime", "dtype"),
+    ("runtime", "grad_reduce_dtype"),
+)
 
 
 class RunCheckpointer:
@@ -31,16 +36,33 @@ class RunCheckpointer:
     tensor once).
     """
 
-    def __init__(self, cfg, run: RunState, mesh: Mesh, engine, pieces: dict, represented: set[str],
-                 model: dict, compressor=None, device=None):
+    def __init__(
+        self,
+        cfg,
+        run: RunState,
+        mesh: Mesh,
+        engine,
+        pieces: dict,
+        represented: set[str],
+        model: dict,
+        compressor=None,
+        device=None,
+    ):
         self.cfg, self.run, self.mesh, self.engine = cfg, run, mesh, engine
         self.compressor, self.device = compressor, device
         self.pieces = pieces
         self.represented = represented
         self.model = model  # the shape of the model, checked on resume
         p = cfg.parallel
-        self.layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages,
-                       "zero": p.zero, "cp": p.cp, "sp": p.sp}
+        self.layout = {
+            "dp": p.dp,
+            "tp": p.tp,
+            "pp": p.pp,
+            "virtual_stages": p.virtual_stages,
+            "zero": p.zero,
+            "cp": p.cp,
+            "sp": p.sp,
+        }
         self.lineage = Lineage(run.run_id)  # a fresh run, until ``load``
         self.resumed_from: Path | None = None
 
@@ -52,14 +74,27 @@ class RunCheckpointer:
 
     def save(self, step: int) -> None:
         c = self.cfg.checkpoint
-        meta = {"step": step, "optimizer_step": self.engine.step_count, "model": self.model,
-                "layout": self.layout, **record(self.cfg, self.run),
-                "lineage": self.lineage.to_meta()}
+        meta = {
+            "step": step,
+            "optimizer_step": self.engine.step_count,
+            "model": self.model,
+            "layout": self.layout,
+            **record(self.cfg, self.run),
+            "lineage": self.lineage.to_meta(),
+        }
         own = None if self.compressor is None else {"comm": self.compressor.state_tensors()}
         protect = frozenset({self.resumed_from}) if self.resumed_from else frozenset()
         save_dir = SaveDir(Path(c.save), self.run.run_id, c.keep_last, self.lineage, protect)
-        path = state.save(save_dir, step, self.engine.checkpoint_runs(), self.pieces,
-                          self.represented, self.mesh.world_group, meta, own)
+        path = state.save(
+            save_dir,
+            step,
+            self.engine.checkpoint_runs(),
+            self.pieces,
+            self.represented,
+            self.mesh.world_group,
+            meta,
+            own,
+        )
         if path is not None:
             removed = save_dir.prune(c.keep_last) if c.keep_last else []
             log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")
@@ -85,12 +120,19 @@ class RunCheckpointer:
         comes back where the buckets are the same (layout, sizes, compressor)."""
         self.compressor.step = ckpt.step
         saved, now = ckpt.meta["config"], dataclasses.asdict(self.cfg)
-        changed = [key for section, key in BUCKET_SETTINGS
-                   if saved.get(section, {}).get(key) != now[section][key]]
+        changed = [
+            key
+            for section, key in BUCKET_SETTINGS
+            if saved.get(section, {}).get(key) != now[section][key]
+        ]
         if same_layout and not changed:
             self.compressor.load_state_tensors(
-                state.rank_state(ckpt, "comm", self.mesh.rank), self.device)
+                state.rank_state(ckpt, "comm", self.mesh.rank), self.device
+            )
         elif self.mesh.rank == 0:
             why = "another layout" if not same_layout else "changed " + ", ".join(changed)
-            log.info("--compress %s: its carried errors start from zero (%s)",
-                     self.cfg.comm.compress, why)
+            log.info(
+                "--compress %s: its carried errors start from zero (%s)",
+                self.cfg.comm.compress,
+                why,
+            )

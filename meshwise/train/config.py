@@ -196,23 +196,40 @@ class TrainConfig:
         ``own_model``: the model is the caller's (``Trainer(model=...)``), not the
         ``model`` section's: its sizes are checked by ``parallelize`` instead."""
         m, o, d = self.model, self.optim, self.data
-        positive(seq_len=d.seq_len, batch_size=d.batch_size, steps=o.steps,
-                 bucket_mb=self.comm.bucket_mb, timeout_s=self.comm.timeout_s,
-                 eval_batches=d.eval_batches, log_every=self.runtime.log_every)
-        non_negative(warmup_steps=o.warmup_steps, eval_every=d.eval_every,
-                     sample_tokens=d.sample_tokens, clip=o.clip, weight_decay=o.weight_decay,
-                     n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model,
-                     block_size=m.block_size)
+        positive(
+            seq_len=d.seq_len,
+            batch_size=d.batch_size,
+            steps=o.steps,
+            bucket_mb=self.comm.bucket_mb,
+            timeout_s=self.comm.timeout_s,
+            eval_batches=d.eval_batches,
+            log_every=self.runtime.log_every,
+        )
+        non_negative(
+            warmup_steps=o.warmup_steps,
+            eval_every=d.eval_every,
+            sample_tokens=d.sample_tokens,
+            clip=o.clip,
+            weight_decay=o.weight_decay,
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            d_model=m.d_model,
+            block_size=m.block_size,
+        )
         positive(lr=o.lr)
         non_negative(check_replicas_every=self.runtime.check_replicas_every)
         non_negative(seed=d.seed, vocab_size=m.vocab_size, max_skipped_steps=o.max_skipped_steps)
         low, high = TIMEOUT_RANGE_S
         if not low <= self.comm.timeout_s <= high:
-            raise ValueError(f"--timeout-s {self.comm.timeout_s:g} is out of range; valid: "
-                             f"{low:g} to {high:.0f} seconds (a year)")
+            raise ValueError(
+                f"--timeout-s {self.comm.timeout_s:g} is out of range; valid: "
+                f"{low:g} to {high:.0f} seconds (a year)"
+            )
         if m.vocab_size > MAX_VOCAB_SIZE:
-            raise ValueError(f"--vocab-size {m.vocab_size} is more ids than token files hold; "
-                             f"valid: up to {MAX_VOCAB_SIZE} (uint32)")
+            raise ValueError(
+                f"--vocab-size {m.vocab_size} is more ids than token files hold; "
+                f"valid: up to {MAX_VOCAB_SIZE} (uint32)"
+            )
         if d.token_dtype is not None:
             choice("--token-dtype", d.token_dtype, TOKEN_DTYPES)
         choice("--format", d.format, DATA_KINDS)
@@ -229,8 +246,11 @@ class TrainConfig:
         choice("--data-format", d.data_format, DATA_FORMATS)
         choice("--data-order", d.data_order, DATA_ORDERS)
         check_schedule(o)
-        choice("--activation-checkpointing", self.runtime.activation_checkpointing,
-               ACTIVATION_CHECKPOINTING)
+        choice(
+            "--activation-checkpointing",
+            self.runtime.activation_checkpointing,
+            ACTIVATION_CHECKPOINTING,
+        )
         parse_log_to(self.runtime.log_to)
         parse_steps(self.runtime.profile_steps)
         non_negative(peak_tflops=self.runtime.peak_tflops)
@@ -248,13 +268,17 @@ class TrainConfig:
         parse_compress(c.compress)
         choice("--allreduce", c.allreduce, ALGORITHMS)
         choice("--error-feedback", c.error_feedback, ("on", "off"))
-        non_negative(ranks_per_node=c.ranks_per_node,
-                     compress_warmup_steps=c.compress_warmup_steps,
-                     topk_ramp_steps=c.topk_ramp_steps)
+        non_negative(
+            ranks_per_node=c.ranks_per_node,
+            compress_warmup_steps=c.compress_warmup_steps,
+            topk_ramp_steps=c.topk_ramp_steps,
+        )
         if self.runtime.grad_reduce_dtype == "bf16" and c.compress != "none":
-            raise ValueError(f"--grad-reduce-dtype bf16 with --compress {c.compress}: the "
-                             "compressor decides what crosses the wire; valid: "
-                             "--grad-reduce-dtype fp32 with --compress, or --compress none")
+            raise ValueError(
+                f"--grad-reduce-dtype bf16 with --compress {c.compress}: the "
+                "compressor decides what crosses the wire; valid: "
+                "--grad-reduce-dtype fp32 with --compress, or --compress none"
+            )
 
     def _validate_checkpoint(self) -> None:
         c = self.checkpoint
@@ -263,10 +287,16 @@ class TrainConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         non_negative(max_restarts=c.max_restarts)
         if not c.save:
-            needs = [flag for flag, value in (("--save-every", c.save_every),
-                                              ("--keep-last", c.keep_last),
-                                              ("--max-restarts", c.max_restarts),
-                                              ("--resume auto", c.resume == "auto")) if value]
+            needs = [
+                flag
+                for flag, value in (
+                    ("--save-every", c.save_every),
+                    ("--keep-last", c.keep_last),
+                    ("--max-restarts", c.max_restarts),
+                    ("--resume auto", c.resume == "auto"),
+                )
+                if value
+            ]
             if needs:
                 raise ValueError(f"{needs[0]} needs --save DIR (where checkpoints go)")
 
@@ -275,20 +305,24 @@ class TrainConfig:
         if self.model.family != "llama":
             for name in LLAMA_ONLY:
                 if getattr(m, name) is not None:
-                    raise ValueError(f"{flag_name(name)} applies to the llama models, "
-                                     f"not --model {m.preset}; valid: --model "
-                                     f"{' or '.join(p for p in MODEL_PRESETS if 'llama' in p)}")
-        positive(**{name: getattr(m, name) for name in LLAMA_ONLY
-                    if getattr(m, name) is not None})
+                    raise ValueError(
+                        f"{flag_name(name)} applies to the llama models, "
+                        f"not --model {m.preset}; valid: --model "
+                        f"{' or '.join(p for p in MODEL_PRESETS if 'llama' in p)}"
+                    )
+        positive(**{name: getattr(m, name) for name in LLAMA_ONLY if getattr(m, name) is not None})
         if m.d_model % m.n_head:
             raise ValueError(f"--d-model {m.d_model} is not divisible by --n-head {m.n_head}")
         # The family's own checks (grouped-query heads, rope scaling, dropout).
-        family(self.model.family).make_config({**self.model.sizes(max(m.vocab_size, 1)),
-                                               "dropout": m.dropout})
+        family(self.model.family).make_config(
+            {**self.model.sizes(max(m.vocab_size, 1)), "dropout": m.dropout}
+        )
         if d.seq_len > m.block_size:
-            raise ValueError(f"--seq-len {d.seq_len} exceeds the model's context of "
-                             f"{m.block_size} tokens (preset {m.preset}); use --seq-len <= "
-                             f"{m.block_size}")
+            raise ValueError(
+                f"--seq-len {d.seq_len} exceeds the model's context of "
+                f"{m.block_size} tokens (preset {m.preset}); use --seq-len <= "
+                f"{m.block_size}"
+            )
 
 
 def recorded_section(section: type, recorded: dict):

@@ -14,12 +14,25 @@ from meshwise.comm import ops
 from meshwise.train.run_state import record
 
 # Fields that may differ between nodes: where things are, how much is printed.
-PER_NODE = {"data.path", "data.cache_dir", "data.tokenizer", "runtime.metrics", "runtime.quiet",
-            "runtime.log_every", "checkpoint.save", "checkpoint.resume", "model.init_from",
-            "checkpoint.run_id",
-            # only the logging rank logs; each rank profiles for itself
-            "runtime.log_to", "runtime.log_dir", "runtime.run_name", "runtime.project",
-            "runtime.profile_steps", "runtime.profile_dir"}
+PER_NODE = {
+    "data.path",
+    "data.cache_dir",
+    "data.tokenizer",
+    "runtime.metrics",
+    "runtime.quiet",
+    "runtime.log_every",
+    "checkpoint.save",
+    "checkpoint.resume",
+    "model.init_from",
+    "checkpoint.run_id",
+    # only the logging rank logs; each rank profiles for itself
+    "runtime.log_to",
+    "runtime.log_dir",
+    "runtime.run_name",
+    "runtime.project",
+    "runtime.profile_steps",
+    "runtime.profile_dir",
+}
 _SAMPLE_BYTES = 1 << 20
 
 
@@ -39,7 +52,7 @@ def fingerprint(cfg, run, data_path: str | Path) -> dict:
     flat["data file"] = _file_digest(str(data_path))
     flat["meshwise code"] = _code_digest()
     save = cfg.checkpoint.save
-    flat["--save holding"] = ([p.name for p in complete_checkpoints(save)] if save else None)
+    flat["--save holding"] = [p.name for p in complete_checkpoints(save)] if save else None
     return flat
 
 
@@ -50,9 +63,11 @@ def check_same_job(cfg, run, data_path, world: ops.Group) -> None:
     for rank, theirs in enumerate(everyone[1:], start=1):
         for key, value in reference.items():
             if theirs.get(key) != value:
-                raise ConfigMismatch(f"rank {rank} was started with {key} = {theirs.get(key)!r}"
-                                     f" but rank 0 with {value!r}; every rank must run the "
-                                     "same job")
+                raise ConfigMismatch(
+                    f"rank {rank} was started with {key} = {theirs.get(key)!r}"
+                    f" but rank 0 with {value!r}; every rank must run the "
+                    "same job"
+                )
 
 
 def _file_digest(path: str) -> str:

@@ -26,8 +26,14 @@ def matmul_params(model: nn.Module) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def flops_per_token(model: nn.Module, layers: list[nn.Module], n_layer: int, d_model: int,
-                    seq_len: int, recomputed: bool = False) -> tuple[float, float]:
+def flops_per_token(
+    model: nn.Module,
+    layers: list[nn.Module],
+    n_layer: int,
+    d_model: int,
+    seq_len: int,
+    recomputed: bool = False,
+) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per token of a training step: forward and backward
     of ``model`` (the whole, single-process one; the meta device will do) and, with
     ``recomputed``, one more forward of each of its ``layers``."""
@@ -48,8 +54,9 @@ def gpu_peak(device: torch.device, dtype: torch.dtype) -> float | None:
     return next((peaks.get(dtype) for key, peaks in GPU_PEAKS.items() if key in name), None)
 
 
-def measured_peak(device: torch.device, dtype: torch.dtype, size: int = 1024,
-                  budget_s: float = 0.5) -> float:
+def measured_peak(
+    device: torch.device, dtype: torch.dtype, size: int = 1024, budget_s: float = 0.5
+) -> float:
     """FLOP/s of a ``size``-square matrix multiply here: the best of as many as fit in
     ``budget_s`` (at least 5; the best is the least disturbed by other work)."""
     a = torch.randn(size, size, device=device).to(dtype)

@@ -24,13 +24,15 @@ def grad_compressor(mesh: Mesh, cfg: TrainConfig) -> Compressor | None:
     c = cfg.comm
     if c.compress == "none" or mesh.dp_cp_group.size == 1:
         return None
-    return build_compressor(c.compress, error_feedback=c.error_feedback == "on",
-                            warmup_steps=c.compress_warmup_steps,
-                            topk_ramp_steps=c.topk_ramp_steps)
+    return build_compressor(
+        c.compress,
+        error_feedback=c.error_feedback == "on",
+        warmup_steps=c.compress_warmup_steps,
+        topk_ramp_steps=c.topk_ramp_steps,
+    )
 
 
-def grad_reducer(mesh: Mesh, cfg: TrainConfig, compressor: Compressor | None
-                 ) -> GradReducer | None:
+def grad_reducer(mesh: Mesh, cfg: TrainConfig, compressor: Compressor | None) -> GradReducer | None:
     """The dp (x cp) reducer when compression or an algorithm asks for one (``None``:
     the engines use the group's native collectives)."""
     c = cfg.comm
@@ -40,8 +42,14 @@ def grad_reducer(mesh: Mesh, cfg: TrainConfig, compressor: Compressor | None
     per_node = c.ranks_per_node or mesh.dims.world_size
     reducer = GradReducer(group, compressor, c.allreduce, Topology.of(group.ranks, per_node))
     if mesh.rank == 0:
-        log.info("dp gradient sync: --compress %s (error feedback %s), --allreduce %s, "
-                 "%d ranks per node", c.compress, c.error_feedback, c.allreduce, per_node)
+        log.info(
+            "dp gradient sync: --compress %s (error feedback %s), --allreduce %s, "
+            "%d ranks per node",
+            c.compress,
+            c.error_feedback,
+            c.allreduce,
+            per_node,
+        )
     return reducer
 
 
@@ -57,8 +65,11 @@ class GradCommStats:
         if self.reducer is None:
             return []
         calls, nbytes = self.reducer.algorithm_stats()
-        return ([self.reducer.raw_bytes, self.reducer.sent_bytes]
-                + [calls.get(a, 0) for a in REPORTED] + [nbytes.get(a, 0.0) for a in REPORTED])
+        return (
+            [self.reducer.raw_bytes, self.reducer.sent_bytes]
+            + [calls.get(a, 0) for a in REPORTED]
+            + [nbytes.get(a, 0.0) for a in REPORTED]
+        )
 
     def add_to(self, values) -> None:
         """This step's counts, into ``values`` (a ``RankValues``) to be combined."""
@@ -66,8 +77,11 @@ class GradCommStats:
         delta = [a - b for a, b in zip(now, self._last)]
         self._last = now
         if self.reducer is not None:
-            names = ["raw_bytes", "sent_bytes"] + [f"calls.{a}" for a in REPORTED] + \
-                    [f"bytes.{a}" for a in REPORTED]
+            names = (
+                ["raw_bytes", "sent_bytes"]
+                + [f"calls.{a}" for a in REPORTED]
+                + [f"bytes.{a}" for a in REPORTED]
+            )
             for name, value in zip(names, delta):
                 values.add(name, value, "sum")
 

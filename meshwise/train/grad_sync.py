@@ -29,11 +29,17 @@ class GradSync3D:
         writer = model.is_writer if model is not None else (lambda name: True)
         # The parameters this rank speaks for: each logical tensor once among its tp
         # replicas and tied copies, counted once in the norm and written once to a save.
-        self.represented = {name for name, p in self.params.items()
-                        if writer(name) and (mesh.tp_rank == 0 or is_tp_sharded(p))}
+        self.represented = {
+            name
+            for name, p in self.params.items()
+            if writer(name) and (mesh.tp_rank == 0 or is_tp_sharded(p))
+        }
         sequence_parallel = model is not None and model.sequence_parallel
-        self.partial_over_tp = ({name for name, p in self.params.items() if not is_tp_sharded(p)}
-                                if sequence_parallel and mesh.dims.tp > 1 else set())
+        self.partial_over_tp = (
+            {name for name, p in self.params.items() if not is_tp_sharded(p)}
+            if sequence_parallel and mesh.dims.tp > 1
+            else set()
+        )
         self._checked_tp = False
 
     def finish(self) -> None:
@@ -102,8 +108,13 @@ class GradSync3D:
         names = [n for n, p in self.params.items() if not is_tp_sharded(p)]
         device = next(iter(held.values())).device if held else torch.device("cpu")
         empty = torch.zeros(0, dtype=torch.float64, device=device)
-        self._compare_across_tp(names, [held.get(n, empty) for n in names], rtol, "values",
-                                sum_over=self.mesh.dp_cp_group)
+        self._compare_across_tp(
+            names,
+            [held.get(n, empty) for n in names],
+            rtol,
+            "values",
+            sum_over=self.mesh.dp_cp_group,
+        )
 
     def _compare_across_tp(self, names, tensors, rtol: float, what: str, sum_over=None) -> None:
         if not names:
@@ -119,8 +130,10 @@ class GradSync3D:
         ops.all_reduce(high, self.mesh.tp_group, op="max", category="check")
         bad = ((high - low) > rtol * scale + 1e-12).nonzero().flatten().tolist()
         if bad:
-            raise RuntimeError(f"{what} of tp-replicated parameters differ across tp ranks: "
-                               f"{', '.join(names[i] for i in bad)}")
+            raise RuntimeError(
+                f"{what} of tp-replicated parameters differ across tp ranks: "
+                f"{', '.join(names[i] for i in bad)}"
+            )
 
     def check_tp_replicas(self, rtol: float = 1e-5) -> None:
         """Raise if a tp-replicated parameter's gradient differs across tp ranks.
@@ -130,5 +143,4 @@ class GradSync3D:
         if getattr(self.engine, "stage", 0) >= 2:
             return
         names = [n for n, p in self.params.items() if not is_tp_sharded(p)]
-        self._compare_across_tp(names, [self.engine.grad_of(n) for n in names], rtol,
-                                "gradients")
+        self._compare_across_tp(names, [self.engine.grad_of(n) for n in names], rtol, "gradients")

@@ -41,17 +41,21 @@ def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
     if preset_family != fam:
         if "preset" in origins:
             valid = " or ".join(p for p, v in MODEL_PRESETS.items() if v["family"] == fam)
-            raise ValueError(f"--model {m.preset} is a {preset_family} model but --init-from "
-                             f"{where} holds a {fam} model; valid: leave --model out, or "
-                             f"--model {valid}")
+            raise ValueError(
+                f"--model {m.preset} is a {preset_family} model but --init-from "
+                f"{where} holds a {fam} model; valid: leave --model out, or "
+                f"--model {valid}"
+            )
         m.preset = preset  # for its family: every size below comes from config.json
         origins["preset"] = "init-from"
     for field, value in sizes.items():
         given = getattr(m, field)
         if field in origins and given not in (None, 0) and given != value:
             flag = flag_name(field)
-            raise ValueError(f"{flag} {given} contradicts --init-from {where}: its config.json "
-                             f"has {keys.get(field, field)} {value}; leave {flag} out")
+            raise ValueError(
+                f"{flag} {given} contradicts --init-from {where}: its config.json "
+                f"has {keys.get(field, field)} {value}; leave {flag} out"
+            )
         setattr(m, field, value)
         origins.setdefault(field, "init-from")
     tokenizer = Path(where) / "tokenizer.json"
@@ -79,10 +83,12 @@ def check_init_from(cfg: TrainConfig) -> None:
     if cfg.data.tokenizer:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         if tokenizer.vocab_size > model.vocab_size:
-            raise ValueError(f"--tokenizer {tokenizer.describe()} has more tokens than the "
-                             f"vocabulary of {model.vocab_size} in --init-from {m.init_from}'s "
-                             "config.json; valid: the model's own tokenizer (its "
-                             "tokenizer.json, the default)")
+            raise ValueError(
+                f"--tokenizer {tokenizer.describe()} has more tokens than the "
+                f"vocabulary of {model.vocab_size} in --init-from {m.init_from}'s "
+                "config.json; valid: the model's own tokenizer (its "
+                "tokenizer.json, the default)"
+            )
 
 
 def initial_values(parallel_model, cfg: TrainConfig, init_of, seed: int):

@@ -19,8 +19,9 @@ def check_layout(cfg, own_model: bool = False) -> None:
     ``own_model``: the model is the caller's, its sizes and plan checked by
     ``parallelize`` instead."""
     p, m, d = cfg.parallel, cfg.model.resolved(), cfg.data
-    positive(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual_stages=p.virtual_stages,
-             grad_accum=d.grad_accum)
+    positive(
+        dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual_stages=p.virtual_stages, grad_accum=d.grad_accum
+    )
     non_negative(micro_batches=p.micro_batches)
     choice("--schedule", p.schedule, SCHEDULE_KINDS)
     choice("--zero", p.zero, ZERO_STAGES)
@@ -31,23 +32,30 @@ def check_layout(cfg, own_model: bool = False) -> None:
         if p.virtual_stages != 1:
             raise ValueError(f"--virtual-stages {p.virtual_stages} needs --pp > 1")
         if p.micro_batches > 1:
-            raise ValueError(f"--micro-batches {p.micro_batches} needs --pp > 1; without a "
-                             "pipeline use --grad-accum")
+            raise ValueError(
+                f"--micro-batches {p.micro_batches} needs --pp > 1; without a "
+                "pipeline use --grad-accum"
+            )
     else:
         validate_schedule_config(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
         chunks = p.pp * p.virtual_stages
         if m.n_layer % chunks and not own_model:
-            raise ValueError(f"--n-layer {m.n_layer} does not split into pp x virtual-stages "
-                             f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks")
+            raise ValueError(
+                f"--n-layer {m.n_layer} does not split into pp x virtual-stages "
+                f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks"
+            )
     _check_sequence(cfg, own_model)
     if p.reshard_after_forward and p.zero != 3:
-        raise ValueError(f"--reshard-after-forward needs --zero 3 (got --zero {p.zero}): it "
-                         "picks when ZeRO-3 units are gathered; valid: --zero 3")
+        raise ValueError(
+            f"--reshard-after-forward needs --zero 3 (got --zero {p.zero}): it "
+            "picks when ZeRO-3 units are gathered; valid: --zero 3"
+        )
     per_step = p.dp * d.grad_accum * p.num_micro_batches
     if d.batch_size % per_step:
         raise ValueError(
             f"--batch-size {d.batch_size} is not divisible by dp x grad-accum x "
-            f"micro-batches = {p.dp} x {d.grad_accum} x {p.num_micro_batches} = {per_step}")
+            f"micro-batches = {p.dp} x {d.grad_accum} x {p.num_micro_batches} = {per_step}"
+        )
     _check_gradient_group(cfg)
 
 
@@ -57,27 +65,33 @@ def _check_sequence(cfg, own_model: bool) -> None:
     ``parallelize``)."""
     p, d = cfg.parallel, cfg.data
     if p.sp and p.tp == 1:
-        raise ValueError("--sp splits the sequence across the tp ranks between their layers "
-                         "and needs --tp > 1; valid: --sp with --tp 2 or more, or no --sp")
+        raise ValueError(
+            "--sp splits the sequence across the tp ranks between their layers "
+            "and needs --tp > 1; valid: --sp with --tp 2 or more, or no --sp"
+        )
     if p.cp > 1 and not own_model:
         _check_ring(cfg)
     divisor = p.sequence_divisor
     if d.seq_len % divisor:
-        what = (f"2 x cp = {2 * p.cp} load-balanced chunks" if p.cp > 1 else "")
+        what = f"2 x cp = {2 * p.cp} load-balanced chunks" if p.cp > 1 else ""
         if p.sp:
             what += (" whose tokens split" if what else "slices") + f" across tp = {p.tp}"
         lower = d.seq_len // divisor * divisor
         near = " or ".join(str(n) for n in (lower, lower + divisor) if n > 0)
-        raise ValueError(f"--seq-len {d.seq_len} does not split into {what}; valid: a "
-                         f"multiple of {divisor}, e.g. --seq-len {near}")
+        raise ValueError(
+            f"--seq-len {d.seq_len} does not split into {what}; valid: a "
+            f"multiple of {divisor}, e.g. --seq-len {near}"
+        )
 
 
 def _check_ring(cfg) -> None:
     """Context parallelism runs the family's attention as a ring of key/value blocks."""
     fam = family(cfg.model.family)
     if not fam.plan(fam.make_config(cfg.model.sizes(256))).ring_capable:
-        raise ValueError(f"--cp {cfg.parallel.cp}: the attention of --model "
-                         f"{cfg.model.preset} cannot run as a ring; valid: --cp 1")
+        raise ValueError(
+            f"--cp {cfg.parallel.cp}: the attention of --model "
+            f"{cfg.model.preset} cannot run as a ring; valid: --cp 1"
+        )
 
 
 def _check_gradient_group(cfg) -> None:
@@ -89,9 +103,11 @@ def _check_gradient_group(cfg) -> None:
     world = p.dims.world_size
     if c.ranks_per_node and world % c.ranks_per_node:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ValueError(f"--ranks-per-node {c.ranks_per_node} does not divide the world of "
-                         f"{p.axes_text} = {world} ranks; valid: "
-                         f"{', '.join(map(str, divisors))}")
+        raise ValueError(
+            f"--ranks-per-node {c.ranks_per_node} does not divide the world of "
+            f"{p.axes_text} = {world} ranks; valid: "
+            f"{', '.join(map(str, divisors))}"
+        )
     if c.allreduce == "hierarchical":
         per_node = c.ranks_per_node or world
         for ranks in p.dims.axes_groups(("dp", "cp")):  # the gradients' group
@@ -100,7 +116,8 @@ def _check_gradient_group(cfg) -> None:
                 raise ValueError(
                     f"--allreduce hierarchical cannot serve the dp group: {problem} "
                     f"(--ranks-per-node {per_node}); valid here: native, ring, tree, "
-                    "adaptive, or a --ranks-per-node that puts 2+ nodes in each dp group")
+                    "adaptive, or a --ranks-per-node that puts 2+ nodes in each dp group"
+                )
 
 
 # Which ZeRO stages combine with which axes. The README's table is generated from
@@ -118,8 +135,11 @@ COMPOSITIONS = [
     ("tp x pp", "--tp 2 --pp 2", ZERO_STAGES),
     ("dp x pp", "--dp 2 --pp 2", ZERO_STAGES),
     ("dp x tp x pp", "--dp 2 --tp 2 --pp 2", ZERO_STAGES),
-    ("dp x pp, zero bubble", "--dp 2 --pp 2 --schedule zbv --virtual-stages 2 --micro-batches 4",
-     ZERO_STAGES),
+    (
+        "dp x pp, zero bubble",
+        "--dp 2 --pp 2 --schedule zbv --virtual-stages 2 --micro-batches 4",
+        ZERO_STAGES,
+    ),
     ("dp x cp", "--dp 2 --cp 2", ZERO_STAGES),
     ("cp x tp + sp", "--cp 2 --tp 2 --sp", ZERO_STAGES),
     ("cp x pp", "--cp 2 --pp 2", ZERO_STAGES),

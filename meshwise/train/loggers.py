@@ -24,12 +24,17 @@ def run_names(runtime, save_dir: str | None) -> dict[str, str]:
     """The run's name, its loggers' folder and the profile folder: ``runtime``'s (the
     settings, or a run state) where given, else from ``--save`` (or the time). Named
     once, before any rank starts (every rank must agree)."""
-    run_name = runtime.run_name or (Path(save_dir).name if save_dir
-                                    else time.strftime("run-%Y%m%d-%H%M%S"))
-    log_dir = runtime.log_dir or str(Path(save_dir) / "logs" if save_dir
-                                     else Path("runs") / run_name)
-    return {"run_name": run_name, "log_dir": log_dir,
-            "profile_dir": runtime.profile_dir or str(Path(log_dir) / "profile")}
+    run_name = runtime.run_name or (
+        Path(save_dir).name if save_dir else time.strftime("run-%Y%m%d-%H%M%S")
+    )
+    log_dir = runtime.log_dir or str(
+        Path(save_dir) / "logs" if save_dir else Path("runs") / run_name
+    )
+    return {
+        "run_name": run_name,
+        "log_dir": log_dir,
+        "profile_dir": runtime.profile_dir or str(Path(log_dir) / "profile"),
+    }
 
 
 def parse_log_to(text: str | None) -> list[str]:
@@ -37,8 +42,10 @@ def parse_log_to(text: str | None) -> list[str]:
     names = [n.strip() for n in (text or "").split(",") if n.strip() and n.strip() != "none"]
     for name in names:
         if name not in LOGGERS:
-            raise ValueError(f"--log-to {name!r} is not valid; valid: "
-                             f"{', '.join(LOGGERS)} (comma-separated), or none")
+            raise ValueError(
+                f"--log-to {name!r} is not valid; valid: "
+                f"{', '.join(LOGGERS)} (comma-separated), or none"
+            )
     return list(dict.fromkeys(names))
 
 
@@ -46,8 +53,10 @@ def missing_extra(names: list[str]) -> str | None:
     """Why a named logger cannot run here (its library is not installed), or None."""
     for name in names:
         if importlib.util.find_spec(LOGGERS[name]) is None:
-            return (f"--log-to {name} needs the {LOGGERS[name]} library: pip install "
-                    f"'meshwise[{name}]' (or pip install -e '.[{name}]' in a checkout)")
+            return (
+                f"--log-to {name} needs the {LOGGERS[name]} library: pip install "
+                f"'meshwise[{name}]' (or pip install -e '.[{name}]' in a checkout)"
+            )
     return None
 
 
@@ -65,13 +74,21 @@ def flatten(record: dict, prefix: str = "") -> dict[str, float]:
 class ExperimentLog:
     """The loggers of ``names`` for one run; ``log(record)`` per step, ``close()``."""
 
-    def __init__(self, names: list[str], log_dir: str | os.PathLike, run_name: str,
-                 project: str, config: dict):
+    def __init__(
+        self,
+        names: list[str],
+        log_dir: str | os.PathLike,
+        run_name: str,
+        project: str,
+        config: dict,
+    ):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         ids = self._load_ids()
-        self._backends = [_BACKENDS[name](self.log_dir, run_name, project, config, ids.get(name))
-                          for name in names]
+        self._backends = [
+            _BACKENDS[name](self.log_dir, run_name, project, config, ids.get(name))
+            for name in names
+        ]
         self._save_ids({b.name: b.run_id for b in self._backends})
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="meshwise-loggers", daemon=True)
@@ -137,10 +154,19 @@ class _Wandb:
 
         if not os.environ.get("WANDB_MODE") and not _wandb_key():
             os.environ["WANDB_MODE"] = "offline"
-            log.warning("warning: --log-to wandb: no API key set or stored, so offline in %s "
-                        "(upload later with wandb sync)", log_dir / "wandb")
-        self.run = wandb.init(project=project, name=run_name, dir=str(log_dir), config=config,
-                              id=run_id, resume="allow" if run_id else None)
+            log.warning(
+                "warning: --log-to wandb: no API key set or stored, so offline in %s "
+                "(upload later with wandb sync)",
+                log_dir / "wandb",
+            )
+        self.run = wandb.init(
+            project=project,
+            name=run_name,
+            dir=str(log_dir),
+            config=config,
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
         self.run_id = self.run.id
 
     def log(self, values: dict[str, float], step: int) -> None:
@@ -174,7 +200,7 @@ class _MLflow:
             run_id = self.client.create_run(experiment.experiment_id, run_name=run_name).info.run_id
             params = [Param(k, v) for k, v in flatten_config(config).items()]
             for start in range(0, len(params), 100):  # MLflow takes 100 per batch
-                self.client.log_batch(run_id, params=params[start:start + 100])
+                self.client.log_batch(run_id, params=params[start : start + 100])
         self.run_id = run_id
         self._metric = Metric
 
@@ -199,4 +225,7 @@ def flatten_config(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 _BACKENDS: dict[str, type[_TensorBoard | _Wandb | _MLflow]] = {
-    "tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _MLflow}
+    "tensorboard": _TensorBoard,
+    "wandb": _Wandb,
+    "mlflow": _MLflow,
+}

@@ -16,14 +16,16 @@ DECAY_SHAPES = ("linear", "sqrt", "cosine")
 WSD_DECAY_FRACTION = 0.2  # decay steps when not given: the last 20% (Hägele et al. 2024)
 
 
-def lr_at(step: int, max_lr: float, warmup_steps: int, total_steps: int,
-          min_lr_ratio: float = 0.1) -> float:
+def lr_at(
+    step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
+) -> float:
     """Linear warmup to ``max_lr``, then cosine decay to ``min_lr_ratio * max_lr``.
 
     ``step`` is 1-based (the step about to be taken).
     """
-    return LRSchedule("cosine", max_lr, warmup_steps, total_steps,
-                      min_lr_ratio=min_lr_ratio).lr(step)
+    return LRSchedule("cosine", max_lr, warmup_steps, total_steps, min_lr_ratio=min_lr_ratio).lr(
+        step
+    )
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,16 @@ class LRSchedule:
     def of(cls, optim, start: int = 0) -> "LRSchedule":
         """The schedule of an ``OptimConfig`` (this run's, or the one a checkpoint
         recorded), starting at step ``start``."""
-        return cls(optim.lr_schedule, optim.lr, optim.warmup_steps, optim.steps,
-                   optim.decay_steps, optim.decay_shape, optim.min_lr_ratio, start)
+        return cls(
+            optim.lr_schedule,
+            optim.lr,
+            optim.warmup_steps,
+            optim.steps,
+            optim.decay_steps,
+            optim.decay_shape,
+            optim.min_lr_ratio,
+            start,
+        )
 
     @property
     def wsd_decay_steps(self) -> int:
@@ -82,8 +92,10 @@ class LRSchedule:
         return bool(np.allclose(self.lrs(steps), before.lrs(steps), rtol=1e-12, atol=0.0))
 
     def describe(self) -> str:
-        text = f"--lr-schedule {self.kind} --lr {self.max_lr:g} --warmup-steps " \
-               f"{self.warmup_steps} --steps {self.total_steps}"
+        text = (
+            f"--lr-schedule {self.kind} --lr {self.max_lr:g} --warmup-steps "
+            f"{self.warmup_steps} --steps {self.total_steps}"
+        )
         if self.kind == "wsd":
             text += f" --decay-steps {self.wsd_decay_steps} --decay-shape {self.decay_shape}"
         if self.kind != "constant" and self.min_lr_ratio != 0.1:
@@ -94,18 +106,23 @@ class LRSchedule:
 def check_schedule(optim) -> None:
     """``--lr-schedule``, ``--decay-steps``, ``--decay-shape``, ``--min-lr-ratio`` of an
     ``OptimConfig``: ``ValueError`` naming the first bad value and the valid ones."""
-    for flag, value, valid in (("--lr-schedule", optim.lr_schedule, SCHEDULES),
-                               ("--decay-shape", optim.decay_shape, DECAY_SHAPES)):
+    for flag, value, valid in (
+        ("--lr-schedule", optim.lr_schedule, SCHEDULES),
+        ("--decay-shape", optim.decay_shape, DECAY_SHAPES),
+    ):
         if value not in valid:
             raise ValueError(f"{flag} {value!r} is not valid; valid: {', '.join(valid)}")
     if not 0.0 <= optim.min_lr_ratio <= 1.0:
-        raise ValueError(f"--min-lr-ratio {optim.min_lr_ratio} is not valid; valid: 0 to 1 "
-                         "(a share of --lr)")
+        raise ValueError(
+            f"--min-lr-ratio {optim.min_lr_ratio} is not valid; valid: 0 to 1 (a share of --lr)"
+        )
     room = optim.steps - optim.warmup_steps
     if optim.decay_steps is not None and not 1 <= optim.decay_steps <= max(room, 1):
-        raise ValueError(f"--decay-steps {optim.decay_steps} is not valid with --steps "
-                         f"{optim.steps} --warmup-steps {optim.warmup_steps}; valid: 1 to "
-                         f"{max(room, 1)}")
+        raise ValueError(
+            f"--decay-steps {optim.decay_steps} is not valid with --steps "
+            f"{optim.steps} --warmup-steps {optim.warmup_steps}; valid: 1 to "
+            f"{max(room, 1)}"
+        )
 
 
 def resumed_start(optim, saved, step: int, saved_start: int = 0) -> int:
@@ -120,11 +137,13 @@ def resumed_start(optim, saved, step: int, saved_start: int = 0) -> int:
     if optim.lr_restart:
         return step
     return_to = before.describe().replace(f" (started at step {before.start})", "")
-    raise ValueError(f"--resume: this run's {now.describe()} gives other learning rates "
-                     f"at steps {before.start + 1} to {step}, which the checkpoint took under "
-                     f"{before.describe()}: resuming would re-stretch its schedule; valid: "
-                     f"resume with {return_to}, or add --lr-restart to start this schedule "
-                     f"afresh at step {step}")
+    raise ValueError(
+        f"--resume: this run's {now.describe()} gives other learning rates "
+        f"at steps {before.start + 1} to {step}, which the checkpoint took under "
+        f"{before.describe()}: resuming would re-stretch its schedule; valid: "
+        f"resume with {return_to}, or add --lr-restart to start this schedule "
+        f"afresh at step {step}"
+    )
 
 
 def _decayed(progress: np.ndarray, shape: str) -> np.ndarray:

@@ -23,7 +23,10 @@ from meshwise.device.clocks import host_to_device
 
 log = logging.getLogger("meshwise")
 COMBINE: dict[str, Callable[[list[float]], float]] = {
-    "sum": sum, "max": max, "first": lambda column: column[0]}
+    "sum": sum,
+    "max": max,
+    "first": lambda column: column[0],
+}
 
 
 class RankValues:
@@ -46,13 +49,18 @@ class RankValues:
     def gather(self, group: ops.Group) -> dict[str, float]:
         numbers = [float(v) for v in self._values if not torch.is_tensor(v)]
         host = iter(host_to_device(numbers, torch.float64, self.device).split(1))
-        mine = torch.cat([v.to(torch.float64).reshape(1) if torch.is_tensor(v) else next(host)
-                          for v in self._values])  # (K,), in the order added
+        mine = torch.cat(
+            [
+                v.to(torch.float64).reshape(1) if torch.is_tensor(v) else next(host)
+                for v in self._values
+            ]
+        )  # (K,), in the order added
         every = torch.empty(group.size * mine.numel(), dtype=torch.float64, device=self.device)
         ops.all_gather(every, mine, group, category="metrics")
         rows = every.view(group.size, -1).tolist()  # (ranks, K): the step's one host read
-        return {name: COMBINE[op]([row[k] for row in rows])
-                for k, (name, op) in enumerate(self._names)}
+        return {
+            name: COMBINE[op]([row[k] for row in rows]) for k, (name, op) in enumerate(self._names)
+        }
 
 
 def _format_duration(seconds: float) -> str:
@@ -79,8 +87,11 @@ def _lines_up_to(path: Path, step: int) -> str:
     """A resumed run keeps the metrics of the steps it does not redo."""
     if not path.is_file():
         return ""
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [
+        line
+        for line in path.read_text().splitlines(keepends=True)
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
     return "".join(kept)
 
 
@@ -91,8 +102,15 @@ class MetricsLog:
     line every ``log_every`` steps (and on the last step).
     """
 
-    def __init__(self, path: str | None, total_steps: int, log_every: int, stream=None,
-                 resume_step: int = 0, quiet: bool = False):
+    def __init__(
+        self,
+        path: str | None,
+        total_steps: int,
+        log_every: int,
+        stream=None,
+        resume_step: int = 0,
+        quiet: bool = False,
+    ):
         self.path = Path(path) if path else None
         self.quiet = quiet  # no progress lines, only the summary
         self.total_steps = total_steps
@@ -116,12 +134,13 @@ class MetricsLog:
             end = self._file.tell()
             try:
                 while line:  # a full disk may take part of a line, then refuse the rest
-                    line = line[self._file.write(line):]
+                    line = line[self._file.write(line) :]
             except OSError as exc:
                 with contextlib.suppress(OSError):  # not a regular file (/dev/full)
                     self._file.truncate(end)  # no half line: every line stays valid JSON
-                raise MetricsWriteError(f"cannot write --metrics {self.path}: "
-                                        f"{exc.strerror or exc}") from None
+                raise MetricsWriteError(
+                    f"cannot write --metrics {self.path}: {exc.strerror or exc}"
+                ) from None
         self._show(record)
 
     def _show(self, record: dict) -> None:
@@ -129,14 +148,18 @@ class MetricsLog:
         elapsed = time.perf_counter() - self.start
         done = len(self.history)
         eta = elapsed / done * (self.total_steps - step) if done else float("nan")
-        line = (f"step {step:>5}/{self.total_steps}  loss {record['loss']:.4f}  "
-                f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
-                f"{record['tokens_per_s']:,.0f} tok/s  ETA {_format_duration(eta)}")
+        line = (
+            f"step {step:>5}/{self.total_steps}  loss {record['loss']:.4f}  "
+            f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+            f"{record['tokens_per_s']:,.0f} tok/s  ETA {_format_duration(eta)}"
+        )
         if "val_loss" in record:
             line += f"  val_loss {record['val_loss']:.4f}"
         if "epoch" in record:  # --data-order epochs
-            line += (f"  epoch {record['epoch']} "
-                     f"({record['epoch_windows'] / record['windows_per_epoch']:.0%})")
+            line += (
+                f"  epoch {record['epoch']} "
+                f"({record['epoch_windows'] / record['windows_per_epoch']:.0%})"
+            )
         if self.quiet:
             return
         if self.interactive:
@@ -199,6 +222,8 @@ def comm_summary(history: list[dict]) -> list[str]:
         for a, b in r.get("allreduce_bytes", {}).items():
             nbytes[a] = nbytes.get(a, 0) + b
     if calls:
-        lines.append("  dp reductions by algorithm: " + ", ".join(
-            f"{a} {calls[a]} calls {nbytes.get(a, 0) / 2**20:,.2f} MiB" for a in calls))
+        lines.append(
+            "  dp reductions by algorithm: "
+            + ", ".join(f"{a} {calls[a]} calls {nbytes.get(a, 0) / 2**20:,.2f} MiB" for a in calls)
+        )
     return lines

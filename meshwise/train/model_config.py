@@ -9,30 +9,64 @@ from dataclasses import dataclass
 from typing import Any
 
 # A plain Llama; --init-from's config.json sets these for Mistral, Qwen2 and Qwen3.
-LLAMA_VARIANT = {"qkv_bias": False, "qk_norm": False, "head_size": 0, "sliding_window": 0,
-                 "hf_type": "llama"}
+LLAMA_VARIANT = {
+    "qkv_bias": False,
+    "qk_norm": False,
+    "head_size": 0,
+    "sliding_window": 0,
+    "hf_type": "llama",
+}
 MODEL_PRESETS: dict[str, dict[str, Any]] = {  # values of each field's own type
     # name: the model family (meshwise.models.families) and its sizes
     "tiny": {"family": "gpt", "n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 256},
     "small": {"family": "gpt", "n_layer": 6, "n_head": 6, "d_model": 384, "block_size": 512},
-    "medium": {"family": "gpt", "n_layer": 12, "n_head": 12, "d_model": 768,
-               "block_size": 1024},
+    "medium": {"family": "gpt", "n_layer": 12, "n_head": 12, "d_model": 768, "block_size": 1024},
     # Llama (Touvron et al. 2023): grouped-query attention, SwiGLU width about 8/3 d
     # rounded to a multiple of 128, so that tp up to the kv heads divides it.
-    "llama-tiny": {"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2, "d_model": 128,
-                   "ffn_hidden_size": 384, "block_size": 256, "rope_theta": 10000.0,
-                   "norm_eps": 1e-5, "tie_embeddings": False, "rope_scaling": None,
-                   **LLAMA_VARIANT},
-    "llama-small": {"family": "llama", "n_layer": 6, "n_head": 6, "n_kv_head": 2,
-                    "d_model": 384, "ffn_hidden_size": 1024, "block_size": 512,
-                    "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False,
-                    "rope_scaling": None, **LLAMA_VARIANT},
+    "llama-tiny": {
+        "family": "llama",
+        "n_layer": 4,
+        "n_head": 4,
+        "n_kv_head": 2,
+        "d_model": 128,
+        "ffn_hidden_size": 384,
+        "block_size": 256,
+        "rope_theta": 10000.0,
+        "norm_eps": 1e-5,
+        "tie_embeddings": False,
+        "rope_scaling": None,
+        **LLAMA_VARIANT,
+    },
+    "llama-small": {
+        "family": "llama",
+        "n_layer": 6,
+        "n_head": 6,
+        "n_kv_head": 2,
+        "d_model": 384,
+        "ffn_hidden_size": 1024,
+        "block_size": 512,
+        "rope_theta": 10000.0,
+        "norm_eps": 1e-5,
+        "tie_embeddings": False,
+        "rope_scaling": None,
+        **LLAMA_VARIANT,
+    },
     # Llama-3.2-1B's sizes (its head is tied to the embedding); its 8192-token
     # pre-training context, without the llama3 rope scaling that extends it.
-    "llama-1b": {"family": "llama", "n_layer": 16, "n_head": 32, "n_kv_head": 8, "d_model": 2048,
-                 "ffn_hidden_size": 8192, "block_size": 8192, "rope_theta": 500000.0,
-                 "norm_eps": 1e-5, "tie_embeddings": True, "rope_scaling": None,
-                 **LLAMA_VARIANT},
+    "llama-1b": {
+        "family": "llama",
+        "n_layer": 16,
+        "n_head": 32,
+        "n_kv_head": 8,
+        "d_model": 2048,
+        "ffn_hidden_size": 8192,
+        "block_size": 8192,
+        "rope_theta": 500000.0,
+        "norm_eps": 1e-5,
+        "tie_embeddings": True,
+        "rope_scaling": None,
+        **LLAMA_VARIANT,
+    },
 }
 # Settings of the llama family only; None: the preset's (or --init-from's config.json).
 LLAMA_ONLY = ("n_kv_head", "ffn_hidden_size", "rope_theta", "norm_eps")
@@ -65,8 +99,11 @@ class ModelConfig:
     def resolved(self) -> "ModelConfig":
         """A copy with every size the preset defines filled in where it is unset."""
         preset = MODEL_PRESETS[self.preset]
-        sizes = {f.name: preset[f.name] if _unset(getattr(self, f.name)) else getattr(self, f.name)
-                 for f in dataclasses.fields(self) if f.name in preset}
+        sizes = {
+            f.name: preset[f.name] if _unset(getattr(self, f.name)) else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name in preset
+        }
         return dataclasses.replace(self, **sizes)
 
     @property
@@ -77,8 +114,7 @@ class ModelConfig:
         """What defines the model whatever the layout (a checkpoint must match it):
         the sizes its preset lists, resolved."""
         m = self.resolved()
-        sizes = {name: getattr(m, name) for name in MODEL_PRESETS[self.preset]
-                 if name != "family"}
+        sizes = {name: getattr(m, name) for name in MODEL_PRESETS[self.preset] if name != "family"}
         return {"family": self.family, **sizes, "vocab_size": vocab_size}
 
 

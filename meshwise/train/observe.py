@@ -27,14 +27,24 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class RunObserver:
     """FLOPs, time breakdown, loggers and profiler of one rank's run."""
 
-    def __init__(self, cfg, run, mesh, device, whole_model, layers, config_dict: dict,
-                 d_model: int | None = None):
+    def __init__(
+        self,
+        cfg,
+        run,
+        mesh,
+        device,
+        whole_model,
+        layers,
+        config_dict: dict,
+        d_model: int | None = None,
+    ):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         d_model = d_model or cfg.model.resolved().d_model
         # Selective recomputes element-wise ops only: no matmul FLOPs again.
         recomputed = cfg.runtime.activation_checkpointing == "full"
         self.model_flops, self.hardware_flops = flops.flops_per_token(
-            whole_model, layers, len(layers), d_model, cfg.data.seq_len, recomputed)
+            whole_model, layers, len(layers), d_model, cfg.data.seq_len, recomputed
+        )
         self.peak_flops, self.peak_source = self._peak(cfg.runtime)
         self._watches = {name: Stopwatch(device) for name in PHASES}
         self._counters = mesh.world_group.counters
@@ -42,16 +52,18 @@ class RunObserver:
         self.mfus: list[float] = []
         self.breakdowns: list[dict] = []
         r = cfg.runtime
-        self.profiler = StepProfiler(parse_steps(r.profile_steps), run.profile_dir or "profile",
-                                     mesh.rank, device)
+        self.profiler = StepProfiler(
+            parse_steps(r.profile_steps), run.profile_dir or "profile", mesh.rank, device
+        )
         self.loggers = None
         names = parse_log_to(r.log_to)
         if names and mesh.rank == 0:
             # The launcher named the run; a run made in Python is named here, by the one
             # rank that logs.
             where = run_names(run, cfg.checkpoint.save)
-            self.loggers = ExperimentLog(names, where["log_dir"], where["run_name"], r.project,
-                                         config_dict)
+            self.loggers = ExperimentLog(
+                names, where["log_dir"], where["run_name"], r.project, config_dict
+            )
 
     def _peak(self, runtime) -> tuple[float, str]:
         """The world's peak FLOP/s and where it comes from."""
@@ -110,9 +122,11 @@ class RunObserver:
         total = sum(parts.values()) or 1.0
         shares = ", ".join(f"{v / total:.0%} {k}" for k, v in parts.items() if v / total >= 0.005)
         mfu = statistics.median(self.mfus[1:] or self.mfus)
-        return (f"MFU {mfu:.1%} (model FLOPs {self.model_flops / 1e6:.1f}M per token; peak "
-                f"{self.peak_flops / 1e12:.2f} TFLOP/s over {self.mesh.dims.world_size} ranks, "
-                f"{self.peak_source}); step time: {shares}")
+        return (
+            f"MFU {mfu:.1%} (model FLOPs {self.model_flops / 1e6:.1f}M per token; peak "
+            f"{self.peak_flops / 1e12:.2f} TFLOP/s over {self.mesh.dims.world_size} ranks, "
+            f"{self.peak_source}); step time: {shares}"
+        )
 
     def close(self) -> None:
         self.profiler.finish()
@@ -120,5 +134,7 @@ class RunObserver:
             self.loggers.close()
 
     def _wait_totals(self) -> dict[str, float]:
-        return {axis: sum(self._counters.exposed_s(c) for c in categories)
-                for axis, categories in AXIS_CATEGORIES.items()}
+        return {
+            axis: sum(self._counters.exposed_s(c) for c in categories)
+            for axis, categories in AXIS_CATEGORIES.items()
+        }

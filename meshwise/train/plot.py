@@ -36,8 +36,10 @@ def read_run(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             record = None
         if not (isinstance(record, dict) and "step" in record and "loss" in record):
-            raise ValueError(f"{path} line {number} is not a meshwise metrics line (one JSON "
-                             "object with step and loss per line, as --metrics writes)")
+            raise ValueError(
+                f"{path} line {number} is not a meshwise metrics line (one JSON "
+                "object with step and loss per line, as --metrics writes)"
+            )
         records.append(record)
     if not records:
         raise ValueError(f"{path} holds no metrics (an empty file)")
@@ -59,8 +61,13 @@ def plot_runs(runs: dict[str, list[dict]], out: str | Path, x: str = "step") -> 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
-    styles = list(zip(itertools.cycle(c["color"] for c in plt.rcParams["axes.prop_cycle"]),
-                      itertools.cycle(["-", "--", ":", "-."]), range(len(runs))))
+    styles = list(
+        zip(
+            itertools.cycle(c["color"] for c in plt.rcParams["axes.prop_cycle"]),
+            itertools.cycle(["-", "--", ":", "-."]),
+            range(len(runs)),
+        )
+    )
     for ax, (key, title, scale, log_y) in zip(axes.flat, PANELS):
         for (color, dash, _), (name, records) in zip(styles, runs.items()):
             xs = x_values(records, x)
@@ -68,8 +75,11 @@ def plot_runs(runs: dict[str, list[dict]], out: str | Path, x: str = "step") -> 
             # Dashes keep a run visible where it lies on another (the same loss curve).
             ax.plot(xs, ys, dash, label=name, color=color, linewidth=1.3)
             if key == "loss":
-                vals = [(xv, r["val_loss"]) for xv, r in zip(xs, records)
-                        if _number(r.get("val_loss")) == _number(r.get("val_loss"))]
+                vals = [
+                    (xv, r["val_loss"])
+                    for xv, r in zip(xs, records)
+                    if _number(r.get("val_loss")) == _number(r.get("val_loss"))
+                ]
                 if vals:
                     ax.plot(*zip(*vals), "o", color=color, markersize=5)
         ax.set_title(title)

@@ -22,8 +22,10 @@ def parse_steps(text: str | None) -> tuple[int, int] | None:
         return None
     m = _RANGE.match(text.strip())
     if m is None or not 1 <= int(m[1]) <= int(m[2]):
-        raise ValueError(f"--profile-steps {text!r} is not a range of steps; valid: A-B with "
-                         "1 <= A <= B, e.g. 5-7")
+        raise ValueError(
+            f"--profile-steps {text!r} is not a range of steps; valid: A-B with "
+            "1 <= A <= B, e.g. 5-7"
+        )
     return int(m[1]), int(m[2])
 
 
@@ -31,8 +33,9 @@ class StepProfiler:
     """Records steps ``first..last`` of this rank into ``folder`` (call ``step(s)``
     before each step and ``finish()`` at the end)."""
 
-    def __init__(self, steps: tuple[int, int] | None, folder: str | Path, rank: int,
-                 device: torch.device):
+    def __init__(
+        self, steps: tuple[int, int] | None, folder: str | Path, rank: int, device: torch.device
+    ):
         self.steps, self.folder, self.rank = steps, Path(folder), rank
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -46,8 +49,9 @@ class StepProfiler:
             return
         first, last = self.steps
         if step == first and self._profiler is None:
-            self._profiler = torch.profiler.profile(activities=self._activities,
-                                                    record_shapes=True, with_stack=False)
+            self._profiler = torch.profiler.profile(
+                activities=self._activities, record_shapes=True, with_stack=False
+            )
             self._profiler.__enter__()
             ranges.recording(True)
         elif step == last + 1:
@@ -64,5 +68,9 @@ class StepProfiler:
         self._profiler.export_chrome_trace(str(self.written))
         self._profiler = None
         if self.rank == 0:
-            log.info("profile of steps %d-%d written to %s (one trace per rank)", first, last,
-                     self.folder)
+            log.info(
+                "profile of steps %d-%d written to %s (one trace per rank)",
+                first,
+                last,
+                self.folder,
+            )

@@ -58,29 +58,43 @@ class RunState:
         """What ``meshwise train`` decides before its ranks start, all but where they start
         from (``starting_from``); the launcher names the run, so every rank agrees."""
         names = run_names(cfg.runtime, cfg.checkpoint.save)
-        return cls(run_id=run_id, **data_digests(cfg, data_path), run_name=names["run_name"],
-                   log_dir=names["log_dir"], profile_dir=names["profile_dir"])
+        return cls(
+            run_id=run_id,
+            **data_digests(cfg, data_path),
+            run_name=names["run_name"],
+            log_dir=names["log_dir"],
+            profile_dir=names["profile_dir"],
+        )
 
     @classmethod
     def in_rank(cls, cfg: TrainConfig, data_path: str | Path) -> "RunState":
         """The same for a ``Trainer`` made without a run state (the Python API): no run
         id, and only the names the settings give (the logging rank names the rest)."""
         r = cfg.runtime
-        return cls(**data_digests(cfg, data_path), run_name=r.run_name, log_dir=r.log_dir,
-                   profile_dir=r.profile_dir)
+        return cls(
+            **data_digests(cfg, data_path),
+            run_name=r.run_name,
+            log_dir=r.log_dir,
+            profile_dir=r.profile_dir,
+        )
 
     def starting_from(self, optim: OptimConfig, checkpoint: str | Path | None) -> "RunState":
         """This run state for a launch that starts from ``checkpoint`` (None: from scratch):
         its step, its manifest's digest, and where the schedule starts; ``ValueError``
         when the settings' schedule does not continue the checkpoint's."""
         if checkpoint is None:
-            return dataclasses.replace(self, resume=None, resume_step=None,
-                                       resume_manifest=None, schedule_start=0)
+            return dataclasses.replace(
+                self, resume=None, resume_step=None, resume_manifest=None, schedule_start=0
+            )
         ckpt = Checkpoint(checkpoint)
         digest = hashlib.sha256((ckpt.path / MANIFEST).read_bytes()).hexdigest()
-        return dataclasses.replace(self, resume=str(checkpoint), resume_step=ckpt.step,
-                                   resume_manifest=digest,
-                                   schedule_start=schedule_start(optim, ckpt))
+        return dataclasses.replace(
+            self,
+            resume=str(checkpoint),
+            resume_step=ckpt.step,
+            resume_manifest=digest,
+            schedule_start=schedule_start(optim, ckpt),
+        )
 
     @classmethod
     def recorded(cls, meta: dict) -> "RunState":
@@ -90,8 +104,13 @@ class RunState:
             known = {f.name for f in dataclasses.fields(cls)}
             return cls(**{k: v for k, v in meta["run"].items() if k in known})
         config = meta.get("config", {})
-        return cls(**{name: config[section][key] for name, (section, key) in RECORDED_AT.items()
-                      if key in config.get(section, {})})
+        return cls(
+            **{
+                name: config[section][key]
+                for name, (section, key) in RECORDED_AT.items()
+                if key in config.get(section, {})
+            }
+        )
 
 
 def record(cfg: TrainConfig, run: RunState) -> dict:
@@ -116,5 +135,7 @@ def data_digests(cfg: TrainConfig, data_path: str | Path) -> dict:
     d = cfg.data
     tokenizer = load_tokenizer(d.tokenizer)  # parsed once per file: the checks' copy
     chat = read_meta(data_path, d.token_dtype).get("chat") or {}
-    return {"tokenizer_digest": tokenizer.digest if tokenizer.path is not None else None,
-            "chat_template_digest": chat.get("template_digest")}
+    return {
+        "tokenizer_digest": tokenizer.digest if tokenizer.path is not None else None,
+        "chat_template_digest": chat.get("template_digest"),
+    }

@@ -15,8 +15,9 @@ from meshwise.geometry.sequence import position_owner
 
 
 @torch.no_grad()
-def end_sample(trainer, num_tokens: int, prompt_len: int = 32,
-               temperature: float = 0.8) -> tuple[str, str]:
+def end_sample(
+    trainer, num_tokens: int, prompt_len: int = 32, temperature: float = 0.8
+) -> tuple[str, str]:
     """Continue a held-out prompt; every rank samples the same tokens.
 
     Returns the prompt and the continuation, decoded."""
@@ -28,10 +29,9 @@ def end_sample(trainer, num_tokens: int, prompt_len: int = 32,
     gen = torch.Generator().manual_seed(trainer.cfg.data.seed)
     shard = trainer.batches.tokens
     for _ in range(num_tokens):
-        window = tokens[:, -trainer.cfg.data.seq_len:]
+        window = tokens[:, -trainer.cfg.data.seq_len :]
         padded, length = shard.padded(window)  # a length cp and sp split
-        last = _last_logits(trainer, trainer._forward(shard.cut(padded)), window.shape[1],
-                            length)
+        last = _last_logits(trainer, trainer._forward(shard.cut(padded)), window.shape[1], length)
         nxt = torch.zeros(1, dtype=torch.long, device=trainer.device)
         if last is not None:
             probs = torch.softmax(last.float().cpu() / temperature, -1)  # (V,)
@@ -42,12 +42,15 @@ def end_sample(trainer, num_tokens: int, prompt_len: int = 32,
         tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
     trainer.model.train()
     ids = tokens[0].tolist()
-    return decode_sample(trainer.cfg.data.tokenizer, ids[:prompt_len], ids[prompt_len:],
-                         trainer.parallel_model.vocab_size)
+    return decode_sample(
+        trainer.cfg.data.tokenizer,
+        ids[:prompt_len],
+        ids[prompt_len:],
+        trainer.parallel_model.vocab_size,
+    )
 
 
-def _last_logits(trainer, logits: torch.Tensor | None, n: int,
-                 length: int) -> torch.Tensor | None:
+def _last_logits(trainer, logits: torch.Tensor | None, n: int, length: int) -> torch.Tensor | None:
     """The logits (V,) at position ``n - 1`` of a padded forward of ``length`` tokens, on
     every rank that holds the model's head (``logits`` not None there): the cp rank
     holding that position hands them to its cp peers."""

@@ -61,14 +61,24 @@ class Trainer:
     each module's own initialisation), trained as the families are (docs/own-model.md).
     """
 
-    def __init__(self, cfg: TrainConfig, data_path, resume: str | None = None, *,
-                 run: RunState | None = None, model: Callable[[], nn.Module] | None = None,
-                 plan: ParallelPlan | None = None, init_of: Callable[[str], Init] | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        data_path,
+        resume: str | None = None,
+        *,
+        run: RunState | None = None,
+        model: Callable[[], nn.Module] | None = None,
+        plan: ParallelPlan | None = None,
+        init_of: Callable[[str], Init] | None = None,
+    ):
         if (model is None) != (plan is None):
             raise ValueError("a model of one's own needs both model= (a factory) and plan=")
         if run is not None and resume is not None:
-            raise ValueError(f"resume={resume!r} with run=: the run state names the checkpoint "
-                             "a launch starts from (run.resume); valid: one of the two")
+            raise ValueError(
+                f"resume={resume!r} with run=: the run state names the checkpoint "
+                "a launch starts from (run.resume); valid: one of the two"
+            )
         own = None if model is None or plan is None else ModelFamily.own(model, plan, init_of)
         cfg.validate(own_model=own is not None)  # the layout's rules (check_layout) among them
         self.device = rank_device(cfg.runtime.device)
@@ -79,24 +89,35 @@ class Trainer:
         self.mesh = join_job(cfg, self.run, data_path, self.device)
         self.data, self.batches = self._build_data(self.mesh, data_path)
         self.family, self.model_cfg, self.parallel_model, self.model_shape = lay_out_model(
-            cfg, self.mesh, self.data.vocab_size, own)
-        self.batches.feed(self.parallel_model.chunks)  # each forward's context, where the model takes it
+            cfg, self.mesh, self.data.vocab_size, own
+        )
+        self.batches.feed(
+            self.parallel_model.chunks
+        )  # each forward's context, where the model takes it
         named_params = self.parallel_model.named_parameters()  # before the engine owns them
         self.num_params = sum(param.numel() for _, param in named_params)
         self.compressor, self.engine, self.comm_stats = build_optimizer(
-            cfg, self.mesh, self.family, self.model_cfg, self.parallel_model, self.device)
+            cfg, self.mesh, self.family, self.model_cfg, self.parallel_model, self.device
+        )
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.parallel_model)
-        self.checkpointer = RunCheckpointer(cfg, self.run, self.mesh, self.engine,
-                                            self.parallel_model.pieces(named_params),
-                                            represented=self.grad_sync.represented,
-                                            model=self.model_shape,
-                                            compressor=self.compressor,
-                                            device=self.device)
+        self.checkpointer = RunCheckpointer(
+            cfg,
+            self.run,
+            self.mesh,
+            self.engine,
+            self.parallel_model.pieces(named_params),
+            represented=self.grad_sync.represented,
+            model=self.model_shape,
+            compressor=self.compressor,
+            device=self.device,
+        )
         self.model, self.pipeline = build_runtime(cfg, self.mesh, self.parallel_model, self.engine)
         self.start_step, self.lr_schedule, self.metrics = start_run(
-            cfg, self.run, self.checkpointer, self.is_logging_rank)
-        self.observer = build_observer(cfg, self.run, self.mesh, self.device, self.family,
-                                       self.model_cfg, self.parallel_model)
+            cfg, self.run, self.checkpointer, self.is_logging_rank
+        )
+        self.observer = build_observer(
+            cfg, self.run, self.mesh, self.device, self.family, self.model_cfg, self.parallel_model
+        )
         # Hooks of the step, empty unless installed (``meshwise.train.faults``):
         # ``hook(step)`` before it, ``loss = hook(step, loss)`` on this rank's loss.
         self.before_step: list[Callable[[int], None]] = []
@@ -108,10 +129,19 @@ class Trainer:
         """The token file and the step's batches, which give each micro-batch its
         forward's context (samples, this rank's tokens, documents)."""
         d, p = self.cfg.data, self.cfg.parallel
-        data = TokenDataset(data_path, d.seq_len, vocab_size=self.cfg.model.vocab_size,
-                            token_dtype=d.token_dtype, data_order=d.data_order)
-        batches = StepBatches(BatchSource(data, d.document_mask, d.loss_on, d.long_conversations),
-                              mesh, p.sp, self.device)
+        data = TokenDataset(
+            data_path,
+            d.seq_len,
+            vocab_size=self.cfg.model.vocab_size,
+            token_dtype=d.token_dtype,
+            data_order=d.data_order,
+        )
+        batches = StepBatches(
+            BatchSource(data, d.document_mask, d.loss_on, d.long_conversations),
+            mesh,
+            p.sp,
+            self.device,
+        )
         return data, batches
 
     @property
@@ -133,9 +163,13 @@ class Trainer:
         """Run every step; return each step's metrics record (the same on every rank)."""
         d = self.cfg.data
         if self.is_logging_rank:
-            log.info("model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step",
-                     self.model_cfg or self.model_shape, self.num_params / 1e6,
-                     self.cfg.parallel.dims, self.global_tokens)
+            log.info(
+                "model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step",
+                self.model_cfg or self.model_shape,
+                self.num_params / 1e6,
+                self.cfg.parallel.dims,
+                self.global_tokens,
+            )
         try:  # the loggers keep what was logged, also when a step fails
             records = self._run_steps()
             val_loss = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
@@ -154,8 +188,10 @@ class Trainer:
                 self.metrics.note(f"data: {self.batches.source.summary()}")
             if sample is not None:
                 prompt, continuation = sample
-                self.metrics.note(f"sample (prompt in [brackets]):\n[{printable(prompt)}]"
-                                  f"{printable(continuation)}")
+                self.metrics.note(
+                    f"sample (prompt in [brackets]):\n[{printable(prompt)}]"
+                    f"{printable(continuation)}"
+                )
         self.metrics.close()
         self.comm_stats.close()
         return records
@@ -211,8 +247,9 @@ class Trainer:
         if every and step % every == 0 and self.mesh.dims.tp > 1:
             self.grad_sync.check_replica_values()
 
-        values = self._step_values(loss_part, sq_norm, skip,
-                                   counters.bytes_sent["grad"] - grad_bytes_before)
+        values = self._step_values(
+            loss_part, sq_norm, skip, counters.bytes_sent["grad"] - grad_bytes_before
+        )
         combined = values.gather(self.mesh.world_group)  # the step's one host read: waits for it
         step_time_s = time.perf_counter() - start
         loss, grad_norm = combined["loss"], math.sqrt(combined["sq_norm"])
@@ -221,9 +258,28 @@ class Trainer:
             self._handle_non_finite(step, loss, grad_norm)
         else:
             self.skipped_in_a_row = 0
+        record = self._record(step, lr, labelled, combined, step_time_s)
+        # Every rank issued the same operations on every group, or the ledger names the
+        # rank that did not (a desync is wrong before it hangs): every few steps, and
+        # always before results are written (the last step, a checkpoint).
+        ops.check_ledger(
+            self.cfg.comm.timeout_s,
+            step,
+            now=step == self.cfg.optim.steps or self.checkpointer.due(step),
+        )
+        return record
+
+    def _record(
+        self, step: int, lr: float, labelled: int, combined: dict, step_time_s: float
+    ) -> dict:
+        """The step's metrics line (docs/flags.md) from the values every rank combined."""
         record = {
-            "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-            "tokens": self.global_tokens, "labelled_tokens": labelled,
+            "step": step,
+            "loss": combined["loss"],
+            "grad_norm": math.sqrt(combined["sq_norm"]),
+            "lr": lr,
+            "tokens": self.global_tokens,
+            "labelled_tokens": labelled,
             "step_time_s": step_time_s,
             "tokens_per_s": self.global_tokens / step_time_s,
             "grad_sync_bytes": int(combined["grad_sync_bytes"]),
@@ -238,11 +294,6 @@ class Trainer:
         if self.cfg.parallel.zero == 3:
             # Transient: full parameters gathered at once (unit in use + prefetched).
             record["zero3_peak_gathered_bytes"] = int(combined["gathered"])
-        # Every rank issued the same operations on every group, or the ledger names the
-        # rank that did not (a desync is wrong before it hangs): every few steps, and
-        # always before results are written (the last step, a checkpoint).
-        ops.check_ledger(self.cfg.comm.timeout_s, step,
-                         now=step == self.cfg.optim.steps or self.checkpointer.due(step))
         return record
 
     def _step_values(self, loss_part, sq_norm, skip, grad_bytes: float) -> RankValues:
@@ -279,8 +330,9 @@ class Trainer:
             per_round = len(micro_batches) // rounds
             for r in range(rounds):
                 part = slice(r * per_round, (r + 1) * per_round)
-                total += self.pipeline.run(micro_batches[part], scale, sync=r == rounds - 1,
-                                           contexts=contexts[part])
+                total += self.pipeline.run(
+                    micro_batches[part], scale, sync=r == rounds - 1, contexts=contexts[part]
+                )
             return total
         last = len(micro_batches) - 1
         for i, (inputs, targets) in enumerate(micro_batches):
@@ -297,8 +349,9 @@ class Trainer:
     def _reduce(self, values, op: str) -> list[float]:
         """All-reduce numbers and 0-dim device tensors as one tensor; back on the host."""
         if any(torch.is_tensor(v) for v in values):
-            t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
-                             for v in values])
+            t = torch.stack(
+                [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values]
+            )
         else:  # plain numbers: one copy to the device, not one per number
             t = torch.tensor(values, dtype=torch.float64, device=self.device)
         ops.all_reduce(t, self.mesh.world_group, op=op, category="metrics")
@@ -312,18 +365,24 @@ class Trainer:
             raise NonFiniteError(message + " (stopping; --on-nan skip skips such steps)")
         self.skipped_in_a_row += 1
         if not self.params_finite():
-            raise NonFiniteError(message + "; the weights themselves are non-finite (an "
-                                 "earlier update diverged), so skipping cannot recover")
+            raise NonFiniteError(
+                message + "; the weights themselves are non-finite (an "
+                "earlier update diverged), so skipping cannot recover"
+            )
         if self.skipped_in_a_row > o.max_skipped_steps:
-            raise NonFiniteError(f"{message}; {self.skipped_in_a_row} steps in a row skipped "
-                                 f"(--max-skipped-steps {o.max_skipped_steps})")
+            raise NonFiniteError(
+                f"{message}; {self.skipped_in_a_row} steps in a row skipped "
+                f"(--max-skipped-steps {o.max_skipped_steps})"
+            )
         if self.is_logging_rank:
             log.warning("%s; step skipped (--on-nan skip)", message)
 
     def params_finite(self) -> bool:
         """Whether every parameter on every rank is finite (a collective)."""
-        ok = all(bool(torch.isfinite(run.tensors["param"][0]).all())
-                 for run in self.engine.checkpoint_runs())
+        ok = all(
+            bool(torch.isfinite(run.tensors["param"][0]).all())
+            for run in self.engine.checkpoint_runs()
+        )
         return self._reduce([1.0 if ok else 0.0], op="min")[0] == 1.0
 
     @torch.no_grad()
@@ -350,7 +409,11 @@ class Trainer:
             out = self.pipeline.forward_only(inputs, context=context)
             if out is None:
                 return None
-        return self.parallel_model.loss(out, targets) if targets is not None else self.parallel_model.full_logits(out)
+        return (
+            self.parallel_model.loss(out, targets)
+            if targets is not None
+            else self.parallel_model.full_logits(out)
+        )
 
     def _call(self, inputs, context):
         """The model on ``inputs``, told its forward's ``context`` where it takes one."""

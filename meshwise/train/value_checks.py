@@ -15,18 +15,17 @@ def flag_name(field: str) -> str:
 def positive(**values) -> None:
     for name, value in values.items():
         if not (math.isfinite(value) and value > 0):  # NaN compares False: caught here
-            raise ValueError(f"{flag_name(name)} must be a finite number > 0, "
-                             f"got {value}")
+            raise ValueError(f"{flag_name(name)} must be a finite number > 0, got {value}")
 
 
 def non_negative(**values) -> None:
     for name, value in values.items():
         if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{flag_name(name)} must be a finite number >= 0, "
-                             f"got {value}")
+            raise ValueError(f"{flag_name(name)} must be a finite number >= 0, got {value}")
 
 
 def choice(flag: str, value, valid) -> None:
     if value not in valid:
-        raise ValueError(f"{flag} {value!r} is not valid; valid: "
-                         f"{', '.join(str(v) for v in valid)}")
+        raise ValueError(
+            f"{flag} {value!r} is not valid; valid: {', '.join(str(v) for v in valid)}"
+        )

@@ -11,8 +11,25 @@ import pytest
 # A small model and corpus so a whole run takes seconds.
 # --peak-tflops spares each run the CPU's start-up measurement for MFU (half a second);
 # the tests of MFU measure it.
-SMALL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--seq-len", "32",
-         "--batch-size", "8", "--warmup-steps", "2", "--lr", "3e-3", "-q", "--peak-tflops", "1"]
+SMALL = [
+    "--n-layer",
+    "2",
+    "--d-model",
+    "64",
+    "--n-head",
+    "4",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--warmup-steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "-q",
+    "--peak-tflops",
+    "1",
+]
 
 
 @pytest.fixture(scope="session")
@@ -32,8 +49,14 @@ def run_cli(*args, cwd=None, env_extra=None, timeout=240):
             env.pop(name, None)
         else:
             env[name] = value
-    return subprocess.run([sys.executable, "-m", "meshwise", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "meshwise", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -96,6 +119,10 @@ def in_small_filesystem(size: str, mount_point: Path, command: list, timeout: fl
         pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
     after = mount_point.with_name(mount_point.name + "-after")
     script = f'{mount} && {{ "$@"; rc=$?; cp -a {mount_point} {after}; exit $rc; }}'
-    return subprocess.run([*namespace, "sh", "-c", script, "sh", *map(str, command)],
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [*namespace, "sh", "-c", script, "sh", *map(str, command)],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

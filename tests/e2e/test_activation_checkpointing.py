@@ -14,16 +14,35 @@ LAYOUTS = {
     "dp2-tp2-zero3": ["--dp", "2", "--tp", "2", "--zero", "3"],
     # Dropout under an interleaved pipeline: other micro-batches' forwards run before a
     # chunk's backward, and its recompute must still draw its own masks.
-    "pp2-interleaved-dropout": ["--pp", "2", "--schedule", "interleaved-1f1b",
-                                "--virtual-stages", "2", "--micro-batches", "4",
-                                "--dropout", "0.1"],
+    "pp2-interleaved-dropout": [
+        "--pp",
+        "2",
+        "--schedule",
+        "interleaved-1f1b",
+        "--virtual-stages",
+        "2",
+        "--micro-batches",
+        "4",
+        "--dropout",
+        "0.1",
+    ],
 }
 
 
 def train(workdir, name, *flags, model=MODEL, steps=STEPS, env_extra=None) -> list[dict]:
     metrics = workdir / f"{name}.jsonl"
-    result = run_cli("train", "--steps", steps, "--metrics", metrics, *model, *flags,
-                     cwd=workdir, env_extra=env_extra, timeout=300)
+    result = run_cli(
+        "train",
+        "--steps",
+        steps,
+        "--metrics",
+        metrics,
+        *model,
+        *flags,
+        cwd=workdir,
+        env_extra=env_extra,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return read_metrics(metrics)
 
@@ -39,7 +58,11 @@ def test_full_checkpointing_keeps_the_loss_curve(tmp_path, corpus, name):
         for ref, got in zip(plain, checkpointed, strict=True):
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (mode, name, ref, got)
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (
-                mode, name, ref, got)
+                mode,
+                name,
+                ref,
+                got,
+            )
 
 
 @pytest.mark.timeout(300)
@@ -65,9 +88,12 @@ def test_full_checkpointing_cuts_activation_memory(tmp_path, corpus):
 
 
 def test_unknown_value_exits_2(tmp_path, corpus):
-    result = run_main("train", *MODEL, "--data", corpus, "--activation-checkpointing",
-                      "partial", cwd=tmp_path)
+    result = run_main(
+        "train", *MODEL, "--data", corpus, "--activation-checkpointing", "partial", cwd=tmp_path
+    )
     assert result.returncode == 2, result.stderr
-    assert "--activation-checkpointing 'partial' is not valid; valid: none, selective, full" \
+    assert (
+        "--activation-checkpointing 'partial' is not valid; valid: none, selective, full"
         in result.stderr
+    )
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -16,8 +16,20 @@ from tests.e2e.conftest import SMALL, read_metrics, run_cli
 
 def losses(tmp_path, corpus, name, steps, *flags):
     metrics = tmp_path / f"{name}.jsonl"
-    result = run_cli("train", *SMALL, "--data", corpus, "--steps", steps, "--eval-batches", 1,
-                     "--metrics", metrics, *flags, cwd=tmp_path)
+    result = run_cli(
+        "train",
+        *SMALL,
+        "--data",
+        corpus,
+        "--steps",
+        steps,
+        "--eval-batches",
+        1,
+        "--metrics",
+        metrics,
+        *flags,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     return [r["loss"] for r in read_metrics(metrics)]
 

@@ -17,33 +17,54 @@ STEPS = 10
 
 def _train(tmp_path, corpus, name, *flags, steps=STEPS):
     metrics = tmp_path / f"{name}.jsonl"
-    result = run_cli("train", *SMALL, "--data", corpus, "--steps", steps, "--metrics", metrics,
-                     *flags, cwd=tmp_path)
+    result = run_cli(
+        "train",
+        *SMALL,
+        "--data",
+        corpus,
+        "--steps",
+        steps,
+        "--metrics",
+        metrics,
+        *flags,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     return {r["step"]: r for r in read_metrics(metrics)}, result
 
 
 def _saved_run(tmp_path, corpus, name, *layout):
     """An uninterrupted run that saves at step 5 and at the end."""
-    records, _ = _train(tmp_path, corpus, name, *layout, "--save", tmp_path / name,
-                        "--save-every", 5)
-    assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["step-00000005",
-                                                                    "step-00000010"]
+    records, _ = _train(
+        tmp_path, corpus, name, *layout, "--save", tmp_path / name, "--save-every", 5
+    )
+    assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["step-00000005", "step-00000010"]
     return records, tmp_path / name / "step-00000005"
 
 
-@pytest.mark.parametrize("layout", [["--dp", "2", "--zero", "1"],
-                                    ["--dp", "2", "--tp", "2", "--pp", "2"],
-                                    ["--dp", "2", "--zero", "3", "--dtype", "bf16"],
-                                    # The resume lands inside top-k's density ramp, with
-                                    # errors carried: both must come back.
-                                    ["--dp", "2", "--compress", "topk:0.05",
-                                     "--compress-warmup-steps", "2", "--topk-ramp-steps", "6"],
-                                    ["--dp", "2", "--zero", "2", "--compress", "powersgd:2",
-                                     "--compress-warmup-steps", "2"],
-                                    ["--dp", "2", "--compress", "int8", "--allreduce", "ring"]],
-                         ids=["dp2-zero1", "dp2-tp2-pp2", "dp2-zero3-bf16", "topk-ramp",
-                              "zero2-powersgd", "int8-ring"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--dp", "2", "--zero", "1"],
+        ["--dp", "2", "--tp", "2", "--pp", "2"],
+        ["--dp", "2", "--zero", "3", "--dtype", "bf16"],
+        # The resume lands inside top-k's density ramp, with
+        # errors carried: both must come back.
+        [
+            "--dp",
+            "2",
+            "--compress",
+            "topk:0.05",
+            "--compress-warmup-steps",
+            "2",
+            "--topk-ramp-steps",
+            "6",
+        ],
+        ["--dp", "2", "--zero", "2", "--compress", "powersgd:2", "--compress-warmup-steps", "2"],
+        ["--dp", "2", "--compress", "int8", "--allreduce", "ring"],
+    ],
+    ids=["dp2-zero1", "dp2-tp2-pp2", "dp2-zero3-bf16", "topk-ramp", "zero2-powersgd", "int8-ring"],
+)
 def test_same_layout_resume_is_bit_exact(tmp_path, corpus, layout):
     whole, step5 = _saved_run(tmp_path, corpus, "whole", *layout)
     resumed, result = _train(tmp_path, corpus, "resumed", *layout, "--resume", step5)
@@ -52,12 +73,16 @@ def test_same_layout_resume_is_bit_exact(tmp_path, corpus, layout):
     assert [resumed[s]["grad_norm"] for s in resumed] == [whole[s]["grad_norm"] for s in resumed]
 
 
-@pytest.mark.parametrize("saved, loaded", [
-    (["--dp", "2", "--zero", "3"], ["--tp", "2", "--pp", "2"]),
-    (["--tp", "2"], ["--dp", "2", "--zero", "2"]),
-    # ZeRO-3 shards over dp x cp, read back by 4 cp ranks at ZeRO-1
-    (["--dp", "2", "--cp", "2", "--zero", "3"], ["--cp", "4", "--zero", "1"]),
-], ids=["dp2-zero3-to-tp2-pp2", "tp2-to-dp2-zero2", "dp2-cp2-zero3-to-cp4"])
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [
+        (["--dp", "2", "--zero", "3"], ["--tp", "2", "--pp", "2"]),
+        (["--tp", "2"], ["--dp", "2", "--zero", "2"]),
+        # ZeRO-3 shards over dp x cp, read back by 4 cp ranks at ZeRO-1
+        (["--dp", "2", "--cp", "2", "--zero", "3"], ["--cp", "4", "--zero", "1"]),
+    ],
+    ids=["dp2-zero3-to-tp2-pp2", "tp2-to-dp2-zero2", "dp2-cp2-zero3-to-cp4"],
+)
 def test_another_layout_resumes_within_round_off(tmp_path, corpus, saved, loaded):
     whole, step5 = _saved_run(tmp_path, corpus, "whole", *saved)
     resumed, _ = _train(tmp_path, corpus, "resumed", *loaded, "--resume", step5)
@@ -65,23 +90,47 @@ def test_another_layout_resumes_within_round_off(tmp_path, corpus, saved, loaded
     for step, record in resumed.items():
         assert abs(record["loss"] - whole[step]["loss"]) <= 1e-4 * whole[step]["loss"]
     # One process generates from whatever layout saved it (cp 1 at inference).
-    generated = run_cli("generate", "--checkpoint", step5, "--prompt", "def ",
-                        "--max-new-tokens", 8, "--temperature", 0, cwd=tmp_path)
+    generated = run_cli(
+        "generate",
+        "--checkpoint",
+        step5,
+        "--prompt",
+        "def ",
+        "--max-new-tokens",
+        8,
+        "--temperature",
+        0,
+        cwd=tmp_path,
+    )
     assert generated.returncode == 0 and generated.stdout.startswith("def "), generated.stderr
 
 
 def test_keep_last_and_resume_auto(tmp_path, corpus):
     save = tmp_path / "ckpts"
     constant = ("--lr-schedule", "constant")  # the longer run continues its schedule
-    fresh, _ = _train(tmp_path, corpus, "fresh", "--save", save, "--save-every", 2,
-                      "--keep-last", 2, "--resume", "auto", *constant, steps=6)
+    fresh, _ = _train(
+        tmp_path,
+        corpus,
+        "fresh",
+        "--save",
+        save,
+        "--save-every",
+        2,
+        "--keep-last",
+        2,
+        "--resume",
+        "auto",
+        *constant,
+        steps=6,
+    )
     assert sorted(fresh) == list(range(1, 7))  # nothing to resume: started fresh
     assert sorted(p.name for p in save.iterdir()) == ["step-00000004", "step-00000006"]
     # A save that died half way is not a checkpoint: auto skips it.
     (save / ".tmp-step-00000008").mkdir()
     (save / ".tmp-step-00000008" / "rank-00000.safetensors").write_bytes(b"partial")
-    more, _ = _train(tmp_path, corpus, "more", "--save", save, "--resume", "auto", *constant,
-                     steps=8)
+    more, _ = _train(
+        tmp_path, corpus, "more", "--save", save, "--resume", "auto", *constant, steps=8
+    )
     assert sorted(more) == [7, 8]  # from step 6, the newest complete checkpoint
 
 
@@ -105,8 +154,9 @@ def test_damaged_checkpoint_exits_2_naming_the_file(tmp_path, corpus):
         damaged = tmp_path / how
         shutil.copytree(step5, damaged)
         message = _damage(damaged, how)
-        result = run_main("train", *SMALL, "--data", corpus, "--dp", "2", "--resume", damaged,
-                          cwd=tmp_path)
+        result = run_main(
+            "train", *SMALL, "--data", corpus, "--dp", "2", "--resume", damaged, cwd=tmp_path
+        )
         assert result.returncode == 2, result.stderr
         assert message in result.stderr and "rank-00001.safetensors" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -137,8 +187,7 @@ def test_bad_checkpoint_flags_exit_2(tmp_path, corpus):
 
 
 def _rank_pids(launcher_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(launcher_pid)],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout
     return [int(pid) for pid in out.split()]
 
 
@@ -148,10 +197,33 @@ def test_sigkilled_rank_restarts_from_the_newest_checkpoint(tmp_path, corpus):
     metrics = tmp_path / "killed.jsonl"
     env = dict(os.environ, MESHWISE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshwise", "train", *SMALL, "--data", str(corpus), "--dp", "2",
-         "--steps", str(steps), "--metrics", str(metrics), "--save", str(tmp_path / "ck"),
-         "--save-every", "5", "--max-restarts", "1"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "meshwise",
+            "train",
+            *SMALL,
+            "--data",
+            str(corpus),
+            "--dp",
+            "2",
+            "--steps",
+            str(steps),
+            "--metrics",
+            str(metrics),
+            "--save",
+            str(tmp_path / "ck"),
+            "--save-every",
+            "5",
+            "--max-restarts",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     killed = False
     deadline = time.monotonic() + 120
     while not killed and proc.poll() is None and time.monotonic() < deadline:

@@ -59,8 +59,9 @@ def test_a_bin_without_sidecar_that_could_be_uint32_needs_its_dtype(tmp_path, co
     assert not Path(str(wide) + ".meshwise.json").exists()
     data = TokenDataset(wide, 32, token_dtype="uint32")  # said once, recorded in the sidecar
     assert data.vocab_size == max(corpus.read_bytes()) + 1 and data.dtype == np.dtype("<u4")
-    err = _one_line(run_main("train", *SMALL, "--data", wide, "--token-dtype", "uint16",
-                             cwd=tmp_path))
+    err = _one_line(
+        run_main("train", *SMALL, "--data", wide, "--token-dtype", "uint16", cwd=tmp_path)
+    )
     assert "--token-dtype uint16, but" in err and "records uint32" in err, err
 
 
@@ -84,8 +85,10 @@ def test_a_bad_symlink_in_the_data_is_named_not_the_cache_or_out(tmp_path, corpu
     bad = folder / "b.txt"
     bad.symlink_to(folder / "gone.txt" if kind == "dangling" else bad)
     what = "a symbolic link to nothing" if kind == "dangling" else "a symbolic link loop"
-    for args in (["train", *SMALL, "--data", folder],
-                 ["data", "prepare", folder, "--out", tmp_path / "d.bin"]):
+    for args in (
+        ["train", *SMALL, "--data", folder],
+        ["data", "prepare", folder, "--out", tmp_path / "d.bin"],
+    ):
         err = _one_line(run_main(*args, cwd=tmp_path))
         assert f"{bad} is {what}" in err and "cache" not in err and "--out" not in err, err
 
@@ -94,8 +97,19 @@ def test_a_bad_symlink_in_the_data_is_named_not_the_cache_or_out(tmp_path, corpu
 def long_line(tmp_path_factory, corpus):
     """A BPE tokenizer and 8 MB of text on one line: seconds of encoding in one piece."""
     root = tmp_path_factory.mktemp("long")
-    assert run_main("data", "train-tokenizer", corpus, "--vocab-size", "1000", "--out",
-                    root / "tok.json", cwd=root).returncode == 0
+    assert (
+        run_main(
+            "data",
+            "train-tokenizer",
+            corpus,
+            "--vocab-size",
+            "1000",
+            "--out",
+            root / "tok.json",
+            cwd=root,
+        ).returncode
+        == 0
+    )
     words = corpus.read_text().split()
     (root / "one.txt").write_text(" ".join(words * (8_000_000 // len(" ".join(words)) + 1)))
     return root
@@ -104,8 +118,14 @@ def long_line(tmp_path_factory, corpus):
 def _stop_while_encoding(command, cwd, temp_glob, signum, whole_group):
     """Start ``command``, wait until its temp file exists, signal it; (rc, stderr, seconds)."""
     env = dict(os.environ, MESHWISE_CACHE=str(cwd / "cache"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "meshwise", *map(str, command)], cwd=cwd,
-                            env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshwise", *map(str, command)],
+        cwd=cwd,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not list(cwd.glob(temp_glob)) and time.monotonic() < deadline:
@@ -122,15 +142,28 @@ def _stop_while_encoding(command, cwd, temp_glob, signum, whole_group):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("signum, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
-                         ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize(
+    "signum, whole_group",
+    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["ctrl-c", "sigterm"],
+)
 def test_data_prepare_stops_at_once_and_leaves_nothing(tmp_path, long_line, signum, whole_group):
     out = tmp_path / "out"
     out.mkdir()
-    command = ["data", "prepare", long_line / "one.txt", "--out", out / "one.bin", "--tokenizer",
-               long_line / "tok.json", "--workers", "2"]
-    code, err, took = _stop_while_encoding(command, tmp_path, "out/.one.bin.*.tmp", signum,
-                                           whole_group)
+    command = [
+        "data",
+        "prepare",
+        long_line / "one.txt",
+        "--out",
+        out / "one.bin",
+        "--tokenizer",
+        long_line / "tok.json",
+        "--workers",
+        "2",
+    ]
+    code, err, took = _stop_while_encoding(
+        command, tmp_path, "out/.one.bin.*.tmp", signum, whole_group
+    )
     assert code == 128 + signum, err
     assert took < 5, f"took {took:.1f} s to stop"  # well under 1 s on an idle machine
     assert "Traceback" not in err and "stopped, nothing written" in err, err
@@ -138,10 +171,17 @@ def test_data_prepare_stops_at_once_and_leaves_nothing(tmp_path, long_line, sign
 
 
 def test_sigterm_during_a_corpus_build_leaves_no_temporary(tmp_path, long_line):
-    command = ["train", *SMALL, "--data", long_line / "one.txt", "--tokenizer",
-               long_line / "tok.json"]
-    code, err, took = _stop_while_encoding(command, tmp_path, "cache/.one-*.bin.*.tmp",
-                                           signal.SIGTERM, False)
+    command = [
+        "train",
+        *SMALL,
+        "--data",
+        long_line / "one.txt",
+        "--tokenizer",
+        long_line / "tok.json",
+    ]
+    code, err, took = _stop_while_encoding(
+        command, tmp_path, "cache/.one-*.bin.*.tmp", signal.SIGTERM, False
+    )
     assert code == 128 + signal.SIGTERM, err
     assert took < 5 and "Traceback" not in err, err
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []
@@ -149,10 +189,28 @@ def test_sigterm_during_a_corpus_build_leaves_no_temporary(tmp_path, long_line):
 
 def test_a_full_disk_leaves_no_half_metrics_line(tmp_path, corpus):
     disk = tmp_path / "M"
-    result = in_small_filesystem("8k", disk, [
-        "env", f"MESHWISE_CACHE={tmp_path / 'cache'}", sys.executable, "-m", "meshwise",
-        "train", *SMALL, "--data", corpus, "--dp", "1", "--steps", "200",
-        "--metrics", disk / "m.jsonl"], timeout=100)
+    result = in_small_filesystem(
+        "8k",
+        disk,
+        [
+            "env",
+            f"MESHWISE_CACHE={tmp_path / 'cache'}",
+            sys.executable,
+            "-m",
+            "meshwise",
+            "train",
+            *SMALL,
+            "--data",
+            corpus,
+            "--dp",
+            "1",
+            "--steps",
+            "200",
+            "--metrics",
+            disk / "m.jsonl",
+        ],
+        timeout=100,
+    )
     assert result.returncode == 1, result.stderr
     assert "cannot write --metrics" in result.stderr and "No space left" in result.stderr
     text = (tmp_path / "M-after" / "m.jsonl").read_text()

@@ -12,8 +12,19 @@ from tests.e2e.conftest import SMALL, run_cli, run_main
 def saved(tmp_path_factory, corpus):
     """A checkpoint written by a tp 2 run (the export must undo the sharding)."""
     root = tmp_path_factory.mktemp("export")
-    result = run_cli("train", *SMALL, "--data", corpus, "--steps", 4, "--tp", 2,
-                     "--save", root / "ckpt", cwd=root)
+    result = run_cli(
+        "train",
+        *SMALL,
+        "--data",
+        corpus,
+        "--steps",
+        4,
+        "--tp",
+        2,
+        "--save",
+        root / "ckpt",
+        cwd=root,
+    )
     assert result.returncode == 0, result.stderr
     return root
 
@@ -41,8 +52,7 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(saved):
     from meshwise.checkpoint.store import open_checkpoint
     from meshwise.serve.model import load_model
 
-    result = run_cli("export", saved / "ckpt", "--out", saved / "hf", "--format", "hf",
-                     cwd=saved)
+    result = run_cli("export", saved / "ckpt", "--out", saved / "hf", "--format", "hf", cwd=saved)
     assert result.returncode == 0, result.stderr
     hf = transformers.AutoModelForCausalLM.from_pretrained(saved / "hf").eval()
     ours = load_model(open_checkpoint(saved / "ckpt"))
@@ -52,19 +62,33 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(saved):
 
 
 def test_generate_continues_the_prompt(saved):
-    args = ["generate", "--checkpoint", saved / "ckpt", "--prompt", "def main(",
-            "--max-new-tokens", 16, "--temperature", 0]
+    args = [
+        "generate",
+        "--checkpoint",
+        saved / "ckpt",
+        "--prompt",
+        "def main(",
+        "--max-new-tokens",
+        16,
+        "--temperature",
+        0,
+    ]
     first, second = run_cli(*args, cwd=saved), run_cli(*args, cwd=saved)
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("def main(") and first.stdout == second.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["generate", "--checkpoint", "nowhere", "--prompt", "x"], "nowhere: no such file"),
-    (["generate", "--checkpoint", "ckpt", "--prompt", "x", "--max-new-tokens", 0],
-     "--max-new-tokens must be >= 1"),
-    (["export", "ckpt", "--out", "ckpt"], "already exists"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--checkpoint", "nowhere", "--prompt", "x"], "nowhere: no such file"),
+        (
+            ["generate", "--checkpoint", "ckpt", "--prompt", "x", "--max-new-tokens", 0],
+            "--max-new-tokens must be >= 1",
+        ),
+        (["export", "ckpt", "--out", "ckpt"], "already exists"),
+    ],
+)
 def test_bad_input_exits_2(saved, args, message):
     result = run_main(*args, cwd=saved)
     assert result.returncode == 2, result.stderr

@@ -14,8 +14,16 @@ LAYOUTS = {
     "pp2": ["--pp", "2"],
     "pp4": ["--pp", "4"],
     "pp2-gpipe": ["--pp", "2", "--schedule", "gpipe", "--micro-batches", "4"],
-    "pp2-interleaved": ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
-                        "--micro-batches", "4"],
+    "pp2-interleaved": [
+        "--pp",
+        "2",
+        "--schedule",
+        "interleaved-1f1b",
+        "--virtual-stages",
+        "2",
+        "--micro-batches",
+        "4",
+    ],
     "dp2-pp2": ["--dp", "2", "--pp", "2"],
     "pp2-accum2": ["--pp", "2", "--grad-accum", "2"],
     # tensor parallel and 3D
@@ -27,17 +35,60 @@ LAYOUTS = {
     # split backwards (runtime parity at pp 2 and 4, with checkpointing, in
     # tests/dist/test_pipeline_runtime.py) and pipeline x ZeRO-2/3 (engine parity in
     # tests/dist/test_pipeline_zero.py); the tied embedding spans both ends of each
-    "pp4-zb-h1-ckpt": ["--pp", "4", "--schedule", "zb-h1", "--micro-batches", "4",
-                       "--activation-checkpointing", "full"],
-    "tp2-pp2-zbv": ["--tp", "2", "--pp", "2", "--schedule", "zbv", "--virtual-stages", "2",
-                    "--micro-batches", "4"],
-    "dp2-pp2-dualpipev-zero2": ["--dp", "2", "--pp", "2", "--schedule", "dualpipev",
-                                "--virtual-stages", "2", "--micro-batches", "4", "--zero", "2"],
+    "pp4-zb-h1-ckpt": [
+        "--pp",
+        "4",
+        "--schedule",
+        "zb-h1",
+        "--micro-batches",
+        "4",
+        "--activation-checkpointing",
+        "full",
+    ],
+    "tp2-pp2-zbv": [
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--schedule",
+        "zbv",
+        "--virtual-stages",
+        "2",
+        "--micro-batches",
+        "4",
+    ],
+    "dp2-pp2-dualpipev-zero2": [
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--schedule",
+        "dualpipev",
+        "--virtual-stages",
+        "2",
+        "--micro-batches",
+        "4",
+        "--zero",
+        "2",
+    ],
     "dp2-pp2-zero3": ["--dp", "2", "--pp", "2", "--zero", "3"],
-    "dp2-pp2-zbv-zero3-reshard-ckpt": ["--dp", "2", "--pp", "2", "--schedule", "zbv",
-                                       "--virtual-stages", "2", "--micro-batches", "4",
-                                       "--zero", "3", "--reshard-after-forward",
-                                       "--activation-checkpointing", "full"],
+    "dp2-pp2-zbv-zero3-reshard-ckpt": [
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--schedule",
+        "zbv",
+        "--virtual-stages",
+        "2",
+        "--micro-batches",
+        "4",
+        "--zero",
+        "3",
+        "--reshard-after-forward",
+        "--activation-checkpointing",
+        "full",
+    ],
     # context parallel: learned positions of the zigzag chunks, ring attention
     "cp2": ["--cp", "2"],
 }
@@ -58,8 +109,19 @@ LLAMA_LAYOUTS = {
 
 def run_layout(tmp_path, corpus, name, flags, model=MODEL):
     metrics = tmp_path / f"{name}.jsonl"
-    result = run_cli("train", "--data", corpus, "--steps", STEPS, "--metrics", metrics,
-                     *model, *flags, cwd=tmp_path, timeout=300)  # later flags win
+    result = run_cli(
+        "train",
+        "--data",
+        corpus,
+        "--steps",
+        STEPS,
+        "--metrics",
+        metrics,
+        *model,
+        *flags,
+        cwd=tmp_path,
+        timeout=300,
+    )  # later flags win
     assert result.returncode == 0, result.stderr
     return read_metrics(metrics)
 
@@ -94,23 +156,55 @@ def test_llama_layout_matches_single_process(tmp_path, corpus, llama_reference, 
     assert_same_curve(f"llama {name}", llama_reference, records)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--pp", "3"], "--n-layer 4 does not split into pp x virtual-stages = 3 x 1 = 3"),
-    (["--pp", "2", "--virtual-stages", "2"], "needs schedule interleaved-1f1b"),
-    (["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
-      "--micro-batches", "3"], "multiple of pp"),
-    (["--tp", "3"], "--n-head 4 is not divisible by --tp 3"),
-    (["--pp", "2", "--zero", "2", "--reshard-after-forward"],
-     "--reshard-after-forward needs --zero 3 (got --zero 2)"),
-    (["--pp", "2", "--schedule", "dualpipev", "--virtual-stages", "2", "--micro-batches", "2"],
-     "dualpipev needs micro-batches >= 2 x pp"),
-    (["--pp", "2", "--schedule", "zbv", "--micro-batches", "4"], "virtual stages must be 2"),
-    (["--micro-batches", "2"], "--micro-batches 2 needs --pp > 1"),
-    (["--cp", "3"], "--seq-len 32 does not split into 2 x cp = 6 load-balanced chunks; valid: "
-                    "a multiple of 6, e.g. --seq-len 30 or 36"),
-    (["--sp"], "--sp splits the sequence across the tp ranks between their layers and needs "
-               "--tp > 1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pp", "3"], "--n-layer 4 does not split into pp x virtual-stages = 3 x 1 = 3"),
+        (["--pp", "2", "--virtual-stages", "2"], "needs schedule interleaved-1f1b"),
+        (
+            [
+                "--pp",
+                "2",
+                "--schedule",
+                "interleaved-1f1b",
+                "--virtual-stages",
+                "2",
+                "--micro-batches",
+                "3",
+            ],
+            "multiple of pp",
+        ),
+        (["--tp", "3"], "--n-head 4 is not divisible by --tp 3"),
+        (
+            ["--pp", "2", "--zero", "2", "--reshard-after-forward"],
+            "--reshard-after-forward needs --zero 3 (got --zero 2)",
+        ),
+        (
+            [
+                "--pp",
+                "2",
+                "--schedule",
+                "dualpipev",
+                "--virtual-stages",
+                "2",
+                "--micro-batches",
+                "2",
+            ],
+            "dualpipev needs micro-batches >= 2 x pp",
+        ),
+        (["--pp", "2", "--schedule", "zbv", "--micro-batches", "4"], "virtual stages must be 2"),
+        (["--micro-batches", "2"], "--micro-batches 2 needs --pp > 1"),
+        (
+            ["--cp", "3"],
+            "--seq-len 32 does not split into 2 x cp = 6 load-balanced chunks; valid: "
+            "a multiple of 6, e.g. --seq-len 30 or 36",
+        ),
+        (
+            ["--sp"],
+            "--sp splits the sequence across the tp ranks between their layers and needs --tp > 1",
+        ),
+    ],
+)
 def test_layouts_that_cannot_work_exit_2(tmp_path, corpus, flags, message):
     result = run_main("train", *MODEL, "--data", corpus, *flags, cwd=tmp_path)
     assert result.returncode == 2, result.stderr

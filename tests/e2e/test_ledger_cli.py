@@ -14,9 +14,22 @@ pytestmark = pytest.mark.timeout(120)
 def test_an_extra_collective_on_one_rank_is_named_within_seconds(tmp_path, corpus):
     metrics = tmp_path / "m.jsonl"
     start = time.monotonic()
-    result = run_cli("train", "--data", corpus, "--dp", "2", "--steps", 1000, "--timeout-s", 300,
-                     "--metrics", metrics, *SMALL, cwd=tmp_path,
-                     env_extra={"MESHWISE_FAIL_AT": "1:3:desync"})
+    result = run_cli(
+        "train",
+        "--data",
+        corpus,
+        "--dp",
+        "2",
+        "--steps",
+        1000,
+        "--timeout-s",
+        300,
+        "--metrics",
+        metrics,
+        *SMALL,
+        cwd=tmp_path,
+        env_extra={"MESHWISE_FAIL_AT": "1:3:desync"},
+    )
     took = time.monotonic() - start
     assert result.returncode == 1, result.stderr
     assert took < 30, took  # start-up, two steps and the diagnosis; not the 300 s timeout

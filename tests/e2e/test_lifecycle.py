@@ -96,10 +96,29 @@ def _start_ranks(tmp_path, corpus, num_ranks, *flags, steps_done: int = 2):
     env = dict(os.environ, MESHWISE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshwise", "train", *map(str, SMALL), "--data", str(corpus),
-         "--dp", str(num_ranks), "--steps", "100000", "--metrics", str(metrics), *flags],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "meshwise",
+            "train",
+            *map(str, SMALL),
+            "--data",
+            str(corpus),
+            "--dp",
+            str(num_ranks),
+            "--steps",
+            "100000",
+            "--metrics",
+            str(metrics),
+            *flags,
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until every rank trains
         if metrics.exists() and len(read_metrics(metrics)) >= steps_done:
@@ -134,8 +153,10 @@ def test_a_single_rank_killed_like_by_the_oom_killer_is_named_with_its_peak(tmp_
 
 def _memory_cgroup(limit_bytes: int):
     """A fresh memory cgroup limited to ``limit_bytes`` (v1 or v2); its procs file, or skip."""
-    for root, limit_file in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
-                             ("/sys/fs/cgroup", "memory.max")):
+    for root, limit_file in (
+        ("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+        ("/sys/fs/cgroup", "memory.max"),
+    ):
         group = os.path.join(root, f"meshwise-test-{os.getpid()}")
         try:
             os.makedirs(group, exist_ok=True)
@@ -163,9 +184,27 @@ def test_out_of_memory_in_a_cgroup_names_the_rank_and_its_peak(tmp_path, corpus)
 
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "meshwise", "train", *map(str, SMALL), *big, "--data",
-             str(corpus), "--dp", "1", "--steps", "3"], cwd=tmp_path, env=env,
-            capture_output=True, text=True, timeout=120, preexec_fn=enter)
+            [
+                sys.executable,
+                "-m",
+                "meshwise",
+                "train",
+                *map(str, SMALL),
+                *big,
+                "--data",
+                str(corpus),
+                "--dp",
+                "1",
+                "--steps",
+                "3",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=enter,
+        )
     finally:
         os.rmdir(group)
     assert result.returncode == 1, result.stderr

@@ -14,11 +14,30 @@ import torch
 from meshwise.models.gpt import GPT, GPTConfig
 from tests.e2e.conftest import read_metrics, run_cli
 
-MODEL = ["--d-model", 768, "--n-layer", 8, "--n-head", 12, "--seq-len", 64, "--batch-size", 4,
-         "--steps", 2, "--eval-batches", 1, "--dp", 2, "-q"]
+MODEL = [
+    "--d-model",
+    768,
+    "--n-layer",
+    8,
+    "--n-head",
+    12,
+    "--seq-len",
+    64,
+    "--batch-size",
+    4,
+    "--steps",
+    2,
+    "--eval-batches",
+    1,
+    "--dp",
+    2,
+    "-q",
+]
 with torch.device("meta"):
-    NUM_PARAMS = sum(p.numel() for p in GPT(GPTConfig(n_layer=8, n_head=12, d_model=768,
-                                                      block_size=256)).parameters())
+    NUM_PARAMS = sum(
+        p.numel()
+        for p in GPT(GPTConfig(n_layer=8, n_head=12, d_model=768, block_size=256)).parameters()
+    )
 # What is measured is gloo's own formulation (all-reduces where NCCL would reduce-scatter
 # and all-gather, which gloo does with full-size temporaries), so not NCCL's rules.
 GLOO = {"MESHWISE_COMM_CHECK": None}
@@ -28,8 +47,18 @@ DEFAULT_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": None, **GLOO}  # glibc's own dyna
 
 def peak_bytes(tmp_path, corpus, zero: int, env: dict) -> int:
     metrics = tmp_path / f"zero{zero}-{env['MALLOC_MMAP_THRESHOLD_']}.jsonl"
-    result = run_cli("train", *MODEL, "--zero", zero, "--data", corpus, "--metrics", metrics,
-                     cwd=tmp_path, env_extra=env)
+    result = run_cli(
+        "train",
+        *MODEL,
+        "--zero",
+        zero,
+        "--data",
+        corpus,
+        "--metrics",
+        metrics,
+        cwd=tmp_path,
+        env_extra=env,
+    )
     assert result.returncode == 0, result.stderr
     records = read_metrics(metrics)
     assert records[-1]["peak_mem_bytes"] <= records[-1]["peak_rss_bytes"]

@@ -21,8 +21,27 @@ from tests.e2e.conftest import read_metrics, run_cli
 
 STEPS, LR, WARMUP, BATCH, SEQ, SEED = 6, 3e-3, 2, 8, 32, 1234
 SIZES = dict(n_layer=2, n_head=4, d_model=64)
-FLAGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 64, "--seq-len", SEQ, "--batch-size", BATCH,
-         "--lr", LR, "--warmup-steps", WARMUP, "--steps", STEPS, "--seed", SEED, "-q"]
+FLAGS = [
+    "--n-layer",
+    2,
+    "--n-head",
+    4,
+    "--d-model",
+    64,
+    "--seq-len",
+    SEQ,
+    "--batch-size",
+    BATCH,
+    "--lr",
+    LR,
+    "--warmup-steps",
+    WARMUP,
+    "--steps",
+    STEPS,
+    "--seed",
+    SEED,
+    "-q",
+]
 
 
 def cosine_lr(step: int) -> float:
@@ -41,9 +60,15 @@ def torch_training(data_path: str, rank: int = 0, world: int = 1) -> list[tuple[
         model = torch.nn.parallel.DistributedDataParallel(model)
     named = list(model.named_parameters())
     opt = torch.optim.AdamW(
-        [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
-         {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
-        lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+        [
+            {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+    )
     out = []
     for step in range(1, STEPS + 1):
         batch = dataset.global_batch(step, BATCH, SEED)  # (B, T + 1), the same on every rank
@@ -65,8 +90,7 @@ def torch_training(data_path: str, rank: int = 0, world: int = 1) -> list[tuple[
 
 def _meshwise(tmp_path, corpus, *layout):
     metrics = tmp_path / "m.jsonl"
-    result = run_cli("train", *FLAGS, "--data", corpus, "--metrics", metrics, *layout,
-                     cwd=tmp_path)
+    result = run_cli("train", *FLAGS, "--data", corpus, "--metrics", metrics, *layout, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     data_path = resolve_data(corpus, cache_dir=tmp_path / "cache")  # the file the run used
     return [(r["loss"], r["grad_norm"]) for r in read_metrics(metrics)], str(data_path)

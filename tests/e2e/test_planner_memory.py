@@ -32,27 +32,42 @@ from meshwise.planner.devices import save_calibration
 from tests.e2e.conftest import read_metrics, run_cli, run_main
 
 MODEL = ["--model", "small", "--n-layer", "4", "--seq-len", "128", "--batch-size", "8"]
-LAYOUTS = ["--dp 2 --tp 1 --pp 1 --zero 0", "--dp 2 --tp 1 --pp 1 --zero 3",
-           "--dp 1 --tp 1 --pp 2 --schedule 1f1b --micro-batches 4 --zero 0",
-           "--dp 1 --tp 2 --pp 1 --sp --zero 0",
-           "--dp 1 --tp 2 --pp 1 --zero 0 --activation-checkpointing full"]
+LAYOUTS = [
+    "--dp 2 --tp 1 --pp 1 --zero 0",
+    "--dp 2 --tp 1 --pp 1 --zero 3",
+    "--dp 1 --tp 1 --pp 2 --schedule 1f1b --micro-batches 4 --zero 0",
+    "--dp 1 --tp 2 --pp 1 --sp --zero 0",
+    "--dp 1 --tp 2 --pp 1 --zero 0 --activation-checkpointing full",
+]
 GLIBC_RETURNS_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MESHWISE_COMM_CHECK": None}
 
 
 def peak_rss(tmp_path, corpus, flags: list) -> int:
     metrics = tmp_path / f"run{len(list(tmp_path.glob('run*.jsonl')))}.jsonl"
-    result = run_cli("train", *flags, "--data", corpus, "--metrics", metrics, cwd=tmp_path,
-                     env_extra=GLIBC_RETURNS_MEMORY)
+    result = run_cli(
+        "train",
+        *flags,
+        "--data",
+        corpus,
+        "--metrics",
+        metrics,
+        cwd=tmp_path,
+        env_extra=GLIBC_RETURNS_MEMORY,
+    )
     assert result.returncode == 0, result.stderr
     return read_metrics(metrics)[-1]["peak_rss_bytes"]
 
 
 def predicted(tmp_path, layout: str) -> int:
     flags = layout.split()
-    mode = flags[flags.index("--activation-checkpointing") + 1] if (
-        "--activation-checkpointing" in flags) else "none"
-    out = run_main("plan", *MODEL, "--world", 2, "--json", "--activation-checkpointing", mode,
-                   cwd=tmp_path)
+    mode = (
+        flags[flags.index("--activation-checkpointing") + 1]
+        if ("--activation-checkpointing" in flags)
+        else "none"
+    )
+    out = run_main(
+        "plan", *MODEL, "--world", 2, "--json", "--activation-checkpointing", mode, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     rows = {row["layout"]: row for row in json.loads(out.stdout)}
     assert layout in rows, f"{layout} is not among the planner's layouts"
@@ -62,12 +77,18 @@ def predicted(tmp_path, layout: str) -> int:
 @pytest.mark.timeout(300)
 def test_predicted_peak_memory_is_within_15_percent_of_the_measured(tmp_path, corpus):
     fixed = runtime_memory(peak_rss(tmp_path, corpus, RUN_FLAGS), {})
-    save_calibration({"overhead_bytes": fixed, "given_gradient_bytes": given_gradient_memory(),
-                      "checkpointing_bytes": checkpointing_memory()},
-                     tmp_path / "cache")  # run_main's cache
+    save_calibration(
+        {
+            "overhead_bytes": fixed,
+            "given_gradient_bytes": given_gradient_memory(),
+            "checkpointing_bytes": checkpointing_memory(),
+        },
+        tmp_path / "cache",
+    )  # run_main's cache
     errors = {}
     for layout in LAYOUTS:
-        measured = peak_rss(tmp_path, corpus, [*MODEL, *layout.split(), "--steps", 2,
-                                               "--eval-batches", 1, "-q"])
+        measured = peak_rss(
+            tmp_path, corpus, [*MODEL, *layout.split(), "--steps", 2, "--eval-batches", 1, "-q"]
+        )
         errors[layout] = predicted(tmp_path, layout) / measured - 1
     assert all(abs(e) <= 0.15 for e in errors.values()), (fixed, errors)

@@ -27,8 +27,18 @@ def train(tmp_path_factory, corpus):
         key = tuple(map(str, layout))
         if key not in cache:
             metrics = workdir / f"{'_'.join(key).replace('-', '')}.jsonl"
-            result = run_cli("train", "--data", corpus, "--steps", STEPS, "--metrics", metrics,
-                             *SMALL, *layout, cwd=workdir)
+            result = run_cli(
+                "train",
+                "--data",
+                corpus,
+                "--steps",
+                STEPS,
+                "--metrics",
+                metrics,
+                *SMALL,
+                *layout,
+                cwd=workdir,
+            )
             assert result.returncode == 0, result.stderr
             records = read_metrics(metrics)
             assert [r["step"] for r in records] == list(range(1, STEPS + 1))

@@ -30,10 +30,13 @@ from meshwise.models.context import ForwardContext
 from meshwise.models.llama import Llama, LlamaConfig
 from tests.unit.test_ring_attention import run_ring, unzigzag
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="no CUDA device: the GPU suite runs where there is one "
-                                        "(python -m pytest tests/gpu)")]
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="no CUDA device: the GPU suite runs where there is one (python -m pytest tests/gpu)",
+    ),
+]
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -78,10 +81,13 @@ def _close(got, want, dtype):
         assert error < TOLERANCE[dtype], (name, error)
 
 
-CASES = {"dense": {}, "window": {"window": 100}, "documents+window": {"documents": True,
-                                                                      "window": 64},
-         "dropout": {"dropout": True}, "documents+dropout": {"documents": True,
-                                                              "dropout": True}}
+CASES = {
+    "dense": {},
+    "window": {"window": 100},
+    "documents+window": {"documents": True, "window": 64},
+    "dropout": {"dropout": True},
+    "documents+dropout": {"documents": True, "dropout": True},
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -97,29 +103,46 @@ def test_each_cuda_path_equals_the_float64_reference(case, dtype):
         context = ForwardContext(seed=1, step=3, first_sample=0)
         keep = ScaledDotProductAttention(0.2, "blocks.0.attn.weights")._keep(q, T, context)
     with sdpa_kernel(FUSED):
-        got = _run(lambda q, k, v: attention(q, k, v, window=window, documents=documents,
-                                             keep=keep), q, k, v, dout)
+        got = _run(
+            lambda q, k, v: attention(q, k, v, window=window, documents=documents, keep=keep),
+            q,
+            k,
+            v,
+            dout,
+        )
     mask = _allowed(window, documents)
     if keep is None:
+
         def reference(q, k, v):
             with sdpa_kernel(SDPBackend.MATH):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     else:
         additive = torch.zeros(mask.shape, dtype=torch.float64, device="cuda").masked_fill(
-            ~mask, float("-inf"))
+            ~mask, float("-inf")
+        )
 
         def reference(q, k, v):
             return explicit_attention(q, k, v, True, keep, additive)
+
     want = _run(reference, *(t.double() for t in (q, k, v, dout)))
     _close(got, want, dtype)
 
 
-@pytest.mark.parametrize("dtype, window", [(torch.float32, 0), (torch.bfloat16, 0),
-                                           (torch.bfloat16, 1024)],
-                         ids=["fp32", "bf16", "bf16-window"])
+@pytest.mark.parametrize(
+    "dtype, window",
+    [(torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 1024)],
+    ids=["fp32", "bf16", "bf16-window"],
+)
 def test_a_llama_layer_at_4096_tokens_needs_no_math_backend(dtype, window):
-    cfg = LlamaConfig(n_layer=1, n_head=8, n_kv_head=2, d_model=512, ffn_hidden_size=1024,
-                      block_size=4096, sliding_window=window)
+    cfg = LlamaConfig(
+        n_layer=1,
+        n_head=8,
+        n_kv_head=2,
+        d_model=512,
+        ffn_hidden_size=1024,
+        block_size=4096,
+        sliding_window=window,
+    )
     model = Llama(cfg).init_weights(0).to("cuda", dtype)
     tokens = torch.randint(0, cfg.vocab_size, (2, 4096), device="cuda")
     with sdpa_kernel(FUSED):
@@ -137,8 +160,11 @@ def _peak_bytes(fn) -> int:
     return torch.cuda.max_memory_allocated() - start
 
 
-@pytest.mark.parametrize("dtype, documents", [(torch.float32, False), (torch.bfloat16, True)],
-                         ids=["fp32-gqa", "bf16-documents"])
+@pytest.mark.parametrize(
+    "dtype, documents",
+    [(torch.float32, False), (torch.bfloat16, True)],
+    ids=["fp32-gqa", "bf16-documents"],
+)
 def test_attention_at_4096_tokens_keeps_no_score_matrix(dtype, documents):
     """B x H x T x T scores would take 4.3 GB in fp32 (2.1 GB in bf16) here: the
     forward and backward together stay under a quarter of that."""
@@ -150,6 +176,7 @@ def test_attention_at_4096_tokens_keeps_no_score_matrix(dtype, documents):
     def step():
         with sdpa_kernel(FUSED):
             attention(q, k, v, documents=masks).backward(dout)
+
     step()  # compiles flex_attention (documents) before the measured call
     for t in (q, k, v):
         t.grad = None
@@ -172,12 +199,18 @@ def test_ring_blocks_on_cuda_equal_the_plain_formulation(dtype, masked):
     def ring_of(tensors):
         def rank(ring):
             mine = [zigzag_slice(t, 2, ring.rank, cp) for t in tensors]
-            plan = RingBlocks(ring.rank, cp, length // cp, documents,
-                              documents.ids.cpu().numpy() if masked else None, window,
-                              q.device)
+            plan = RingBlocks(
+                ring.rank,
+                cp,
+                length // cp,
+                documents,
+                documents.ids.cpu().numpy() if masked else None,
+                window,
+                q.device,
+            )
             out, lse = ring_forward(*mine[:3], ring, scale, blocks_of=plan)
-            return (out,) + ring_backward(mine[3], *mine[:3], out, lse, ring, scale,
-                                          blocks_of=plan)
+            return (out,) + ring_backward(mine[3], *mine[:3], out, lse, ring, scale, blocks_of=plan)
+
         per_rank = run_ring(cp, rank)
         return [unzigzag([r[i] for r in per_rank]) for i in range(4)]
 

@@ -23,14 +23,14 @@ def _models():
 
 
 def _loss(model, x, y, context=None):
-    return F.cross_entropy(model(x, context=context).flatten(0, 1), y.flatten(),
-                           reduction="sum")
+    return F.cross_entropy(model(x, context=context).flatten(0, 1), y.flatten(), reduction="sum")
 
 
 def _batch():
     gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, 50, (2, 10), generator=gen), torch.randint(0, 50, (2, 10),
-                                                                       generator=gen)
+    return torch.randint(0, 50, (2, 10), generator=gen), torch.randint(
+        0, 50, (2, 10), generator=gen
+    )
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -68,16 +68,16 @@ def test_forward_without_autograd_runs_once_and_copies_stay_checkpointed():
         logits = model(x)
     assert logits.shape == (2, 10, CFG.vocab_size)
     copied = copy.deepcopy(model)
-    assert type(copied.blocks['0']) is type(model.blocks['0'])
-    assert copied.blocks['0'] is not model.blocks['0']
+    assert type(copied.blocks["0"]) is type(model.blocks["0"])
+    assert copied.blocks["0"] is not model.blocks["0"]
     torch.testing.assert_close(copied(x), model(x))
 
 
 def test_none_leaves_blocks_alone_and_unknown_mode_is_refused():
     model, _ = _models()
-    block_type = type(model.blocks['0'])
+    block_type = type(model.blocks["0"])
     apply_activation_checkpointing(model.blocks.values(), "none")
-    assert type(model.blocks['0']) is block_type
+    assert type(model.blocks["0"]) is block_type
     with pytest.raises(ValueError, match="valid: none, selective, full"):
         apply_activation_checkpointing(model.blocks.values(), "partial")
 
@@ -112,9 +112,18 @@ def test_selective_checkpointing_of_the_llama_family_changes_no_gradient(name):
     from meshwise.models.families import family
     from meshwise.models.llama import LlamaConfig
 
-    cfg = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden_size=64,
-                      block_size=32, vocab_size=50, qk_norm=name == "qwen3-like",
-                      qkv_bias=name == "qwen3-like", sliding_window=4)
+    cfg = LlamaConfig(
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        d_model=32,
+        ffn_hidden_size=64,
+        block_size=32,
+        vocab_size=50,
+        qk_norm=name == "qwen3-like",
+        qkv_bias=name == "qwen3-like",
+        sliding_window=4,
+    )
     plain, model = (family("llama").create(cfg, seed=2).double() for _ in range(2))
     apply_activation_checkpointing(model.layers.values(), "selective")
     x, y = _batch()

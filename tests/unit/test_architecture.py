@@ -15,9 +15,25 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "meshwise"
 
 # Top to bottom: a wing may import only from the wings after it.
-FLOORS = ["cli", "planner", "train", "serve", "apply", "hf", "sharding", "pipeline",
-          "tensor_parallel", "context_parallel", "models", "checkpoint", "mesh", "comm", "device",
-          "data", "geometry"]
+FLOORS = [
+    "cli",
+    "planner",
+    "train",
+    "serve",
+    "apply",
+    "hf",
+    "sharding",
+    "pipeline",
+    "tensor_parallel",
+    "context_parallel",
+    "models",
+    "checkpoint",
+    "mesh",
+    "comm",
+    "device",
+    "data",
+    "geometry",
+]
 
 
 def _module_name(path: Path) -> str:
@@ -36,7 +52,7 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             found.update(f"{base}.{alias.name}" for alias in node.names)
             found.add(base)
@@ -68,8 +84,9 @@ def _edges() -> dict[str, set[str]]:
 
 
 def test_every_wing_has_a_floor():
-    wings = {p.name for p in PACKAGE.iterdir()
-             if p.is_dir() and (p / "__init__.py").exists()} | {"mesh"}
+    wings = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()} | {
+        "mesh"
+    }
     assert wings == set(FLOORS)
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert loose == ["__init__.py", "__main__.py", "mesh.py"]
@@ -91,7 +108,7 @@ def test_no_import_circles():
     def visit(module, path, done):
         for target in edges[module]:
             if target in path:
-                circles.append(" -> ".join(path[path.index(target):] + [target]))
+                circles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in done:
                 done.add(target)
                 visit(target, path + [target], done)
@@ -106,22 +123,35 @@ def test_no_import_circles():
 
 def test_the_geometry_imports_nothing_of_meshwise_and_checkpoints_no_model():
     edges = {m: ts for m, ts in _edges().items() if m not in ("meshwise", "meshwise.__main__")}
-    outside = {m: sorted(t for t in ts if _wing(t) != "geometry")
-               for m, ts in edges.items() if _wing(m) == "geometry"}
+    outside = {
+        m: sorted(t for t in ts if _wing(t) != "geometry")
+        for m, ts in edges.items()
+        if _wing(m) == "geometry"
+    }
     assert all(not ts for ts in outside.values()), outside
-    knowing = {m: sorted(t for t in ts if _wing(t) in ("models", "tensor_parallel", "apply")
-                         or t == "meshwise.geometry.plan")
-               for m, ts in edges.items() if _wing(m) == "checkpoint"}
+    knowing = {
+        m: sorted(
+            t
+            for t in ts
+            if _wing(t) in ("models", "tensor_parallel", "apply") or t == "meshwise.geometry.plan"
+        )
+        for m, ts in edges.items()
+        if _wing(m) == "checkpoint"
+    }
     assert all(not ts for ts in knowing.values()), knowing
 
 
 def test_the_docs_list_the_wings_in_their_floors_order():
     page = (ROOT / "docs" / "architecture.md").read_text()
     block = page.split("## Layout of the code", 1)[1].split("```")[1]
-    listed = [name.rstrip("/").removesuffix(".py")
-              for name in re.findall(r"^  ([a-z_]+/|[a-z_]+\.py)", block, re.M)]
+    listed = [
+        name.rstrip("/").removesuffix(".py")
+        for name in re.findall(r"^  ([a-z_]+/|[a-z_]+\.py)", block, re.M)
+    ]
     assert listed == FLOORS
     tour = (ROOT / "README.md").read_text().split("## Dive into the code", 1)[1]
-    walked = [name.rstrip("/").removesuffix(".py")
-              for name in re.findall(r"^- `([a-z_]+/|[a-z_]+\.py)`", tour, re.MULTILINE)]
+    walked = [
+        name.rstrip("/").removesuffix(".py")
+        for name in re.findall(r"^- `([a-z_]+/|[a-z_]+\.py)`", tour, re.MULTILINE)
+    ]
     assert walked == FLOORS[::-1]

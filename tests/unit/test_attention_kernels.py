@@ -50,10 +50,14 @@ def _documents(lengths=LENGTHS) -> DocumentMask:
 def _reference_mask(t_q, t_k, window=0, lengths=None):
     """(B or 1, 1, Tq, Tk): written out pair by pair, the queries the last positions."""
     rows = []
-    for row in (lengths or [[t_k]]):
+    for row in lengths or [[t_k]]:
         doc = [i for i, n in enumerate(row) for _ in range(n)]
-        rows.append([[j <= i and (not window or i - j < window) and doc[i] == doc[j]
-                      for j in range(t_k)] for i in range(t_k - t_q, t_k)])
+        rows.append(
+            [
+                [j <= i and (not window or i - j < window) and doc[i] == doc[j] for j in range(t_k)]
+                for i in range(t_k - t_q, t_k)
+            ]
+        )
     return torch.tensor(rows)[:, None]
 
 
@@ -78,8 +82,7 @@ def _check(kernel, fn, q, k, v, dout, want):
 
 
 def _masked_sdpa(mask):
-    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                          enable_gqa=True)
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 @pytest.mark.parametrize("heads", [(6, 2), (4, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
@@ -87,10 +90,17 @@ def _masked_sdpa(mask):
 def test_expanded_heads_equal_grouped_sdpa(heads, causal):
     """fp32's CUDA path: the key/value heads repeated for their query heads."""
     q, k, v, dout = _inputs(H=heads[0], G=heads[1], t_q=T if causal else 1)
-    want = _run(lambda q, k, v: F.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, enable_gqa=True), q, k, v, dout)
-    _same(_run(lambda q, k, v: attention(q, k, v, causal, kernel="sdpa_expanded"),
-               q, k, v, dout), want)
+    want = _run(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+        q,
+        k,
+        v,
+        dout,
+    )
+    _same(
+        _run(lambda q, k, v: attention(q, k, v, causal, kernel="sdpa_expanded"), q, k, v, dout),
+        want,
+    )
 
 
 @pytest.mark.parametrize("window", [1, 3, 8, 39, 40, 64])
@@ -98,13 +108,19 @@ def test_expanded_heads_equal_grouped_sdpa(heads, causal):
 def test_sliding_window_equals_the_written_out_mask(window, kernel):
     q, k, v, dout = _inputs()
     want = _run(_masked_sdpa(_reference_mask(T, T, window)), q, k, v, dout)
-    _check(kernel, lambda q, k, v: attention(q, k, v, window=window, kernel=kernel),
-           q, k, v, dout, want)
+    _check(
+        kernel,
+        lambda q, k, v: attention(q, k, v, window=window, kernel=kernel),
+        q,
+        k,
+        v,
+        dout,
+        want,
+    )
 
 
 @pytest.mark.parametrize("window", [0, 2, 5, 16])
-@pytest.mark.parametrize("kernel", ["flex", "each_document", "sdpa_mask", "tiled",
-                                    "explicit"])
+@pytest.mark.parametrize("kernel", ["flex", "each_document", "sdpa_mask", "tiled", "explicit"])
 def test_documents_equal_each_document_alone(window, kernel, monkeypatch):
     monkeypatch.setattr(tiled_attention, "KV_TILE", 6)  # several tiles per row
     q, k, v, dout = _inputs()
@@ -116,13 +132,20 @@ def test_documents_equal_each_document_alone(window, kernel, monkeypatch):
             for n in row:
                 part = slice(start, start + n)
                 out[b, :, part] = _masked_sdpa(_reference_mask(n, n, window))(
-                    q[b:b + 1, :, part], k[b:b + 1, :, part], v[b:b + 1, :, part])[0]
+                    q[b : b + 1, :, part], k[b : b + 1, :, part], v[b : b + 1, :, part]
+                )[0]
                 start += n
         return out
 
-    _check(kernel, lambda q, k, v: attention(q, k, v, window=window, documents=_documents(),
-                                             kernel=kernel), q, k, v, dout,
-           _run(alone, q, k, v, dout))
+    _check(
+        kernel,
+        lambda q, k, v: attention(q, k, v, window=window, documents=_documents(), kernel=kernel),
+        q,
+        k,
+        v,
+        dout,
+        _run(alone, q, k, v, dout),
+    )
 
 
 def test_the_documents_mask_without_host_lengths_is_one_masked_call():
@@ -130,8 +153,16 @@ def test_the_documents_mask_without_host_lengths_is_one_masked_call():
     docs = _documents()
     want = _run(lambda q, k, v: attention(q, k, v, documents=docs), q, k, v, dout)
     docs.lengths = None
-    _same(_run(lambda q, k, v: attention(q, k, v, documents=docs, kernel="each_document"),
-               q, k, v, dout), want)
+    _same(
+        _run(
+            lambda q, k, v: attention(q, k, v, documents=docs, kernel="each_document"),
+            q,
+            k,
+            v,
+            dout,
+        ),
+        want,
+    )
 
 
 @pytest.mark.parametrize("documents", [False, True])
@@ -147,9 +178,12 @@ def test_tiled_dropout_drops_what_the_explicit_weights_drop(documents, heads, mo
 
     def run(kernel):
         def fn(q, k, v):
-            return attention(q, k, v, documents=masks, keep=module._keep(q, T, context),
-                             kernel=kernel)
+            return attention(
+                q, k, v, documents=masks, keep=module._keep(q, T, context), kernel=kernel
+            )
+
         return _run(fn, q, k, v, dout)
+
     explicit = run("explicit")
     _same(run("tiled"), explicit)
     if not documents:  # the module itself (the CPU's choice) drops the same weights
@@ -174,9 +208,9 @@ def test_decoding_after_a_cache_equals_the_last_row_of_causal_attention(window, 
 def test_the_kernel_choice():
     fp32, bf16 = torch.float32, torch.bfloat16
 
-    def cuda(dtype=bf16, grouped=True, window=False, documents=False, dropout=False,
-             whole=True):
+    def cuda(dtype=bf16, grouped=True, window=False, documents=False, dropout=False, whole=True):
         return choose_kernel("cuda", dtype, grouped, window, documents, dropout, whole)
+
     assert cuda() == "sdpa" and cuda(fp32, grouped=False) == "sdpa"
     assert cuda(fp32) == "sdpa_expanded" and cuda(fp32, whole=False) == "sdpa_expanded"
     assert cuda(window=True) == "flex" and cuda(fp32, documents=True) == "flex"
@@ -202,10 +236,25 @@ def test_block_lists_equal_create_block_mask(length, window, documents):
     starts = torch.rand(4, length, generator=g) < torch.tensor([[0.0], [0.1], [0.3], [0.9]])
     ids = starts.long().cumsum(1) if documents else None
     mine = block_mask(length, window, ids, block_size=8, device="cpu")
-    theirs = create_block_mask(mask_mod(window, ids), 4 if documents else None, None,
-                               length, length, device="cpu", BLOCK_SIZE=8)
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+    theirs = create_block_mask(
+        mask_mod(window, ids),
+        4 if documents else None,
+        None,
+        length,
+        length,
+        device="cpu",
+        BLOCK_SIZE=8,
+    )
+    for name in (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "q_indices",
+        "full_q_num_blocks",
+        "full_q_indices",
+    ):
         assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
     assert mine.seq_lengths == theirs.seq_lengths
 
@@ -227,21 +276,29 @@ def test_ring_with_a_window_equals_one_process(cp, window, documents, fused, mon
         monkeypatch.setattr(blocks, "_fused", lambda q, keep: False)
     q, k, v, dout = _inputs()
     masks = _documents() if documents else None
-    want = _run(_masked_sdpa(_reference_mask(T, T, window, LENGTHS if documents else None)),
-                q, k, v, dout)
+    want = _run(
+        _masked_sdpa(_reference_mask(T, T, window, LENGTHS if documents else None)), q, k, v, dout
+    )
     scale = 1 / math.sqrt(q.shape[-1])
     skipped = []
 
     def rank(ring):
         mine = [zigzag_slice(t, 2, ring.rank, ring.size) for t in (q, k, v, dout)]
         docs = masks.documents if documents else None
-        plan = RingBlocks(ring.rank, ring.size, T // ring.size, docs,
-                          docs.ids.numpy() if documents else None, window, q.device)
-        skipped.extend(s for s in range(1, ring.size) if plan(s, (ring.rank - s) % ring.size)
-                       is None)
+        plan = RingBlocks(
+            ring.rank,
+            ring.size,
+            T // ring.size,
+            docs,
+            docs.ids.numpy() if documents else None,
+            window,
+            q.device,
+        )
+        skipped.extend(
+            s for s in range(1, ring.size) if plan(s, (ring.rank - s) % ring.size) is None
+        )
         out, lse = ring_forward(*mine[:3], ring, scale, blocks_of=plan)
-        return (out,) + ring_backward(mine[3], *mine[:3], out, lse, ring, scale,
-                                      blocks_of=plan)
+        return (out,) + ring_backward(mine[3], *mine[:3], out, lse, ring, scale, blocks_of=plan)
 
     per_rank = run_ring(cp, rank)
     _same([unzigzag([r[i] for r in per_rank]) for i in range(4)], want)

@@ -38,29 +38,37 @@ def test_tokens_and_assistant_labels_are_transformers(chat_tokenizer):
         assert assistant.astype(int).tolist() == want_mask
     question = conversations(2)[1][:1]
     prompt, end = generation_prompt(template, tokenizer, question)
-    assert prompt == hf_tokenizer(str(chat_tokenizer)).apply_chat_template(
-        question, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert (
+        prompt
+        == hf_tokenizer(str(chat_tokenizer)).apply_chat_template(
+            question, tokenize=True, add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+    )
     assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n") and end == "<|im_end|>"
 
 
 def test_a_template_the_tokenizer_lacks_names_what_is_available(chat_tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="byte-level text has no chat template; available: "
-                                         "chatml, a .jinja file"):
+    with pytest.raises(
+        ValueError, match="byte-level text has no chat template; available: chatml, a .jinja file"
+    ):
         load_template(None, None)
-    with pytest.raises(ValueError, match="has no template 'tool_use'; available: tokenizer, "
-                                         "chatml"):
+    with pytest.raises(
+        ValueError, match="has no template 'tool_use'; available: tokenizer, chatml"
+    ):
         load_template("tool_use", str(chat_tokenizer / "tokenizer.json"))
-    ids, assistant = render(load_template("chatml", None), ByteTokenizer(),
-                            conversations(2)[1])
+    ids, assistant = render(load_template("chatml", None), ByteTokenizer(), conversations(2)[1])
     text = bytes(ids.tolist()).decode()
     assert text.startswith("<|im_start|>user\nWhat is")
     assert bytes(ids[assistant].tolist()).decode().endswith(".<|im_end|>\n")
 
 
 def test_bad_records_name_their_line(tmp_path):
-    assert chat_problem({"messages": [{"role": "user", "content": "hi"},
-                                      {"role": "bot", "content": "hello"}]}) == \
-        "message 1 has role 'bot'; valid: system, user, assistant, tool"
+    assert (
+        chat_problem(
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}
+        )
+        == "message 1 has role 'bot'; valid: system, user, assistant, tool"
+    )
     assert chat_problem({"text": "hi"}) == "a chat record needs 'messages' (its fields: text)"
     path = tmp_path / "chat.jsonl"
     write_chat_jsonl(path, 3)
@@ -68,10 +76,14 @@ def test_bad_records_name_their_line(tmp_path):
     lines[1] = lines[1].replace('"assistant"', '"robot"', 1)
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataFormatError, match="chat.jsonl:2: message 1 has role 'robot'"):
-        build_chat_file(tmp_path / "chat.bin", path, ByteTokenizer(),
-                        load_template("chatml", None))
-    stats = build_chat_file(tmp_path / "chat.bin", path, ByteTokenizer(),
-                            load_template("chatml", None), ReadOptions(skip_bad_records=True))
+        build_chat_file(tmp_path / "chat.bin", path, ByteTokenizer(), load_template("chatml", None))
+    stats = build_chat_file(
+        tmp_path / "chat.bin",
+        path,
+        ByteTokenizer(),
+        load_template("chatml", None),
+        ReadOptions(skip_bad_records=True),
+    )
     assert stats["conversations"] == 2 and "1 bad record skipped" in stats["skipped"]
 
 
@@ -102,10 +114,14 @@ def test_a_conversation_too_long_to_refuse_is_named(tmp_path):
     build_chat_file(tmp_path / "chat.bin", path, ByteTokenizer(), load_template("chatml", None))
     dataset = TokenDataset(tmp_path / "chat.bin", 255, vocab_size=256)
     source = BatchSource(dataset)
-    assert source.rows.truncated == 1 and "1 longer than --seq-len + 1 truncated" in \
-        source.summary()
-    with pytest.raises(ValueError, match=r"chat.jsonl:8: the conversation has \d+ tokens, more "
-                                         "than --seq-len 255 \\+ 1; valid: --seq-len"):
+    assert (
+        source.rows.truncated == 1 and "1 longer than --seq-len + 1 truncated" in source.summary()
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"chat.jsonl:8: the conversation has \d+ tokens, more "
+        "than --seq-len 255 \\+ 1; valid: --seq-len",
+    ):
         BatchSource(dataset, long_conversations="refuse")
     chat = open_chat_file(tmp_path / "chat.bin", read_meta(tmp_path / "chat.bin"))
     assert chat.records.tolist() == list(range(12)) and chat.labels.sum() > 0
@@ -114,8 +130,9 @@ def test_a_conversation_too_long_to_refuse_is_named(tmp_path):
 def test_document_masks_need_an_end_of_text_token(tmp_path):
     path = tmp_path / "bytes.bin"
     np.arange(4000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(path)
-    with pytest.raises(ValueError, match="--document-mask: .* byte-level, its documents joined "
-                                         "by newlines"):
+    with pytest.raises(
+        ValueError, match="--document-mask: .* byte-level, its documents joined by newlines"
+    ):
         BatchSource(TokenDataset(path, 32), document_mask=True)
 
 
@@ -126,10 +143,18 @@ def test_epochs_read_every_training_row_once(tmp_path):
     source = BatchSource(TokenDataset(tmp_path / "chat.bin", 255, data_order="epochs"))
     train_rows = len(source.rows) - source.num_val
     width = source.rows.width
-    first = [tuple(row) for step in range(1, train_rows + 1)
-             for row in source.batch(step, 1, seed=3).tokens.tolist()]
-    wanted = {tuple(np.pad(source._tokens[s:s + n], (0, width - n)).tolist())
-              for s, n in zip(source.rows.row_start[:train_rows], source.rows.row_len)}
+    first = [
+        tuple(row)
+        for step in range(1, train_rows + 1)
+        for row in source.batch(step, 1, seed=3).tokens.tolist()
+    ]
+    wanted = {
+        tuple(np.pad(source._tokens[s : s + n], (0, width - n)).tolist())
+        for s, n in zip(source.rows.row_start[:train_rows], source.rows.row_len)
+    }
     assert len(set(first)) == train_rows and set(first) == wanted
-    assert source.epoch_position(train_rows, 1) == {"epoch": 1, "epoch_windows": train_rows,
-                                                    "windows_per_epoch": train_rows}
+    assert source.epoch_position(train_rows, 1) == {
+        "epoch": 1,
+        "epoch_windows": train_rows,
+        "windows_per_epoch": train_rows,
+    }

@@ -98,8 +98,8 @@ def test_copy_overlap_counts_and_leaves_the_rest():
     src_piece = Piece.whole("x", (8,)).flat(2, 6)
     dst_piece = Piece.whole("x", (8,)).flat(4, 8)
     dst = torch.zeros(4)
-    assert copy_overlap(dst, dst_piece, torch.tensor([2., 3., 4., 5.]), src_piece) == 2
-    assert dst.tolist() == [4., 5., 0., 0.]
+    assert copy_overlap(dst, dst_piece, torch.tensor([2.0, 3.0, 4.0, 5.0]), src_piece) == 2
+    assert dst.tolist() == [4.0, 5.0, 0.0, 0.0]
 
 
 def test_padding_is_not_stored(tmp_path):
@@ -131,9 +131,14 @@ def _damaged(tmp_path, how):
     return path
 
 
-@pytest.mark.parametrize("how,message", [("missing", "missing from the checkpoint"),
-                                         ("truncated", "truncated"),
-                                         ("flipped", "checksum mismatch")])
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("missing", "missing from the checkpoint"),
+        ("truncated", "truncated"),
+        ("flipped", "checksum mismatch"),
+    ],
+)
 def test_damage_is_named(tmp_path, how, message):
     ckpt = Checkpoint(_damaged(tmp_path, how))
     with pytest.raises(CheckpointError, match=message) as err:
@@ -170,8 +175,10 @@ def test_prune_keeps_the_newest(tmp_path):
 
 
 def test_scalar_and_dtype_round_trip(tmp_path):
-    entries = [(Piece.whole("s", ()), torch.tensor([2.5])),
-               (Piece.whole("h", (3,)), torch.tensor([1., 2., 3.], dtype=torch.bfloat16))]
+    entries = [
+        (Piece.whole("s", ()), torch.tensor([2.5])),
+        (Piece.whole("h", (3,)), torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)),
+    ]
     ckpt = Checkpoint(_save(tmp_path, [entries]))
     assert ckpt.read("s").shape == () and ckpt.read("s").item() == 2.5
     assert ckpt.read("h").dtype == torch.bfloat16

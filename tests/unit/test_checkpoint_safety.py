@@ -31,8 +31,10 @@ pytestmark = pytest.mark.timeout(60)
 def _save(root: Path, step: int, run: str | None = None, ancestors=()) -> Path:
     tmp = temp_dir(root, step, run or "")
     tmp.mkdir(parents=True)
-    entries = [(Piece.whole("w", (4, 3)), torch.arange(12.0)),
-               (Piece.whole("b", (3,)), torch.ones(3))]
+    entries = [
+        (Piece.whole("w", (4, 3)), torch.arange(12.0)),
+        (Piece.whole("b", (3,)), torch.ones(3)),
+    ]
     meta = {"step": step, "optimizer_step": step}
     if run is not None:
         meta["lineage"] = Lineage(run, tuple(ancestors)).to_meta()
@@ -62,16 +64,20 @@ def test_every_single_bit_flip_of_the_manifest_is_caught_before_loading(tmp_path
         resume.open_verified(path, {})
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda m: m["tensors"]["w"]["pieces"][0].pop("box_sizes"), "no 'box_sizes'"),
-    (lambda m: m["tensors"]["w"]["pieces"][0].update(file="rank-00009.safetensors"),
-     "unlisted file"),
-    (lambda m: m["tensors"]["w"]["pieces"][0].update(flat=[0, 99]), "flat [0, 99]"),
-    (lambda m: m["tensors"]["w"].update(shape=[4, "3"]), "tensors.w.shape"),
-    (lambda m: m["meta"].update(step="5"), "meta.step must be an integer"),
-])
-def test_an_old_manifest_without_digest_is_still_checked_for_its_shape(tmp_path, damage,
-                                                                         message):
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda m: m["tensors"]["w"]["pieces"][0].pop("box_sizes"), "no 'box_sizes'"),
+        (
+            lambda m: m["tensors"]["w"]["pieces"][0].update(file="rank-00009.safetensors"),
+            "unlisted file",
+        ),
+        (lambda m: m["tensors"]["w"]["pieces"][0].update(flat=[0, 99]), "flat [0, 99]"),
+        (lambda m: m["tensors"]["w"].update(shape=[4, "3"]), "tensors.w.shape"),
+        (lambda m: m["meta"].update(step="5"), "meta.step must be an integer"),
+    ],
+)
+def test_an_old_manifest_without_digest_is_still_checked_for_its_shape(tmp_path, damage, message):
     path = _save(tmp_path, 5)
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["version"] = 1  # written before manifests had a digest
@@ -95,7 +101,11 @@ def test_a_lineage_prunes_only_its_own_and_never_its_source(tmp_path):
     _save(tmp_path, 5, "new", lineage.ancestors)
     assert ours.prune(1) == [tmp_path / "step-00000003"]
     assert [p.name for p in complete_checkpoints(tmp_path)] == [
-        "step-00000002", "step-00000004", "step-00000005", "step-00000006"]
+        "step-00000002",
+        "step-00000004",
+        "step-00000005",
+        "step-00000006",
+    ]
 
 
 def test_a_continuing_run_prunes_its_ancestors_older_checkpoints(tmp_path):
@@ -127,12 +137,15 @@ def test_a_save_that_cannot_fit_prunes_first_or_names_the_space(tmp_path, monkey
 
     # A disk with room for the new checkpoint only once one old one is gone.
     capacity = used() + with_headroom(1 << 20) - 1
-    monkeypatch.setattr("meshwise.checkpoint.save_dir.shutil.disk_usage",
-                        lambda path: type("Usage", (), {"free": capacity - used()}))
+    monkeypatch.setattr(
+        "meshwise.checkpoint.save_dir.shutil.disk_usage",
+        lambda path: type("Usage", (), {"free": capacity - used()}),
+    )
     plain = SaveDir(tmp_path, "r", None, Lineage("r"))
     problem = plain.prepare(3, 1 << 20)
-    assert problem.startswith(f"cannot save step 3 in {tmp_path}: the checkpoint needs about "
-                              "1.1 MiB, "), problem
+    assert problem.startswith(
+        f"cannot save step 3 in {tmp_path}: the checkpoint needs about 1.1 MiB, "
+    ), problem
     assert "is free; free some space, pass --keep-last, or choose another --save" in problem
     assert not temp_dir(tmp_path, 3, "r").exists()
     pruning = SaveDir(tmp_path, "r", 2, Lineage("r"))
@@ -156,8 +169,10 @@ def test_of_jobs_started_together_exactly_one_holds_the_directory(tmp_path):
     context = multiprocessing.get_context("fork")
     for trial in range(20):
         start, tried, results = context.Barrier(3), context.Barrier(3), context.Queue()
-        procs = [context.Process(target=_take, args=(str(tmp_path / f"s{trial}"), start, tried,
-                                                     results)) for _ in range(3)]
+        procs = [
+            context.Process(target=_take, args=(str(tmp_path / f"s{trial}"), start, tried, results))
+            for _ in range(3)
+        ]
         for p in procs:
             p.start()
         outcomes = [results.get(timeout=20) for _ in procs]
@@ -181,11 +196,14 @@ def test_the_rank_that_failed_first_is_blamed_not_its_peers():
     lost = "Traceback\nRuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"
     killed, peer = Outcome(1, -9, "", 2 << 30), Outcome(0, 1, lost)
     assert blame([peer, killed]) is killed  # even when the peer's exit was seen first
-    assert describe(killed).startswith("rank 1 was killed by signal SIGKILL (out of memory?): "
-                                       "peak resident memory so far 2.00 GiB")
+    assert describe(killed).startswith(
+        "rank 1 was killed by signal SIGKILL (out of memory?): peak resident memory so far 2.00 GiB"
+    )
     assert blame([peer]) is peer
-    assert describe(peer) == ("rank 0: lost its connection to another rank (Connection closed "
-                              "by peer): that rank ended first, and its own output says why")
+    assert describe(peer) == (
+        "rank 0: lost its connection to another rank (Connection closed "
+        "by peer): that rank ended first, and its own output says why"
+    )
 
 
 def test_two_jobs_preparing_one_step_get_temporaries_of_their_own(tmp_path):

@@ -39,15 +39,37 @@ def grads(n=4096, steps=5, seed=0):
     return [torch.randn(n, generator=gen) * (1 + torch.arange(n) % 7) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("none", "none"), ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "int8"),
-    ("topk:0.01", "topk:0.01"), ("powersgd:4", "powersgd:4")])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("none", "none"),
+        ("fp16", "fp16"),
+        ("bf16", "bf16"),
+        ("int8", "int8"),
+        ("topk:0.01", "topk:0.01"),
+        ("powersgd:4", "powersgd:4"),
+    ],
+)
 def test_parse_valid(spec, expected):
     assert str(parse_compress(spec)) == expected
 
 
-@pytest.mark.parametrize("spec", ["zip", "topk:0", "topk:1.5", "topk:1", "topk:x", "topk",
-                                  "powersgd:0", "powersgd:1.5", "powersgd", "int8:3", "fp32"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "zip",
+        "topk:0",
+        "topk:1.5",
+        "topk:1",
+        "topk:x",
+        "topk",
+        "powersgd:0",
+        "powersgd:1.5",
+        "powersgd",
+        "int8:3",
+        "fp32",
+    ],
+)
 def test_parse_invalid_names_valid_values(spec):
     with pytest.raises(ValueError, match="valid: none, fp16, bf16, int8, topk:FRACTION"):
         parse_compress(spec)
@@ -205,8 +227,12 @@ def test_state_tensors_restore_a_compressor_exactly(spec):
         first.end_step()
     saved = {name: t.clone() for name, t in first.state_tensors().items()}
     kinds = {name.split(".")[0] for name in saved}
-    assert kinds == {"int8": {"error", "owner_error"}, "topk:0.05": {"error"},
-                     "powersgd:2": {"error", "q"}}[spec]
+    assert (
+        kinds
+        == {"int8": {"error", "owner_error"}, "topk:0.05": {"error"}, "powersgd:2": {"error", "q"}}[
+            spec
+        ]
+    )
     second = fresh()
     second.step = first.step
     second.load_state_tensors(saved, "cpu")

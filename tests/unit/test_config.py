@@ -29,8 +29,10 @@ def test_every_listed_composition_validates(axes, example, stages):
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_reshard_after_forward_is_for_zero_3_only(zero):
-    with pytest.raises(ValueError, match=f"--reshard-after-forward needs --zero 3 \\(got --zero "
-                                         f"{zero}\\).*valid: --zero 3"):
+    with pytest.raises(
+        ValueError,
+        match=f"--reshard-after-forward needs --zero 3 \\(got --zero {zero}\\).*valid: --zero 3",
+    ):
         parse("--dp", "2", "--pp", "2", "--zero", str(zero), "--reshard-after-forward")
 
 
@@ -42,7 +44,7 @@ def test_no_flags_is_the_two_rank_demo():
 
 def test_toml_then_flags(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('dp = 1\nbatch-size = 32\n[optim]\nlr = 0.01\nsteps = 7\n')
+    path.write_text("dp = 1\nbatch-size = 32\n[optim]\nlr = 0.01\nsteps = 7\n")
     cfg = parse("--config", str(path), "--steps", "9")
     assert (cfg.parallel.dp, cfg.data.batch_size, cfg.optim.lr, cfg.optim.steps) == (1, 32, 0.01, 9)
 
@@ -86,8 +88,9 @@ def test_bf16_on_a_gpu_without_it_is_refused_before_spawning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     v100 = {"name": "Tesla V100", "capability": [7, 0]}
-    monkeypatch.setattr("meshwise.device.choice.gpu_facts",
-                        lambda: {"gpus": [v100, v100], "nccl": (2, 21, 5)})
+    monkeypatch.setattr(
+        "meshwise.device.choice.gpu_facts", lambda: {"gpus": [v100, v100], "nccl": (2, 21, 5)}
+    )
     with pytest.raises(ValueError, match="--dtype bf16: Tesla V100 has no bfloat16 support"):
         prepare(parse("--device", "cuda", "--dp", "2", "--dtype", "bf16"))
 
@@ -100,16 +103,19 @@ def test_bf16_on_an_nccl_without_it_is_refused_before_spawning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     a100 = {"name": "NVIDIA A100", "capability": [8, 0]}
-    monkeypatch.setattr("meshwise.device.choice.gpu_facts",
-                        lambda: {"gpus": [a100], "nccl": (2, 7, 8)})
-    with pytest.raises(ValueError, match="--compress bf16: this PyTorch's NCCL 2.7.8 carries no "
-                                         "bfloat16"):
+    monkeypatch.setattr(
+        "meshwise.device.choice.gpu_facts", lambda: {"gpus": [a100], "nccl": (2, 7, 8)}
+    )
+    with pytest.raises(
+        ValueError, match="--compress bf16: this PyTorch's NCCL 2.7.8 carries no bfloat16"
+    ):
         prepare(parse("--device", "cuda", "--dp", "1", "--compress", "bf16"))
 
 
 def test_torchrun_world_gives_dp(monkeypatch):
-    for name, value in dict(RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", MASTER_ADDR="h",
-                            MASTER_PORT="1").items():
+    for name, value in dict(
+        RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", MASTER_ADDR="h", MASTER_PORT="1"
+    ).items():
         monkeypatch.setenv(name, value)
     cfg, origins = train_config(build_parser().parse_args(["train", "--tp", "2", "--pp", "2"]))
     assert cfg.parallel.dp == 2 and origins["dp"] == "torchrun"
@@ -132,12 +138,33 @@ def _nothing():
 def test_options_without_effect_are_named():
     from meshwise.cli.unused_settings import noop_warnings
 
-    cfg, origins = train_config(build_parser().parse_args(
-        ["train", "--schedule", "gpipe", "--zero", "3", "--grad-reduce-dtype", "bf16",
-         "--max-skipped-steps", "2", "--sample-tokens", "500", "--eval-batches", "2"]))
+    cfg, origins = train_config(
+        build_parser().parse_args(
+            [
+                "train",
+                "--schedule",
+                "gpipe",
+                "--zero",
+                "3",
+                "--grad-reduce-dtype",
+                "bf16",
+                "--max-skipped-steps",
+                "2",
+                "--sample-tokens",
+                "500",
+                "--eval-batches",
+                "2",
+            ]
+        )
+    )
     found = "\n".join(noop_warnings(cfg, origins))
-    for flag in ("--schedule gpipe", "--grad-reduce-dtype", "--max-skipped-steps",
-                 "--sample-tokens 500", "--eval-batches"):
+    for flag in (
+        "--schedule gpipe",
+        "--grad-reduce-dtype",
+        "--max-skipped-steps",
+        "--sample-tokens 500",
+        "--eval-batches",
+    ):
         assert flag in found
     quiet, origins = train_config(build_parser().parse_args(["train"]))
     assert noop_warnings(quiet, origins) == []
@@ -149,8 +176,9 @@ def test_help_shows_the_dataclass_defaults_and_the_docs_document_every_flag():
     text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "(default: 200)" in text and "(default: 0.001)" in text  # steps, lr
     table = (DOCS / "flags.md").read_text()
-    missing = [flag for flag, *_ in TRAIN_FLAGS
-               if f"`{flag}" not in table and f" {flag}" not in table]
+    missing = [
+        flag for flag, *_ in TRAIN_FLAGS if f"`{flag}" not in table and f" {flag}" not in table
+    ]
     assert not missing, f"docs/flags.md lacks {missing}"
 
 
@@ -171,7 +199,8 @@ def test_slow_bf16_on_this_cpu_is_said_once(monkeypatch, caplog, tmp_path):
         preflight.prepare(cfg)
     assert [r.getMessage() for r in caplog.records if "bf16" in r.getMessage()] == [
         "warning: --dtype bf16: a bf16 matmul measured 12x slower than fp32 on this CPU (no "
-        "native bf16 support); fp32 will train faster"]
+        "native bf16 support); fp32 will train faster"
+    ]
 
 
 def test_flag_names_follow_the_fields_they_set():
@@ -184,19 +213,31 @@ def test_flag_names_follow_the_fields_they_set():
     assert renamed == {"--model": "preset", "--data": "path"}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--cp", "2", "--seq-len", "30"],
-     "--seq-len 30 does not split into 2 x cp = 4 load-balanced chunks; valid: a multiple of "
-     "4, e.g. --seq-len 28 or 32"),
-    (["--cp", "2", "--tp", "4", "--sp", "--seq-len", "36"],
-     "--seq-len 36 does not split into 2 x cp = 4 load-balanced chunks whose tokens split "
-     "across tp = 4; valid: a multiple of 8, e.g. --seq-len 32 or 40"),
-    (["--tp", "2", "--sp", "--seq-len", "31"],
-     "--seq-len 31 does not split into slices across tp = 2; valid: a multiple of 2"),
-    (["--sp"], "--sp splits the sequence across the tp ranks between their layers and needs "
-               "--tp > 1; valid: --sp with --tp 2 or more, or no --sp"),
-    (["--cp", "0"], "--cp must be a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--cp", "2", "--seq-len", "30"],
+            "--seq-len 30 does not split into 2 x cp = 4 load-balanced chunks; valid: a multiple "
+            "of 4, e.g. --seq-len 28 or 32",
+        ),
+        (
+            ["--cp", "2", "--tp", "4", "--sp", "--seq-len", "36"],
+            "--seq-len 36 does not split into 2 x cp = 4 load-balanced chunks whose tokens split "
+            "across tp = 4; valid: a multiple of 8, e.g. --seq-len 32 or 40",
+        ),
+        (
+            ["--tp", "2", "--sp", "--seq-len", "31"],
+            "--seq-len 31 does not split into slices across tp = 2; valid: a multiple of 2",
+        ),
+        (
+            ["--sp"],
+            "--sp splits the sequence across the tp ranks between their layers and needs "
+            "--tp > 1; valid: --sp with --tp 2 or more, or no --sp",
+        ),
+        (["--cp", "0"], "--cp must be a finite number > 0"),
+    ],
+)
 def test_sequence_splits_that_cannot_work_name_the_valid_values(argv, message):
     with pytest.raises(ValueError) as info:
         parse("--dp", "1", *argv)
@@ -216,8 +257,10 @@ def test_cp_needs_a_model_whose_attention_runs_as_a_ring(monkeypatch):
     gpt = families.FAMILIES["gpt"]
     no_ring = dataclasses.replace(gpt, plan=lambda cfg: dataclasses.replace(gpt.plan(cfg), cp=()))
     monkeypatch.setitem(families.FAMILIES, "gpt", no_ring)
-    with pytest.raises(ValueError, match="--cp 2: the attention of --model tiny cannot run as "
-                                         "a ring; valid: --cp 1"):
+    with pytest.raises(
+        ValueError,
+        match="--cp 2: the attention of --model tiny cannot run as a ring; valid: --cp 1",
+    ):
         parse("--cp", "2")
     parse("--cp", "1", "--dp", "1")
 

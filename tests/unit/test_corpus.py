@@ -35,8 +35,10 @@ def wide_path(tmp_path_factory) -> Path:
     vocab = {f"w{i}": i for i in range(128_000)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"]
-                           + [f"<|reserved_special_token_{i}|>" for i in range(254)])
+    tok.add_special_tokens(
+        ["<|begin_of_text|>", "<|end_of_text|>"]
+        + [f"<|reserved_special_token_{i}|>" for i in range(254)]
+    )
     path = tmp_path_factory.mktemp("wide") / "tokenizer.json"
     tok.save(str(path))
     return path
@@ -56,13 +58,21 @@ def test_uint32_file_round_trips_through_token_dataset(tmp_path):
     ids = (np.arange(3000, dtype=np.int64) * 97 + 60_000) % LLAMA3_VOCAB  # many above 65,535
     path = tmp_path / "wide.bin"
     ids.astype("<u4").tofile(path)
-    _write_meta(path, {"num_tokens": len(ids), "vocab_size": LLAMA3_VOCAB, "max_token": None,
-                       "source": "test", "dtype": "uint32"})
+    _write_meta(
+        path,
+        {
+            "num_tokens": len(ids),
+            "vocab_size": LLAMA3_VOCAB,
+            "max_token": None,
+            "source": "test",
+            "dtype": "uint32",
+        },
+    )
     ds = TokenDataset(path, seq_len=16)
     assert ds.vocab_size == LLAMA3_VOCAB and ds.dtype == np.dtype("<u4")
     batch = ds.global_batch(0, 4, seed=0)
     for row, start in zip(batch, ds.window_starts(0, 4, 0)):
-        assert row.tolist() == ids[start:start + 17].tolist()
+        assert row.tolist() == ids[start : start + 17].tolist()
     assert batch.max() > 65_535
 
 
@@ -71,14 +81,16 @@ def test_uint16_is_the_default_without_our_sidecar(tmp_path):
     np.arange(500, dtype="<u2").tofile(path)
     ds = TokenDataset(path, seq_len=8, vocab_size=500)
     assert ds.dtype == np.dtype("<u2") and read_meta(path)["dtype"] == "uint16"
-    assert ds.global_batch(0, 2, 0)[0].tolist() == list(range(ds.window_starts(0, 2, 0)[0],
-                                                              ds.window_starts(0, 2, 0)[0] + 9))
+    assert ds.global_batch(0, 2, 0)[0].tolist() == list(
+        range(ds.window_starts(0, 2, 0)[0], ds.window_starts(0, 2, 0)[0] + 9)
+    )
 
 
 def test_a_changed_token_file_is_refused_not_rescanned(tmp_path, bpe_path):
     (tmp_path / "a.txt").write_text("def f():\n    return 1\n" * 100)
-    out = corpus.build_token_file(tmp_path / "a.bin", [tmp_path / "a.txt"],
-                                  load_tokenizer(bpe_path), "a.txt")
+    out = corpus.build_token_file(
+        tmp_path / "a.bin", [tmp_path / "a.txt"], load_tokenizer(bpe_path), "a.txt"
+    )
     assert out["dtype"] == "uint16"
     with open(tmp_path / "a.bin", "ab") as f:
         f.write(b"\0\0")
@@ -131,8 +143,10 @@ def test_a_128k_vocabulary_gives_a_uint32_file(tmp_path, wide_path):
     meta = json.loads(sidecar_path(path).read_text())
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 128_256
     ids = np.fromfile(path, dtype="<u4").tolist()
-    assert ids == [5, 70_000, 127_999, 65_536, 1] * 40 + [128_001] + [1, 65_536, 127_999,
-                                                                     70_000, 5] * 40
+    assert (
+        ids
+        == [5, 70_000, 127_999, 65_536, 1] * 40 + [128_001] + [1, 65_536, 127_999, 70_000, 5] * 40
+    )
     ds = TokenDataset(path, seq_len=32, val_fraction=0.0)
     assert ds.vocab_size == 128_256 and ds.global_batch(0, 8, 0).max() > 65_535
 
@@ -163,8 +177,9 @@ def test_a_byte_level_bin_from_before_tokenizers_is_known_as_byte_level(tmp_path
     path = tmp_path / "old.bin"
     np.frombuffer(b"hello", np.uint8).astype("<u2").tofile(path)
     _write_meta(path, {"num_tokens": 5, "vocab_size": 256, "max_token": None, "source": "x"})
-    with pytest.raises(ValueError, match="tokenized with byte-level, not with --tokenizer .*"
-                                         "valid: no --tokenizer"):
+    with pytest.raises(
+        ValueError, match="tokenized with byte-level, not with --tokenizer .*valid: no --tokenizer"
+    ):
         resolve_data(path, tokenizer=load_tokenizer(bpe_path))
 
 

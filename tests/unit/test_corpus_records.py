@@ -31,8 +31,9 @@ def _expected(bpe_path: Path, texts: list[str]) -> list[int]:
     tok = Tokenizer.from_file(str(bpe_path))
     out: list[int] = []
     for i, text in enumerate(texts):
-        out += ([tok.token_to_id("<|endoftext|>")] if i else []) + \
-            tok.encode(text, add_special_tokens=False).ids
+        out += ([tok.token_to_id("<|endoftext|>")] if i else []) + tok.encode(
+            text, add_special_tokens=False
+        ).ids
     return out
 
 
@@ -43,10 +44,10 @@ def _shards(root: Path) -> Path:
 
     root.mkdir()
     half = len(TEXTS) // 2
-    (root / "a.jsonl").write_text("".join(json.dumps({"text": t, "n": i}) + "\n"
-                                          for i, t in enumerate(TEXTS[:half])) + "\n")
-    parquet.write_table(pa.table({"text": TEXTS[half:]}), root / "b.parquet",
-                        row_group_size=50)
+    (root / "a.jsonl").write_text(
+        "".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(TEXTS[:half])) + "\n"
+    )
+    parquet.write_table(pa.table({"text": TEXTS[half:]}), root / "b.parquet", row_group_size=50)
     return root
 
 
@@ -77,13 +78,15 @@ def test_a_bad_line_read_by_a_worker_is_named_by_its_line_or_skipped(tmp_path, m
     with pytest.raises(DataFormatError, match=f"^{path}:151: not a JSON object"):
         corpus.build_token_file(tmp_path / "d.bin", files, tokenizer, "d", num_workers=2)
     assert not (tmp_path / "d.bin").exists()
-    stats = corpus.build_token_file(tmp_path / "d.bin", files, tokenizer, "d", 2,
-                                    options=ReadOptions(skip_bad_records=True))
+    stats = corpus.build_token_file(
+        tmp_path / "d.bin", files, tokenizer, "d", 2, options=ReadOptions(skip_bad_records=True)
+    )
     assert stats["documents"] == 198 and stats["records"].skipped == 2
     assert f"{path}:171: the record has no field 'text'" in stats["records"].summary()
     kept = [t for i, t in enumerate(TEXTS[:200]) if i not in (150, 170)]
-    assert np.fromfile(tmp_path / "d.bin", dtype="<u2").tolist() == \
-        list("\n".join(kept).encode())  # byte-level: records joined by newlines
+    assert np.fromfile(tmp_path / "d.bin", dtype="<u2").tolist() == list(
+        "\n".join(kept).encode()
+    )  # byte-level: records joined by newlines
 
 
 def test_the_cache_key_holds_the_format_and_how_records_are_read(tmp_path):
@@ -93,8 +96,9 @@ def test_the_cache_key_holds_the_format_and_how_records_are_read(tmp_path):
         resolve_data(data, tmp_path / "c")
     as_text = resolve_data(data, tmp_path / "c", options=ReadOptions(data_format="text"))
     as_records = resolve_data(data, tmp_path / "c", options=ReadOptions(data_format="jsonl"))
-    titles = resolve_data(data, tmp_path / "c",
-                          options=ReadOptions(text_field="title", data_format="jsonl"))
+    titles = resolve_data(
+        data, tmp_path / "c", options=ReadOptions(text_field="title", data_format="jsonl")
+    )
     assert len({as_text, as_records, titles}) == 3
     assert as_text.stat().st_size == 2 * data.stat().st_size  # the raw bytes, uint16
     assert np.fromfile(as_records, "<u2").tolist() == list("\n".join(TEXTS).encode())

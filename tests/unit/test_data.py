@@ -113,8 +113,14 @@ def test_bin_without_sidecar_gets_one(tmp_path):
 
 def test_our_sidecar_is_trusted(tmp_path):
     path = _write_bin(tmp_path / "toks.bin", [1, 2, 3])
-    meta = {"num_tokens": 3, "vocab_size": 50257, "max_token": None, "source": "x",
-            "format": 2, "written_by": "meshwise"}
+    meta = {
+        "num_tokens": 3,
+        "vocab_size": 50257,
+        "max_token": None,
+        "source": "x",
+        "format": 2,
+        "written_by": "meshwise",
+    }
     sidecar_path(path).write_text(json.dumps(meta))
     assert read_meta(resolve_data(path)) == meta
 
@@ -233,7 +239,7 @@ def test_default_corpus_is_stdlib(tmp_path):
     assert meta["vocab_size"] == 256 and meta["num_tokens"] == out.stat().st_size // 2
     assert meta["num_tokens"] > 1_000_000
     stdlib = sysconfig.get_paths()["stdlib"]
-    head = (open(os.path.join(stdlib, "__future__.py"), "rb").read(64))
+    head = open(os.path.join(stdlib, "__future__.py"), "rb").read(64)
     assert bytes(np.memmap(out, dtype="<u2", mode="r")[:64].astype(np.uint8)) == head
     mtime = out.stat().st_mtime_ns
     assert resolve_data(None, cache_dir=tmp_path) == out and out.stat().st_mtime_ns == mtime
@@ -246,11 +252,15 @@ def test_processes_started_together_tokenize_once(tmp_path):
 
     text = tmp_path / "a.txt"
     text.write_bytes(b"abc" * 2_000_000)
-    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
-            "from meshwise.data.dataset import resolve_data; "
-            f"print(resolve_data({str(text)!r}, {str(tmp_path / 'c')!r}))")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+        "from meshwise.data.dataset import resolve_data; "
+        f"print(resolve_data({str(text)!r}, {str(tmp_path / 'c')!r}))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sum(out.count("built corpus") for out in outs) == 1, outs

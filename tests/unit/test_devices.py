@@ -36,9 +36,11 @@ def test_train_resolves_dtype_auto_before_the_ranks(monkeypatch):
     from meshwise.cli import train
     from meshwise.train.config import TrainConfig
 
-    monkeypatch.setattr(train.choice, "gpu_facts",
-                        lambda: {"gpus": [{"name": "H100", "capability": [9, 0]}],
-                                 "nccl": (2, 21, 5)})
+    monkeypatch.setattr(
+        train.choice,
+        "gpu_facts",
+        lambda: {"gpus": [{"name": "H100", "capability": [9, 0]}], "nccl": (2, 21, 5)},
+    )
     for device, expected in (("cpu", "fp32"), ("cuda", "bf16")):
         cfg, origins = TrainConfig(), {}
         cfg.runtime.device = device

@@ -80,8 +80,8 @@ def meshwise_argv(command: list[str]) -> list[str] | None:
     for launcher in ("torchrun", "python"):
         if command[0] == launcher and "-m" in command:
             at = command.index("-m")
-            if command[at + 1:at + 2] == ["meshwise"]:
-                return command[at + 2:]
+            if command[at + 1 : at + 2] == ["meshwise"]:
+                return command[at + 2 :]
     return None
 
 
@@ -101,8 +101,16 @@ PARSER = build_parser()
 def test_the_pages_hold_commands():
     argvs = [meshwise_argv(command) for _, _, command in COMMANDS]
     assert sum(argv is not None for argv in argvs) > 100
-    assert {argv[0] for argv in argvs if argv} >= {"train", "plan", "schedule", "data",
-                                                   "export", "generate", "bench", "plot"}
+    assert {argv[0] for argv in argvs if argv} >= {
+        "train",
+        "plan",
+        "schedule",
+        "data",
+        "export",
+        "generate",
+        "bench",
+        "plot",
+    }
 
 
 def meshwise_problem(argv: list[str], raw: str, capsys) -> str | None:
@@ -154,8 +162,11 @@ def test_every_script_a_page_runs_exists_and_takes_its_flags(capsys):
         if command[0] != "python" or len(command) < 2:
             continue
         if command[1] == "-m" and command[2:3] == ["pytest"]:
-            bad += [f"{page}: {raw}: no {p}" for p in command[3:]
-                    if not p.startswith("-") and not (ROOT / p.split("::")[0]).exists()]
+            bad += [
+                f"{page}: {raw}: no {p}"
+                for p in command[3:]
+                if not p.startswith("-") and not (ROOT / p.split("::")[0]).exists()
+            ]
             continue
         script = command[1]
         if not script.startswith(("benchmarks/", "examples/")):
@@ -166,7 +177,7 @@ def test_every_script_a_page_runs_exists_and_takes_its_flags(capsys):
         declared = _declared(ROOT / script)
         own = command[2:]
         if "--" in own:  # two_nodes.py -- a meshwise command to run across the link
-            own, wrapped = own[:own.index("--")], own[own.index("--") + 1:]
+            own, wrapped = own[: own.index("--")], own[own.index("--") + 1 :]
             problem = meshwise_problem(wrapped, raw, capsys)
             if problem:
                 bad.append(f"{page}: {raw}: meshwise {' '.join(wrapped)}: {problem}")
@@ -217,29 +228,48 @@ def test_the_readme_links_every_page_of_docs():
 
 def _train_options() -> set[str]:
     train = PARSER._subparsers._group_actions[0].choices["train"]
-    return {option for action in train._actions for option in action.option_strings
-            if option not in ("-h", "--help")}
+    return {
+        option
+        for action in train._actions
+        for option in action.option_strings
+        if option not in ("-h", "--help")
+    }
 
 
 def test_the_flag_reference_lists_exactly_the_parsers_flags():
     text = (ROOT / "docs" / "flags.md").read_text()
-    rows = [re.split(r"(?<!\\)\|", line)[1] for line in text.splitlines()
-            if line.startswith("| ") and not line.startswith("| flag")]
+    rows = [
+        re.split(r"(?<!\\)\|", line)[1]
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| flag")
+    ]
     listed = {flag for cell in rows for flag in re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", cell)}
     assert listed == _train_options(), (
         f"not listed: {sorted(_train_options() - listed)}; "
-        f"not flags of meshwise train: {sorted(listed - _train_options())}")
+        f"not flags of meshwise train: {sorted(listed - _train_options())}"
+    )
 
 
-@pytest.mark.parametrize("line, words", [
-    ("MALLOC_X=1 meshwise train --dp 2 \\\n    --zero 3   # ZeRO-3\n",
-     [["meshwise", "train", "--dp", "2", "--zero", "3"]]),
-    ("python - <<'EOF'\nprint('meshwise train --dp x')\nEOF\nmeshwise plan --world 2\n",
-     [["python", "-"], ["meshwise", "plan", "--world", "2"]]),
-    ("pip install x && torchrun --nnodes 2 -m meshwise train --tp 2\n",
-     [["pip", "install", "x"],
-      ["torchrun", "--nnodes", "2", "-m", "meshwise", "train", "--tp", "2"]]),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        (
+            "MALLOC_X=1 meshwise train --dp 2 \\\n    --zero 3   # ZeRO-3\n",
+            [["meshwise", "train", "--dp", "2", "--zero", "3"]],
+        ),
+        (
+            "python - <<'EOF'\nprint('meshwise train --dp x')\nEOF\nmeshwise plan --world 2\n",
+            [["python", "-"], ["meshwise", "plan", "--world", "2"]],
+        ),
+        (
+            "pip install x && torchrun --nnodes 2 -m meshwise train --tp 2\n",
+            [
+                ["pip", "install", "x"],
+                ["torchrun", "--nnodes", "2", "-m", "meshwise", "train", "--tp", "2"],
+            ],
+        ),
+    ],
+)
 def test_lines_are_read_as_a_shell_reads_them(line, words):
     found = [c for _, tokens in _logical_lines(line.splitlines()) for c in simple_commands(tokens)]
     assert found == words

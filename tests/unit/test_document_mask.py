@@ -62,8 +62,17 @@ def test_packed_documents_give_each_documents_own_logits_and_gradients(model):
     if model == "gpt":
         plain = GPT(GPTConfig(n_layer=2, n_head=4, d_model=32, block_size=T, vocab_size=50))
     else:
-        plain = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                                  ffn_hidden_size=48, block_size=T, vocab_size=50))
+        plain = Llama(
+            LlamaConfig(
+                n_layer=2,
+                n_head=4,
+                n_kv_head=2,
+                d_model=32,
+                ffn_hidden_size=48,
+                block_size=T,
+                vocab_size=50,
+            )
+        )
     plain = plain.init_weights(seed=3).double()
     masked = copy.deepcopy(plain)
     ids = torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(1))
@@ -71,7 +80,7 @@ def test_packed_documents_give_each_documents_own_logits_and_gradients(model):
     logits.square().sum().backward()
     for row in range(2):
         for start, end in _segments(row):
-            alone = plain(ids[row:row + 1, start:end])
+            alone = plain(ids[row : row + 1, start:end])
             torch.testing.assert_close(logits[row, start:end], alone[0], rtol=0, atol=1e-10)
             alone.square().sum().backward()  # the gradients sum over the documents
     for (name, got), (_, want) in zip(masked.named_parameters(), plain.named_parameters()):
@@ -80,8 +89,10 @@ def test_packed_documents_give_each_documents_own_logits_and_gradients(model):
 
 def _inputs(heads=4, kv_heads=2, d=8):
     g = torch.Generator().manual_seed(5)
-    return [torch.randn(2, n, T, d, generator=g, dtype=torch.float64)
-            for n in (heads, kv_heads, kv_heads, heads)]
+    return [
+        torch.randn(2, n, T, d, generator=g, dtype=torch.float64)
+        for n in (heads, kv_heads, kv_heads, heads)
+    ]
 
 
 def _each_document_alone(q, k, v, dout):
@@ -92,8 +103,12 @@ def _each_document_alone(q, k, v, dout):
         for start, end in _segments(row):
             part = slice(start, end)
             out[row, :, part] = F.scaled_dot_product_attention(
-                q[row:row + 1, :, part], k[row:row + 1, :, part], v[row:row + 1, :, part],
-                is_causal=True, enable_gqa=True)[0]
+                q[row : row + 1, :, part],
+                k[row : row + 1, :, part],
+                v[row : row + 1, :, part],
+                is_causal=True,
+                enable_gqa=True,
+            )[0]
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -111,8 +126,9 @@ def test_ring_with_documents_equals_each_document_alone(cp, fused, monkeypatch):
     def rank(ring):
         mine = [zigzag_slice(t, 2, ring.rank, ring.size) for t in (q, k, v, dout)]
         plan = RingBlocks(ring.rank, ring.size, T // ring.size, docs.to("cpu"), docs.ids)
-        skipped.extend(s for s in range(1, ring.size)
-                       if plan(s, (ring.rank - s) % ring.size) is None)
+        skipped.extend(
+            s for s in range(1, ring.size) if plan(s, (ring.rank - s) % ring.size) is None
+        )
         out, lse = ring_forward(*mine[:3], ring, scale, blocks_of=plan)
         grads = ring_backward(mine[3], *mine[:3], out, lse, ring, scale, blocks_of=plan)
         return (out,) + grads
@@ -137,8 +153,9 @@ def test_sdpa_module_with_documents_equals_each_document_alone(path):
     if path == "each document":
         out = sdpa(q_, k_, v_, context=context)
     else:  # the weights formed explicitly, as with dropout (p = 0: every weight kept)
-        out = sdpa._with_dropout(q_, k_, v_, True, context.documents.additive(T, 0, q.dtype),
-                                 context)
+        out = sdpa._with_dropout(
+            q_, k_, v_, True, context.documents.additive(T, 0, q.dtype), context
+        )
     out.backward(dout)
     want = _each_document_alone(q, k, v, dout)
     for got, expected in zip((out.detach(), q_.grad, k_.grad, v_.grad), want):

@@ -43,8 +43,9 @@ def test_masks_change_with_step_and_sample_and_vanish_in_eval():
 def test_a_forward_without_a_context_is_sample_zero_of_step_zero():
     model = GPT(CFG).init_weights(1).train()
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
-    plain = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(),
-                            reduction="sum")
+    plain = F.cross_entropy(
+        model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum"
+    )
     assert plain == _loss(model, tokens, 0, 0) and plain != _loss(model, tokens, 0, 1)
 
 

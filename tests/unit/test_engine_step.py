@@ -42,16 +42,25 @@ class Net(nn.Module):
 
 def _fused_reference(model):
     named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
-              {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
+        {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, fused=True)
 
 
 def _engine(model, stage, precision=None, bucket_cap_mb=25.0):
     if stage == 3:
         return ZeroStage3(model, _group(), CFG, precision=precision)
-    return ZeroOptimizer(model.named_parameters(), _group(), stage, CFG,
-                         bucket_cap_mb=bucket_cap_mb, precision=precision, modules=[model])
+    return ZeroOptimizer(
+        model.named_parameters(),
+        _group(),
+        stage,
+        CFG,
+        bucket_cap_mb=bucket_cap_mb,
+        precision=precision,
+        modules=[model],
+    )
 
 
 def _batch(step, dtype=torch.float32):
@@ -103,8 +112,9 @@ def test_a_skipped_step_changes_nothing_and_the_next_is_the_one_due(stage):
         loss = net(_batch(step)).square().sum()
         (loss * float("nan") if poison else loss).backward()
         eng.finish_grad_sync()
-        eng.step(CFG.lr, grad_scale=torch.tensor(0.5, dtype=torch.float64),
-                 skip=torch.tensor(poison))
+        eng.step(
+            CFG.lr, grad_scale=torch.tensor(0.5, dtype=torch.float64), skip=torch.tensor(poison)
+        )
 
     take(engine, model, 1)
     take(clean, twin, 1)
@@ -161,7 +171,7 @@ def _bucket_grads(engine) -> dict[str, torch.Tensor]:
     out = {}
     for flat in engine.flats:
         grad = flat.grad if flat.grad is not None else flat.grad_shard
-        out.update({s.name: grad[s.offset:s.offset + s.numel].view(s.shape) for s in flat.slots})
+        out.update({s.name: grad[s.offset : s.offset + s.numel].view(s.shape) for s in flat.slots})
     return out
 
 
@@ -176,7 +186,9 @@ def test_zero3_in_a_group_of_one_uses_its_shards_as_they_are():
     for unit in engine.blocks:
         unit.modules[0].register_forward_pre_hook(
             lambda module, args, unit=unit: seen.append(
-                (unit.buffer.data_ptr() == unit.flat.master.data_ptr(), unit.gathered_bytes())))
+                (unit.buffer.data_ptr() == unit.flat.master.data_ptr(), unit.gathered_bytes())
+            )
+        )
     for step in range(1, 3):
         engine.zero_grad()
         model(_batch(step)).square().sum().backward()

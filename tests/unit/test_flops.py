@@ -11,8 +11,15 @@ from meshwise.train.flops import flops_per_token
 
 SIZES = {
     "gpt": dict(n_layer=2, n_head=4, d_model=64, block_size=64, vocab_size=300),
-    "llama": dict(n_layer=3, n_head=4, n_kv_head=2, d_model=64, ffn_hidden_size=160,
-                  block_size=64, vocab_size=300),
+    "llama": dict(
+        n_layer=3,
+        n_head=4,
+        n_kv_head=2,
+        d_model=64,
+        ffn_hidden_size=160,
+        block_size=64,
+        vocab_size=300,
+    ),
 }
 
 
@@ -41,8 +48,13 @@ def test_recomputation_adds_one_forward_of_the_layers():
     with torch.device("meta"):
         model = fam.build(cfg)
     layers = list(model.blocks.values())
-    model_flops, hardware = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, 48,
-                                            recomputed=True)
-    per_layer = sum(m.weight.numel() for layer in layers for m in layer.modules()
-                    if isinstance(m, torch.nn.Linear))
+    model_flops, hardware = flops_per_token(
+        model, layers, cfg.n_layer, cfg.d_model, 48, recomputed=True
+    )
+    per_layer = sum(
+        m.weight.numel()
+        for layer in layers
+        for m in layer.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
     assert hardware - model_flops == 2 * per_layer + 4 * cfg.n_layer * cfg.d_model * 48

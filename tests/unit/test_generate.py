@@ -21,7 +21,7 @@ def test_cached_logits_match_a_full_forward():
     cache = [LayerCache() for _ in model.blocks]
     steps = [model(tokens[:, :12], cache=cache)[:, -1]]
     for t in range(12, 20):
-        steps.append(model(tokens[:, t:t + 1], cache=cache)[:, -1])
+        steps.append(model(tokens[:, t : t + 1], cache=cache)[:, -1])
     torch.testing.assert_close(torch.stack(steps[1:], 1), full[:, 12:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(steps[0], full[:, 11])
 
@@ -34,7 +34,7 @@ def test_greedy_generation_equals_recomputing_the_prefix():
     seq = list(prompt)
     for _ in range(20):
         seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    assert new == seq[len(prompt):]
+    assert new == seq[len(prompt) :]
 
 
 def test_generation_stops_at_the_context_and_is_seeded():

@@ -11,8 +11,12 @@ CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, block_size=16, vocab_size=50)
 
 def _chunks(seed, num_stages):
     """Every stage's chunk, each from its own copy of the initialised model."""
-    return [parallelize(GPT(CFG).init_weights(seed), gpt_plan(CFG), pp_rank=stage,
-                        pp_size=num_stages).chunks[0] for stage in range(num_stages)]
+    return [
+        parallelize(
+            GPT(CFG).init_weights(seed), gpt_plan(CFG), pp_rank=stage, pp_size=num_stages
+        ).chunks[0]
+        for stage in range(num_stages)
+    ]
 
 
 def test_chunks_hold_their_layers_under_global_names_with_the_full_values():

@@ -30,8 +30,9 @@ def save_family(directory, name: str, **extra):
 def test_logits_match_transformers_at_tp1(tmp_path, name):
     save_family(tmp_path, name)
     sizes = llama_sizes(read_config(tmp_path), str(tmp_path))
-    SafetensorsDir(tmp_path).check(hf_shapes(LlamaConfig(**sizes)),
-                                   ("lm_head.weight",) if sizes["tie_embeddings"] else ())
+    SafetensorsDir(tmp_path).check(
+        hf_shapes(LlamaConfig(**sizes)), ("lm_head.weight",) if sizes["tie_embeddings"] else ()
+    )
     pm, values = laid_out(tmp_path)
     materialize(pm, values)
     ids = token_ids()
@@ -55,13 +56,23 @@ def test_the_sliding_window_sees_itself_and_the_keys_before_it():
     assert window_mask(4, 4, 4, "cpu") is None  # the window covers every key: plain causal
 
 
-@pytest.mark.parametrize("model_type, change, message", [
-    ("qwen2", {"use_sliding_window": True}, "use_sliding_window true"),
-    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
-    ("mistral", {"num_local_experts": 8}, r"MoE blocks \(num_local_experts 8\)"),
-    ("qwen2", {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]},
-     "model_type 'qwen2_moe'"),
-])
+@pytest.mark.parametrize(
+    "model_type, change, message",
+    [
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window true"),
+        (
+            "qwen3",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            "'yarn' is not supported",
+        ),
+        ("mistral", {"num_local_experts": 8}, r"MoE blocks \(num_local_experts 8\)"),
+        (
+            "qwen2",
+            {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]},
+            "model_type 'qwen2_moe'",
+        ),
+    ],
+)
 def test_features_meshwise_does_not_compute_are_named(tmp_path, model_type, change, message):
     save_hf_llama(tmp_path, model_type=model_type)
     config = {**read_config(tmp_path), **change}

@@ -14,6 +14,7 @@ from tests.hf_llama import ATOL, hf_logits, materialize, save_gpt2, token_ids
 
 pytest.importorskip("transformers")
 
+
 def _laid_out(directory, tp_rank=0, tp_size=1):
     cfg = GPTConfig(**gpt2_sizes(read_config(directory), str(directory)))
     with torch.device("meta"):
@@ -49,16 +50,23 @@ def test_tp_boxes_and_flat_ranges_are_slices_of_the_whole(tmp_path):
             got = shard_values(name, 0, param.numel()).view(param.shape)[:rows]
             torch.testing.assert_close(got, expected[:rows], rtol=0, atol=0, msg=name)
             if rows == param.shape[0] and param.numel() > 7:  # a ZeRO range cutting rows
-                torch.testing.assert_close(shard_values(name, 3, param.numel() - 4),
-                                           expected.reshape(-1)[3:param.numel() - 4],
-                                           rtol=0, atol=0, msg=name)
+                torch.testing.assert_close(
+                    shard_values(name, 3, param.numel() - 4),
+                    expected.reshape(-1)[3 : param.numel() - 4],
+                    rtol=0,
+                    atol=0,
+                    msg=name,
+                )
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"activation_function": "relu"}, "activation_function 'relu'"),
-    ({"n_inner": 100}, "n_inner 100"),
-    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx true"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"activation_function": "relu"}, "activation_function 'relu'"),
+        ({"n_inner": 100}, "n_inner 100"),
+        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx true"),
+    ],
+)
 def test_what_meshwise_does_not_compute_is_named(tmp_path, change, message):
     save_gpt2(tmp_path)
     with pytest.raises(ValueError, match=message):

@@ -17,19 +17,21 @@ def test_any_box_and_flat_range_is_a_slice_of_the_whole_tensor():
     assert abs(whole.std().item() - 0.5) < 0.01
     for offsets, sizes in (((0, 350), (300, 350)), ((150, 0), (150, 700)), ((7, 3), (11, 690))):
         box = Piece.box("w", shape, offsets, sizes)
-        expected = whole[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]
+        expected = whole[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
         assert torch.equal(init_values(normal(0.5), 7, box).view(sizes), expected)
         start, end = 5, max(6, box.numel - BLOCK // 3)  # a shard cutting rows and blocks
-        assert torch.equal(init_values(normal(0.5), 7, box.flat(start, end)),
-                           expected.reshape(-1)[start:end])
+        assert torch.equal(
+            init_values(normal(0.5), 7, box.flat(start, end)), expected.reshape(-1)[start:end]
+        )
 
 
 def test_seed_and_name_change_the_values_and_constants_are_constant():
     a = full_init(normal(1.0), 1, "a", (64,))
     assert not torch.equal(a, full_init(normal(1.0), 2, "a", (64,)))
     assert not torch.equal(a, full_init(normal(1.0), 1, "b", (64,)))
-    assert torch.equal(full_init(ONES, 1, "n", (3, 2), torch.bfloat16),
-                       torch.ones(3, 2, dtype=torch.bfloat16))
+    assert torch.equal(
+        full_init(ONES, 1, "n", (3, 2), torch.bfloat16), torch.ones(3, 2, dtype=torch.bfloat16)
+    )
 
 
 def _hash(t: torch.Tensor) -> str:
@@ -42,8 +44,11 @@ def test_values_are_pinned():
     w = full_init(normal(0.02), 1234, "layers.0.mlp.down_proj.weight", (256, 1024))
     assert _hash(w) == "e4f35043278bd7cd"
     assert w.view(-1)[[0, 65535, 65536, 262143]].tolist() == [
-        -0.012164577841758728, 0.014300146140158176, -0.015296357683837414,
-        -0.00034581124782562256]
+        -0.012164577841758728,
+        0.014300146140158176,
+        -0.015296357683837414,
+        -0.00034581124782562256,
+    ]
     assert _hash(full_init(uniform(0.05), 7, "lin.weight", (300, 700))) == "ebd83656258f25d0"
     column = Piece.box("lin.weight", (300, 700), (0, 350), (300, 350))
     assert _hash(init_values(uniform(0.05), 7, column)) == "3e6d4be417433d12"
@@ -84,26 +89,40 @@ def test_every_kind_of_piece_is_the_definition_sliced(threads):
             for rank in (0, tp - 1):
                 rows, cols = 2048 // tp, 1536 // tp
                 for box, expected in (
-                        (Piece.box("m", shape, (rank * rows, 0), (rows, 1536)),
-                         whole[rank * rows:(rank + 1) * rows]),
-                        (Piece.box("m", shape, (0, rank * cols), (2048, cols)),
-                         whole[:, rank * cols:(rank + 1) * cols])):
+                    (
+                        Piece.box("m", shape, (rank * rows, 0), (rows, 1536)),
+                        whole[rank * rows : (rank + 1) * rows],
+                    ),
+                    (
+                        Piece.box("m", shape, (0, rank * cols), (2048, cols)),
+                        whole[:, rank * cols : (rank + 1) * cols],
+                    ),
+                ):
                     flat = expected.reshape(-1)
                     assert torch.equal(init_values(init, 11, box), flat)
-                    for start, end in ((0, BLOCK + 5), (cols // 2, box.numel - cols // 3),
-                                       (box.numel // 3, 2 * box.numel // 3), (7, 8)):
-                        assert torch.equal(init_values(init, 11, box.flat(start, end)),
-                                           flat[start:end])
+                    for start, end in (
+                        (0, BLOCK + 5),
+                        (cols // 2, box.numel - cols // 3),
+                        (box.numel // 3, 2 * box.numel // 3),
+                        (7, 8),
+                    ):
+                        assert torch.equal(
+                            init_values(init, 11, box.flat(start, end)), flat[start:end]
+                        )
         long_rows = (4, 3 * BLOCK)  # rows longer than a block: each its own run
         whole = _by_definition(uniform(0.1), 2, "e", long_rows)
         box = Piece.box("e", long_rows, (1, BLOCK // 2), (3, BLOCK))
-        assert torch.equal(init_values(uniform(0.1), 2, box.flat(100, 2 * BLOCK + 9)),
-                           whole[1:, BLOCK // 2:BLOCK // 2 + BLOCK].reshape(-1)[100:2 * BLOCK + 9])
+        assert torch.equal(
+            init_values(uniform(0.1), 2, box.flat(100, 2 * BLOCK + 9)),
+            whole[1:, BLOCK // 2 : BLOCK // 2 + BLOCK].reshape(-1)[100 : 2 * BLOCK + 9],
+        )
         cube = (6, 40, 300)  # cut in two outer dimensions: runs not evenly spaced
         whole = _by_definition(init, 4, "c", cube)
         box = Piece.box("c", cube, (1, 5, 10), (4, 30, 200))
         assert box.rows() is None
-        assert torch.equal(init_values(init, 4, box.flat(301, 20001)),
-                           whole[1:5, 5:35, 10:210].reshape(-1)[301:20001])
+        assert torch.equal(
+            init_values(init, 4, box.flat(301, 20001)),
+            whole[1:5, 5:35, 10:210].reshape(-1)[301:20001],
+        )
     finally:
         torch.set_num_threads(saved)

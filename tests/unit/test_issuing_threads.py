@@ -55,15 +55,19 @@ def test_a_second_thread_in_the_same_wait_is_refused_naming_both():
     _issue(rules, "forward.py:1")
 
     def two_threads():
-        return [_on_thread(name, lambda name=name: _issue(rules, f"{name}.py:3"))
-                for name in ("device", "other")]
+        return [
+            _on_thread(name, lambda name=name: _issue(rules, f"{name}.py:3"))
+            for name in ("device", "other")
+        ]
 
     first, second = _in_backward(two_threads)
     assert first is None
-    assert second.startswith("NCCL rule (one issuing thread per group at a time): other.py:3 "
-                             "issues an operation on group dp[0,1] from thread 'other', while "
-                             "thread 'device' issues on the group (device.py:3) for thread "
-                             "'MainThread', which waits in a backward (")
+    assert second.startswith(
+        "NCCL rule (one issuing thread per group at a time): other.py:3 "
+        "issues an operation on group dp[0,1] from thread 'other', while "
+        "thread 'device' issues on the group (device.py:3) for thread "
+        "'MainThread', which waits in a backward ("
+    )
     assert "test_issuing_threads.py" in second  # where it waits
 
 
@@ -71,13 +75,14 @@ def test_a_thread_issuing_while_the_issuing_thread_does_not_wait_is_refused():
     rules = strict.GroupRules("tp[0,1]")
     _issue(rules, "forward.py:1")
     found = _on_thread("other", lambda: _issue(rules, "other.py:4"))
-    assert found.startswith("NCCL rule (one issuing thread per group at a time): other.py:4 "
-                            "issues an operation on group tp[0,1] from thread 'other', while "
-                            "thread 'MainThread' issues on it too (forward.py:1) and does not "
-                            "wait for it in a backward")
+    assert found.startswith(
+        "NCCL rule (one issuing thread per group at a time): other.py:4 "
+        "issues an operation on group tp[0,1] from thread 'other', while "
+        "thread 'MainThread' issues on it too (forward.py:1) and does not "
+        "wait for it in a backward"
+    )
     # a thread that issued during a backward may not issue once it returned
-    assert _in_backward(lambda: _on_thread("device", lambda: _issue(rules, "hook.py:2"))) \
-        is None
+    assert _in_backward(lambda: _on_thread("device", lambda: _issue(rules, "hook.py:2"))) is None
     late = _on_thread("late", lambda: _issue(rules, "late.py:5"))
     assert "from thread 'late', while thread 'MainThread' issues on it too" in late
 
@@ -110,8 +115,7 @@ def test_the_waiting_thread_may_not_issue_while_another_issues_for_it():
 
 def test_a_group_first_used_in_a_backward_belongs_to_the_waiting_thread():
     rules = strict.GroupRules("dp[0,1]")
-    assert _in_backward(lambda: _on_thread("device", lambda: _issue(rules, "bucket.py:7"))) \
-        is None
+    assert _in_backward(lambda: _on_thread("device", lambda: _issue(rules, "bucket.py:7"))) is None
     assert _issue(rules, "step.py:8") is None
 
 

@@ -31,8 +31,9 @@ def test_context_parallel_takes_a_sliding_window_shorter_than_the_sequence():
 def test_the_gradient_group_is_part_of_the_layout():
     cfg = _config(dp=2)
     cfg.comm.ranks_per_node = 3
-    with pytest.raises(ValueError, match="--ranks-per-node 3 does not divide the world of "
-                                         "dp x tp x pp = 2 ranks"):
+    with pytest.raises(
+        ValueError, match="--ranks-per-node 3 does not divide the world of dp x tp x pp = 2 ranks"
+    ):
         check_layout(cfg)
     cfg.comm.ranks_per_node, cfg.comm.allreduce = 0, "hierarchical"
     with pytest.raises(ValueError, match="--allreduce hierarchical cannot serve the dp group"):
@@ -43,11 +44,14 @@ def test_the_gradient_group_is_part_of_the_layout():
     assert _valid(cfg, Layout(dp=4)) and not _valid(cfg, Layout(dp=2, tp=2))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"sp": True}, "--sp splits the sequence across the tp ranks"),
-    ({"dp": 0}, "--dp must be a finite number > 0, got 0"),
-    ({"zero": 4}, "--zero 4 is not valid; valid: 0, 1, 2, 3"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"sp": True}, "--sp splits the sequence across the tp ranks"),
+        ({"dp": 0}, "--dp must be a finite number > 0, got 0"),
+        ({"zero": 4}, "--zero 4 is not valid; valid: 0, 1, 2, 3"),
+    ],
+)
 def test_the_trainer_refuses_what_the_command_line_refuses(changes, message):
     """Before it touches a process group: the same check, in every rank."""
     with pytest.raises(ValueError, match=message):

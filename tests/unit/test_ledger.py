@@ -74,8 +74,10 @@ def test_a_rank_that_never_arrives_is_behind():
     _issue(b, "pp[1,3] 1->3", "send", 64, "runtime.py:300", done=False)
     finding = diagnose.explain({0: a.dump(), 1: b.dump()})
     assert finding.kind == "behind"
-    assert str(finding).startswith("rank 1 is behind on group dp (ranks [0, 1]): rank 0 waits "
-                                   "in all_reduce sum float32[1000] #2 at engine.py:10")
+    assert str(finding).startswith(
+        "rank 1 is behind on group dp (ranks [0, 1]): rank 0 waits "
+        "in all_reduce sum float32[1000] #2 at engine.py:10"
+    )
     assert "runtime.py:300 (in flight)" in str(finding)
 
 
@@ -91,8 +93,9 @@ def test_transfers_pair_up_between_sender_and_receiver():
 def test_the_ring_file_survives_its_process_and_keeps_completion(tmp_path):
     path = tmp_path / "rank-00003.ledger"
     ledger = Ledger(3, capacity=4, path=path)
-    entries = [_issue(ledger, "dp[2,3]", "all_reduce sum", n, f"site{n}", done=False)
-               for n in range(1, 7)]
+    entries = [
+        _issue(ledger, "dp[2,3]", "all_reduce sum", n, f"site{n}", done=False) for n in range(1, 7)
+    ]
     ledger.complete(entries[-2])
     read = read_ring(path)
     assert [e["seq"] for e in read] == [3, 4, 5, 6]  # the last ``capacity``
@@ -163,8 +166,10 @@ def test_the_step_check_finds_the_rank_and_writes_its_ledger(tmp_path):
     store.set("meshwise/ledger/sum/2/1", json.dumps(b.summary()))
     store.set("meshwise/ledger/dump/2/1", json.dumps(b.dump()))
     found = mine.check(1.0)
-    assert found.startswith("rank 1 diverged on group dp (ranks [0, 1]): it issued all_reduce "
-                            "sum float32[1] #2 at faults.py:37, which rank 0 never issued")
+    assert found.startswith(
+        "rank 1 diverged on group dp (ranks [0, 1]): it issued all_reduce "
+        "sum float32[1] #2 at faults.py:37, which rank 0 never issued"
+    )
     assert found.endswith(f"(ledgers: {tmp_path})")
     assert (tmp_path / "ledger-rank00000.json").is_file()
 
@@ -181,8 +186,9 @@ def test_the_watchdog_ends_a_rank_whose_peer_diverged(monkeypatch):
     _issue(b, "dp[0,1]", "all_reduce sum", 1000, "engine.py:10", done=False)
     store.set("meshwise/ledger/stall/1/1", json.dumps(b.dump()))  # rank 1 answers the alert
     monkeypatch.setattr(watchdog, "end_rank", lambda rank, kind, msg: ended.append((kind, msg)))
-    dog = watchdog.Watchdog(watchdog.LedgerExchange(store, 0, 2, a), stall_s=0.0, timeout_s=60,
-                            reports_timeouts=True)
+    dog = watchdog.Watchdog(
+        watchdog.LedgerExchange(store, 0, 2, a), stall_s=0.0, timeout_s=60, reports_timeouts=True
+    )
     dog._tick()
     [(kind, message)] = ended
     assert kind == "CollectiveDesync"

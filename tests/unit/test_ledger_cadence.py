@@ -23,8 +23,11 @@ def test_check_every_is_a_positive_whole_number(monkeypatch):
     assert context.check_every() == 3
     for bad in ("0", "-2", "often", "1.5"):
         monkeypatch.setenv(context.CHECK_EVERY_ENV, bad)
-        with pytest.raises(ValueError, match=rf"MESHWISE_LEDGER_CHECK_EVERY='{bad}' is not "
-                                             "valid; valid: a whole number of steps, 1 or more"):
+        with pytest.raises(
+            ValueError,
+            match=rf"MESHWISE_LEDGER_CHECK_EVERY='{bad}' is not "
+            "valid; valid: a whole number of steps, 1 or more",
+        ):
             context.check_every()
 
 
@@ -78,9 +81,11 @@ def test_a_desync_the_ring_has_moved_past_is_named_at_its_first_operation(tmp_pa
         for ledger in (a, b):
             _issue(ledger, "dp[0,1]", "all_reduce sum", 8, "engine.py:10")
     found = _check(store, mine, b)
-    assert found.startswith("rank 1 diverged on group dp (ranks [0, 1]) at operation #2: rank 1 "
-                            "issued all_reduce max float32[8] at clip.py:5, while rank 0 issued "
-                            "all_reduce sum float32[8] at engine.py:10")
+    assert found.startswith(
+        "rank 1 diverged on group dp (ranks [0, 1]) at operation #2: rank 1 "
+        "issued all_reduce max float32[8] at clip.py:5, while rank 0 issued "
+        "all_reduce sum float32[8] at engine.py:10"
+    )
 
 
 def test_an_extra_last_operation_is_named_though_its_peer_issued_none_since(tmp_path):
@@ -93,6 +98,8 @@ def test_an_extra_last_operation_is_named_though_its_peer_issued_none_since(tmp_
         for ledger in (a, b):
             _issue(ledger, "tp[0,1]", "all_reduce sum", 4, "mappings.py:58")
     found = _check(store, mine, b)
-    assert found.startswith("rank 1 diverged on group dp (ranks [0, 1]): it issued all_reduce "
-                            "sum float32[1] #2 at faults.py:37, which rank 0 never issued (its "
-                            "last there is all_reduce sum float32[8] #1 at engine.py:10)")
+    assert found.startswith(
+        "rank 1 diverged on group dp (ranks [0, 1]): it issued all_reduce "
+        "sum float32[1] #2 at faults.py:37, which rank 0 never issued (its "
+        "last there is all_reduce sum float32[8] #1 at engine.py:10)"
+    )

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from meshwise.apply.parallelize import parallelize
+from meshwise.geometry.pieces import Piece
 from meshwise.hf.llama import hf_config, hf_shapes, llama_sizes, read_config
 from meshwise.hf.safetensors_dir import SafetensorsDir
-from meshwise.geometry.pieces import Piece
 from meshwise.models.families import family
 from meshwise.models.kv_cache import LayerCache
 from meshwise.models.llama import (
@@ -31,15 +31,19 @@ from tests.hf_llama import (
 
 pytest.importorskip("transformers")
 
-CFG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden_size=64,
-                  block_size=64, vocab_size=50)
+CFG = LlamaConfig(
+    n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden_size=64, block_size=64, vocab_size=50
+)
 
 
 @pytest.mark.parametrize("variant", ["untied", "tied", "llama3-rope", "sharded"])
 def test_logits_match_transformers_at_tp1(tmp_path, variant):
-    save_hf_llama(tmp_path, tie=variant == "tied",
-                  rope_scaling=LLAMA3_SCALING if variant == "llama3-rope" else None,
-                  max_shard_size="60KB" if variant == "sharded" else None)
+    save_hf_llama(
+        tmp_path,
+        tie=variant == "tied",
+        rope_scaling=LLAMA3_SCALING if variant == "llama3-rope" else None,
+        max_shard_size="60KB" if variant == "sharded" else None,
+    )
     if variant == "sharded":
         assert (tmp_path / "model.safetensors.index.json").is_file()
     pm, values = laid_out(tmp_path)
@@ -60,7 +64,7 @@ def test_kv_cache_decoding_equals_the_full_forward():
     with torch.no_grad():
         full = model(ids)
         steps = [model(ids[:, :12], cache=cache)[:, -1]]
-        steps += [model(ids[:, t:t + 1], cache=cache)[:, -1] for t in range(12, 20)]
+        steps += [model(ids[:, t : t + 1], cache=cache)[:, -1] for t in range(12, 20)]
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 11:], rtol=1e-5, atol=1e-5)
     assert cache[0].k.shape == (1, CFG.n_kv_head, 20, CFG.head_dim)  # cached before the repeat
 
@@ -69,12 +73,22 @@ def test_llama3_inverse_frequencies_equal_transformers():
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf = HFLlamaConfig(hidden_size=128, num_attention_heads=2, rope_theta=500000.0,
-                       rope_scaling=dict(LLAMA3_SCALING, original_max_position_embeddings=8192))
+    hf = HFLlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        rope_theta=500000.0,
+        rope_scaling=dict(LLAMA3_SCALING, original_max_position_embeddings=8192),
+    )
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
-    ours = rope_inverse_frequencies(LlamaConfig(
-        n_head=2, n_kv_head=2, d_model=128, rope_theta=500000.0,
-        rope_scaling=dict(LLAMA3_SCALING, original_max_position_embeddings=8192)))
+    ours = rope_inverse_frequencies(
+        LlamaConfig(
+            n_head=2,
+            n_kv_head=2,
+            d_model=128,
+            rope_theta=500000.0,
+            rope_scaling=dict(LLAMA3_SCALING, original_max_position_embeddings=8192),
+        )
+    )
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
@@ -151,12 +165,15 @@ def test_config_json_both_formats_and_back(tmp_path):
     assert llama_sizes(legacy, "d") == sizes
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type 'gpt2'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
-    ({"attention_bias": True}, "attention_bias true"),
-    ({"num_key_value_heads": 3}, "--n-kv-head 3 does not divide --n-head 4"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type 'gpt2'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+        ({"attention_bias": True}, "attention_bias true"),
+        ({"num_key_value_heads": 3}, "--n-kv-head 3 does not divide --n-head 4"),
+    ],
+)
 def test_config_json_refused(tmp_path, change, message):
     save_hf_llama(tmp_path)
     config = {**read_config(tmp_path), **change}  # rope_scaling wins over rope_parameters
@@ -212,8 +229,11 @@ def test_swiglu_backward_is_autograds_bit_for_bit_in_four_kernels(dtype):
         got = torch.autograd.grad(out, (gate, up), grad)
     assert all(torch.equal(a, b) for a, b in zip(got, reference))
     plumbing = ("empty", "view", "strided", "detach", "alias", "resize")
-    kernels = [e.name for e in prof.events()
-               if e.name.startswith("aten::") and not any(w in e.name for w in plumbing)]
+    kernels = [
+        e.name
+        for e in prof.events()
+        if e.name.startswith("aten::") and not any(w in e.name for w in plumbing)
+    ]
     assert len(kernels) <= 4, kernels
 
 
@@ -221,10 +241,12 @@ def test_grouped_query_attention_keeps_kv_heads_unrepeated():
     """The kv heads reach attention (and its saved tensors) as they are, not repeated."""
     from meshwise.models.llama import Llama, LlamaConfig
 
-    model = Llama(LlamaConfig(n_layer=1, n_head=4, n_kv_head=1, d_model=32,
-                              ffn_hidden_size=48)).init_weights(0)
+    model = Llama(
+        LlamaConfig(n_layer=1, n_head=4, n_kv_head=1, d_model=32, ffn_hidden_size=48)
+    ).init_weights(0)
     seen = []
     model.layers["0"].self_attn.sdpa.register_forward_hook(
-        lambda module, args, out: seen.append([t.shape[1] for t in args[:3]]))
+        lambda module, args, out: seen.append([t.shape[1] for t in args[:3]])
+    )
     model(torch.randint(0, 256, (1, 8)))
     assert seen == [[4, 1, 1]]

@@ -20,8 +20,9 @@ def test_cosine_is_the_schedule_it_always_was():
         assert lr_at(step, 1.0, 10, 100) == pytest.approx(want, rel=1e-15)
 
 
-@pytest.mark.parametrize("shape, middle", [("linear", 0.55), ("sqrt", 1 - 0.9 * 0.5 ** 0.5),
-                                           ("cosine", 0.55)])
+@pytest.mark.parametrize(
+    "shape, middle", [("linear", 0.55), ("sqrt", 1 - 0.9 * 0.5**0.5), ("cosine", 0.55)]
+)
 def test_wsd_warms_up_holds_then_decays_over_its_last_steps(shape, middle):
     schedule = LRSchedule("wsd", 1.0, 10, 100, decay_steps=20, decay_shape=shape)
     assert [schedule.lr(s) for s in (5, 10, 11, 80)] == [0.5, 1.0, 1.0, 1.0]
@@ -36,7 +37,8 @@ def test_a_longer_wsd_run_continues_while_it_is_stable():
     longer = LRSchedule.of(_optim(lr_schedule="wsd", decay_steps=20, steps=200))
     assert longer.continues(first, 80) and not longer.continues(first, 81)
     assert LRSchedule.of(_optim(lr_schedule="constant", steps=500)).continues(
-        LRSchedule.of(_optim(lr_schedule="constant")), 100)
+        LRSchedule.of(_optim(lr_schedule="constant")), 100
+    )
 
 
 def test_resuming_a_cosine_with_more_steps_is_refused_saying_how_to_go_on():
@@ -45,8 +47,10 @@ def test_resuming_a_cosine_with_more_steps_is_refused_saying_how_to_go_on():
         resumed_start(_optim(steps=50), saved, 40)
     message = str(err.value)
     assert "at steps 1 to 40" in message and "re-stretch" in message and "\n" not in message
-    assert "valid: resume with --lr-schedule cosine --lr 1 --warmup-steps 10 --steps 40, or " \
-           "add --lr-restart" in message
+    assert (
+        "valid: resume with --lr-schedule cosine --lr 1 --warmup-steps 10 --steps 40, or "
+        "add --lr-restart" in message
+    )
     assert resumed_start(_optim(steps=40), saved, 40) == 0  # the same schedule goes on
     assert resumed_start(_optim(steps=50, lr_restart=True), saved, 40) == 40
     # A restarted schedule goes on from where it started when resumed again.
@@ -62,15 +66,25 @@ def test_a_checkpoint_from_before_schedules_is_a_cosine():
         resumed_start(_optim(lr_schedule="wsd"), old, 60)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"lr_schedule": "linear"}, "--lr-schedule 'linear' is not valid; valid: cosine, wsd, "
-                                "constant"),
-    ({"decay_shape": "exp"}, "--decay-shape 'exp' is not valid; valid: linear, sqrt, cosine"),
-    ({"decay_steps": 95}, "--decay-steps 95 is not valid with --steps 100 --warmup-steps 10; "
-                          "valid: 1 to 90"),
-    ({"min_lr_ratio": 1.5}, "--min-lr-ratio 1.5 is not valid; valid: 0 to 1"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"lr_schedule": "linear"},
+            "--lr-schedule 'linear' is not valid; valid: cosine, wsd, constant",
+        ),
+        ({"decay_shape": "exp"}, "--decay-shape 'exp' is not valid; valid: linear, sqrt, cosine"),
+        (
+            {"decay_steps": 95},
+            "--decay-steps 95 is not valid with --steps 100 --warmup-steps 10; valid: 1 to 90",
+        ),
+        ({"min_lr_ratio": 1.5}, "--min-lr-ratio 1.5 is not valid; valid: 0 to 1"),
+    ],
+)
 def test_bad_schedules_name_the_valid_values(changes, message):
     with pytest.raises(ValueError, match=message):
-        check_schedule(OptimConfig(**{**dataclasses.asdict(OptimConfig(warmup_steps=10, steps=100)),
-                                      **changes}))
+        check_schedule(
+            OptimConfig(
+                **{**dataclasses.asdict(OptimConfig(warmup_steps=10, steps=100)), **changes}
+            )
+        )

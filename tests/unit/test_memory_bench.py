@@ -27,12 +27,26 @@ def test_process_memory_reads_this_process():
 
 def test_summarize_takes_each_ranks_peak_above_its_own_baseline_and_the_slowest_steps():
     mib = 2**20
-    ranks = [{"baseline_rss": 100 * mib, "built_rss": 150 * mib, "hwm": 190 * mib,
-              "step_s": [9.0, 1.0, 2.0, 3.0], "losses": [4.0, 3.0, 2.0, 1.0],
-              "peak_was_reset": True, "num_params": mib},
-             {"baseline_rss": 120 * mib, "built_rss": 160 * mib, "hwm": 200 * mib,
-              "step_s": [8.0, 1.5, 1.0, 1.0], "losses": [4.0, 3.0, 2.0, 1.0],
-              "peak_was_reset": True, "num_params": mib}]
+    ranks = [
+        {
+            "baseline_rss": 100 * mib,
+            "built_rss": 150 * mib,
+            "hwm": 190 * mib,
+            "step_s": [9.0, 1.0, 2.0, 3.0],
+            "losses": [4.0, 3.0, 2.0, 1.0],
+            "peak_was_reset": True,
+            "num_params": mib,
+        },
+        {
+            "baseline_rss": 120 * mib,
+            "built_rss": 160 * mib,
+            "hwm": 200 * mib,
+            "step_s": [8.0, 1.5, 1.0, 1.0],
+            "losses": [4.0, 3.0, 2.0, 1.0],
+            "peak_was_reset": True,
+            "num_params": mib,
+        },
+    ]
     got = summarize(ranks, warmup=1, world_size=2, stage=3)
     assert got["peak_bytes"] == 90 * mib  # rank 0: 190 - 100 (rank 1 only 80)
     assert got["built_bytes"] == 50 * mib

@@ -67,8 +67,9 @@ def test_dp_cp_groups_hold_the_replicas_of_each_parameter_shard(dp, cp, tp, pp):
     assert len(groups) == tp * pp
     for group in groups:
         coords = [dims.coords(r) for r in group]
-        assert [(c["dp"], c["cp"]) for c in coords] == [(d, c) for d in range(dp)
-                                                      for c in range(cp)]
+        assert [(c["dp"], c["cp"]) for c in coords] == [
+            (d, c) for d in range(dp) for c in range(cp)
+        ]
         assert len({(c["pp"], c["tp"]) for c in coords}) == 1
 
 

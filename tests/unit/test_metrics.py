@@ -16,8 +16,7 @@ class Terminal(io.StringIO):
 
 
 def _record(step, **extra):
-    return {"step": step, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0,
-            **extra}
+    return {"step": step, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0, **extra}
 
 
 def test_a_terminal_keeps_evaluation_lines():
@@ -41,8 +40,7 @@ def test_quiet_prints_no_progress(tmp_path):
 
 
 def test_non_finite_values_are_strict_json():
-    line = json.dumps(strict_json(_record(3, loss=math.nan, grad_norm=math.inf)),
-                      allow_nan=False)
+    line = json.dumps(strict_json(_record(3, loss=math.nan, grad_norm=math.inf)), allow_nan=False)
     back = json.loads(line)
     assert back["loss"] is None and back["grad_norm"] is None
     assert back["non_finite"] == ["loss", "grad_norm"]

@@ -53,8 +53,9 @@ def test_initial_values_default_to_each_modules_own_initialisation():
             dim = getattr(param, "tp_dim", None)
             expected = full[name] if dim is None else full[name].chunk(2, dim)[rank]
             rows = min(got.shape[0], expected.shape[0])  # the vocabulary's padding row
-            torch.testing.assert_close(got[:rows], expected[:rows].detach(), rtol=0, atol=0,
-                                       msg=name)
+            torch.testing.assert_close(
+                got[:rows], expected[:rows].detach(), rtol=0, atol=0, msg=name
+            )
 
 
 class _Scaled(nn.Module):
@@ -119,11 +120,16 @@ def test_a_forward_that_cannot_run_on_a_shard_or_a_stage_is_caught_with_the_rule
         return model
 
     _laid_out(counting_heads, tp_size=1)  # whole: fine
-    with pytest.raises(ValueError, match=r"layers.0.attn's forward fails on one tensor-parallel "
-                                         r"shard \(tp 2\).*use -1 or the local size"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers.0.attn's forward fails on one tensor-parallel "
+        r"shard \(tp 2\).*use -1 or the local size",
+    ):
         _laid_out(counting_heads)
-    with pytest.raises(ValueError, match="_NoSkip.s forward fails in pipeline stage 0 of 2"
-                                         ".*must skip a module set to None"):
+    with pytest.raises(
+        ValueError,
+        match="_NoSkip.s forward fails in pipeline stage 0 of 2.*must skip a module set to None",
+    ):
         _laid_out(_NoSkip, tp_size=1, pp_size=2, tie_group=object())
 
 

@@ -100,8 +100,7 @@ def test_sequence_and_context_parallel_swap_what_the_plan_names():
 
     with torch.device("meta"):
         model = GPT(CFG)
-    pm = parallelize(model, gpt_plan(CFG), tp_group=_tp(1), cp_group=_tp(1),
-                     sequence_parallel=True)
+    pm = parallelize(model, gpt_plan(CFG), tp_group=_tp(1), cp_group=_tp(1), sequence_parallel=True)
     chunk = pm.chunks[0]
     assert pm.sequence_parallel
     assert chunk.positions.tokens == SequenceShard(cp_rank=1, cp_size=2)
@@ -127,6 +126,7 @@ def test_sequence_parallel_needs_tp_and_cp_needs_a_ring():
         no_ring = dataclasses.replace(gpt_plan(CFG), cp=())
         with pytest.raises(ValueError, match="GPT's plan names no ring_attention"):
             parallelize(GPT(CFG), no_ring, cp_group=_tp(0))
-        with pytest.raises(ValueError, match="style 'ring' for 'x'; valid: positions, "
-                                             "ring_attention"):
+        with pytest.raises(
+            ValueError, match="style 'ring' for 'x'; valid: positions, ring_attention"
+        ):
             ParallelPlan(layers="blocks", cp=(("x", "ring"),))

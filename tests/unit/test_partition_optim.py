@@ -32,8 +32,9 @@ def test_shard_plan_rejects_bad_values():
 
 
 def _torch_adamw(params, cfg, weight_decay):
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                             weight_decay=weight_decay, foreach=False)
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=weight_decay, foreach=False
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -79,8 +80,17 @@ def test_a_gated_step_is_the_plain_one_or_nothing(dtype):
     grad = torch.randn(64, dtype=dtype)
 
     def update(state, g, skip=None):
-        adamw_update([state[0]], [g.clone()], [state[1]], [state[2]], 3, cfg.lr, cfg,
-                     grad_scale=0.5, skip=skip)
+        adamw_update(
+            [state[0]],
+            [g.clone()],
+            [state[1]],
+            [state[2]],
+            3,
+            cfg.lr,
+            cfg,
+            grad_scale=0.5,
+            skip=skip,
+        )
 
     plain = [t.clone() for t in start]
     update(plain, grad)

@@ -19,9 +19,16 @@ from tests.dist.test_pipeline_runtime import (
 )
 
 
-@pytest.mark.parametrize("shape, dtype", [
-    ((), torch.float32), ((7,), torch.bfloat16), ((2, 3, 4), torch.float64),
-    ((1,) * MAX_DIMS, torch.int64), ((0, 5), torch.bool)])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((), torch.float32),
+        ((7,), torch.bfloat16),
+        ((2, 3, 4), torch.float64),
+        ((1,) * MAX_DIMS, torch.int64),
+        ((0, 5), torch.bool),
+    ],
+)
 def test_header_round_trip(shape, dtype):
     meta = TensorMeta(shape, dtype)
     message = meta.to_message(torch.device("cpu"))
@@ -58,21 +65,29 @@ def test_released_output_still_backpropagates(last, dtype):
 def test_runtime_on_one_rank_hands_off_locally(kind, num_virtual):
     """S == 1: chunks pass activations locally; same loss and gradients as one process."""
     stages, ref_stages = _stages(num_virtual, "not-3d"), _stages(num_virtual, "not-3d")
-    runtime = PipelineRuntime(stages, build_schedule(kind, 1, 2, num_virtual), None,
-                              NoSyncEngine(), loss_fn=loss_fn)
+    runtime = PipelineRuntime(
+        stages, build_schedule(kind, 1, 2, num_virtual), None, NoSyncEngine(), loss_fn=loss_fn
+    )
     micro_batches, scale = _batch(2), 1.0 / (2 * ROWS * T)
     loss = runtime.run(micro_batches, scale)
     torch.testing.assert_close(loss, _reference(ref_stages, micro_batches, scale))
-    for p, ref in zip((p for s in stages for p in s.parameters()),
-                      (p for s in ref_stages for p in s.parameters()), strict=True):
+    for p, ref in zip(
+        (p for s in stages for p in s.parameters()),
+        (p for s in ref_stages for p in s.parameters()),
+        strict=True,
+    ):
         torch.testing.assert_close(p.grad, ref.grad, rtol=1e-12, atol=1e-14)
     assert loss.dtype == DT and loss.dim() == 0
 
 
 def test_loss_fn_must_return_a_scalar():
     stages = _stages(1, "3d-fp64")
-    runtime = PipelineRuntime(stages, build_schedule("gpipe", 1, 1), None, NoSyncEngine(),
-                              loss_fn=lambda out, targets: out.sum(-1))
+    runtime = PipelineRuntime(
+        stages,
+        build_schedule("gpipe", 1, 1),
+        None,
+        NoSyncEngine(),
+        loss_fn=lambda out, targets: out.sum(-1),
+    )
     with pytest.raises(ValueError, match=r"loss_fn must return a 0-dim tensor .* got \(2, 3\)"):
         runtime.run(_batch(1), 1.0)
-

@@ -43,7 +43,7 @@ def test_tensor_parallel_shards_add_up_to_the_layer():
     # GPT block: all but two LayerNorms (weight, bias) and the row layers' biases is split
     assert shape.layer_replicated == 6 * shape.d_model
     d = shape.d_model
-    assert shape.layer_split + shape.layer_replicated == 12 * d ** 2 + 13 * d
+    assert shape.layer_split + shape.layer_replicated == 12 * d**2 + 13 * d
 
 
 def test_model_state_is_the_readme_table():
@@ -63,8 +63,7 @@ def test_in_flight_micro_batches_come_from_the_simulator():
 
 
 def test_every_listed_layout_passes_the_configuration_check_and_no_other_does():
-    cfg = config("--model", "llama-small", "--n-layer", "4", "--seq-len", "64",
-                 "--batch-size", "8")
+    cfg = config("--model", "llama-small", "--n-layer", "4", "--seq-len", "64", "--batch-size", "8")
     request = plan_request(cfg, 4, "cpu", Space())
     listed = request.run()
     assert listed
@@ -79,8 +78,18 @@ def test_every_listed_layout_passes_the_configuration_check_and_no_other_does():
 
 
 def test_flags_round_trip_through_parse():
-    layout = Layout(dp=2, cp=2, tp=2, pp=2, sp=True, schedule="zbv", virtual_stages=2,
-                    micro_batches=4, zero=3, activation_checkpointing="selective")
+    layout = Layout(
+        dp=2,
+        cp=2,
+        tp=2,
+        pp=2,
+        sp=True,
+        schedule="zbv",
+        virtual_stages=2,
+        micro_batches=4,
+        zero=3,
+        activation_checkpointing="selective",
+    )
     assert Layout.parse(layout.flags()) == layout
     cfg = config(*SMALL)
     assert Layout.of(layout.apply(cfg)) == layout
@@ -112,16 +121,18 @@ def test_plan_prints_a_table_and_json(tmp_path):
 
 
 def test_explain_breaks_one_layout_down(tmp_path):
-    out = run_main("plan", *SMALL, "--world", 4, "--explain", "--dp 2 --tp 2 --zero 1",
-                   cwd=tmp_path)
+    out = run_main(
+        "plan", *SMALL, "--world", 4, "--explain", "--dp 2 --tp 2 --zero 1", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     for part in ("model state", "activations", "runtime", "tp comm", "dp comm", "optimizer"):
         assert part in out.stdout
 
 
 def test_an_invalid_layout_is_refused_with_the_configuration_checks_words(tmp_path):
-    out = run_main("plan", "--model", "llama-small", "--world", 4, "--explain", "--tp 4",
-                   cwd=tmp_path)
+    out = run_main(
+        "plan", "--model", "llama-small", "--world", 4, "--explain", "--tp 4", cwd=tmp_path
+    )
     assert out.returncode == 2
     assert "--tp 4 cannot split the model's 2 key/value heads" in out.stderr
     assert out.stderr.count("\n") == 1
@@ -134,20 +145,64 @@ def test_an_unknown_device_lists_the_known_ones(tmp_path):
 
 
 def test_when_nothing_fits_the_smallest_memory_and_world_are_named(tmp_path):
-    out = run_main("plan", "--model", "llama-1b", "--seq-len", "2048", "--batch-size", "8",
-                   "--world", 2, "--device", "h100", "--device-memory-gb", 8, cwd=tmp_path)
+    out = run_main(
+        "plan",
+        "--model",
+        "llama-1b",
+        "--seq-len",
+        "2048",
+        "--batch-size",
+        "8",
+        "--world",
+        2,
+        "--device",
+        "h100",
+        "--device-memory-gb",
+        8,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2
     assert "no layout of --world 2 fits 8.0 GiB per device" in out.stderr
     assert "--device-memory-gb" in out.stderr and "or --world " in out.stderr
     needed = float(out.stderr.split("--device-memory-gb ")[1].split()[0])
     world = int(out.stderr.split("or --world ")[1].split()[0])
-    ok = run_main("plan", "--model", "llama-1b", "--seq-len", "2048", "--batch-size", "8",
-                  "--world", 2, "--device", "h100", "--device-memory-gb", needed + 0.1,
-                  "--top", 1, cwd=tmp_path)
+    ok = run_main(
+        "plan",
+        "--model",
+        "llama-1b",
+        "--seq-len",
+        "2048",
+        "--batch-size",
+        "8",
+        "--world",
+        2,
+        "--device",
+        "h100",
+        "--device-memory-gb",
+        needed + 0.1,
+        "--top",
+        1,
+        cwd=tmp_path,
+    )
     assert ok.returncode == 0, ok.stderr
-    ok = run_main("plan", "--model", "llama-1b", "--seq-len", "2048", "--batch-size", "8",
-                  "--world", world, "--device", "h100", "--device-memory-gb", 8, "--top", 1,
-                  cwd=tmp_path)
+    ok = run_main(
+        "plan",
+        "--model",
+        "llama-1b",
+        "--seq-len",
+        "2048",
+        "--batch-size",
+        "8",
+        "--world",
+        world,
+        "--device",
+        "h100",
+        "--device-memory-gb",
+        8,
+        "--top",
+        1,
+        cwd=tmp_path,
+    )
     assert ok.returncode == 0, ok.stderr
 
 
@@ -157,18 +212,29 @@ def test_no_fit_raises_for_the_api_too():
         plan_request(cfg, 1, "h100", Space(), memory_gb=4).run()
 
 
-LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-             "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
-             "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-             "tie_word_embeddings": False, "hidden_act": "silu"}
+LLAMA_70B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
 
 
 @pytest.mark.timeout(60)
 def test_a_70b_model_on_1024_gpus_is_planned(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
-    cfg = config("--init-from", tmp_path, "--seq-len", 8192, "--batch-size", 1024,
-                 "--device", "h100")
+    cfg = config(
+        "--init-from", tmp_path, "--seq-len", 8192, "--batch-size", 1024, "--device", "h100"
+    )
     assert cfg.runtime.dtype == "bf16"
     assert model_shape(cfg).num_params == pytest.approx(70.55e9, rel=0.01)
     ranked = plan_request(cfg, 1024, "h100", Space()).run()
@@ -228,8 +294,7 @@ def _tp_seconds(device, *flags) -> float:
 
     cfg = config(*SMALL)
     layout = _replace(Layout(), tp=2, **dict(flags))
-    return action_costs(model_shape(cfg), layout, Settings(128, 8), device, 4, False,
-                        False).tp
+    return action_costs(model_shape(cfg), layout, Settings(128, 8), device, 4, False, False).tp
 
 
 def test_tp_collectives_are_counted_as_gloo_runs_them():
@@ -241,10 +306,10 @@ def test_tp_collectives_are_counted_as_gloo_runs_them():
     device = _replace(device_profile("cpu"), drift={})
     plain = _tp_seconds(device)
     assert _tp_seconds(device, ("sp", True)) == pytest.approx(10 / 4 * plain)
-    assert _tp_seconds(device, ("activation_checkpointing", "full")) == pytest.approx(
-        5 / 4 * plain)
-    assert _tp_seconds(device, ("sp", True), ("activation_checkpointing", "selective")) == \
-        pytest.approx(13 / 4 * plain)
+    assert _tp_seconds(device, ("activation_checkpointing", "full")) == pytest.approx(5 / 4 * plain)
+    assert _tp_seconds(
+        device, ("sp", True), ("activation_checkpointing", "selective")
+    ) == pytest.approx(13 / 4 * plain)
 
 
 def test_each_collective_waits_for_drifting_peers():
@@ -256,11 +321,12 @@ def test_each_collective_waits_for_drifting_peers():
     assert device.drift_at(1) == (0, 1) and device.drift_at(3) == (0.02, 2)
     assert device.drift_at(8) == (0.05, 4)
     # four collectives over 0.4 s: 0.02 x sqrt(0.1) each
-    assert sync_wait_s(device, 2, 4, 0.4, 2) == pytest.approx(4 * 0.02 * 0.1 ** 0.5)
+    assert sync_wait_s(device, 2, 4, 0.4, 2) == pytest.approx(4 * 0.02 * 0.1**0.5)
     assert sync_wait_s(device, 1, 4, 0.4, 2) == 0
     # a pair of a 4-rank job on a CPU: the 4 ranks sharing the cores set the drift, and a
     # pair waits for the later of 2, not of 4 (expected maxima of normals: 0.564, 1.029)
     assert sync_wait_s(device, 2, 4, 0.4, 4) == pytest.approx(
-        4 * 0.05 * 0.5642 / 1.0294 * 0.1 ** 0.5, rel=1e-3)
+        4 * 0.05 * 0.5642 / 1.0294 * 0.1**0.5, rel=1e-3
+    )
     still = _replace(device, drift={})
     assert _tp_seconds(device) > _tp_seconds(still) > 0

@@ -24,11 +24,16 @@ def test_the_measured_step_on_an_h200_is_predicted_within_10_percent(tmp_path):
     assert abs(predict(run, tmp_path)["error"]) <= 0.10
 
 
-@pytest.mark.parametrize("faster, slower", [("h100", "h100-hbm2e"), ("h200", "h100"),
-                                            ("h100", "a100")])
+@pytest.mark.parametrize(
+    "faster, slower", [("h100", "h100-hbm2e"), ("h200", "h100"), ("h100", "a100")]
+)
 def test_a_faster_gpu_is_never_predicted_slower(faster, slower, tmp_path):
     # torchtitan's 8B layout: more compute and bandwidth give at least as many tokens
     base = PUBLISHED[0]
-    rates = {device: predict(PublishedRun(**{**base.__dict__, "device": device}),
-                             tmp_path)["pred_tokens_per_gpu"] for device in (faster, slower)}
+    rates = {
+        device: predict(PublishedRun(**{**base.__dict__, "device": device}), tmp_path)[
+            "pred_tokens_per_gpu"
+        ]
+        for device in (faster, slower)
+    }
     assert rates[faster] > rates[slower]

@@ -14,31 +14,45 @@ from meshwise.planner.traffic import layer_traffic
 
 
 def _shape(family, d, heads, kv_heads, head_dim, ffn) -> ModelShape:
-    return ModelShape(family=family, n_layer=1, d_model=d, n_head=heads, n_kv_head=kv_heads,
-                      head_dim=head_dim, ffn=ffn, vocab=64, tied=False, layer_split=0,
-                      layer_replicated=0, embed_split=0, embed_replicated=0,
-                      final_replicated=0, head_split=0, layer_matmul=0)
+    return ModelShape(
+        family=family,
+        n_layer=1,
+        d_model=d,
+        n_head=heads,
+        n_kv_head=kv_heads,
+        head_dim=head_dim,
+        ffn=ffn,
+        vocab=64,
+        tied=False,
+        layer_split=0,
+        layer_replicated=0,
+        embed_split=0,
+        embed_replicated=0,
+        final_replicated=0,
+        head_split=0,
+        layer_matmul=0,
+    )
 
 
 def _counted(family, sizes, mode, dtype) -> dict:
     counted = layer_bytes(family, sizes, mode, dtype)
-    return {phase: sum(v for (p, _), v in counted.items() if p == phase)
-            for phase in ("forward", "backward")}
+    return {
+        phase: sum(v for (p, _), v in counted.items() if p == phase)
+        for phase in ("forward", "backward")
+    }
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_llama_traffic_matches_a_count_of_its_ops(dtype):
     # widths unlike those the table was fitted on
-    sizes = {"d_model": 320, "n_head": 5, "n_kv_head": 1, "head_size": 64,
-             "ffn_hidden_size": 864}
+    sizes = {"d_model": 320, "n_head": 5, "n_kv_head": 1, "head_size": 64, "ffn_hidden_size": 864}
     shape = _shape("llama", 320, 5, 1, 64, 864)
     table = layer_traffic(shape, Layout(), dtype)
     none = _counted("llama", sizes, "none", dtype)
     selective = _counted("llama", sizes, "selective", dtype)
     assert table["forward"] == pytest.approx(none["forward"], rel=0.03)
     assert table["backward"] == pytest.approx(none["backward"], rel=0.03)
-    assert table["backward"] + table["recompute"] == pytest.approx(selective["backward"],
-                                                                  rel=0.03)
+    assert table["backward"] + table["recompute"] == pytest.approx(selective["backward"], rel=0.03)
 
 
 def test_gpt_traffic_matches_a_count_of_its_ops():

@@ -19,8 +19,9 @@ TEXTS = [f"document {i}: {'é' * (i % 3)} line\nsecond line" for i in range(7)]
 
 
 def _jsonl(path: Path, texts=TEXTS, extra: str = "") -> Path:
-    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts))
-                    + extra)
+    path.write_text(
+        "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)) + extra
+    )
     return path
 
 
@@ -35,8 +36,11 @@ def test_jsonl_records_are_documents_with_their_line_numbers(tmp_path):
 def test_a_malformed_line_is_named_or_skipped_and_counted(tmp_path):
     path = _jsonl(tmp_path / "a.jsonl", extra='{"text": oops}\n[1, 2]\n{"body": "b", "id": 9}\n')
     n = len(TEXTS)
-    with pytest.raises(DataFormatError, match=rf"a.jsonl:{n + 1}: not a JSON object .*"
-                                              "--skip-bad-records"):
+    with pytest.raises(
+        DataFormatError,
+        match=rf"a.jsonl:{n + 1}: not a JSON object .*"
+        "--skip-bad-records",
+    ):
         list(iter_documents(path))
     counts = RecordCounts()
     assert list(iter_documents(path, skip_bad_records=True, counts=counts)) == TEXTS
@@ -53,8 +57,12 @@ def test_a_record_without_the_field_names_the_fields_it_has(tmp_path):
     with pytest.raises(DataFormatError) as err:
         list(iter_documents(path))
     message = str(err.value)
-    assert message.startswith(f"{path}:1: the record has no field 'text' (its fields: "
-                              "messages, source)") and "\n" not in message
+    assert (
+        message.startswith(
+            f"{path}:1: the record has no field 'text' (its fields: messages, source)"
+        )
+        and "\n" not in message
+    )
 
 
 def test_ranges_read_by_workers_cover_every_line_once_and_name_lines_lazily(tmp_path):
@@ -112,17 +120,20 @@ def test_parquet_streams_row_groups_and_names_rows(tmp_path):
     texts = [f"row {i}" for i in range(2500)]
     texts[1777] = None
     path = tmp_path / "part-0.parquet"
-    parquet.write_table(pa.table({"text": texts, "n": list(range(2500))}), path,
-                        row_group_size=600)
+    parquet.write_table(pa.table({"text": texts, "n": list(range(2500))}), path, row_group_size=600)
     with pytest.raises(DataFormatError, match="part-0.parquet row 1777: field 'text' is null"):
         list(iter_documents(path))
     counts = RecordCounts()
-    assert list(iter_documents(path, skip_bad_records=True, counts=counts)) == \
-        [t for t in texts if t is not None]
+    assert list(iter_documents(path, skip_bad_records=True, counts=counts)) == [
+        t for t in texts if t is not None
+    ]
     assert counts.skipped == 1
     assert dict(iter_records(path))[f"{path} row 2499"] == {"text": "row 2499", "n": 2499}
-    with pytest.raises(DataFormatError, match=r"part-0.parquet: no column 'body' \(its "
-                                              r"columns: text, n\)"):
+    with pytest.raises(
+        DataFormatError,
+        match=r"part-0.parquet: no column 'body' \(its "
+        r"columns: text, n\)",
+    ):
         list(iter_documents(path, text_field="body"))
 
 
@@ -135,8 +146,9 @@ def test_datasets_saved_to_disk_and_local_files_through_load_dataset(tmp_path):
     assert list(iter_documents(tmp_path / "dd" / "test")) == TEXTS[:1]
     (tmp_path / "arr.json").write_text(json.dumps([{"text": t} for t in TEXTS]))
     assert list(iter_documents(tmp_path / "arr.json")) == TEXTS
-    (tmp_path / "t.csv").write_text("id,text\n" + "".join(f'{i},"{t}"\n'
-                                                          for i, t in enumerate(TEXTS)))
+    (tmp_path / "t.csv").write_text(
+        "id,text\n" + "".join(f'{i},"{t}"\n' for i, t in enumerate(TEXTS))
+    )
     assert [r["id"] for _, r in iter_records(tmp_path / "t.csv")] == list(range(len(TEXTS)))
     assert list(iter_documents(tmp_path / "t.csv")) == TEXTS
 
@@ -146,8 +158,11 @@ def test_a_missing_library_names_the_pip_install(tmp_path, monkeypatch):
 
     (tmp_path / "p.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails as if absent
-    with pytest.raises(ValueError, match=r"needs the pyarrow package; install it with: pip "
-                                         r"install 'meshwise\[parquet\]'"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs the pyarrow package; install it with: pip "
+        r"install 'meshwise\[parquet\]'",
+    ):
         list(iter_documents(tmp_path / "p.parquet"))
 
 
@@ -158,12 +173,15 @@ def test_skipped_lines_are_counted_and_only_the_first_three_numbered(tmp_path, m
     path.write_text("".join('{"text": "ok"}\n' if i % 2 else "not json\n" for i in range(100)))
     counted = []
     real = records._lines_before
-    monkeypatch.setattr(records, "_lines_before",
-                        lambda *a: counted.append(a) or real(*a))
+    monkeypatch.setattr(records, "_lines_before", lambda *a: counted.append(a) or real(*a))
     counts = RecordCounts()
     for start, end in jsonl_ranges(path, path.stat().st_size, target_bytes=100):
-        assert all(t == "ok" for t in jsonl_documents(path, start, end, skip_bad_records=True,
-                                                      counts=counts, first_line=None))
+        assert all(
+            t == "ok"
+            for t in jsonl_documents(
+                path, start, end, skip_bad_records=True, counts=counts, first_line=None
+            )
+        )
     assert (counts.records, counts.skipped) == (50, 50) and not counted
     summary = counts.summary()
     assert summary.startswith(f"50 bad records skipped ({path}:1: not a JSON object")

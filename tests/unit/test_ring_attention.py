@@ -71,8 +71,9 @@ def _inputs(B=2, H=6, G=2, T=48, d=8, seed=0):
 
 def _reference(q, k, v, dout):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                         enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+    )
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -83,8 +84,9 @@ def _ring(q, k, v, dout, size, keep_for=None):
     def rank_fn(ring):
         mine = [zigzag_slice(t, 2, ring.rank, size) for t in (q, k, v, dout)]
         out, lse = ring_forward(*mine[:3], ring, scale, keep_for and keep_for(ring.rank))
-        grads = ring_backward(mine[3], *mine[:3], out, lse, ring, scale,
-                              keep_for and keep_for(ring.rank))
+        grads = ring_backward(
+            mine[3], *mine[:3], out, lse, ring, scale, keep_for and keep_for(ring.rank)
+        )
         return out, *grads
 
     per_rank = run_ring(size, rank_fn)
@@ -118,13 +120,15 @@ def test_ring_dropout_drops_what_one_process_drops():
 
         class _Group:  # what RingAttention reads of its group to key the masks
             size, rank = 4, None
+
         group = _Group()
         group.rank = rank
         module = RingAttention(group, p, "blocks.0.attn.weights")
         return module._keep_for(zigzag_slice(q, 2, rank, 4), context)
 
-    for got, want, name in zip(_ring(q, k, v, dout, 4, keep_for), expected,
-                               ("out", "dq", "dk", "dv")):
+    for got, want, name in zip(
+        _ring(q, k, v, dout, 4, keep_for), expected, ("out", "dq", "dk", "dv")
+    ):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
 
 

@@ -18,18 +18,27 @@ from meshwise.train import run_state
 from meshwise.train.config import TrainConfig
 from meshwise.train.run_state import RECORDED_AT, RunState, record
 
-RUN = RunState(run_id="20250102-130405-9f2c1a", resume="/ckpt/step-00000040", resume_step=40,
-               resume_manifest="ab" * 32, schedule_start=40, tokenizer_digest="0123456789abcdef",
-               chat_template_digest="fedcba9876543210", run_name="r", log_dir="out/logs",
-               profile_dir="out/logs/profile")
+RUN = RunState(
+    run_id="20250102-130405-9f2c1a",
+    resume="/ckpt/step-00000040",
+    resume_step=40,
+    resume_manifest="ab" * 32,
+    schedule_start=40,
+    tokenizer_digest="0123456789abcdef",
+    chat_template_digest="fedcba9876543210",
+    run_name="r",
+    log_dir="out/logs",
+    profile_dir="out/logs/profile",
+)
 
 
 def _checkpoint(root, step: int, meta: dict):
     tmp = temp_dir(root, step)
     tmp.mkdir(parents=True)
     entries = [(Piece.whole("w", (2,)), torch.ones(2))]
-    return finalize(tmp, [write_rank_file(tmp, 0, entries)], {"step": step, **meta},
-                    root / f"step-{step:08d}")
+    return finalize(
+        tmp, [write_rank_file(tmp, 0, entries)], {"step": step, **meta}, root / f"step-{step:08d}"
+    )
 
 
 def _old_config(**facts) -> dict:
@@ -43,8 +52,14 @@ def _old_config(**facts) -> dict:
 
 def test_the_settings_hold_no_launcher_decision():
     fields = {key for section in dataclasses.asdict(TrainConfig()).values() for key in section}
-    decided = {"schedule_start", "tokenizer_digest", "chat_template_digest", "run_id",
-               "resume_step", "resume_manifest"}
+    decided = {
+        "schedule_start",
+        "tokenizer_digest",
+        "chat_template_digest",
+        "run_id",
+        "resume_step",
+        "resume_manifest",
+    }
     assert not fields & decided
     # --log-dir, --run-name and --profile-dir are flags: the settings keep what was given
     assert TrainConfig().runtime.log_dir is None
@@ -60,7 +75,8 @@ def test_a_record_keeps_every_fact_at_its_old_key_and_reads_back():
     assert RunState.recorded(recorded) == RUN
     # the configuration's keys say the same where the run section is absent
     assert RunState.recorded({"config": recorded["config"]}) == dataclasses.replace(
-        RUN, resume=None)
+        RUN, resume=None
+    )
 
 
 def test_a_checkpoint_from_before_the_run_state_resumes_its_schedule(tmp_path):
@@ -109,9 +125,27 @@ def test_meshwise_train_computes_the_run_state_once_per_launch(tmp_path, monkeyp
     monkeypatch.setattr(run_state, "schedule_start", counted)
     monkeypatch.setattr(launch, "launch", fake_launch)
     args = build_parser().parse_args(
-        ["train", "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--save",
-         str(save), "--resume", str(start), "--max-restarts", "1", "--metrics", str(metrics),
-         "--dp", "1", "--steps", "4", "--quiet"])
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--save",
+            str(save),
+            "--resume",
+            str(start),
+            "--max-restarts",
+            "1",
+            "--metrics",
+            str(metrics),
+            "--dp",
+            "1",
+            "--steps",
+            "4",
+            "--quiet",
+        ]
+    )
     assert run_train(args) == 0
     assert computed == [2, 2]  # once before each launch (the restart found no newer one)
     (fn, first), (_, second) = launched

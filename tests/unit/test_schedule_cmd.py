@@ -1,4 +1,5 @@
 """The ``meshwise schedule`` subcommand, driven through its own ArgumentParser."""
+
 import argparse
 import json
 
@@ -21,8 +22,10 @@ def test_json_output(capsys):
     data = json.loads(out)
     assert data["schedule"] == "1f1b"
     assert (data["pp"], data["micro_batches"], data["virtual_stages"]) == (2, 4, 1)
-    assert data["ranks"] == [["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
-                             ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]]
+    assert data["ranks"] == [
+        ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
+        ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"],
+    ]
     assert data["bubble_fraction"] == pytest.approx(1 / 5, abs=1e-12)
     assert data["bubble_fraction_formula"] == pytest.approx(1 / 5, abs=1e-12)
     assert data["step_time"] == 15.0 and data["peak_in_flight"] == [2, 1]
@@ -30,8 +33,20 @@ def test_json_output(capsys):
 
 
 def test_json_interleaved_names_chunks(capsys):
-    status, out, _ = run(["--pp", "2", "--micro-batches", "2", "--virtual-stages", "2",
-                          "--schedule", "interleaved-1f1b", "--json"], capsys)
+    status, out, _ = run(
+        [
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--virtual-stages",
+            "2",
+            "--schedule",
+            "interleaved-1f1b",
+            "--json",
+        ],
+        capsys,
+    )
     data = json.loads(out)
     assert status == 0 and data["ranks"][0][:4] == ["F0.0", "F1.0", "F0.1", "F1.1"]
 
@@ -43,13 +58,18 @@ def test_text_output(capsys):
     assert "rank 3 |" in out and "bubble fraction: 0.2727" in out and "3/11" in out
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--pp", "0", "--micro-batches", "4"], ["pp", "got 0"]),
-    (["--pp", "2", "--micro-batches", "4", "--schedule", "zigzag"], ["zigzag", "1f1b"]),
-    ("--pp 4 --micro-batches 6 --virtual-stages 2 --schedule interleaved-1f1b".split(),
-     ["micro-batches=6", "4, 8, 12"]),
-    (["--pp", "2", "--micro-batches", "4", "--virtual-stages", "2"], ["interleaved-1f1b"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--pp", "0", "--micro-batches", "4"], ["pp", "got 0"]),
+        (["--pp", "2", "--micro-batches", "4", "--schedule", "zigzag"], ["zigzag", "1f1b"]),
+        (
+            "--pp 4 --micro-batches 6 --virtual-stages 2 --schedule interleaved-1f1b".split(),
+            ["micro-batches=6", "4, 8, 12"],
+        ),
+        (["--pp", "2", "--micro-batches", "4", "--virtual-stages", "2"], ["interleaved-1f1b"]),
+    ],
+)
 def test_bad_values_exit_2_with_one_line(argv, words, capsys):
     status, out, err = run(argv, capsys)
     assert status == 2 and out == ""
@@ -61,8 +81,21 @@ def test_bad_values_exit_2_with_one_line(argv, words, capsys):
 def test_plot_writes_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"
-    status, out, _ = run(["--pp", "2", "--micro-batches", "4", "--virtual-stages", "2",
-                          "--schedule", "interleaved-1f1b", "--plot", str(path)], capsys)
+    status, out, _ = run(
+        [
+            "--pp",
+            "2",
+            "--micro-batches",
+            "4",
+            "--virtual-stages",
+            "2",
+            "--schedule",
+            "interleaved-1f1b",
+            "--plot",
+            str(path),
+        ],
+        capsys,
+    )
     assert status == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(path) in out
 

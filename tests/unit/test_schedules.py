@@ -1,4 +1,5 @@
 """Pipeline schedules: generation, validator, simulator, and agreement with torch's orders."""
+
 import dataclasses
 
 import pytest
@@ -21,8 +22,9 @@ from meshwise.pipeline.validate import validate
 # Every configuration the formula is checked on: gpipe and 1f1b for all S in 1..8, M in 1..16
 # (the formula (S-1)/(M+S-1) holds for M < S too), interleaved for S in 2..8, V in 2..4, M = kS.
 PLAIN = [(kind, S, M, 1) for kind in ("gpipe", "1f1b") for S in range(1, 9) for M in range(1, 17)]
-INTERLEAVED = [("interleaved-1f1b", S, k * S, V)
-               for S in range(2, 9) for V in (2, 3, 4) for k in (1, 2)]
+INTERLEAVED = [
+    ("interleaved-1f1b", S, k * S, V) for S in range(2, 9) for V in (2, 3, 4) for k in (1, 2)
+]
 
 
 def compute(schedule, rank):
@@ -37,6 +39,7 @@ def broken(schedule, rank, actions):
 
 
 # --- data model -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("text", "F3 B3 F3.1 B0.2 SF3>1 RF3<0 SB3.1>0 RB12<2".split())
 def test_action_string_round_trip(text):
@@ -57,21 +60,29 @@ def test_group_steps_batches_consecutive_messages():
     actions = [parse_action(s) for s in ["F1", "SF1>1", "RB0<1", "B0", "RB1<1"]]
     steps = group_steps(actions)
     assert [str(s) if not isinstance(s, tuple) else [str(a) for a in s] for s in steps] == [
-        "F1", ["SF1>1", "RB0<1"], "B0", ["RB1<1"]]
+        "F1",
+        ["SF1>1", "RB0<1"],
+        "B0",
+        ["RB1<1"],
+    ]
 
 
 # --- configuration checks ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, words", [
-    (("zigzag", 2, 4, 1), ["zigzag", "gpipe, 1f1b, interleaved-1f1b"]),
-    (("1f1b", 0, 4, 1), ["pp", "got 0"]),
-    (("1f1b", 2, 0, 1), ["micro-batches", "got 0"]),
-    (("interleaved-1f1b", 2, 4, 0), ["virtual stages", "got 0"]),
-    (("1f1b", 2, 4, 2), ["virtual stages = 2", "interleaved-1f1b"]),
-    (("gpipe", 2, 4, 3), ["virtual stages = 3", "interleaved-1f1b"]),
-    (("interleaved-1f1b", 2, 4, 1), ["virtual stages >= 2", "got 1"]),
-    (("interleaved-1f1b", 4, 6, 2), ["micro-batches=6", "pp=4", "4, 8, 12"]),
-])
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("zigzag", 2, 4, 1), ["zigzag", "gpipe, 1f1b, interleaved-1f1b"]),
+        (("1f1b", 0, 4, 1), ["pp", "got 0"]),
+        (("1f1b", 2, 0, 1), ["micro-batches", "got 0"]),
+        (("interleaved-1f1b", 2, 4, 0), ["virtual stages", "got 0"]),
+        (("1f1b", 2, 4, 2), ["virtual stages = 2", "interleaved-1f1b"]),
+        (("gpipe", 2, 4, 3), ["virtual stages = 3", "interleaved-1f1b"]),
+        (("interleaved-1f1b", 2, 4, 1), ["virtual stages >= 2", "got 1"]),
+        (("interleaved-1f1b", 4, 6, 2), ["micro-batches=6", "pp=4", "4, 8, 12"]),
+    ],
+)
 def test_bad_configurations_name_the_value_and_what_is_valid(args, words):
     for check in (validate_schedule_config, build_schedule):
         with pytest.raises(ValueError) as info:
@@ -87,6 +98,7 @@ def test_fewer_micro_batches_than_stages_is_valid_for_gpipe_and_1f1b():
 
 
 # --- orders -----------------------------------------------------------------------------------
+
 
 def test_gpipe_runs_all_forwards_then_all_backwards():
     schedule = build_schedule("gpipe", 3, 4)
@@ -111,8 +123,20 @@ def test_interleaved_groups_of_s_and_warmup_counts():
     rank0 = compute(schedule, 0)
     # Forwards go through chunk 0 for a group of S micro-batches, then chunk 1, then the next group.
     forwards = [a for a in rank0 if a[0] == "F"]
-    assert forwards[:12] == ["F0.0", "F1.0", "F2.0", "F3.0", "F0.1", "F1.1", "F2.1", "F3.1",
-                             "F4.0", "F5.0", "F6.0", "F7.0"]
+    assert forwards[:12] == [
+        "F0.0",
+        "F1.0",
+        "F2.0",
+        "F3.0",
+        "F0.1",
+        "F1.1",
+        "F2.1",
+        "F3.1",
+        "F4.0",
+        "F5.0",
+        "F6.0",
+        "F7.0",
+    ]
     # Backwards visit the chunks in reverse.
     assert [a for a in rank0 if a[0] == "B"][:5] == ["B0.1", "B1.1", "B2.1", "B3.1", "B0.0"]
     for rank in range(S):
@@ -126,7 +150,7 @@ def test_logical_stage_mapping_and_messages():
     schedule = build_schedule("interleaved-1f1b", 2, 2, 2)
     assert schedule.stage_of(1, 1) == 3 and schedule.stage_of(0, 1) == 2
     rank1 = [str(a) for a in schedule.ranks[1]]
-    assert "SF0.0>0" in rank1       # stage 1 (rank 1, chunk 0) feeds stage 2 (rank 0, chunk 1)
+    assert "SF0.0>0" in rank1  # stage 1 (rank 1, chunk 0) feeds stage 2 (rank 0, chunk 1)
     assert not any(s.startswith("SF0.1") or s.startswith("SF1.1") for s in rank1)  # loss stage
     assert not any(s.startswith("RF") for s in map(str, schedule.ranks[0]) if ".0<" in s)
     single = build_schedule("interleaved-1f1b", 1, 3, 3)  # all stages on rank 0: local hand-offs
@@ -143,6 +167,7 @@ def test_1f1b_steady_state_fuses_send_forward_with_receive_backward():
 
 # --- the validator ----------------------------------------------------------------------------
 
+
 @pytest.fixture
 def two_stage():
     schedule = build_schedule("1f1b", 2, 2)
@@ -151,28 +176,35 @@ def two_stage():
     return schedule
 
 
-@pytest.mark.parametrize("rank, actions, message", [
-    # a backward before its forward (two actions swapped)
-    (1, "RF0<0 B0 F0 RF1<0 SB0>0 F1 B1 SB1>0", "rank 1: B0 on chunk 0 runs before F0"),
-    # a receive removed
-    (1, "RF0<0 F0 B0 SB0>0 F1 B1 SB1>0", "rank 1: F1 on chunk 0 runs before RF1<0"),
-    # a send before the compute that produces it
-    (0, "SF0>1 F0 F1 SF1>1 RB0<1 B0 RB1<1 B1", "rank 0: SF0>1 on chunk 0 runs before F0"),
-    # an action twice
-    (0, "F0 SF0>1 F0 F1 SF1>1 RB0<1 B0 RB1<1 B1", "rank 0: F0 appears twice"),
-    # a backward missing
-    (0, "F0 SF0>1 F1 SF1>1 RB0<1 B0 RB1<1", "rank 0: B1 is missing"),
-    # an output never sent
-    (0, "F0 SF0>1 F1 RB0<1 B0 RB1<1 B1", "output of F1 is never sent"),
-    # the wrong peer, and a message the first stage does not need
-    (0, "F0 SF0>0 F1 SF1>1 RB0<1 B0 RB1<1 B1", "peer should be rank 1"),
-    (0, "RF0<1 F0 SF0>1 F1 SF1>1 RB0<1 B0 RB1<1 B1", "needs no RECV_F"),
-    # two sends posted in an order the receiver does not use
-    (0, "F0 F1 SF1>1 SF0>1 RB0<1 B0 RB1<1 B1", "must post their sends and receives in the same"),
-    # the receive of a gradient moved to the top: rank 0 waits for it before sending F0, which
-    # rank 1 needs before it can make that gradient
-    (0, "RB0<1 F0 SF0>1 F1 SF1>1 B0 RB1<1 B1", "deadlock"),
-])
+@pytest.mark.parametrize(
+    "rank, actions, message",
+    [
+        # a backward before its forward (two actions swapped)
+        (1, "RF0<0 B0 F0 RF1<0 SB0>0 F1 B1 SB1>0", "rank 1: B0 on chunk 0 runs before F0"),
+        # a receive removed
+        (1, "RF0<0 F0 B0 SB0>0 F1 B1 SB1>0", "rank 1: F1 on chunk 0 runs before RF1<0"),
+        # a send before the compute that produces it
+        (0, "SF0>1 F0 F1 SF1>1 RB0<1 B0 RB1<1 B1", "rank 0: SF0>1 on chunk 0 runs before F0"),
+        # an action twice
+        (0, "F0 SF0>1 F0 F1 SF1>1 RB0<1 B0 RB1<1 B1", "rank 0: F0 appears twice"),
+        # a backward missing
+        (0, "F0 SF0>1 F1 SF1>1 RB0<1 B0 RB1<1", "rank 0: B1 is missing"),
+        # an output never sent
+        (0, "F0 SF0>1 F1 RB0<1 B0 RB1<1 B1", "output of F1 is never sent"),
+        # the wrong peer, and a message the first stage does not need
+        (0, "F0 SF0>0 F1 SF1>1 RB0<1 B0 RB1<1 B1", "peer should be rank 1"),
+        (0, "RF0<1 F0 SF0>1 F1 SF1>1 RB0<1 B0 RB1<1 B1", "needs no RECV_F"),
+        # two sends posted in an order the receiver does not use
+        (
+            0,
+            "F0 F1 SF1>1 SF0>1 RB0<1 B0 RB1<1 B1",
+            "must post their sends and receives in the same",
+        ),
+        # the receive of a gradient moved to the top: rank 0 waits for it before sending F0, which
+        # rank 1 needs before it can make that gradient
+        (0, "RB0<1 F0 SF0>1 F1 SF1>1 B0 RB1<1 B1", "deadlock"),
+    ],
+)
 def test_validator_reports_the_first_violation(two_stage, rank, actions, message):
     with pytest.raises(ScheduleError) as info:
         validate(broken(two_stage, rank, actions))
@@ -183,8 +215,10 @@ def test_deadlock_message_names_the_blocked_ranks(two_stage):
     bad = broken(two_stage, 0, "RB0<1 F0 SF0>1 F1 SF1>1 B0 RB1<1 B1")
     with pytest.raises(ScheduleError) as info:
         validate(bad)
-    assert str(info.value) == ("deadlock with blocking point-to-point: rank 0 waits in [RB0<1] "
-                               "for rank 1; rank 1 waits in [RF0<0] for rank 0")
+    assert str(info.value) == (
+        "deadlock with blocking point-to-point: rank 0 waits in [RB0<1] "
+        "for rank 1; rank 1 waits in [RF0<0] for rank 0"
+    )
 
 
 def test_unmatched_messages_are_named(two_stage):
@@ -214,6 +248,7 @@ def test_from_compute_orders_rejects_incomplete_orders():
 
 
 # --- the simulator ----------------------------------------------------------------------------
+
 
 def test_every_schedule_is_valid_and_matches_the_bubble_formula_exactly():
     for kind, S, M, V in PLAIN + INTERLEAVED:
@@ -257,6 +292,7 @@ def test_render_text_rows_labels_and_idle():
 
 # --- agreement with torch.distributed.pipelining ----------------------------------------------
 
+
 def _torch_orders(kind, S, M, V):
     """Compute orders from torch's schedule classes, without a process group; None if absent."""
     from types import SimpleNamespace
@@ -267,14 +303,24 @@ def _torch_orders(kind, S, M, V):
             state = SimpleNamespace(_num_stages=S, _n_microbatches=M)
             order = schedules.Schedule1F1B._get_pipeline_order(state)
         else:
-            state = SimpleNamespace(n_local_stages=V, pp_group_size=S, _n_microbatches=M,
-                                    microbatches_per_round=M // max(1, M // S))
+            state = SimpleNamespace(
+                n_local_stages=V,
+                pp_group_size=S,
+                _n_microbatches=M,
+                microbatches_per_round=M // max(1, M // S),
+            )
             ranks = schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations
             order = {r: ranks(state, r) for r in range(S)}
     except (AttributeError, TypeError) as exc:  # private API moved: nothing to compare with
         pytest.skip(f"torch's private schedule API changed: {exc}")
-    return [[(a.computation_type.value, a.microbatch_index, a.stage_index // S) for a in order[r]
-             if a is not None and a.computation_type.value in ("F", "B")] for r in range(S)]
+    return [
+        [
+            (a.computation_type.value, a.microbatch_index, a.stage_index // S)
+            for a in order[r]
+            if a is not None and a.computation_type.value in ("F", "B")
+        ]
+        for r in range(S)
+    ]
 
 
 def _compare_with_torch(kind, S, M, V):
@@ -296,8 +342,12 @@ def _compare_with_torch(kind, S, M, V):
 def test_orders_agree_with_torch_pipelining():
     # torch's orders need M >= S (1F1B) and M a multiple of S (interleaved, as ours).
     same = [_compare_with_torch("1f1b", S, M, 1) for S in range(1, 7) for M in range(S, 2 * S + 3)]
-    same += [_compare_with_torch("interleaved-1f1b", S, M, V)
-             for S in range(2, 6) for V in (2, 3) for M in (S, 2 * S)]
+    same += [
+        _compare_with_torch("interleaved-1f1b", S, M, V)
+        for S in range(2, 6)
+        for V in (2, 3)
+        for M in (S, 2 * S)
+    ]
     assert all(same), f"{same.count(False)} of {len(same)} orders differ from torch's"
 
 

@@ -76,8 +76,9 @@ def test_stream_dropout_masks_are_slices_of_one_processs(cp, sp):
     expected = keep_mask(whole, "blocks.0.mlp.out", torch.Size(shape), 0.3, "cpu")
     for cp_rank in range(cp):
         for sp_rank in range(sp):
-            part = ForwardContext(seed=4, step=2, first_sample=6,
-                                  tokens=SequenceShard(cp_rank, cp, sp_rank, sp))
+            part = ForwardContext(
+                seed=4, step=2, first_sample=6, tokens=SequenceShard(cp_rank, cp, sp_rank, sp)
+            )
             held = seq_len // cp // sp
             got = keep_mask(part, "blocks.0.mlp.out", torch.Size((3, held, 5)), 0.3, "cpu")
             rows = part.tokens.stream_positions(held)

@@ -78,8 +78,9 @@ def test_a_tokenizer_that_marks_the_start_of_text_is_cut_only_before_a_space(tmp
     sp_like.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     sp_like.decoder = decoders.Metaspace(prepend_scheme="first")
     texts = [(STDLIB / name).read_text() for name in SOURCES]
-    sp_like.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                                           special_tokens=["<unk>"]))
+    sp_like.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=400, show_progress=False, special_tokens=["<unk>"])
+    )
     sp_like.save(str(tmp_path / "tokenizer.json"))
     tok = load_tokenizer(tmp_path)
     # "▁" starts each text: a cut is clean only where the next line starts with a space
@@ -99,17 +100,23 @@ def test_vocab_size_must_hold_the_tokenizer(bpe_path):
     tok = load_tokenizer(bpe_path)
     check_vocab_fits(tok, 0)
     check_vocab_fits(tok, 1024)
-    with pytest.raises(ValueError, match="--vocab-size 999 is smaller than the vocabulary of "
-                                         "1000.*valid: --vocab-size 1000 or more"):
+    with pytest.raises(
+        ValueError,
+        match="--vocab-size 999 is smaller than the vocabulary of "
+        "1000.*valid: --vocab-size 1000 or more",
+    ):
         check_vocab_fits(tok, 999)
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "no such file"),
-    (b"{not json", "is not a tokenizer.json"),
-    (b'{"hello": "world"}', "is not a tokenizer.json"),
-    (b"\x80\x81binary", "is not a tokenizer.json"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no such file"),
+        (b"{not json", "is not a tokenizer.json"),
+        (b'{"hello": "world"}', "is not a tokenizer.json"),
+        (b"\x80\x81binary", "is not a tokenizer.json"),
+    ],
+)
 def test_bad_tokenizer_files_name_the_path(tmp_path, content, message):
     path = tmp_path / "tokenizer.json"
     if content is not None:

@@ -1,4 +1,5 @@
 """The split backward: B gives the input gradient and defers linear weights; W completes them."""
+
 import copy
 
 import pytest
@@ -58,8 +59,9 @@ def test_b_then_w_gives_the_whole_backward(checkpointing):
     torch.autograd.backward(_middle(ref, x_ref), grad_out)
     _split_step(split, x, grad_out, store)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-14)  # B: input gradient
-    deferred = {n for n, m in split.named_modules() for a in ("weight",)
-                if defers_weight_grad(m, a)}
+    deferred = {
+        n for n, m in split.named_modules() for a in ("weight",) if defers_weight_grad(m, a)
+    }
     for name, p in split.named_parameters():
         module = name.rpartition(".")[0]
         if module in deferred and name.endswith(".weight"):
@@ -117,13 +119,17 @@ def test_hooks_see_each_deferred_weight_once_in_w():
     store.run(0)
     linear_weights = ("qkv.weight", "attn.proj.weight", "fc.weight", "mlp.proj.weight")
     # the head's weight is the tied token embedding: named wte.weight
-    assert sorted(seen[len(in_b):]) == sorted(
-        [n for n in dict(model.named_parameters()) if n.endswith(linear_weights)] + ["wte.weight"])
+    assert sorted(seen[len(in_b) :]) == sorted(
+        [n for n in dict(model.named_parameters()) if n.endswith(linear_weights)] + ["wte.weight"]
+    )
 
 
 def test_parallel_layers_and_llama_defer_too():
-    layers = [ColumnParallelLinear(4, 6, None, dtype=DT), RowParallelLinear(6, 4, None, dtype=DT),
-              VocabParallelHead(4, 10, None, dtype=DT)]
+    layers = [
+        ColumnParallelLinear(4, 6, None, dtype=DT),
+        RowParallelLinear(6, 4, None, dtype=DT),
+        VocabParallelHead(4, 10, None, dtype=DT),
+    ]
     store = WeightGradStore()
     assert defer_weight_grads([nn.Sequential(*layers)], store) == 3
     twin = copy.deepcopy(nn.Sequential(*layers))
@@ -136,8 +142,17 @@ def test_parallel_layers_and_llama_defer_too():
     twin(x).sum().backward()
     for p, q in zip(nn.Sequential(*layers).parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
-    llama = Llama(LlamaConfig(n_layer=1, n_head=2, n_kv_head=1, d_model=8, ffn_hidden_size=16,
-                              block_size=8, vocab_size=16))
+    llama = Llama(
+        LlamaConfig(
+            n_layer=1,
+            n_head=2,
+            n_kv_head=1,
+            d_model=8,
+            ffn_hidden_size=16,
+            block_size=8,
+            vocab_size=16,
+        )
+    )
     assert defer_weight_grads([llama], WeightGradStore()) == 8  # q k v o gate up down, head
 
 

@@ -26,8 +26,10 @@ def _group(size=1, rank=0):
 
 def _reference_adamw(model):
     named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
-              {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
+        {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
+    ]
     # The engines step with PyTorch's fused AdamW kernel: one process takes its steps
     # bit for bit.
     return torch.optim.AdamW(groups, lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, fused=True)
@@ -65,12 +67,18 @@ def test_single_rank_matches_adamw(make):
     gpt = isinstance(model, GPT)
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
-        x = (torch.randint(0, 32, (4, 8), generator=gen) if gpt
-             else torch.randn(4, 6, generator=gen, dtype=torch.float64))
+        x = (
+            torch.randint(0, 32, (4, 8), generator=gen)
+            if gpt
+            else torch.randn(4, 6, generator=gen, dtype=torch.float64)
+        )
         losses = []
         for net in (zero, ref):
-            loss = (F.cross_entropy(net(x).flatten(0, 1), x.flatten(), reduction="sum") if gpt
-                    else net(x).pow(2).sum())
+            loss = (
+                F.cross_entropy(net(x).flatten(0, 1), x.flatten(), reduction="sum")
+                if gpt
+                else net(x).pow(2).sum()
+            )
             loss.backward()
             losses.append(loss.item())
         zero.step(CFG.lr)
@@ -125,8 +133,10 @@ def _pieces(flat, used=None):
 def test_shard_ranges_values_and_decay_pieces():
     """weight (4x3=12) + bias (4) = 16: over 3 ranks padded to 18, shards of 6."""
     lin = nn.Linear(3, 4)
-    slots = [ParamSlot("weight", lin.weight.shape, 0, 12, True),
-             ParamSlot("bias", lin.bias.shape, 12, 4, False)]
+    slots = [
+        ParamSlot("weight", lin.weight.shape, 0, 12, True),
+        ParamSlot("bias", lin.bias.shape, 12, 4, False),
+    ]
     values = values_of(lin.named_parameters())
 
     def flat(size, rank, stage=3):

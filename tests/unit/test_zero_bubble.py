@@ -1,5 +1,6 @@
 """Schedules with a split backward (ZB-H1, ZB-V, DualPipeV): orders, stage map, validator,
 simulator, and agreement with torch.distributed.pipelining's orders."""
+
 import dataclasses
 import json
 
@@ -76,10 +77,13 @@ def test_zbv_turns_on_the_last_rank_without_a_message():
     assert not any(s.startswith("SF") and ".1>" in s for s in rank0)  # the loss stage sends none
 
 
-@pytest.mark.parametrize("rank, actions, message", [
-    (0, "F0 SF0>1 F1 SF1>1 RB0<1 W0 B0 RB1<1 B1 W1", "W0 on chunk 0 runs before B0"),
-    (0, "F0 SF0>1 F1 SF1>1 RB0<1 B0 W0 W0 RB1<1 B1 W1", "W0 appears twice"),
-])
+@pytest.mark.parametrize(
+    "rank, actions, message",
+    [
+        (0, "F0 SF0>1 F1 SF1>1 RB0<1 W0 B0 RB1<1 B1 W1", "W0 on chunk 0 runs before B0"),
+        (0, "F0 SF0>1 F1 SF1>1 RB0<1 B0 W0 W0 RB1<1 B1 W1", "W0 appears twice"),
+    ],
+)
 def test_validator_checks_weight_passes(rank, actions, message):
     schedule = build_schedule("zb-h1", 2, 2)
     ranks = [list(r) for r in schedule.ranks]
@@ -98,12 +102,15 @@ def test_a_backward_without_its_weight_pass_is_a_whole_backward():
         from_compute_orders("custom", 1, 2, 1, [orders[0] + [("W", 1, 0)]])
 
 
-@pytest.mark.parametrize("args, words", [
-    (("zbv", 2, 4, 1), ["zbv runs two chunks per rank in a V", "must be 2, got 1"]),
-    (("dualpipev", 2, 4, 3), ["must be 2, got 3"]),
-    (("zb-h1", 2, 4, 2), ["virtual stages = 2", "interleaved-1f1b, zbv or dualpipev"]),
-    (("dualpipev", 4, 7, 2), ["micro-batches >= 2 x pp", "micro-batches=7", "valid: 8, 9"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("zbv", 2, 4, 1), ["zbv runs two chunks per rank in a V", "must be 2, got 1"]),
+        (("dualpipev", 2, 4, 3), ["must be 2, got 3"]),
+        (("zb-h1", 2, 4, 2), ["virtual stages = 2", "interleaved-1f1b, zbv or dualpipev"]),
+        (("dualpipev", 4, 7, 2), ["micro-batches >= 2 x pp", "micro-batches=7", "valid: 8, 9"]),
+    ],
+)
 def test_split_schedules_name_what_they_need(args, words):
     with pytest.raises(ValueError) as info:
         validate_schedule_config(*args)
@@ -113,13 +120,21 @@ def test_split_schedules_name_what_they_need(args, words):
 
 # --- the simulator: bubbles and memory -------------------------------------------------------
 
+
 def test_bubbles_at_pp4_m8_against_1f1b_and_the_literature():
     one_f_one_b = simulate(build_schedule("1f1b", 4, 8))
     zb_h1 = simulate(build_schedule("zb-h1", 4, 8))
     zbv = simulate(build_schedule("zbv", 4, 8, 2))
     dualpipev = simulate(build_schedule("dualpipev", 4, 8, 2))
-    idle = {name: t.bubble_fraction * t.step_time for name, t in
-            [("1f1b", one_f_one_b), ("zb-h1", zb_h1), ("zbv", zbv), ("dualpipev", dualpipev)]}
+    idle = {
+        name: t.bubble_fraction * t.step_time
+        for name, t in [
+            ("1f1b", one_f_one_b),
+            ("zb-h1", zb_h1),
+            ("zbv", zbv),
+            ("dualpipev", dualpipev),
+        ]
+    }
     assert idle == pytest.approx({"1f1b": 9.0, "zb-h1": 3.0, "zbv": 1.5, "dualpipev": 1.5})
     # ZB-H1 idles a third of 1F1B; as a fraction of the step, 0.407 of it
     assert zb_h1.bubble_fraction / one_f_one_b.bubble_fraction == pytest.approx(11 / 27)
@@ -137,8 +152,10 @@ def test_costs_scale_and_split_the_backward():
     slow_weights = simulate(schedule, 1.0, 1.0, 3.0)
     assert slow_weights.step_time > simulate(schedule).step_time
     assert simulate(schedule, 2.0, 2.0, 2.0).bubble_fraction == pytest.approx(
-        simulate(schedule).bubble_fraction)
+        simulate(schedule).bubble_fraction
+    )
     import math
+
     assert math.isnan(reference_bubble("zb-h1", 2, 4, 1, (1.0, 2.0, 1.0))[0])
 
 
@@ -149,6 +166,7 @@ def test_render_marks_weight_passes():
 
 # --- agreement with torch.distributed.pipelining ----------------------------------------------
 
+
 def _torch_orders(kind, S, M):
     """Compute orders from torch's zero-bubble schedule classes, without a process group."""
     from types import SimpleNamespace
@@ -156,8 +174,12 @@ def _torch_orders(kind, S, M):
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     try:
         if kind == "zb-h1":  # torch's interleaved zero bubble with one stage per rank
-            state = SimpleNamespace(n_local_stages=1, pp_group_size=S, _n_microbatches=M,
-                                    microbatches_per_round=M // max(1, M // S))
+            state = SimpleNamespace(
+                n_local_stages=1,
+                pp_group_size=S,
+                _n_microbatches=M,
+                microbatches_per_round=M // max(1, M // S),
+            )
             ops = schedules.ScheduleInterleavedZeroBubble._calculate_single_rank_operations
         else:
             state = SimpleNamespace(pp_group_size=S, _n_microbatches=M, num_stages=2 * S)
@@ -171,8 +193,16 @@ def _torch_orders(kind, S, M):
     orders = []
     for actions in per_rank:
         subs = [s for a in actions if a is not None for s in (a.sub_actions or (a,))]
-        orders.append([(kinds[s.computation_type.value], s.microbatch_index,
-                        stage_owner(s.stage_index, S, stage_map)[1]) for s in subs])
+        orders.append(
+            [
+                (
+                    kinds[s.computation_type.value],
+                    s.microbatch_index,
+                    stage_owner(s.stage_index, S, stage_map)[1],
+                )
+                for s in subs
+            ]
+        )
     return orders
 
 
@@ -184,8 +214,10 @@ def test_orders_agree_with_torch_pipelining(kind, V):
             if kind == "zb-h1" and M % max(1, M // S):
                 continue  # torch's rounds need M to be a multiple of M // S
             ours = build_schedule(kind, S, M, V)
-            mine = [[(a.kind, a.micro_batch, a.chunk) for a in ours.compute_actions(r)]
-                    for r in range(S)]
+            mine = [
+                [(a.kind, a.micro_batch, a.chunk) for a in ours.compute_actions(r)]
+                for r in range(S)
+            ]
             assert mine == _torch_orders(kind, S, M), (kind, S, M)
             compared += 1
     assert compared >= 30

@@ -67,8 +67,9 @@ def hierarchical_problem(topology: Topology, global_ranks) -> str | None:
 
 
 # ---------------------------------------------------------- p2p primitives
-def _exchange(group, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int,
-              category: str) -> None:
+def _exchange(
+    group, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int, category: str
+) -> None:
     """Send to ``dst`` and receive from ``src`` at once (empty tensors skipped on both sides):
     one batch where the backend needs it, separate transfers where they are faster
     (``policy.transfers_in_batches``)."""
@@ -92,8 +93,9 @@ def _me(group, members) -> tuple[list[int], int]:
     return members, members.index(group.rank)
 
 
-def ring_reduce_scatter(chunks: list[torch.Tensor], group, members=None,
-                        category: str = "grad") -> None:
+def ring_reduce_scatter(
+    chunks: list[torch.Tensor], group, members=None, category: str = "grad"
+) -> None:
     """Sum ``chunks[i]`` over ``members``; on return ``chunks[my index]`` holds the sum.
 
     ``chunks``: one contiguous tensor per member, in member order (sizes may
@@ -106,17 +108,19 @@ def ring_reduce_scatter(chunks: list[torch.Tensor], group, members=None,
     if p == 1:
         return
     right, left = members[(me + 1) % p], members[(me - 1) % p]
-    scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype,
-                          device=chunks[0].device)
+    scratch = torch.empty(
+        max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device
+    )
     for s in range(p - 1):
         out, into = chunks[(me - s - 1) % p], chunks[(me - s - 2) % p]
-        tmp = scratch[:into.numel()]
+        tmp = scratch[: into.numel()]
         _exchange(group, out, right, tmp, left, category)
         into.add_(tmp.view_as(into))
 
 
-def ring_all_gather(chunks: list[torch.Tensor], group, members=None,
-                    category: str = "grad") -> None:
+def ring_all_gather(
+    chunks: list[torch.Tensor], group, members=None, category: str = "grad"
+) -> None:
     """Every member ends with every chunk; member ``i`` starts with ``chunks[i]`` complete."""
     members, me = _me(group, members)
     p = len(members)
@@ -168,8 +172,9 @@ def tree_all_reduce(flat: torch.Tensor, group, members=None, category: str = "gr
     tree_broadcast(flat, group, members, category)
 
 
-def hierarchical_all_reduce(flat: torch.Tensor, group, topology: Topology,
-                            category: str = "grad") -> None:
+def hierarchical_all_reduce(
+    flat: torch.Tensor, group, topology: Topology, category: str = "grad"
+) -> None:
     """Reduce inside the node, ring all-reduce across node leaders, broadcast inside."""
     # A node's leader is its first rank; only N-sized messages per leader cross the slow
     # links, once each way.
@@ -180,8 +185,9 @@ def hierarchical_all_reduce(flat: torch.Tensor, group, topology: Topology,
     tree_broadcast(flat, group, node, category)
 
 
-def all_to_all(sends: list[torch.Tensor], recvs: list[torch.Tensor], group,
-               category: str = "grad") -> None:
+def all_to_all(
+    sends: list[torch.Tensor], recvs: list[torch.Tensor], group, category: str = "grad"
+) -> None:
     """``sends[j]`` goes to rank ``j``, ``recvs[i]`` comes from rank ``i`` (own: copied).
 
     ``p - 1`` rounds; in round ``s`` each rank sends to ``rank + s`` and receives
@@ -190,5 +196,6 @@ def all_to_all(sends: list[torch.Tensor], recvs: list[torch.Tensor], group,
     p, me = group.size, group.rank
     recvs[me].copy_(sends[me])
     for s in range(1, p):
-        _exchange(group, sends[(me + s) % p], (me + s) % p, recvs[(me - s) % p], (me - s) % p,
-                  category)
+        _exchange(
+            group, sends[(me + s) % p], (me + s) % p, recvs[(me - s) % p], (me - s) % p, category
+        )

@@ -74,8 +74,9 @@ class CostModel:
             m, local = topology.num_nodes, topology.max_per_node
             intra = self.links.get("intra") or self._worst(topology)
             inter = self.links.get("inter") or self._worst(topology)
-            return (2 * math.ceil(math.log2(local)) * intra.time(nbytes)
-                    + 2 * (m - 1) * inter.time(nbytes / m))
+            return 2 * math.ceil(math.log2(local)) * intra.time(nbytes) + 2 * (m - 1) * inter.time(
+                nbytes / m
+            )
         raise ValueError(f"no cost for algorithm {algorithm!r}")
 
     def choose(self, nbytes: float, topology: Topology) -> str:
@@ -83,11 +84,15 @@ class CostModel:
         return min(candidates, key=lambda a: self.estimate(a, nbytes, topology))
 
     def describe(self) -> str:
-        parts = [f"{kind}: alpha {c.alpha_s * 1e6:.1f} us, {1 / c.beta_s_per_byte / 1e9:.3f} GB/s"
-                 for kind, c in self.links.items()]
+        parts = [
+            f"{kind}: alpha {c.alpha_s * 1e6:.1f} us, {1 / c.beta_s_per_byte / 1e9:.3f} GB/s"
+            for kind, c in self.links.items()
+        ]
         if self.native:
-            parts.append(f"native all-reduce: {self.native.alpha_s * 1e6:.1f} us + "
-                         f"{1 / self.native.beta_s_per_byte / 1e9:.3f} GB/s")
+            parts.append(
+                f"native all-reduce: {self.native.alpha_s * 1e6:.1f} us + "
+                f"{1 / self.native.beta_s_per_byte / 1e9:.3f} GB/s"
+            )
         return "; ".join(parts)
 
 
@@ -113,12 +118,16 @@ def _ping_pong(group, a: int, b: int, nbytes: int, repeats: int) -> float:
 
 def _time_native(group, nbytes: int, repeats: int) -> float:
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=group.device)
-    return min(timed_runs(lambda: ops.all_reduce(buf, group, category="probe"), repeats,
-                          group.device, group))
+    return min(
+        timed_runs(
+            lambda: ops.all_reduce(buf, group, category="probe"), repeats, group.device, group
+        )
+    )
 
 
-def probe(group, topology: Topology, small: int = 8, large: int = 2**20,
-          repeats: int = 5) -> CostModel:
+def probe(
+    group, topology: Topology, small: int = 8, large: int = 2**20, repeats: int = 5
+) -> CostModel:
     """Measure alpha and beta of each link kind present, and of the native all-reduce.
 
     A collective: every rank of ``group`` calls it and all get the same model
@@ -157,11 +166,18 @@ class AllReducer:
     of the group in the same order.
     """
 
-    def __init__(self, group, algorithm: str = "native", topology: Topology | None = None,
-                 cost: CostModel | None = None, category: str = "grad"):
+    def __init__(
+        self,
+        group,
+        algorithm: str = "native",
+        topology: Topology | None = None,
+        cost: CostModel | None = None,
+        category: str = "grad",
+    ):
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; valid: "
-                             f"{', '.join(ALGORITHMS)}")
+            raise ValueError(
+                f"unknown all-reduce algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}"
+            )
         self.group, self.algorithm, self.category = group, algorithm, category
         self.topology = topology or Topology(tuple(range(group.size)))
         if algorithm == "hierarchical":
@@ -198,14 +214,17 @@ class AllReducer:
         here moves ``2 (p-1)`` buffers in total; a ring or NCCL reduce-scatter half that."""
         p = self.size
         name = self.pick(nbytes)
-        halves = scatter and (name == "ring" or (
-            name == "native" and not policy.reduce_scatter_by_all_reduce(self.group)))
+        halves = scatter and (
+            name == "ring"
+            or (name == "native" and not policy.reduce_scatter_by_all_reduce(self.group))
+        )
         return (p - 1) / p * nbytes * (1 if halves else 2)
 
     def _count(self, name: str, before: float) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
-        self.bytes[name] = (self.bytes.get(name, 0.0)
-                            + self.group.counters.bytes_sent[self.category] - before)
+        self.bytes[name] = (
+            self.bytes.get(name, 0.0) + self.group.counters.bytes_sent[self.category] - before
+        )
 
     def _run_all_reduce(self, name: str, flat: torch.Tensor) -> None:
         if name == "native":
@@ -238,7 +257,7 @@ class AllReducer:
         elif name == "native" and not policy.reduce_scatter_by_all_reduce(self.group):
             out = torch.empty(size, dtype=flat.dtype, device=flat.device)
             ops.reduce_scatter(out, flat, self.group, category=self.category)
-            flat[rank * size:(rank + 1) * size].copy_(out)
+            flat[rank * size : (rank + 1) * size].copy_(out)
         else:  # tree and hierarchical have no reduce-scatter of their own
             self._run_all_reduce(name, flat)
         self._count(name, before)

@@ -35,8 +35,12 @@ def measure(group: ops.Group, settings: dict) -> dict:
             buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
             runs = timed_runs(partial(reducer.all_reduce, buf), settings["repeats"], device, group)
             t = statistics.median(slowest(runs, group, device))
-            row = {"algorithm": algorithm, "bytes": nbytes, "time_s": t,
-                   "busbw_gbps": nbytes / t * 2 * (p - 1) / p / 1e9}
+            row = {
+                "algorithm": algorithm,
+                "bytes": nbytes,
+                "time_s": t,
+                "busbw_gbps": nbytes / t * 2 * (p - 1) / p / 1e9,
+            }
             if algorithm == "adaptive":
                 row["picked"] = reducer.pick(nbytes)
             rows.append(row)
@@ -44,8 +48,13 @@ def measure(group: ops.Group, settings: dict) -> dict:
     for r in rows:
         if r["bytes"] in native:
             r["speedup_vs_native"] = native[r["bytes"]] / r["time_s"]
-    out = {"world_size": p, "ranks_per_node": settings["per_node"],
-           "nodes": topology.num_nodes, "backend": ops.backend(group), "results": rows}
+    out = {
+        "world_size": p,
+        "ranks_per_node": settings["per_node"],
+        "nodes": topology.num_nodes,
+        "backend": ops.backend(group),
+        "results": rows,
+    }
     if cost is not None:
         out["cost_model"] = cost.describe()
     return out

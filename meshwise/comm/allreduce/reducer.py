@@ -42,8 +42,15 @@ class _Pending:
 class GradReducer:
     """Reduces gradient buckets over ``group``: compressor + all-reduce algorithm."""
 
-    def __init__(self, group, compressor: Compressor | None = None, algorithm: str = "native",
-                 topology: Topology | None = None, overlap: bool = True, cost=None):
+    def __init__(
+        self,
+        group,
+        compressor: Compressor | None = None,
+        algorithm: str = "native",
+        topology: Topology | None = None,
+        overlap: bool = True,
+        cost=None,
+    ):
         self.shared = group.counters
         self._own = ops.CommCounters()
         self._group = ops.with_counters(group, self._own)
@@ -69,8 +76,9 @@ class GradReducer:
 
     def start(self, key, flat: torch.Tensor, shard: tuple[int, int] | None = None) -> _Pending:
         """Launch the sum of ``flat`` over the group (into ``flat``, or its ``shard``)."""
-        self.raw_bytes += self.comm.uncompressed_bytes(flat.numel() * flat.element_size(),
-                                                       scatter=shard is not None)
+        self.raw_bytes += self.comm.uncompressed_bytes(
+            flat.numel() * flat.element_size(), scatter=shard is not None
+        )
         if self._pool is not None:
             return _Pending(self, self._pool.submit(self._reduce, key, flat, shard))
         if not (self._overlap and flat.device.type == "cuda"):
@@ -90,7 +98,8 @@ class GradReducer:
         if shard is not None:
             size = flat.numel() // self.comm.size
             assert shard == (self.comm.rank * size, (self.comm.rank + 1) * size), (
-                f"shard {shard} is not this rank's equal chunk of the bucket")
+                f"shard {shard} is not this rank's equal chunk of the bucket"
+            )
 
     def _landed(self) -> None:
         # What went on the wire joins the shared "grad" bytes at each wait; compress_ratio

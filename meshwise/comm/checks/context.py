@@ -34,8 +34,9 @@ def check_every() -> int:
     """Steps between two comparisons of the ranks' ledgers."""
     value = os.environ.get(CHECK_EVERY_ENV, "10")
     if not (value.isdigit() and int(value) >= 1):
-        raise ValueError(f"{CHECK_EVERY_ENV}={value!r} is not valid; valid: a whole number "
-                         "of steps, 1 or more")
+        raise ValueError(
+            f"{CHECK_EVERY_ENV}={value!r} is not valid; valid: a whole number of steps, 1 or more"
+        )
     return int(value)
 
 
@@ -45,8 +46,7 @@ WATCHDOG_JOIN_S = 10.0  # longer than one tick's store calls; bounded if the sto
 class CommContext:
     """One rank's ledger, NCCL-rule state and cross-rank exchange."""
 
-    def __init__(self, rank: int, world_size: int, store_factory=None,
-                 world_id: int | None = None):
+    def __init__(self, rank: int, world_size: int, store_factory=None, world_id: int | None = None):
         self.rank, self.world_size = rank, world_size
         self.world_id = world_id  # id() of the default process group it belongs to
         self.strict = strict.enabled()
@@ -59,9 +59,16 @@ class CommContext:
         self.watchdog: Watchdog | None = None
 
     # -- every operation ---------------------------------------------------------------
-    def begin(self, group, op: str, tensors, reduce_op: str | None = None,
-              peer: int | None = None, channel: str | None = None, tag: int = 0
-              ) -> Entry | None:
+    def begin(
+        self,
+        group,
+        op: str,
+        tensors,
+        reduce_op: str | None = None,
+        peer: int | None = None,
+        channel: str | None = None,
+        tag: int = 0,
+    ) -> Entry | None:
         """Check ``op`` against NCCL's rules (strict mode) and enter it in the ledger.
 
         ``peer``: the group rank of a point-to-point transfer, whose ``channel`` is
@@ -93,8 +100,12 @@ class CommContext:
         return self.rules[key]
 
     # -- across ranks -----------------------------------------------------------------
-    def start(self, timeout_s: float | None, reports_timeouts: bool,
-              out_dir: str | os.PathLike | None = None) -> None:
+    def start(
+        self,
+        timeout_s: float | None,
+        reports_timeouts: bool,
+        out_dir: str | os.PathLike | None = None,
+    ) -> None:
         """Open the exchange and start the watchdog (once; a no-op without a ledger,
         a store, or a second rank)."""
         if self.exchange is not None:
@@ -105,21 +116,24 @@ class CommContext:
         try:
             store = self._store_factory()
         except (RuntimeError, OSError) as exc:  # the ledger still records; ranks do not compare
-            log.warning("warning: collective ledger: cannot reach the launch's store (%s); "
-                        "ranks will not compare their ledgers", exc)
+            log.warning(
+                "warning: collective ledger: cannot reach the launch's store (%s); "
+                "ranks will not compare their ledgers",
+                exc,
+            )
             return
         if store is None:
             return
         self.exchange = LedgerExchange(store, self.rank, self.world_size, self.ledger, out_dir)
         self.ledger.keep_unchecked()  # what a check names if ranks part between two checks
-        thread_exchange = LedgerExchange(store.clone(), self.rank, self.world_size, self.ledger,
-                                         out_dir)
+        thread_exchange = LedgerExchange(
+            store.clone(), self.rank, self.world_size, self.ledger, out_dir
+        )
         stall_s = float(os.environ.get(STALL_ENV, "10"))
         self.watchdog = Watchdog(thread_exchange, stall_s, timeout_s, reports_timeouts)
         self.watchdog.start()
 
-    def check(self, timeout_s: float, step: int | None = None, now: bool = False
-              ) -> str | None:
+    def check(self, timeout_s: float, step: int | None = None, now: bool = False) -> str | None:
         """Compare this rank's ledger with every rank's (all ranks call it together): at
         once, or with ``step`` every ``check_every()`` steps unless ``now``."""
         if self.exchange is None:

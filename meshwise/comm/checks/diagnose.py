@@ -59,8 +59,9 @@ class Finding:
         return self.message
 
 
-def explain(dumps: dict[int, dict], channels: list[str] | None = None,
-            settled: bool = False) -> Finding | None:
+def explain(
+    dumps: dict[int, dict], channels: list[str] | None = None, settled: bool = False
+) -> Finding | None:
     """The rank that diverged or is behind, the group and both call sites, in one
     line; None when the ledgers agree and nobody waits on an absent peer.
 
@@ -96,11 +97,18 @@ def _unmatched(channel: str, ranks: dict[int, dict[int, dict]], entries) -> Find
     if e is None:
         return None
     tail = ranks.get(short, {}).get(last[short])
-    theirs = (f"its last there is {_what(tail)} #{tail['seq']} at {tail['site']}" if tail
-              else "it issued none there")
-    return Finding("diverged", (
-        f"rank {extra} diverged on {describe_channel(channel)}: it issued {_what(e)} "
-        f"#{e['seq']} at {e['site']}, which rank {short} never issued ({theirs})"))
+    theirs = (
+        f"its last there is {_what(tail)} #{tail['seq']} at {tail['site']}"
+        if tail
+        else "it issued none there"
+    )
+    return Finding(
+        "diverged",
+        (
+            f"rank {extra} diverged on {describe_channel(channel)}: it issued {_what(e)} "
+            f"#{e['seq']} at {e['site']}, which rank {short} never issued ({theirs})"
+        ),
+    )
 
 
 def _divergence(channel: str, ranks: dict[int, dict[int, dict]], entries) -> Finding | None:
@@ -117,10 +125,14 @@ def _divergence(channel: str, ranks: dict[int, dict[int, dict]], entries) -> Fin
             culprit = min(here)
         other = next(r for r in here if here[r]["signature"] != here[culprit]["signature"])
         bad, good = here[culprit], here[other]
-        return Finding("diverged", (
-            f"rank {culprit} diverged on {describe_channel(channel)} at operation #{seq}: "
-            f"rank {culprit} issued {_what(bad)} at {bad['site']}, while rank {other} issued "
-            f"{_what(good)} at {good['site']}"))
+        return Finding(
+            "diverged",
+            (
+                f"rank {culprit} diverged on {describe_channel(channel)} at operation #{seq}: "
+                f"rank {culprit} issued {_what(bad)} at {bad['site']}, while rank {other} issued "
+                f"{_what(good)} at {good['site']}"
+            ),
+        )
     return None
 
 
@@ -163,8 +175,11 @@ def _behind(by_channel, entries) -> Finding | None:
             for seq, e in items.items():
                 if e["done"]:
                     continue
-                missing = [p for p in participants(channel)
-                           if p != rank and p in entries and not _issued(ranks.get(p, {}), seq)]
+                missing = [
+                    p
+                    for p in participants(channel)
+                    if p != rank and p in entries and not _issued(ranks.get(p, {}), seq)
+                ]
                 if missing and (worst is None or e["age_s"] > worst[0]["age_s"]):
                     worst = (e, rank, missing, channel)
     if worst is None:
@@ -172,14 +187,23 @@ def _behind(by_channel, entries) -> Finding | None:
     e, waiter, missing, channel = worst
     laggard = missing[0]
     last = entries[laggard][-1] if entries[laggard] else None
-    doing = "no operation recorded" if last is None else (
-        f"its last operation is {_what(last)} #{last['seq']} on "
-        f"{describe_channel(last['channel'])} at {last['site']}"
-        f" ({'done' if last['done'] else 'in flight'})")
-    return Finding("behind", (
-        f"rank {laggard} is behind on {describe_channel(channel)}: rank {waiter} waits in "
-        f"{_what(e)} #{e['seq']} at {e['site']} since {e['age_s']:.1f}s, which rank {laggard} "
-        f"has not issued; {doing}"))
+    doing = (
+        "no operation recorded"
+        if last is None
+        else (
+            f"its last operation is {_what(last)} #{last['seq']} on "
+            f"{describe_channel(last['channel'])} at {last['site']}"
+            f" ({'done' if last['done'] else 'in flight'})"
+        )
+    )
+    return Finding(
+        "behind",
+        (
+            f"rank {laggard} is behind on {describe_channel(channel)}: rank {waiter} waits in "
+            f"{_what(e)} #{e['seq']} at {e['site']} since {e['age_s']:.1f}s, which rank {laggard} "
+            f"has not issued; {doing}"
+        ),
+    )
 
 
 def _issued(items: dict[int, dict], seq: int) -> bool:

@@ -20,8 +20,10 @@ from types import FrameType
 _COMM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # meshwise/comm
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(_COMM_DIR))
 # The modules that issue and record operations: never a call site themselves.
-_ISSUING = {os.path.join(_COMM_DIR, f"{name}.py")
-            for name in ("ops", "handle", "checks/context", "checks/ledger", "checks/strict")}
+_ISSUING = {
+    os.path.join(_COMM_DIR, f"{name}.py")
+    for name in ("ops", "handle", "checks/context", "checks/ledger", "checks/strict")
+}
 SLOT_BYTES = 320  # one entry in the file: a JSON line, space-padded
 CAPACITY = 256
 # Entries kept between two checks at most: many steps of the busiest layouts.
@@ -81,9 +83,16 @@ class Entry:
         return self.done
 
     def to_dict(self) -> dict:
-        return {"number": self.number, "channel": self.channel, "seq": self.seq, "op": self.op,
-                "signature": self.signature, "site": self.site, "done": self.completed(),
-                "age_s": round(time.monotonic() - self.issued_s, 3)}
+        return {
+            "number": self.number,
+            "channel": self.channel,
+            "seq": self.seq,
+            "op": self.op,
+            "signature": self.signature,
+            "site": self.site,
+            "done": self.completed(),
+            "age_s": round(time.monotonic() - self.issued_s, 3),
+        }
 
 
 class Ledger:
@@ -103,8 +112,9 @@ class Ledger:
         count_crc[0] += 1
         count_crc[1] = zlib.crc32(sig.encode(), count_crc[1])
         self._number += 1
-        entry = Entry(self._number, channel, count_crc[0], op, sig, site, time.monotonic(),
-                      list(works or []))
+        entry = Entry(
+            self._number, channel, count_crc[0], op, sig, site, time.monotonic(), list(works or [])
+        )
         self.entries.append(entry)
         self.last[channel] = entry
         if self.unchecked is not None:
@@ -145,8 +155,11 @@ class Ledger:
         if unchecked and self.unchecked is not None:
             by_number = {e.number: e for e in (*self.unchecked, *entries, *self.last.values())}
             entries = tuple(by_number[n] for n in sorted(by_number))
-        return {"rank": self.rank, "channels": self.summary(),
-                "entries": [e.to_dict() for e in entries]}
+        return {
+            "rank": self.rank,
+            "channels": self.summary(),
+            "entries": [e.to_dict() for e in entries],
+        }
 
     def write_json(self, directory: str | os.PathLike) -> Path:
         """Write ``dump()`` as ``ledger-rank<r>.json`` under ``directory``."""
@@ -167,13 +180,21 @@ class _RingFile:
         self._map = mmap.mmap(self._file.fileno(), capacity * SLOT_BYTES)
 
     def write(self, entry: Entry) -> None:
-        line = json.dumps({"number": entry.number, "channel": entry.channel[:60],
-                           "seq": entry.seq, "op": entry.op, "signature": entry.signature[:80],
-                           "site": entry.site[-120:], "done": entry.done,
-                           "issued_s": round(entry.issued_s, 3)})
-        data = line.encode()[:SLOT_BYTES - 1].ljust(SLOT_BYTES - 1) + b"\n"
+        line = json.dumps(
+            {
+                "number": entry.number,
+                "channel": entry.channel[:60],
+                "seq": entry.seq,
+                "op": entry.op,
+                "signature": entry.signature[:80],
+                "site": entry.site[-120:],
+                "done": entry.done,
+                "issued_s": round(entry.issued_s, 3),
+            }
+        )
+        data = line.encode()[: SLOT_BYTES - 1].ljust(SLOT_BYTES - 1) + b"\n"
         start = (entry.number - 1) % self.capacity * SLOT_BYTES
-        self._map[start:start + SLOT_BYTES] = data
+        self._map[start : start + SLOT_BYTES] = data
 
 
 def read_ring(path: str | os.PathLike) -> list[dict]:

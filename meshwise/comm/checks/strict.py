@@ -20,8 +20,16 @@ from meshwise.comm.checks.ledger import call_site
 ENV = "MESHWISE_COMM_CHECK"
 WAIT_ENV = "MESHWISE_COMM_CHECK_WAIT_S"
 # What NCCL carries (ncclDataType_t as PyTorch maps them); int16 and bool have no NCCL type.
-NCCL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
-               torch.uint8, torch.int32, torch.int64)
+NCCL_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+)
 NCCL_REDUCE_OPS = ("sum", "max", "min", "avg", "product")
 
 
@@ -84,8 +92,7 @@ class _Waits:
 
     def latest_other(self, me: threading.Thread):
         """The thread other than ``me`` whose innermost wait began last, and that wait."""
-        others = [(stack[-1], thread) for thread, stack in self._stacks.items()
-                  if thread is not me]
+        others = [(stack[-1], thread) for thread, stack in self._stacks.items() if thread is not me]
         return max(others, key=lambda o: o[0][0], default=None)
 
 
@@ -143,29 +150,42 @@ class GroupRules:
         does the first once its thread ended. Within one wait the thread that issued
         stays the one that may, even after it ended."""
         for i, link in enumerate(self.issuers):
-            if (not _alive(link.thread) if i == 0
-                    else not _WAITS.active(self.issuers[i - 1].thread, link.token)):
+            if (
+                not _alive(link.thread)
+                if i == 0
+                else not _WAITS.active(self.issuers[i - 1].thread, link.token)
+            ):
                 del self.issuers[i:]
                 break
         return self.issuers
 
     def _refusal(self, me: threading.Thread, site: str, chain: list[_Issuer]) -> str:
         last = chain[-1]
-        head = (f"NCCL rule (one issuing thread per group at a time): {site} issues an "
-                f"operation on group {self.name} from thread {me.name!r}")
+        head = (
+            f"NCCL rule (one issuing thread per group at a time): {site} issues an "
+            f"operation on group {self.name} from thread {me.name!r}"
+        )
         if any(link.thread is me for link in chain):  # it waits while `last` issues for it
-            why = (f", which waits in a backward ({_WAITS.innermost_site(me)}) while thread "
-                   f"{last.thread.name!r} issues on the group for it ({last.site})")
+            why = (
+                f", which waits in a backward ({_WAITS.innermost_site(me)}) while thread "
+                f"{last.thread.name!r} issues on the group for it ({last.site})"
+            )
         elif len(chain) > 1:
             waiter = chain[-2].thread
-            why = (f", while thread {last.thread.name!r} issues on the group ({last.site}) for "
-                   f"thread {waiter.name!r}, which waits in a backward "
-                   f"({_WAITS.innermost_site(waiter)}): one thread at most may issue for it")
+            why = (
+                f", while thread {last.thread.name!r} issues on the group ({last.site}) for "
+                f"thread {waiter.name!r}, which waits in a backward "
+                f"({_WAITS.innermost_site(waiter)}): one thread at most may issue for it"
+            )
         else:
-            why = (f", while thread {last.thread.name!r} issues on it too ({last.site}) and "
-                   "does not wait for it in a backward (meshwise.comm.checks.strict.backward)")
-        return (head + why + "; NCCL communicators are not thread-safe and two threads "
-                "issuing at once cannot keep every rank's order the same")
+            why = (
+                f", while thread {last.thread.name!r} issues on it too ({last.site}) and "
+                "does not wait for it in a backward (meshwise.comm.checks.strict.backward)"
+            )
+        return (
+            head + why + "; NCCL communicators are not thread-safe and two threads "
+            "issuing at once cannot keep every rank's order the same"
+        )
 
     def before_transfer(self, peer: int, op: str, site: str) -> None:
         """Rule 1: wait (at most ``wait_s()``) for unbatched transfers with ``peer``."""
@@ -179,7 +199,8 @@ class GroupRules:
                         f"{first_site} had not completed after {wait_s():g}s when a {op} with "
                         f"rank {peer} was issued at {site}; on a GPU the {op} queues behind that "
                         f"{first_op}, and the peer's matching transfer behind its own: a "
-                        "deadlock. Post both in one ops.batch_p2p")
+                        "deadlock. Post both in one ops.batch_p2p"
+                    )
                 time.sleep(0.0005)
 
     def note_unbatched(self, peer: int, works: list, op: str, site: str) -> None:
@@ -205,20 +226,26 @@ def _first_issuers(me: threading.Thread, site: str) -> list[_Issuer]:
     return [_Issuer(me, site)]
 
 
-def check_tensors(group_name: str, group_device: torch.device, tensors, site: str,
-                  reduce_op: str | None = None) -> None:
+def check_tensors(
+    group_name: str, group_device: torch.device, tensors, site: str, reduce_op: str | None = None
+) -> None:
     """Rules 3 and 4 for the tensors one operation hands to a group: its device (the CPU on
     gloo), NCCL's dtypes and reductions."""
     for t in tensors:
         if t.device.type != group_device.type or (
-                group_device.index is not None and t.device.index != group_device.index):
+            group_device.index is not None and t.device.index != group_device.index
+        ):
             raise NcclRuleError(
                 f"NCCL rule (tensors on the group's device): {site} hands a tensor on {t.device} "
-                f"to group {group_name}, whose device is {group_device}")
+                f"to group {group_name}, whose device is {group_device}"
+            )
         if t.dtype not in NCCL_DTYPES or (t.is_complex() and reduce_op in ("max", "min")):
             raise NcclRuleError(
                 f"NCCL rule (its data types): {site} hands a {t.dtype} tensor to group "
-                f"{group_name}; NCCL carries {', '.join(str(d) for d in NCCL_DTYPES)}")
+                f"{group_name}; NCCL carries {', '.join(str(d) for d in NCCL_DTYPES)}"
+            )
     if reduce_op is not None and reduce_op not in NCCL_REDUCE_OPS:
-        raise NcclRuleError(f"NCCL rule (its reductions): {site} asks group {group_name} for a "
-                            f"{reduce_op} reduction; NCCL has {', '.join(NCCL_REDUCE_OPS)}")
+        raise NcclRuleError(
+            f"NCCL rule (its reductions): {site} asks group {group_name} for a "
+            f"{reduce_op} reduction; NCCL has {', '.join(NCCL_REDUCE_OPS)}"
+        )

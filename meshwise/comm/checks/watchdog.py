@@ -24,8 +24,14 @@ COLLECT_S = 5.0  # how long an alert waits for the other ranks' entries
 class LedgerExchange:
     """This rank's side of comparing ledgers through ``store``."""
 
-    def __init__(self, store, rank: int, world_size: int, ledger: Ledger,
-                 out_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        ledger: Ledger,
+        out_dir: str | os.PathLike | None = None,
+    ):
         self.store, self.rank, self.world_size, self.ledger = store, rank, world_size, ledger
         self.out_dir = out_dir
         self.round = 0
@@ -40,19 +46,22 @@ class LedgerExchange:
         if r > 2:
             for kind in ("sum", "dump"):
                 self.store.delete_key(f"{PREFIX}/{kind}/{r - 2}/{self.rank}")
-        mine = self.ledger.channels.keys() | {c for s in summaries.values() for c in s
-                                             if self.rank in diagnose.participants(c)}
+        mine = self.ledger.channels.keys() | {
+            c for s in summaries.values() for c in s if self.rank in diagnose.participants(c)
+        }
         bad = [c for c in diagnose.mismatched(summaries) if c in mine]
         if not bad:
             self.ledger.checked()
             return None
         involved = sorted({p for c in bad for p in diagnose.participants(c)})
-        self.store.set(f"{PREFIX}/dump/{r}/{self.rank}",
-                       json.dumps(self.ledger.dump(unchecked=True)))
+        self.store.set(
+            f"{PREFIX}/dump/{r}/{self.rank}", json.dumps(self.ledger.dump(unchecked=True))
+        )
         dumps = self._get_all("dump", r, involved, timeout_s)
         finding = diagnose.explain(dumps, bad, settled=True)
-        return self.report(str(finding) if finding else
-                           f"ranks {involved} disagree on {', '.join(bad)}")
+        return self.report(
+            str(finding) if finding else f"ranks {involved} disagree on {', '.join(bad)}"
+        )
 
     def collect(self, gen: int, wait_s: float = COLLECT_S) -> dict[int, dict]:
         """Raise alert ``gen`` and gather every rank's entries that arrive in ``wait_s``."""
@@ -96,8 +105,14 @@ class LedgerExchange:
 class Watchdog(threading.Thread):
     """Watches this rank's ledger; answers and raises alerts through ``exchange``."""
 
-    def __init__(self, exchange: LedgerExchange, stall_s: float, timeout_s: float | None,
-                 reports_timeouts: bool, poll_s: float = 1.0):
+    def __init__(
+        self,
+        exchange: LedgerExchange,
+        stall_s: float,
+        timeout_s: float | None,
+        reports_timeouts: bool,
+        poll_s: float = 1.0,
+    ):
         super().__init__(name="meshwise-ledger-watchdog", daemon=True)
         self.exchange, self.stall_s, self.timeout_s = exchange, stall_s, timeout_s
         self.reports_timeouts, self.poll_s = reports_timeouts, poll_s
@@ -137,10 +152,15 @@ class Watchdog(threading.Thread):
         if finding and finding.kind == "diverged":
             end_rank(self.exchange.rank, "CollectiveDesync", self.exchange.report(str(finding)))
         if timed_out:
-            what = (f"{entry.op} on {diagnose.describe_channel(entry.channel)} issued at "
-                    f"{entry.site} did not complete in {self.timeout_s:g}s")
-            end_rank(self.exchange.rank, "CollectiveTimeout",
-                     self.exchange.report(f"{what}: {finding}" if finding else what))
+            what = (
+                f"{entry.op} on {diagnose.describe_channel(entry.channel)} issued at "
+                f"{entry.site} did not complete in {self.timeout_s:g}s"
+            )
+            end_rank(
+                self.exchange.rank,
+                "CollectiveTimeout",
+                self.exchange.report(f"{what}: {finding}" if finding else what),
+            )
 
 
 def end_rank(rank: int, kind: str, message: str) -> None:

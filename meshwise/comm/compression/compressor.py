@@ -69,7 +69,8 @@ class Compressor:
             kind, *parts = name.split(".")
             key = tuple(map(int, parts))  # engines key buckets by int
             getattr(self, self.carried[kind])[key if len(key) > 1 else key[0]] = tensor.to(
-                device=device, dtype=torch.float32)
+                device=device, dtype=torch.float32
+            )
 
     def reduce(self, key, flat: torch.Tensor, comm, scatter: bool = False) -> None:
         raise NotImplementedError

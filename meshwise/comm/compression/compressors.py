@@ -53,9 +53,12 @@ def parse_compress(spec: str) -> CompressSpec:
     raise ValueError(f"--compress {spec!r} is not valid; {valid}")
 
 
-def build_compressor(spec: CompressSpec | str, error_feedback: bool = True,
-                     warmup_steps: int = COMPRESS_WARMUP_STEPS,
-                     topk_ramp_steps: int = TOPK_RAMP_STEPS) -> Compressor:
+def build_compressor(
+    spec: CompressSpec | str,
+    error_feedback: bool = True,
+    warmup_steps: int = COMPRESS_WARMUP_STEPS,
+    topk_ramp_steps: int = TOPK_RAMP_STEPS,
+) -> Compressor:
     spec = parse_compress(spec) if isinstance(spec, str) else spec
     if spec.name == "none":
         return NoCompression()
@@ -64,10 +67,13 @@ def build_compressor(spec: CompressSpec | str, error_feedback: bool = True,
     if spec.name == "int8":
         return Int8Compressor(error_feedback=error_feedback)
     if spec.name == "topk":
-        return TopKCompressor(spec.fraction, error_feedback=error_feedback,
-                              warmup_steps=warmup_steps, ramp_steps=topk_ramp_steps)
-    return PowerSGDCompressor(spec.rank, error_feedback=error_feedback,
-                              warmup_steps=warmup_steps)
+        return TopKCompressor(
+            spec.fraction,
+            error_feedback=error_feedback,
+            warmup_steps=warmup_steps,
+            ramp_steps=topk_ramp_steps,
+        )
+    return PowerSGDCompressor(spec.rank, error_feedback=error_feedback, warmup_steps=warmup_steps)
 
 
 class CastCompressor(Compressor):
@@ -114,7 +120,7 @@ def _unpack(data: torch.Tensor, *specs: tuple[torch.dtype, int]) -> list[torch.T
     out, at = [], 0
     for dtype, numel in specs:
         size = torch.empty((), dtype=dtype).element_size()
-        piece = data[at:at + numel * size]
+        piece = data[at : at + numel * size]
         if piece.storage_offset() % size:  # a view needs an aligned start
             piece = piece.clone()
         out.append(piece.view(dtype))
@@ -139,7 +145,7 @@ class Int8Compressor(Compressor):
         size = -(-n // p)
         acc = self._with_error(key, flat)
         work = torch.nn.functional.pad(acc, (0, size * p - n))  # (p * size,)
-        pieces = [quantize_int8(work[j * size:(j + 1) * size], self.chunk) for j in range(p)]
+        pieces = [quantize_int8(work[j * size : (j + 1) * size], self.chunk) for j in range(p)]
         sent = torch.cat([dequantize_int8(q, s, self.chunk) for q, s in pieces])[:n]
         self._keep_error(key, acc - sent)
         num_scales = pieces[0][1].numel()
@@ -152,7 +158,7 @@ class Int8Compressor(Compressor):
             owned += dequantize_int8(q, s, self.chunk)
         lo, hi = comm.rank * size, min((comm.rank + 1) * size, n)
         if scatter:
-            flat[lo:hi].copy_(owned[:hi - lo])
+            flat[lo:hi].copy_(owned[: hi - lo])
             return
         # The all-to-all was the reduce-scatter; the owner re-quantises its sum with error
         # feedback of its own (as 1-bit Adam's compressed all-reduce does), then all-gathers.
@@ -164,9 +170,14 @@ class Int8Compressor(Compressor):
         mine = _pack(q, s)
         gathered = torch.empty(p * mine.numel(), dtype=torch.uint8, device=flat.device)
         comm.all_gather(gathered, mine)
-        full = torch.cat([dequantize_int8(*_unpack(part, (torch.int8, size),
-                                                   (torch.float32, num_scales)), self.chunk)
-                          for part in gathered.view(p, -1)])
+        full = torch.cat(
+            [
+                dequantize_int8(
+                    *_unpack(part, (torch.int8, size), (torch.float32, num_scales)), self.chunk
+                )
+                for part in gathered.view(p, -1)
+            ]
+        )
         flat.copy_(full[:n])
 
 
@@ -181,8 +192,13 @@ class TopKCompressor(Compressor):
 
     name = "topk"
 
-    def __init__(self, fraction: float, error_feedback: bool = True,
-                 warmup_steps: int = COMPRESS_WARMUP_STEPS, ramp_steps: int = TOPK_RAMP_STEPS):
+    def __init__(
+        self,
+        fraction: float,
+        error_feedback: bool = True,
+        warmup_steps: int = COMPRESS_WARMUP_STEPS,
+        ramp_steps: int = TOPK_RAMP_STEPS,
+    ):
         super().__init__(error_feedback)
         if not 0 < fraction < 1:
             raise ValueError(f"top-k fraction must be in (0, 1), got {fraction}")
@@ -194,7 +210,7 @@ class TopKCompressor(Compressor):
         if done >= self.ramp_steps or self.fraction >= TOPK_RAMP_START:
             return self.fraction
         t = done / self.ramp_steps
-        return TOPK_RAMP_START ** (1 - t) * self.fraction ** t
+        return TOPK_RAMP_START ** (1 - t) * self.fraction**t
 
     def reduce(self, key, flat, comm, scatter=False):
         if self.step < self.warmup_steps:

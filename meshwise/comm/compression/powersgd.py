@@ -12,10 +12,10 @@ from meshwise.comm.compression.compressor import COMPRESS_WARMUP_STEPS, Compress
 def orthogonalize(m: torch.Tensor, eps: float = 1e-8) -> None:
     """Gram-Schmidt on the columns of ``m`` (rows x rank), in place (as PyTorch's hook)."""
     for i in range(m.shape[1]):
-        col = m[:, i:i + 1]
+        col = m[:, i : i + 1]
         col /= col.norm() + eps
         if i + 1 < m.shape[1]:
-            rest = m[:, i + 1:]
+            rest = m[:, i + 1 :]
             rest -= col * (col.t() @ rest)
 
 
@@ -31,8 +31,13 @@ class PowerSGDCompressor(Compressor):
     name = "powersgd"
     carried = {"error": "errors", "q": "qs"}  # qs: (key, offset) -> the last step's Q
 
-    def __init__(self, rank: int, error_feedback: bool = True,
-                 warmup_steps: int = COMPRESS_WARMUP_STEPS, seed: int = 0):
+    def __init__(
+        self,
+        rank: int,
+        error_feedback: bool = True,
+        warmup_steps: int = COMPRESS_WARMUP_STEPS,
+        seed: int = 0,
+    ):
         super().__init__(error_feedback)
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
@@ -50,8 +55,11 @@ class PowerSGDCompressor(Compressor):
             if len(shape) < 2:
                 continue
             rows, cols = shape[0], math.prod(shape[1:])
-            if (offset + rows * cols <= n and min(rows, cols) > self.rank
-                    and rows * cols >= 2 * (rows + cols) * self.rank):
+            if (
+                offset + rows * cols <= n
+                and min(rows, cols) > self.rank
+                and rows * cols >= 2 * (rows + cols) * self.rank
+            ):
                 found.append((offset, rows, cols))
         return sorted(found)
 
@@ -71,8 +79,8 @@ class PowerSGDCompressor(Compressor):
         rest = torch.ones(n, dtype=torch.bool, device=flat.device)
         ms, ps = [], []
         for offset, rows, cols in matrices:
-            m = acc[offset:offset + rows * cols].view(rows, cols)
-            rest[offset:offset + rows * cols] = False
+            m = acc[offset : offset + rows * cols].view(rows, cols)
+            rest[offset : offset + rows * cols] = False
             ms.append(m)
             ps.append(m @ self._q(key, offset, cols, flat.device))  # (rows, r)
         plain = acc[rest]
@@ -80,7 +88,7 @@ class PowerSGDCompressor(Compressor):
         comm.all_reduce(first)
         at, p_hats = 0, []
         for p in ps:
-            p_hats.append(first[at:at + p.numel()].view_as(p))
+            p_hats.append(first[at : at + p.numel()].view_as(p))
             orthogonalize(p_hats[-1])
             at += p.numel()
         qs = [m.t() @ p_hat for m, p_hat in zip(ms, p_hats)]  # (cols, r) each, local
@@ -94,8 +102,8 @@ class PowerSGDCompressor(Compressor):
         out[rest] = first[at:]
         at = 0
         for (offset, rows, cols), p_hat in zip(matrices, p_hats):
-            q_sum = second[at:at + cols * self.rank].view(cols, self.rank)
-            out[offset:offset + rows * cols].view(rows, cols).copy_(p_hat @ q_sum.t())
+            q_sum = second[at : at + cols * self.rank].view(cols, self.rank)
+            out[offset : offset + rows * cols].view(rows, cols).copy_(p_hat @ q_sum.t())
             self.qs[(key, offset)] = q_sum.clone()  # warm start for the next step
             at += cols * self.rank
         flat.copy_(out)
