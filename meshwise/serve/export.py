@@ -21,6 +21,9 @@ from meshwise.hf.llama import hf_config, hf_name
 from meshwise.serve.model import model_config, model_family
 
 FORMATS = ("safetensors", "hf")
+# model_type -> the tokenizer class transformers 5 builds for it whatever tokenizer_class
+# says: from tokenizer.json's vocabulary and merges alone, under its own pre-tokenizer.
+REBUILT_TOKENIZERS = {"qwen2": "Qwen2Tokenizer"}
 log = logging.getLogger("meshwise")
 
 
@@ -63,16 +66,14 @@ def export_checkpoint(
     )
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if fmt == "hf":
-        _copy_tokenizer(ckpt, tmp)
+        _copy_tokenizer(ckpt, tmp, config["model_type"])
     os.rename(tmp, out)
     return out
 
 
-def _copy_tokenizer(ckpt, out: Path) -> None:
+def _copy_tokenizer(ckpt, out: Path, model_type: str) -> None:
     """The checkpoint's tokenizer.json, if it is still where training read it and
-    unchanged (by digest), with the tokenizer_config.json and
-    special_tokens_map.json beside it, else a tokenizer_config.json naming the
-    fast tokenizer class."""
+    unchanged (by digest), with what transformers needs to load it as it is."""
     from meshwise.data.tokenizer import load_unchanged
 
     data = ckpt.meta.get("config", {}).get("data", {})
@@ -89,14 +90,32 @@ def _copy_tokenizer(ckpt, out: Path) -> None:
         return
     if tokenizer.path is None:  # byte-level: no file to copy
         return
-    source = Path(tokenizer.path)
+    write_tokenizer(Path(tokenizer.path), out, model_type)
+
+
+def write_tokenizer(source: Path, out: Path, model_type: str) -> None:
+    """Copy ``source`` (a tokenizer.json) into ``out`` with the tokenizer_config.json and
+    special_tokens_map.json beside it, else a tokenizer_config.json naming the fast
+    tokenizer class, so that ``AutoTokenizer`` encodes as ``source`` does."""
     shutil.copyfile(source, out / "tokenizer.json")
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        if source.with_name(name).is_file():
-            shutil.copyfile(source.with_name(name), out / name)
-    if not (out / "tokenizer_config.json").is_file():
-        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if source.with_name("special_tokens_map.json").is_file():
+        shutil.copyfile(
+            source.with_name("special_tokens_map.json"), out / "special_tokens_map.json"
+        )
+    config_file = source.with_name("tokenizer_config.json")
+    config = (
+        json.loads(config_file.read_text())
+        if config_file.is_file()
+        else {"tokenizer_class": "PreTrainedTokenizerFast"}
+    )
+    declared = str(config.get("tokenizer_class") or "PreTrainedTokenizerFast")
+    rebuilt = REBUILT_TOKENIZERS.get(model_type)
+    if rebuilt and declared.removesuffix("Fast") != rebuilt:
+        # An AutoTokenizer entry is what transformers 5 honours over its own class for
+        # this model_type: without trust_remote_code it builds tokenizer_class from
+        # tokenizer.json as trained (and transformers 4 did that anyway).
+        config["auto_map"] = {"AutoTokenizer": [None, declared]}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _to_gpt2(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
