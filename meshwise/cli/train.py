@@ -26,6 +26,7 @@ from meshwise.cli.unused_settings import noop_warnings
 from meshwise.device import choice
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import apply_init_from
+from meshwise.train.lr_schedule import warmup_warning
 from meshwise.train.run_state import RunState, record
 
 log = logging.getLogger("meshwise")
@@ -41,7 +42,8 @@ def run_train(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as held:
             try:
                 cfg, origins = train_config(args)
-                for warning in noop_warnings(cfg, origins):
+                clamped = warmup_warning(cfg.optim)
+                for warning in noop_warnings(cfg, origins) + ([clamped] if clamped else []):
                     log.warning("warning: %s", warning)
                 run_id = new_run_id()
                 # Held until the job ends, however it ends.

@@ -14,6 +14,27 @@ import numpy as np
 SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "sqrt", "cosine")
 WSD_DECAY_FRACTION = 0.2  # decay steps when not given: the last 20% (Hägele et al. 2024)
+# A warmup as long as the run or longer becomes this share of it: the rate then reaches
+# --lr and decays, which a run never does under a warmup that outlasts it.
+CLAMPED_WARMUP_FRACTION = 0.1
+
+
+def warmup_of(warmup_steps: int, steps: int) -> int:
+    """The warmup a schedule of ``steps`` steps runs: ``warmup_steps`` when shorter than
+    the run, else ``CLAMPED_WARMUP_FRACTION`` of it (``warmup_warning`` says so)."""
+    return warmup_steps if warmup_steps < steps else int(CLAMPED_WARMUP_FRACTION * steps)
+
+
+def warmup_warning(optim) -> str | None:
+    """The one line that says an ``OptimConfig``'s warmup was clamped, else None."""
+    if optim.warmup_steps < optim.steps:
+        return None
+    return (
+        f"--warmup-steps {optim.warmup_steps} is not shorter than --steps {optim.steps}: "
+        f"warming up over {warmup_of(optim.warmup_steps, optim.steps)} steps instead, so "
+        f"the rate reaches --lr {optim.lr:g} and decays; give --warmup-steps below "
+        f"--steps to choose"
+    )
 
 
 def lr_at(
@@ -70,18 +91,19 @@ class LRSchedule:
         t = np.asarray(steps, dtype=np.float64) - self.start  # steps into this schedule
         total = self.total_steps - self.start
         floor = self.max_lr * self.min_lr_ratio
-        if self.kind == "constant" or (self.kind == "cosine" and total <= self.warmup_steps):
+        warmup = warmup_of(self.warmup_steps, self.total_steps)
+        if self.kind == "constant" or (self.kind == "cosine" and total <= warmup):
             after = np.full_like(t, self.max_lr)
         elif self.kind == "cosine":
-            progress = np.clip((t - self.warmup_steps) / (total - self.warmup_steps), 0.0, 1.0)
+            progress = np.clip((t - warmup) / (total - warmup), 0.0, 1.0)
             after = floor + 0.5 * (1 + np.cos(math.pi * progress)) * (self.max_lr - floor)
         else:
             decay = self.wsd_decay_steps
             progress = np.clip((t - (total - decay)) / decay, 0.0, 1.0)
             after = floor + _decayed(progress, self.decay_shape) * (self.max_lr - floor)
-        if self.warmup_steps <= 0:
+        if warmup <= 0:
             return after
-        return np.where(t <= self.warmup_steps, self.max_lr * t / self.warmup_steps, after)
+        return np.where(t <= warmup, self.max_lr * t / warmup, after)
 
     def continues(self, before: "LRSchedule", steps_taken: int) -> bool:
         """Whether this schedule is ``before`` as far as it went: the same start, and the
@@ -116,7 +138,7 @@ def check_schedule(optim) -> None:
         raise ValueError(
             f"--min-lr-ratio {optim.min_lr_ratio} is not valid; valid: 0 to 1 (a share of --lr)"
         )
-    room = optim.steps - optim.warmup_steps
+    room = optim.steps - warmup_of(optim.warmup_steps, optim.steps)
     if optim.decay_steps is not None and not 1 <= optim.decay_steps <= max(room, 1):
         raise ValueError(
             f"--decay-steps {optim.decay_steps} is not valid with --steps "

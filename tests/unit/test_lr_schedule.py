@@ -6,7 +6,13 @@ import math
 import pytest
 
 from meshwise.train.config import OptimConfig, recorded_section
-from meshwise.train.lr_schedule import LRSchedule, check_schedule, lr_at, resumed_start
+from meshwise.train.lr_schedule import (
+    LRSchedule,
+    check_schedule,
+    lr_at,
+    resumed_start,
+    warmup_warning,
+)
 
 
 def _optim(**changes) -> OptimConfig:
@@ -88,3 +94,18 @@ def test_bad_schedules_name_the_valid_values(changes, message):
                 **{**dataclasses.asdict(OptimConfig(warmup_steps=10, steps=100)), **changes}
             )
         )
+
+
+@pytest.mark.parametrize("kind", ["cosine", "wsd", "constant"])
+def test_a_warmup_longer_than_the_run_is_clamped_and_said(kind):
+    optim = _optim(lr=1e-3, warmup_steps=20, steps=10, lr_schedule=kind)
+    rates = [LRSchedule.of(optim).lr(step) for step in range(1, 11)]
+    assert max(rates) == pytest.approx(1e-3)  # the rate reaches --lr ...
+    if kind != "constant":
+        assert rates[-1] < 1e-3  # ... and its decay starts
+    assert warmup_warning(optim) == (
+        "--warmup-steps 20 is not shorter than --steps 10: warming up over 1 steps "
+        "instead, so the rate reaches --lr 0.001 and decays; give --warmup-steps below "
+        "--steps to choose"
+    )
+    assert warmup_warning(_optim(warmup_steps=9, steps=10)) is None

@@ -142,7 +142,7 @@ def test_meshwise_train_computes_the_run_state_once_per_launch(tmp_path, monkeyp
             "--dp",
             "1",
             "--steps",
-            "4",
+            "200",  # the checkpoint's schedule, which the resumed one continues
             "--quiet",
         ]
     )
