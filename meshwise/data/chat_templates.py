@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+# An assistant message's content and <|im_end|> are its generation (the newline after
+# is the template's): transformers' return_assistant_tokens_mask marks them alone.
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt "
-    "%}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 BUILT_IN = {"chatml": CHATML}
 TOKENIZER_OWN = "tokenizer"  # --chat-template's default: the tokenizer's own template
+# Around what a {% generation %} block renders (private-use characters, refused in messages).
+GENERATION_START, GENERATION_END = "\ue000", "\ue001"
+_MARKS = re.compile(f"([{GENERATION_START}{GENERATION_END}])")
 
 
 @dataclass(frozen=True)
@@ -35,17 +43,31 @@ class ChatTemplate:
         return hashlib.sha256(self.source.encode()).hexdigest()[:16]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return _MARKS.sub("", self._marked(messages, add_generation_prompt))
+
+    def _marked(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return _compiled(self.source).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special
         )
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The whole conversation rendered, and the ``[start, end)`` character spans of
-        its assistant messages: from the end of the conversation before the message
-        rendered with the generation prompt, to the end of the conversation up to and
-        including it. ValueError when the template does not render a conversation's
-        beginning as the beginning of the whole (its spans could not be found)."""
-        text = self.render(messages)
+        its assistant messages: what its ``{% generation %}`` blocks render, as
+        transformers' ``return_assistant_tokens_mask`` takes them; in a template without
+        such blocks, from the end of the conversation before the message rendered with
+        the generation prompt to the end of the conversation up to and including it.
+        ValueError when the template does not render a conversation's beginning as the
+        beginning of the whole (its spans could not be found)."""
+        for i, message in enumerate(messages):
+            if _MARKS.search(message["content"]):
+                raise ValueError(
+                    f"message {i} holds U+E000 or U+E001, which mark the template's "
+                    "generation blocks; valid: text without them"
+                )
+        marked = self._marked(messages)
+        if GENERATION_START in marked:
+            return _generation_spans(marked)
+        text = _MARKS.sub("", marked)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -64,6 +86,21 @@ class ChatTemplate:
         return text, spans
 
 
+def _generation_spans(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """``marked`` without its marks, and the spans its generation blocks rendered."""
+    text, spans, at, start = [], [], 0, 0
+    for piece in _MARKS.split(marked):
+        if piece == GENERATION_START:
+            start = at
+        elif piece == GENERATION_END:
+            if at > start:
+                spans.append((start, at))
+        else:
+            text.append(piece)
+            at += len(piece)
+    return "".join(text), spans
+
+
 @lru_cache(maxsize=8)
 def _compiled(source: str):
     import jinja2
@@ -72,14 +109,19 @@ def _compiled(source: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
-        """``{% generation %} ... {% endgeneration %}``: its body, as rendered."""
+        """``{% generation %} ... {% endgeneration %}``: its body, as rendered, between
+        ``GENERATION_START`` and ``GENERATION_END``."""
 
         tags = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body).set_lineno(lineno)
+            call = self.call_method("_marked")
+            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _marked(self, caller) -> str:
+            return GENERATION_START + caller() + GENERATION_END
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)

@@ -8,7 +8,7 @@ import pytest
 from meshwise.data.batches import BatchSource
 from meshwise.data.chat import chat_problem, generation_prompt, render
 from meshwise.data.chat_files import build_chat_file, open_chat_file
-from meshwise.data.chat_templates import load_template
+from meshwise.data.chat_templates import BUILT_IN, load_template
 from meshwise.data.dataset import TokenDataset, read_meta
 from meshwise.data.packing import PackedRows
 from meshwise.data.readers import ReadOptions
@@ -47,6 +47,24 @@ def test_tokens_and_assistant_labels_are_transformers(chat_tokenizer):
     assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n") and end == "<|im_end|>"
 
 
+@pytest.mark.parametrize("name", list(BUILT_IN))
+def test_each_shipped_template_labels_what_transformers_masks(chat_tokenizer, name):
+    tokenizer, template = load_tokenizer(chat_tokenizer), load_template(name, None)
+    hf = hf_tokenizer(str(chat_tokenizer))
+    for messages in conversations(6):
+        ids, assistant = render(template, tokenizer, messages)
+        want = hf.apply_chat_template(
+            messages,
+            chat_template=BUILT_IN[name],
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+        assert ids.tolist() == list(want["input_ids"])
+        assert assistant.astype(int).tolist() == list(want["assistant_masks"])
+        assert any(assistant)
+
+
 def test_a_template_the_tokenizer_lacks_names_what_is_available(chat_tokenizer, tmp_path):
     with pytest.raises(
         ValueError, match="byte-level text has no chat template; available: chatml, a .jinja file"
@@ -59,7 +77,7 @@ def test_a_template_the_tokenizer_lacks_names_what_is_available(chat_tokenizer, 
     ids, assistant = render(load_template("chatml", None), ByteTokenizer(), conversations(2)[1])
     text = bytes(ids.tolist()).decode()
     assert text.startswith("<|im_start|>user\nWhat is")
-    assert bytes(ids[assistant].tolist()).decode().endswith(".<|im_end|>\n")
+    assert bytes(ids[assistant].tolist()).decode().endswith(".<|im_end|>")  # not the newline
 
 
 def test_bad_records_name_their_line(tmp_path):
