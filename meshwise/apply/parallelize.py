@@ -110,9 +110,7 @@ class ParallelModel:
 
     def layers(self) -> list[nn.Module]:
         """The repeated layers of every chunk, in order (ZeRO-3 units, checkpointing)."""
-        return [
-            layer for chunk in self.chunks for layer in getattr(chunk, self.plan.layers).values()
-        ]
+        return [layer for chunk in self.chunks for layer in chunk_layers(chunk, self.plan)]
 
     def logical_name(self, name: str) -> str:
         return self.plan.logical_name(name)
@@ -296,14 +294,44 @@ def _mark_ties(chunks, ties: list[str], tie_group) -> None:
                 mark_tie(params[name], tie_group)
 
 
-def _layers(model: nn.Module, plan: ParallelPlan) -> nn.ModuleDict:
-    layers = getattr(model, plan.layers, None)
-    if not isinstance(layers, nn.ModuleDict):
+def _layers(model: nn.Module, plan: ParallelPlan) -> nn.ModuleDict | nn.ModuleList:
+    name = type(model).__name__
+    if not hasattr(model, plan.layers):
+        children = ", ".join(n for n, _ in model.named_children()) or "none"
         raise ValueError(
-            f"plan: {type(model).__name__}.{plan.layers} must be an nn.ModuleDict "
-            "of the layers keyed by their index"
+            f"plan: {name} has no attribute {plan.layers!r} (the plan's layers); "
+            f"its children: {children}"
+        )
+    layers = getattr(model, plan.layers)
+    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        raise ValueError(
+            f"plan: {name}.{plan.layers} is a {type(layers).__name__}; valid: an "
+            "nn.ModuleList of the layers, or an nn.ModuleDict keyed by their index"
         )
     return layers
+
+
+def chunk_layers(chunk: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
+    """The layers ``chunk`` (a model or a pipeline stage of it) holds, in order."""
+    layers = _layers(chunk, plan)
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+
+
+class StageLayers(nn.ModuleList):
+    """The layers of an ``nn.ModuleList`` that one pipeline stage holds, named by their
+    index in the whole list (``blocks.2`` on the stage of layers 2 and 3), so names do
+    not depend on the layout; iterating and indexing go over the held layers in order.
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Module]]):
+        super().__init__()
+        for key, layer in named:
+            self.add_module(key, layer)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return StageLayers(list(self._modules.items())[idx])
+        return list(self._modules.values())[idx]
 
 
 def _cut(model: nn.Module, plan: ParallelPlan, stage: int, num_stages: int) -> nn.Module:
@@ -312,12 +340,14 @@ def _cut(model: nn.Module, plan: ParallelPlan, stage: int, num_stages: int) -> n
         return model
     chunk = copy.deepcopy(model)  # cheap on the meta device
     layers = _layers(chunk, plan)
-    keys = list(layers.keys())
-    per_stage = len(keys) // num_stages
-    keep = set(keys[stage * per_stage : (stage + 1) * per_stage])
-    for key in keys:
-        if key not in keep:
+    named = list(layers.named_children())
+    per_stage = len(named) // num_stages
+    kept = named[stage * per_stage : (stage + 1) * per_stage]
+    if isinstance(layers, nn.ModuleDict):
+        for key in {key for key, _ in named} - {key for key, _ in kept}:
             del layers[key]
+    else:  # a ModuleList renumbers what remains after a deletion: keep the indices
+        setattr(chunk, plan.layers, StageLayers(kept))
     if stage != 0:
         for name in plan.first_stage:
             _set_module(chunk, name, None)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
-from meshwise.apply.parallelize import ParallelModel
+from meshwise.apply.parallelize import ParallelModel, chunk_layers
 from meshwise.comm import ops
 from meshwise.geometry.init import on_meta
 from meshwise.mesh import Mesh
@@ -118,6 +118,6 @@ def build_observer(
     """FLOPs come from the whole model's shapes (built on the meta device)."""
     with on_meta():
         whole = fam.build(model_cfg)
-    layers = list(getattr(whole, parallel_model.plan.layers).values())
+    layers = chunk_layers(whole, parallel_model.plan)
     d_model = None if model_cfg else hidden_size(layers[0])
     return RunObserver(cfg, run, mesh, device, whole, layers, record(cfg, run)["config"], d_model)

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from meshwise.apply.parallelize import ParallelModel, parallelize
+from meshwise.apply.parallelize import ParallelModel, chunk_layers, parallelize
 from meshwise.device.choice import resolve_dtype, takes_bf16
 from meshwise.geometry.init import on_meta
 from meshwise.mesh import Mesh
@@ -89,7 +89,7 @@ def build_engine(
             per_chunk = []
             for chunk in model.chunks:
                 first, last = model.end_modules(chunk)
-                per_chunk.append(first + list(getattr(chunk, model.plan.layers).values()) + last)
+                per_chunk.append(first + chunk_layers(chunk, model.plan) + last)
                 alone += first + last
             target, units = model.chunks, per_chunk
         return ZeroStage3(

@@ -89,8 +89,45 @@ def test_bad_plans_and_cuts_are_refused():
         _laid_out(tp_size=1, pp_rank=0, pp_size=3)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="must be an nn.ModuleDict"):
+    with pytest.raises(ValueError, match="has no attribute 'blocks' .*; its children: 0"):
         parallelize(model, ParallelPlan(layers="blocks"))
+    with pytest.raises(ValueError, match=r"Sequential.0 is a Linear; valid: an nn.ModuleList"):
+        parallelize(model, ParallelPlan(layers="0"))
+
+
+class ListLM(nn.Module):
+    """A model of one's own in the usual PyTorch form: its layers an ``nn.ModuleList``."""
+
+    def __init__(self, num_layers: int = 4, width: int = 8):
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(num_layers))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.embed(x) if self.embed is not None else x
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x) if self.head is not None else x
+
+
+def test_a_module_list_of_layers_is_cut_into_stages_that_keep_their_indices():
+    plan = ParallelPlan(layers="blocks", first_stage=("embed",), last_stage=("head",))
+    whole = ListLM()
+    stages = []
+    for rank in (0, 1):
+        pm = parallelize(
+            ListLM(), plan, pp_rank=rank, pp_size=2, virtual_stages=1, check_forward=True
+        )
+        pm.chunks[0].load_state_dict(whole.state_dict(), strict=False)
+        stages.append(pm)
+    second = stages[1].chunks[0]
+    assert [n for n, _ in second.named_parameters()] == [
+        f"blocks.{i}.{w}" for i in (2, 3) for w in ("weight", "bias")
+    ] + ["head.weight", "head.bias"]
+    assert len(stages[1].layers()) == 2 and second.blocks[-1] is second.blocks[1]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(second(stages[0].chunks[0](x)), whole(x), rtol=0, atol=0)
 
 
 def test_sequence_and_context_parallel_swap_what_the_plan_names():
