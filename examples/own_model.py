@@ -120,15 +120,19 @@ def train(cfg: TrainConfig, data_path: str) -> list[float]:
 
 def reference(cfg: TrainConfig, data_path: str) -> list[float]:
     """The same training in one process with plain PyTorch."""
-    from meshwise.apply.module_init import default_inits
+    from meshwise import parallelize
     from meshwise.data.dataset import TokenDataset
-    from meshwise.geometry.init import init_module
     from meshwise.train.lr_schedule import lr_at
 
-    torch.manual_seed(0)
+    # The initial values every layout starts from: each module's own initialisation,
+    # drawn from the seed; one process holds every element.
+    with torch.device("meta"):
+        meta_model = TinyLM()
+    values = parallelize(meta_model, PLAN).init_values(seed=cfg.data.seed)
     model = TinyLM()
-    # meshwise draws each module's own initialisation from the seed, layout-independently
-    init_module(model, default_inits(model).__getitem__, cfg.data.seed, PLAN.logical_name)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(values(name, 0, param.numel()).view(param.shape))
     o, d = cfg.optim, cfg.data
     matrices = [p for p in model.parameters() if p.dim() >= 2]  # weight decay: matrices only
     others = [p for p in model.parameters() if p.dim() < 2]

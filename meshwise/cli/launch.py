@@ -13,7 +13,9 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -132,6 +134,7 @@ def _spawned_child(
     device: str,
     timeout_s: float,
     parent_pid: int,
+    results: str,
 ) -> None:
     die_with_parent(parent_pid)
     prefer_for_oom_kill()
@@ -148,7 +151,8 @@ def _spawned_child(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        run_rank(fn, args, device, timeout_s, world_size)
+        result = run_rank(fn, args, device, timeout_s, world_size)
+        torch.save(result, _result_file(results, local_rank))
     except KeyboardInterrupt:
         # Raised, not swallowed: torch.multiprocessing would report a clean exit.
         raise RankInterrupted(f"interrupted (SIGINT to rank {local_rank}'s process)") from None
@@ -171,27 +175,42 @@ def launch(
     device: str,
     timeout_s: float,
     ledger_out: str | os.PathLike | None = None,
-) -> None:
-    """Run ``fn(*args)`` (importable: CUDA ranks are spawned) on every rank; raise ``RankFailed``
-    if any fails. ``ledger_out``: where the ledgers go when they explain a local failure.
+) -> list:
+    """Run ``fn(*args)`` (importable: CUDA ranks are spawned) on every rank and return what
+    each returned, by rank (picklable values); raise ``RankFailed`` if any fails. Under
+    torchrun a process knows only its own rank's value: the others are None.
+    ``ledger_out``: where the ledgers go when they explain a local failure.
     """
     if under_torchrun():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        rank = int(os.environ["RANK"])
         try:
-            run_rank(fn, args, device, timeout_s, local)
+            result = run_rank(fn, args, device, timeout_s, local)
         except KeyboardInterrupt:
-            raise RankFailed(f"rank {os.environ['RANK']}: interrupted (SIGINT)") from None
+            raise RankFailed(f"rank {rank}: interrupted (SIGINT)") from None
         except Exception:
-            raise RankFailed(
-                failure_message(int(os.environ["RANK"]), traceback.format_exc())
-            ) from None
-        return
-    with JobFolder(ledger_out) as job:
-        _spawn(fn, args, world_size, device, timeout_s, job)
+            raise RankFailed(failure_message(rank, traceback.format_exc())) from None
+        return [result if r == rank else None for r in range(torchrun_world_size())]
+    with JobFolder(ledger_out) as job, tempfile.TemporaryDirectory(prefix="meshwise-") as results:
+        _spawn(fn, args, world_size, device, timeout_s, job, results)
+        return [
+            torch.load(_result_file(results, rank), map_location="cpu", weights_only=False)
+            for rank in range(world_size)
+        ]
+
+
+def _result_file(results: str, rank: int) -> Path:
+    return Path(results, f"rank-{rank}.pt")
 
 
 def _spawn(
-    fn: Callable, args: tuple, world_size: int, device: str, timeout_s: float, job: JobFolder
+    fn: Callable,
+    args: tuple,
+    world_size: int,
+    device: str,
+    timeout_s: float,
+    job: JobFolder,
+    results: str,
 ) -> None:
     import torch.multiprocessing as mp
 
@@ -202,7 +221,7 @@ def _spawn(
     try:
         context = mp.start_processes(
             _spawned_child,
-            args=(world_size, free_port(), fn, args, device, timeout_s, os.getpid()),
+            args=(world_size, free_port(), fn, args, device, timeout_s, os.getpid(), results),
             nprocs=world_size,
             join=False,
             start_method=start_method(device),
