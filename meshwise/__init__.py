@@ -16,6 +16,7 @@ _PUBLIC = {
     "GPT": "meshwise.models.gpt",
     "GPTConfig": "meshwise.models.gpt",
     "Mesh": "meshwise.mesh",
+    "MeshwiseError": "meshwise.geometry.errors",
     "ParallelDims": "meshwise.mesh",
     "ParallelModel": "meshwise.apply.parallelize",
     "ParallelPlan": "meshwise.geometry.plan",

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from meshwise.geometry.errors import MeshwiseError
 from meshwise.geometry.init import on_meta
 from meshwise.geometry.plan import ParallelPlan
 from meshwise.tensor_parallel.layers import padded_vocab_size
@@ -40,12 +41,12 @@ def split_modules(model: nn.Module, plan: ParallelPlan) -> list[tuple[str, nn.Mo
         if style == "shard_norm":
             weight = getattr(module, "weight", None)
             if not hasattr(module, "eps") or weight is None or weight.dim() != 1:
-                raise ValueError(
+                raise MeshwiseError(
                     f"plan: {path} is a {type(module).__name__}, but style "
                     "'shard_norm' needs an RMSNorm (a weight of one dim and eps)"
                 )
         elif not isinstance(module, _FITS[style]):
-            raise ValueError(
+            raise MeshwiseError(
                 f"plan: {path} is a {type(module).__name__}, but style {style!r} "
                 f"needs an nn.{_FITS[style].__name__}; change its style or the "
                 "module"
@@ -54,7 +55,7 @@ def split_modules(model: nn.Module, plan: ParallelPlan) -> list[tuple[str, nn.Mo
         found.append((path, module, style))
     for pattern, _ in plan.tp:
         if pattern not in used:
-            raise ValueError(
+            raise MeshwiseError(
                 f"plan: tp pattern {pattern!r} matches no module of "
                 f"{type(model).__name__}; fix the name (modules look like "
                 f"{_examples(model)})"
@@ -72,7 +73,7 @@ def check_names(model: nn.Module, plan: ParallelPlan) -> None:
     modules = dict(model.named_modules())
     for name in (*plan.first_stage, *plan.last_stage):
         if name not in modules:
-            raise ValueError(
+            raise MeshwiseError(
                 f"plan: first_stage/last_stage module {name!r} is not a module of "
                 f"{type(model).__name__}; fix the name (modules look like "
                 f"{_examples(model)})"
@@ -81,13 +82,13 @@ def check_names(model: nn.Module, plan: ParallelPlan) -> None:
     for tie in plan.ties:
         for name in tie:
             if name not in params:
-                raise ValueError(
+                raise MeshwiseError(
                     f"plan: tied parameter {name!r} is not a parameter of "
                     f"{type(model).__name__}; fix the name"
                 )
         shapes = {name: tuple(params[name].shape) for name in tie}
         if len(set(shapes.values())) > 1:
-            raise ValueError(
+            raise MeshwiseError(
                 f"plan: tied parameters have different shapes {shapes}; tie "
                 "only parameters of one shape (an embedding (V, D) and a head "
                 "nn.Linear(D, V))"
@@ -100,7 +101,7 @@ def check_divisible(split, tp_size: int) -> None:
             attr = "out_features" if style == "colwise" else "in_features"
             size = getattr(module, attr)
             if size % tp_size:
-                raise ValueError(
+                raise MeshwiseError(
                     f"plan: {path}.{attr} = {size} is not divisible by tp "
                     f"{tp_size}; choose a tp that divides it, or replicate {path}"
                 )
@@ -114,13 +115,13 @@ def vocab_from_modules(split, given: int | None) -> int | None:
         if style in ("vocab_embedding", "vocab_head")
     }
     if len(set(sizes.values())) > 1:
-        raise ValueError(
+        raise MeshwiseError(
             f"plan: the vocabulary-split modules disagree on the vocabulary: "
             f"{sizes}; give them one size"
         )
     found = next(iter(sizes.values()), None)
     if given is not None and found is not None and given != found:
-        raise ValueError(
+        raise MeshwiseError(
             f"vocab_size={given} but {next(iter(sizes))} holds {found} rows; "
             "leave vocab_size out (it is read from the model) or make them agree"
         )
@@ -215,7 +216,7 @@ def _run(model: nn.Module, x, message: Callable[[str, Exception], str]):
             return model(x)
     except Exception as exc:
         where = stack[-1] if stack else type(model).__name__
-        raise ValueError(message(where, exc)) from exc
+        raise MeshwiseError(message(where, exc)) from exc
     finally:
         for hook in hooks:
             hook.remove()

@@ -23,6 +23,7 @@ from meshwise.apply.checks import (
 from meshwise.apply.module_init import default_inits
 from meshwise.comm import ops
 from meshwise.context_parallel.ring import RingAttention
+from meshwise.geometry.errors import MeshwiseError
 from meshwise.geometry.init import Init, init_values
 from meshwise.geometry.params import logical_piece, mark_tie
 from meshwise.geometry.pieces import Piece
@@ -137,14 +138,14 @@ class ParallelModel:
         initialisation (``meshwise.apply.module_init``)."""
         if init_of is None:
             if self.own_inits is None:
-                raise ValueError(self.own_inits_problem)
+                raise MeshwiseError(self.own_inits_problem)
             init_of = self.own_init
         return self.values_from(lambda piece: init_values(init_of(piece.name), seed, piece))
 
     def own_init(self, name: str) -> Init:
         """The initialisation parameter ``name``'s module gives it (ValueError if unknown)."""
         if self.own_inits is None:
-            raise ValueError(self.own_inits_problem)
+            raise MeshwiseError(self.own_inits_problem)
         return self.own_inits[self.logical_name(name)]
 
     def values_from(self, read: Callable[[Piece], torch.Tensor]):
@@ -214,17 +215,17 @@ def parallelize(
     num_stages = pp_size * virtual_stages
     layers = _layers(model, plan)
     if len(layers) % num_stages:
-        raise ValueError(
+        raise MeshwiseError(
             f"{len(layers)} layers do not split into pp x virtual stages = "
             f"{pp_size} x {virtual_stages} = {num_stages} equal chunks"
         )
     if sequence_parallel and tp_size_of(tp_group) == 1:
-        raise ValueError(
+        raise MeshwiseError(
             "sequence parallelism splits the sequence across tp ranks: it needs tp > 1"
         )
     cp_size = 1 if cp_group is None else cp_group.size
     if cp_size > 1 and not plan.ring_capable:
-        raise ValueError(
+        raise MeshwiseError(
             f"{type(model).__name__}'s plan names no ring_attention: its "
             "attention cannot run under context parallelism"
         )
@@ -298,13 +299,13 @@ def _layers(model: nn.Module, plan: ParallelPlan) -> nn.ModuleDict | nn.ModuleLi
     name = type(model).__name__
     if not hasattr(model, plan.layers):
         children = ", ".join(n for n, _ in model.named_children()) or "none"
-        raise ValueError(
+        raise MeshwiseError(
             f"plan: {name} has no attribute {plan.layers!r} (the plan's layers); "
             f"its children: {children}"
         )
     layers = getattr(model, plan.layers)
     if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
-        raise ValueError(
+        raise MeshwiseError(
             f"plan: {name}.{plan.layers} is a {type(layers).__name__}; valid: an "
             "nn.ModuleList of the layers, or an nn.ModuleDict keyed by their index"
         )
@@ -378,7 +379,7 @@ def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group, sequence) -> None:
         for name in held[1:]:
             first = _get_param(chunk, held[0])
             if _get_param(chunk, name).shape != first.shape:
-                raise ValueError(f"plan: tied {held[0]} and {name} are split differently")
+                raise MeshwiseError(f"plan: tied {held[0]} and {name} are split differently")
             set_param(chunk, name, first)
 
 

@@ -34,10 +34,12 @@ from meshwise.cli.ranks import (  # noqa: F401
 )
 from meshwise.comm import ops
 from meshwise.device.choice import rank_device
+from meshwise.geometry.errors import MeshwiseError
 
 log = logging.getLogger("meshwise")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1
 # Added to a local rank's oom_score_adj, so that out of memory the kernel kills a rank
 # and not the launcher, which is what names the rank and its peak memory then.
@@ -84,7 +86,12 @@ def run_rank(
         torch.set_num_threads(_threads_per_rank(num_local_ranks))
     ops.init_process_group("nccl" if device == "cuda" else "gloo", timeout_s)
     try:
-        result = fn(*args)
+        try:
+            result = fn(*args)
+        except ValueError as exc:
+            if raised_by_meshwise(exc) and not isinstance(exc, MeshwiseError):
+                raise MeshwiseError(str(exc)) from exc
+            raise
         # Tear down together: a rank that closes its connections while a peer's
         # transport still drains point-to-point traffic can abort that peer.
         ops.barrier(ops.world_group())
@@ -94,6 +101,17 @@ def run_rank(
         # now so their teardown happens here, in order, not at interpreter exit.
         gc.collect()
         ops.destroy_process_group()
+
+
+def raised_by_meshwise(exc: BaseException) -> bool:
+    """Whether a ``raise`` statement of meshwise's own code raised ``exc``: by the house
+    rule a user's mistake (a ``ValueError`` naming the bad value), not a failure inside."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return False
+    last = frames[-1]
+    inside = Path(last.filename).resolve().is_relative_to(PACKAGE_DIR)
+    return inside and (last.line or "").lstrip().startswith("raise")
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -8,6 +8,7 @@ they ended, whose failure is not a consequence of a peer's (a closed connection)
 from __future__ import annotations
 
 import multiprocessing.connection
+import os
 import pickle
 import re
 import signal
@@ -168,16 +169,19 @@ EXPECTED_ERRORS = (
     "ConfigMismatch",
     "MetricsWriteError",
     "RankInterrupted",
+    "MeshwiseError",
     "CheckpointWriteError",
 )
+DEBUG_ENV = "MESHWISE_DEBUG"  # 1: every failed rank's whole traceback, expected or not
 
 
 def failure_message(rank: int, trace: str) -> str:
-    """``rank N: <message>`` for an expected stop or a lost peer, else the rank's whole
-    traceback."""
+    """``rank N: <message>`` for an expected stop or a lost peer, else (or with
+    ``MESHWISE_DEBUG=1``) the rank's whole traceback."""
     last = trace.strip().splitlines()[-1] if trace.strip() else ""
     kind, _, message = last.partition(": ")
-    if kind.rsplit(".", 1)[-1] in EXPECTED_ERRORS:
+    debug = os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+    if kind.rsplit(".", 1)[-1] in EXPECTED_ERRORS and not debug:
         return f"rank {rank}: {message}"
     never = NEVER_JOINED.search(last)
     if never:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
+from meshwise.geometry.errors import MeshwiseError
+
 TP_STYLES = (
     "colwise",
     "rowwise",
@@ -35,12 +37,12 @@ class ParallelPlan:
         for entries, styles in ((self.tp, TP_STYLES), (self.cp, CP_STYLES)):
             for pattern, style in entries:
                 if style not in styles:
-                    raise ValueError(
+                    raise MeshwiseError(
                         f"plan: style {style!r} for {pattern!r}; valid: {', '.join(styles)}"
                     )
         names = [n for tie in self.ties for n in tie]
         if len(names) != len(set(names)):
-            raise ValueError("plan: a parameter is listed in two ties")
+            raise MeshwiseError("plan: a parameter is listed in two ties")
 
     def tp_match(self, module_path: str) -> tuple[str, str] | None:
         """The first ``(pattern, style)`` matching ``module_path`` (None: replicated)."""
