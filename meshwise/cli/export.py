@@ -15,7 +15,8 @@ def add_export_arguments(parser) -> None:
         choices=FORMATS,
         default="safetensors",
         help="safetensors: meshwise names + config.json; hf: a Hugging Face "
-        "directory (GPT-2 or Llama, with the tokenizer) (default "
+        "directory (GPT-2 or Llama, Mistral, Qwen2, Qwen3: the checkpoint's family, with "
+        "the tokenizer) (default "
         "safetensors)",
     )
 

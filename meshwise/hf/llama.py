@@ -11,6 +11,8 @@ from pathlib import Path
 from meshwise.models.llama import LlamaConfig, rope_type_of
 
 ARCHITECTURE = "LlamaForCausalLM"
+# What --init-from reads (GPT-2 through meshwise.hf.gpt2), for messages.
+FAMILIES_READ = "Llama, Mistral, Qwen2, Qwen3 or GPT-2"
 # model_type -> the architecture transformers builds for it
 ARCHITECTURES = {
     "llama": ARCHITECTURE,
@@ -83,14 +85,14 @@ def read_config(directory: str | Path) -> dict:
     if not Path(directory).is_dir():
         raise ValueError(
             f"--init-from {directory}: no such directory; expected a Hugging Face "
-            "Llama directory (config.json + model.safetensors)"
+            f"{FAMILIES_READ} directory (config.json + model.safetensors)"
         )
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(
             f"--init-from {directory}: no config.json there; expected a Hugging "
-            "Face Llama directory (config.json + model.safetensors)"
+            f"Face {FAMILIES_READ} directory (config.json + model.safetensors)"
         ) from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"--init-from {path}: not a readable JSON file ({exc})") from None

@@ -78,3 +78,12 @@ def test_features_meshwise_does_not_compute_are_named(tmp_path, model_type, chan
     config = {**read_config(tmp_path), **change}
     with pytest.raises(ValueError, match=message):
         llama_sizes(config, "d")
+
+
+def test_a_directory_without_config_json_names_every_family_read(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match="no config.json there; expected a Hugging Face "
+        "Llama, Mistral, Qwen2, Qwen3 or GPT-2 directory",
+    ):
+        read_config(tmp_path)
