@@ -10,6 +10,7 @@ import sys
 from meshwise.cli.auto_layout import add_layout_argument
 from meshwise.cli.bench import add_bench_comm_arguments, run_bench_comm
 from meshwise.cli.data import add_data_arguments, run_data
+from meshwise.cli.did_you_mean import SuggestingParser
 from meshwise.cli.export import add_export_arguments, run_export
 from meshwise.cli.generate import add_generate_arguments, run_generate
 from meshwise.cli.plan import add_plan_arguments, run_plan
@@ -20,7 +21,7 @@ from meshwise.cli.train_flags import add_train_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="meshwise", description="3D-parallel training for PyTorch (data, tensor, pipeline)."
     )
     parser.add_argument("--version", action="version", version=f"meshwise {_version()}")

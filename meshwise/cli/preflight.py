@@ -77,6 +77,8 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
         resume.check_save_dir(c.save)
         resume.check_not_overwriting(c.save, c.resume)
     start = resume.find_resume(c.resume, c.save)
+    if c.resume == "auto" and start is None:
+        log.info("%s", fresh_start_line(c.save))
     run = RunState.at_launch(cfg, path, run_id)
     ckpt = None
     if start is not None:
@@ -85,6 +87,11 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
     run = run.starting_from(cfg.optim, start)
     check_start(cfg, run, ckpt, capacity.checkpoint_bytes(cfg, num_params))
     return path, run
+
+
+def fresh_start_line(save_dir: str | None) -> str:
+    """What ``--resume auto`` says when ``--save`` holds no checkpoint to resume."""
+    return f"--resume auto: {save_dir} holds no complete checkpoint yet; starting at step 1"
 
 
 def check_torchrun(cfg: TrainConfig) -> None:

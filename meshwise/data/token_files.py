@@ -239,8 +239,8 @@ def resolve_vocab_size(
     """
     stated, max_token = meta.get("vocab_size"), meta.get("max_token")
     source = meta.get("source", "the data")
+    name = path or f"the token file of {source}"  # the file given, not where it came from
     if stated and max_token is not None and max_token >= stated:
-        name = path or f"the token file of {source}"
         raise ValueError(
             f"{name} holds token id {max_token}, outside the vocabulary of {stated} "
             "it was tokenized with: it changed since meshwise wrote it; prepare it "
@@ -249,13 +249,13 @@ def resolve_vocab_size(
     if requested:
         if max_token is not None and max_token >= requested:
             raise ValueError(
-                f"{source} holds token id {max_token}, outside --vocab-size "
+                f"{name} holds token id {max_token}, outside --vocab-size "
                 f"{requested}; valid: --vocab-size {max_token + 1} or more"
             )
         if stated and requested < stated:
             raise ValueError(
                 f"--vocab-size {requested} is smaller than the vocabulary of "
-                f"{stated} the data was tokenized with; valid: --vocab-size "
+                f"{stated} that {name} was tokenized with; valid: --vocab-size "
                 f"{stated} or more"
             )
         return requested

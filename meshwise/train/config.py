@@ -318,10 +318,12 @@ class TrainConfig:
             {**self.model.sizes(max(m.vocab_size, 1)), "dropout": m.dropout}
         )
         if d.seq_len > m.block_size:
+            whose = (
+                f"--init-from {m.init_from}'s config.json" if m.init_from else f"preset {m.preset}"
+            )
             raise ValueError(
-                f"--seq-len {d.seq_len} exceeds the model's context of "
-                f"{m.block_size} tokens (preset {m.preset}); use --seq-len <= "
-                f"{m.block_size}"
+                f"--seq-len {d.seq_len} exceeds the model's context of {m.block_size} "
+                f"tokens (from {whose}); use --seq-len <= {m.block_size}"
             )
 
 

@@ -83,11 +83,17 @@ def check_init_from(cfg: TrainConfig) -> None:
     if cfg.data.tokenizer:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         if tokenizer.vocab_size > model.vocab_size:
+            own = Path(m.init_from, "tokenizer.json").resolve()
+            valid = (
+                f"--tokenizer PATH of at most {model.vocab_size} tokens, or a config.json "
+                f"whose vocab_size is at least {tokenizer.vocab_size}"
+                if Path(cfg.data.tokenizer).resolve() == own  # the default is what failed
+                else "the model's own tokenizer (its tokenizer.json, the default)"
+            )
             raise ValueError(
                 f"--tokenizer {tokenizer.describe()} has more tokens than the "
                 f"vocabulary of {model.vocab_size} in --init-from {m.init_from}'s "
-                "config.json; valid: the model's own tokenizer (its "
-                "tokenizer.json, the default)"
+                f"config.json; valid: {valid}"
             )
 
 

@@ -40,9 +40,13 @@ def check_layout(cfg, own_model: bool = False) -> None:
         validate_schedule_config(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
         chunks = p.pp * p.virtual_stages
         if m.n_layer % chunks and not own_model:
+            fits = [n for n in range(2, m.n_layer + 1) if m.n_layer % (n * p.virtual_stages) == 0]
+            fits = ([1] if p.virtual_stages == 1 else []) + fits
+            pps = f"--pp {', '.join(map(str, fits))}, or " if fits else ""
             raise ValueError(
                 f"--n-layer {m.n_layer} does not split into pp x virtual-stages "
-                f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks"
+                f"= {p.pp} x {p.virtual_stages} = {chunks} equal chunks; valid: "
+                f"{pps}--n-layer a multiple of {chunks}"
             )
     _check_sequence(cfg, own_model)
     if p.reshard_after_forward and p.zero != 3:

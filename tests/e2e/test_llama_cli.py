@@ -189,7 +189,7 @@ def _bad_moe(d, _):
         ),
         (_bad_missing_shard, [], "the shard model-00002-"),
         (_bad_missing_tensor, [], "lists no tensor model.layers.3.mlp.up_proj.weight"),
-        (_bad_big_tokenizer, [], "has more tokens than the vocabulary of 301"),
+        (_bad_big_tokenizer, [], "config.json; valid: --tokenizer PATH of at most 301 tokens"),
         (_bad_rope, [], "rope_scaling type 'yarn' is not supported; valid: llama3"),
         (_bad_moe, [], "config.json has MoE blocks (num_local_experts 8)"),
         (None, ["--n-layer", "2"], "--n-layer 2 contradicts --init-from"),

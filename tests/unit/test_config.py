@@ -275,3 +275,48 @@ def test_sp_is_a_switch_on_the_command_line_and_a_bool_in_toml(tmp_path):
     path.write_text("tp = 2\nsp = 1\n")
     with pytest.raises(ValueError, match="sp = 1 is not true or false"):
         parse("--config", str(path))
+
+
+def test_a_context_too_short_names_the_init_from_directory_not_a_preset():
+    cfg = TrainConfig()
+    cfg.model.preset, cfg.model.init_from, cfg.model.block_size = "llama-tiny", "q2", 512
+    cfg.data.seq_len = 1024
+    with pytest.raises(ValueError) as err:
+        cfg.validate()
+    assert str(err.value) == (
+        "--seq-len 1024 exceeds the model's context of 512 tokens (from --init-from "
+        "q2's config.json); use --seq-len <= 512"
+    )
+
+
+def test_layers_a_pipeline_cannot_split_list_the_valid_pp():
+    cfg = TrainConfig()
+    cfg.parallel.pp, cfg.model.n_layer = 3, 4
+    with pytest.raises(ValueError) as err:
+        cfg.validate()
+    assert str(err.value).endswith(
+        "equal chunks; valid: --pp 1, 2, 4, or --n-layer a multiple of 3"
+    )
+
+
+def test_a_misspelled_flag_gets_the_closest_one(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["train", "--batchsize", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        "meshwise train: error: unrecognized arguments: --batchsize 4; did you mean --batch-size?"
+    )
+
+
+def test_resume_auto_on_an_empty_save_directory_says_it_starts_fresh(caplog, tmp_path):
+    from meshwise.cli import preflight
+
+    corpus, save = tmp_path / "c.txt", tmp_path / "ckpts"
+    corpus.write_text("x" * 5000)
+    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--save", str(save)]
+    with caplog.at_level("INFO", logger="meshwise"):
+        preflight.prepare(parse(*flags, "--resume", "auto"))
+    assert f"--resume auto: {save} holds no complete checkpoint yet; starting at step 1" in [
+        r.getMessage() for r in caplog.records
+    ]

@@ -150,6 +150,11 @@ def test_vocabulary_is_explicit_past_the_byte_default():
         resolve_vocab_size(big, 50000)
     with pytest.raises(ValueError, match="smaller than the vocabulary of 256"):
         resolve_vocab_size(bytes_meta, 100)
+    # The .bin given is named, not the folder it was prepared from.
+    with pytest.raises(ValueError, match="of 256 that data/c.bin was tokenized with"):
+        resolve_vocab_size(bytes_meta, 100, "data/c.bin")
+    with pytest.raises(ValueError, match="^data/b.bin holds token id 60000, outside"):
+        resolve_vocab_size(big, 50000, "data/b.bin")
 
 
 def test_bin_in_read_only_folder_keeps_meta_in_memory(tmp_path, monkeypatch):
