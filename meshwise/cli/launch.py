@@ -72,8 +72,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _threads_per_rank(num_local_ranks: int) -> int:
-    return max(1, (os.cpu_count() or 1) // num_local_ranks)
+def cores_available() -> int:
+    """The cores this process may run on: its CPU affinity (what taskset, a cpuset or a
+    container allows) where the system says, else every core of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(num_local_ranks: int) -> int:
+    """A CPU rank's share of the cores, so that the ranks on one machine do not each
+    claim every core."""
+    return max(1, cores_available() // num_local_ranks)
+
+
+def ranks_here(hosts: list[str], host: str) -> int:
+    """How many ranks of ``hosts`` (every rank's host name) run on ``host``."""
+    return sum(name == host for name in hosts)
 
 
 def run_rank(
@@ -82,9 +98,12 @@ def run_rank(
     """Initialise this process's rank from the environment, run ``fn(*args)``, clean up."""
     if device == "cuda":
         torch.cuda.set_device(rank_device(device))
-    else:
-        torch.set_num_threads(_threads_per_rank(num_local_ranks))
     ops.init_process_group("nccl" if device == "cuda" else "gloo", timeout_s)
+    if device != "cuda":
+        if under_torchrun():  # several torchrun agents may share this machine
+            host = socket.gethostname()
+            num_local_ranks = ranks_here(ops.all_gather_object(host, ops.world_group()), host)
+        torch.set_num_threads(threads_per_rank(num_local_ranks))
     try:
         try:
             result = fn(*args)

@@ -164,11 +164,13 @@ class Trainer:
         d = self.cfg.data
         if self.is_logging_rank:
             log.info(
-                "model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step",
+                "model: %s; %.2fM parameters on rank 0; layout %s; %d tokens per step; "
+                "%d CPU threads per rank",
                 self.model_cfg or self.model_shape,
                 self.num_params / 1e6,
                 self.cfg.parallel.dims,
                 self.global_tokens,
+                torch.get_num_threads(),
             )
         try:  # the loggers keep what was logged, also when a step fails
             records = self._run_steps()

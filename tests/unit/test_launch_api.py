@@ -58,3 +58,13 @@ def test_a_mistake_meshwise_names_is_one_line_and_its_traceback_on_request(monke
     assert "Traceback" in _failure(_bad_plan)
     with pytest.raises(ValueError):  # as before: except ValueError still catches it
         _bad_plan()
+
+
+def test_each_rank_takes_its_share_of_the_cores_available(monkeypatch):
+    for name in launch.TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    threads = launch.launch(torch.get_num_threads, (), world_size=2, device="cpu", timeout_s=60)
+    assert threads == [3, 3]  # 6 cores available, 2 ranks on this machine
+    # Under torchrun the ranks that share this host split it, whichever agent started them.
+    assert launch.ranks_here(["a", "b", "a", "a"], "a") == 3
