@@ -10,7 +10,7 @@ import difflib
 class SuggestingParser(argparse.ArgumentParser):
     """``ArgumentParser`` naming the closest flag of the command for an unknown one."""
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_args(self, args=None, namespace=None):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             command = self._command_parser(parsed)
