@@ -10,6 +10,7 @@ import ctypes
 import gc
 import logging
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -189,7 +190,7 @@ def _spawned_child(
     )
     try:
         result = run_rank(fn, args, device, timeout_s, world_size)
-        torch.save(result, _result_file(results, local_rank))
+        _save_result(result, results, local_rank)
     except KeyboardInterrupt:
         # Raised, not swallowed: torch.multiprocessing would report a clean exit.
         raise RankInterrupted(f"interrupted (SIGINT to rank {local_rank}'s process)") from None
@@ -238,6 +239,20 @@ def launch(
 
 def _result_file(results: str, rank: int) -> Path:
     return Path(results, f"rank-{rank}.pt")
+
+
+def _save_result(result: object, results: str, rank: int) -> None:
+    """``result`` for the launcher to return; None, said on stderr, when it does not
+    pickle (the work is done: a return value nobody may need must not fail the job)."""
+    try:
+        torch.save(result, _result_file(results, rank))
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        print(
+            f"meshwise: rank {rank} returned a value that does not pickle ({exc}); "
+            "launch returns None for it",
+            file=sys.stderr,
+        )
+        torch.save(None, _result_file(results, rank))
 
 
 def _spawn(

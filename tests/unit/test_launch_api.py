@@ -68,3 +68,14 @@ def test_each_rank_takes_its_share_of_the_cores_available(monkeypatch):
     assert threads == [3, 3]  # 6 cores available, 2 ranks on this machine
     # Under torchrun the ranks that share this host split it, whichever agent started them.
     assert launch.ranks_here(["a", "b", "a", "a"], "a") == 3
+
+
+def _unpicklable():
+    return lambda: None
+
+
+def test_a_result_that_does_not_pickle_comes_back_as_none(monkeypatch, capfd):
+    for name in launch.TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert launch.launch(_unpicklable, (), world_size=1, device="cpu", timeout_s=60) == [None]
+    assert "rank 0 returned a value that does not pickle" in capfd.readouterr().err
