@@ -6,7 +6,6 @@ checkpointing and sharding are the caller's); engines fill their buffers from
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +20,7 @@ from meshwise.apply.checks import (
     vocab_from_modules,
 )
 from meshwise.apply.module_init import default_inits
+from meshwise.apply.stages import chunk_layers, cut_stage, layers_of, set_module
 from meshwise.comm import ops
 from meshwise.context_parallel.ring import RingAttention
 from meshwise.geometry.errors import MeshwiseError
@@ -213,7 +213,7 @@ def parallelize(
         pp_rank, pp_size, tie_group = mesh.pp_rank, mesh.dims.pp, mesh.tie_group
         cp_group = mesh.cp_group if mesh.dims.cp > 1 else None
     num_stages = pp_size * virtual_stages
-    layers = _layers(model, plan)
+    layers = layers_of(model, plan)
     if len(layers) % num_stages:
         raise MeshwiseError(
             f"{len(layers)} layers do not split into pp x virtual stages = "
@@ -233,7 +233,7 @@ def parallelize(
         model, plan, tp_size_of(tp_group), num_stages, vocab_size, check_forward
     )
     stages = [stage_index(pp_rank, v, pp_size, stage_map) for v in range(virtual_stages)]
-    chunks = [_cut(model, plan, s, num_stages) for s in stages]
+    chunks = [cut_stage(model, plan, s, num_stages) for s in stages]
     for chunk in chunks:
         if tp_size_of(tp_group) > 1:
             _apply_tp(
@@ -277,7 +277,7 @@ def _check(
     vocab_size = vocab_from_modules(split, vocab_size)
     if forward:
         check_forward(
-            model, split, tp_size, num_stages, lambda m, stage, n: _cut(m, plan, stage, n)
+            model, split, tp_size, num_stages, lambda m, stage, n: cut_stage(m, plan, stage, n)
         )
     try:
         return vocab_size, default_inits(model), ""
@@ -295,75 +295,12 @@ def _mark_ties(chunks, ties: list[str], tie_group) -> None:
                 mark_tie(params[name], tie_group)
 
 
-def _layers(model: nn.Module, plan: ParallelPlan) -> nn.ModuleDict | nn.ModuleList:
-    name = type(model).__name__
-    if not hasattr(model, plan.layers):
-        children = ", ".join(n for n, _ in model.named_children()) or "none"
-        raise MeshwiseError(
-            f"plan: {name} has no attribute {plan.layers!r} (the plan's layers); "
-            f"its children: {children}"
-        )
-    layers = getattr(model, plan.layers)
-    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
-        raise MeshwiseError(
-            f"plan: {name}.{plan.layers} is a {type(layers).__name__}; valid: an "
-            "nn.ModuleList of the layers, or an nn.ModuleDict keyed by their index"
-        )
-    return layers
-
-
-def chunk_layers(chunk: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
-    """The layers ``chunk`` (a model or a pipeline stage of it) holds, in order."""
-    layers = _layers(chunk, plan)
-    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
-
-
-class StageLayers(nn.ModuleList):
-    """The layers of an ``nn.ModuleList`` that one pipeline stage holds, named by their
-    index in the whole list (``blocks.2`` on the stage of layers 2 and 3), so names do
-    not depend on the layout; iterating and indexing go over the held layers in order.
-    """
-
-    def __init__(self, named: list[tuple[str, nn.Module]]):
-        super().__init__()
-        for key, layer in named:
-            self.add_module(key, layer)
-
-    def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            return StageLayers(list(self._modules.items())[idx])
-        return list(self._modules.values())[idx]
-
-
-def _cut(model: nn.Module, plan: ParallelPlan, stage: int, num_stages: int) -> nn.Module:
-    """Logical stage ``stage``'s copy of ``model``: its layers, and the end modules it holds."""
-    if num_stages == 1:
-        return model
-    chunk = copy.deepcopy(model)  # cheap on the meta device
-    layers = _layers(chunk, plan)
-    named = list(layers.named_children())
-    per_stage = len(named) // num_stages
-    kept = named[stage * per_stage : (stage + 1) * per_stage]
-    if isinstance(layers, nn.ModuleDict):
-        for key in {key for key, _ in named} - {key for key, _ in kept}:
-            del layers[key]
-    else:  # a ModuleList renumbers what remains after a deletion: keep the indices
-        setattr(chunk, plan.layers, StageLayers(kept))
-    if stage != 0:
-        for name in plan.first_stage:
-            _set_module(chunk, name, None)
-    if stage != num_stages - 1:
-        for name in plan.last_stage:
-            _set_module(chunk, name, None)
-    return chunk
-
-
 def _swap_styles(chunk: nn.Module, style_of, swap) -> None:
     """Replace each module whose path has a style by ``swap(style, module)``."""
     for path, module in list(chunk.named_modules()):
         style = style_of(path)
         if style is not None:
-            _set_module(chunk, path, swap(style, module))
+            set_module(chunk, path, swap(style, module))
 
 
 def _apply_tp(chunk: nn.Module, plan: ParallelPlan, tp_group, sequence) -> None:
@@ -403,11 +340,6 @@ def _cross_stage_ties(
         elif len({chunk_of[name] for name in held}) > 1:
             local.append(tuple(held))
     return remote, local
-
-
-def _set_module(root: nn.Module, path: str, module) -> None:
-    parent, _, attr = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, attr, module)
 
 
 def _get_param(root: nn.Module, name: str):

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
-from meshwise.apply.parallelize import ParallelModel, chunk_layers
+from meshwise.apply.parallelize import ParallelModel
+from meshwise.apply.stages import chunk_layers
 from meshwise.comm import ops
 from meshwise.geometry.init import on_meta
 from meshwise.mesh import Mesh

@@ -9,7 +9,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from meshwise.apply.parallelize import ParallelModel, chunk_layers, parallelize
+from meshwise.apply.parallelize import ParallelModel, parallelize
+from meshwise.apply.stages import chunk_layers
 from meshwise.device.choice import resolve_dtype, takes_bf16
 from meshwise.geometry.init import on_meta
 from meshwise.mesh import Mesh
