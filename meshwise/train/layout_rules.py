@@ -38,8 +38,6 @@ def _check_experts(cfg, own_model: bool) -> None:
             f"--ep {p.ep} does not divide the {experts} experts; valid: --ep "
             f"{', '.join(map(str, valid))}"
         )
-    if p.zero == 3:
-        raise ValueError(f"--zero 3 with --ep {p.ep} is not supported yet; valid: --zero 0, 1, 2")
 
 
 def check_layout(cfg, own_model: bool = False) -> None:
