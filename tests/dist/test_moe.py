@@ -191,3 +191,22 @@ def test_resume_across_ep_degrees(dist_pools, tokens, tmp_path):
         )[0]
         for row, ref in zip(resumed, whole[3:], strict=True):
             assert row == pytest.approx(ref, rel=1e-4), layout
+
+
+def _state_bytes(model: dict, layout: dict, data_path: str) -> int:
+    from meshwise.train.trainer import Trainer
+
+    trainer = Trainer(_config(model, layout, data_path), data_path)
+    trainer.comm_stats.close()
+    return trainer.engine.state_bytes()
+
+
+def test_expert_state_per_rank_falls_as_one_over_ep(dist_pools, tokens):
+    """Parameters, gradients and AdamW moments a rank keeps (the engines' own count):
+    the dense part stays, the experts' part is 1/ep of the whole."""
+    model = {**MOE, "d_model": 64, "moe_ffn_hidden_size": 64, "n_experts": 8}
+    held = {ep: dist_pools.run(4, _state_bytes, model, dict(dp=4, ep=ep), tokens)[0]
+            for ep in (1, 2, 4)}
+    experts = 2 * 8 * 3 * 64 * 64 * 4 * 4  # layers x experts x matrices x fp32 x 4 states
+    assert held[1] - held[2] == pytest.approx(experts / 2, rel=0.01)
+    assert held[1] - held[4] == pytest.approx(experts * 3 / 4, rel=0.01)

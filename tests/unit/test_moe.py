@@ -160,3 +160,44 @@ def test_plan_names_only_modules_that_exist(options):
     cfg = dataclasses.replace(CFG, **options)
     split = split_modules(Llama(cfg), llama_plan(cfg))
     assert all("experts." not in path for path, _, _ in split)
+
+
+def test_concatenated_formula_equals_transformers_load_balancing_loss():
+    """At one process the hf-concatenated share is transformers' ``aux_loss``
+    (``load_balancing_loss_func`` over every layer's router logits)."""
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    from meshwise.models.context import ForwardContext
+
+    cfg = dataclasses.replace(CFG, n_layer=3)
+    model = Llama(cfg).init_weights(4)
+    logits = []
+    for layer in model.layers.values():
+        layer.mlp.gate.register_forward_hook(lambda m, args, out: logits.append(out))
+    tally = RouterTally(aux_scale=1.0, formula="hf-concatenated")
+    model(torch.randint(0, 64, (2, 7)), context=ForwardContext(router=tally))
+    want = mixtral.load_balancing_loss_func(tuple(logits), cfg.n_experts, cfg.experts_per_token)
+    torch.testing.assert_close(tally.concatenated_share(), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(dp=2, ep=3, n_experts=6), "--ep 3 does not divide dp x cp"),
+        (dict(dp=2, ep=2), "--ep 2 on a dense model"),
+        (dict(dp=4, ep=4, n_experts=6), "--ep 4 does not divide the 6 experts"),
+        (dict(n_experts=4, experts_per_token=5), "valid: 1 to 4"),
+        (
+            dict(n_experts=4, aux_loss_coef=0.1, aux_loss_formula="hf-concatenated", pp=2),
+            "valid: --pp 1",
+        ),
+    ],
+)
+def test_bad_expert_layouts_are_refused_before_start(flags, message):
+    from meshwise.train.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.model.preset, cfg.model.n_layer = "llama-tiny", 2
+    for key, value in flags.items():
+        setattr(cfg.parallel if hasattr(cfg.parallel, key) else cfg.model, key, value)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
