@@ -8,14 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# A plain Llama; --init-from's config.json sets these for Mistral, Qwen2 and Qwen3.
-LLAMA_VARIANT = {
-    "qkv_bias": False,
-    "qk_norm": False,
-    "head_size": 0,
-    "sliding_window": 0,
-    "hf_type": "llama",
-    # mixture of experts (docs/moe.md): none by default
+# Mixture of experts (docs/moe.md): none by default; recorded only for a model with experts.
+MOE_DEFAULTS = {
     "n_experts": 0,
     "experts_per_token": 2,
     "moe_ffn_hidden_size": 0,
@@ -28,6 +22,15 @@ LLAMA_VARIANT = {
     "aux_loss_coef": 0.0,
     "aux_loss_formula": "per-layer",
     "bias_update_rate": 0.0,
+}
+# A plain Llama; --init-from's config.json sets these for Mistral, Qwen2 and Qwen3.
+LLAMA_VARIANT = {
+    "qkv_bias": False,
+    "qk_norm": False,
+    "head_size": 0,
+    "sliding_window": 0,
+    "hf_type": "llama",
+    **MOE_DEFAULTS,
 }
 MODEL_PRESETS: dict[str, dict[str, Any]] = {  # values of each field's own type
     # name: the model family (meshwise.models.families) and its sizes
@@ -153,6 +156,8 @@ class ModelConfig:
         the sizes its preset lists, resolved."""
         m = self.resolved()
         sizes = {name: getattr(m, name) for name in MODEL_PRESETS[self.preset] if name != "family"}
+        if not sizes.get("n_experts"):  # a dense model: its shape as before experts existed
+            sizes = {k: v for k, v in sizes.items() if k not in MOE_DEFAULTS}
         return {"family": self.family, **sizes, "vocab_size": vocab_size}
 
 
