@@ -201,3 +201,16 @@ def test_bad_expert_layouts_are_refused_before_start(flags, message):
         setattr(cfg.parallel if hasattr(cfg.parallel, key) else cfg.model, key, value)
     with pytest.raises(ValueError, match=message):
         cfg.validate()
+
+
+def test_ep_groups_fold_into_dp_cp_in_rank_order():
+    """Runs of ep consecutive dp x cp members are ep groups; members at the same
+    place of each run hold the same experts (the expert-data-parallel groups)."""
+    from meshwise.mesh import ParallelDims
+
+    assert ParallelDims(dp=4, ep=2).ep_groups() == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    ep, edp = ParallelDims(dp=2, cp=2, tp=2, ep=2).ep_groups()
+    assert ep == [[0, 2], [4, 6], [1, 3], [5, 7]]  # tp is fastest: it stays outside
+    assert edp == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match="valid: 1, 2"):
+        ParallelDims(dp=2, ep=4)
