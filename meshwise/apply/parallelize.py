@@ -29,6 +29,7 @@ from meshwise.geometry.params import logical_piece, mark_tie
 from meshwise.geometry.pieces import Piece
 from meshwise.geometry.plan import ParallelPlan
 from meshwise.models.attention import Positions
+from meshwise.models.moe import Experts
 from meshwise.pipeline.actions import stage_index
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardRMSNorm
 from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
@@ -298,6 +299,10 @@ def _check(
 
 
 def _split_experts(experts: nn.Module, ep_group) -> nn.Module:
+    if not isinstance(experts, Experts):
+        raise ValueError(
+            f"plan: the ep style 'experts' takes an Experts module, not {type(experts).__name__}"
+        )
     num_experts = experts.gate_proj.shape[0]
     if num_experts % ep_group.size:
         valid = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
