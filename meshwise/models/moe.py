@@ -63,9 +63,11 @@ def expert_swiglu(x, gate_proj, up_proj, down_proj, counts, split_sizes=None) ->
 def _grouped_ok(x: torch.Tensor, gate_proj: torch.Tensor) -> bool:
     align = 16 // x.element_size()  # the kernel wants 16-byte aligned rows
     _, width, d_model = gate_proj.shape
+    # CUDA's kernel takes bf16 (the default there); fp32 on CUDA takes the loop.
+    dtypes = (torch.float32, torch.bfloat16) if x.device.type == "cpu" else (torch.bfloat16,)
     return (
         hasattr(torch, "_grouped_mm")
-        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dtype in dtypes
         and width % align == 0
         and d_model % align == 0
         and gate_proj.shape[0] > 0

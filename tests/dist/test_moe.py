@@ -185,6 +185,13 @@ def test_resume_across_ep_degrees(dist_pools, tokens, tmp_path):
     save = str(save)
     dist_pools.run(2, _train, MOE, dict(dp=2, ep=2, save=save), tokens, 3)
     checkpoint = str(next((tmp_path / "run").rglob("manifest.json")).parent)
+    # generate and export read the whole expert tensors, gathered from both ranks
+    from meshwise.checkpoint.store import Checkpoint
+    from meshwise.serve.model import load_model
+
+    experts = load_model(Checkpoint(checkpoint)).layers["0"].mlp.experts
+    assert experts.gate_proj.shape == (MOE["n_experts"], 16, 32)
+    assert experts.gate_proj[:2].abs().sum() > 0 and experts.gate_proj[2:].abs().sum() > 0
     for layout in (dict(dp=2), dict(dp=4, ep=4, zero=2)):
         resumed = dist_pools.run(
             _world(layout), _train, MOE, {**layout, "resume": checkpoint}, tokens
