@@ -94,11 +94,14 @@ LAYOUTS = {
     "cp2 ep2": dict(cp=2, ep=2),
     "pp2": dict(pp=2),
     "dp2 ep2 pp2 checkpointing": dict(dp=2, ep=2, pp=2, activation_checkpointing="full"),
+    # stage 0 holds a dense layer only: no expert engine there, no router statistics
+    "dp2 ep2 pp2 zero3 dense first stage": dict(dp=2, ep=2, pp=2, zero=3),
 }
+MODEL_OF = {"dp2 ep2 pp2 zero3 dense first stage": {"first_dense_layers": 1}}
 ACCUMULATE = {"pp2": 2}
 # A pipeline with ep spreads each global micro-batch over dp ranks: compared without
 # the balancing loss (whose micro-batches differ from one process's), bias updates on.
-WITHOUT_AUX = {"dp2 ep2 pp2 checkpointing"}
+WITHOUT_AUX = {"dp2 ep2 pp2 checkpointing", "dp2 ep2 pp2 zero3 dense first stage"}
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +160,9 @@ def _reference(dist_pools, model: dict, accumulate: int, data_path: str):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_layout_trains_as_one_process(dist_pools, tokens, name):
     layout = LAYOUTS[name]
-    model = {**MOE, "aux_loss_coef": 0.0} if name in WITHOUT_AUX else MOE
+    model = {**MOE, **MODEL_OF.get(name, {})}
+    if name in WITHOUT_AUX:
+        model["aux_loss_coef"] = 0.0
     expected = _reference(dist_pools, model, ACCUMULATE.get(name, 1), tokens)
     got = dist_pools.run(_world(layout), _train, model, layout, tokens)[0]
     for step, (row, ref) in enumerate(zip(got, expected, strict=True), 1):
