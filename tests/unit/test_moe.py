@@ -214,3 +214,16 @@ def test_ep_groups_fold_into_dp_cp_in_rank_order():
     assert edp == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match="valid: 1, 2"):
         ParallelDims(dp=2, ep=4)
+
+
+def test_balancing_flags_on_a_dense_model_warn():
+    from meshwise.cli.unused_settings import noop_warnings
+    from meshwise.train.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.model.preset, cfg.model.aux_loss_coef = "llama-tiny", 0.1
+    assert noop_warnings(cfg, {"aux_loss_coef": "flag"}) == [
+        "--moe-aux-loss-coef has no effect on a dense model (--n-experts 0)"
+    ]
+    cfg.model.n_experts = 4
+    assert noop_warnings(cfg, {"aux_loss_coef": "flag"}) == []
