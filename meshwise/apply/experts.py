@@ -55,21 +55,19 @@ class ExpertParallelExperts(nn.Module):
             part = nn.Parameter(torch.empty(self.local, *whole.shape[1:], device=whole.device))
             setattr(self, name, mark_ep(part, rank, size))
 
-    @classmethod
-    def from_experts(cls, experts: Experts, ep_group) -> "ExpertParallelExperts":
-        return cls(experts, ep_group)
-
     def forward(self, x: torch.Tensor, counts: torch.Tensor, split_sizes=None) -> torch.Tensor:
         """``x``: (N, D) this rank's token copies sorted by (global) expert, ``counts``:
         (E,) per expert. Returns their outputs in the same order."""
         ep, local = self.group.size, self.local
         received = torch.empty_like(counts)  # (E,): [source rank, my local expert]
         ops.all_to_all_single(received, counts, self.group, category="moe")
-        # The one host read: the token all-to-all's split sizes.
-        both = torch.cat([counts, received]).view(2, ep, local).sum(-1).tolist()
-        send, recv = both
+        # The one host read: the token all-to-all's split sizes (and the loop's, if used).
+        host = torch.cat([counts, received]).tolist()
+        mine, theirs = host[: ep * local], host[ep * local :]
+        send = [sum(mine[j * local : (j + 1) * local]) for j in range(ep)]
+        recv = [sum(theirs[i * local : (i + 1) * local]) for i in range(ep)]
+        per_expert = [sum(theirs[i * local + e] for i in range(ep)) for e in range(local)]
         tokens = AllToAll.apply(x, self.group, send, recv)  # (R, D): by source, then expert
-        by_block = received.view(ep, local)
         # Regroup by local expert (source ranks in order inside each), as the kernel wants.
         block = torch.repeat_interleave(
             torch.arange(ep * local, device=x.device), received, output_size=sum(recv)
@@ -77,7 +75,12 @@ class ExpertParallelExperts(nn.Module):
         key = (block % local) * ep + block // local  # expert-major
         order = key.argsort(stable=True)
         out = expert_swiglu(
-            tokens[order], self.gate_proj, self.up_proj, self.down_proj, by_block.sum(0)
+            tokens[order],
+            self.gate_proj,
+            self.up_proj,
+            self.down_proj,
+            received.view(ep, local).sum(0),
+            per_expert,
         )
         back = torch.empty_like(out).index_copy(0, order, out)  # source order again
         return AllToAll.apply(back, self.group, recv, send)
