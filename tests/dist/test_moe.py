@@ -217,8 +217,31 @@ def test_expert_state_per_rank_falls_as_one_over_ep(dist_pools, tokens):
     """Parameters, gradients and AdamW moments a rank keeps (the engines' own count):
     the dense part stays, the experts' part is 1/ep of the whole."""
     model = {**MOE, "d_model": 64, "moe_ffn_hidden_size": 64, "n_experts": 8}
-    held = {ep: dist_pools.run(4, _state_bytes, model, dict(dp=4, ep=ep), tokens)[0]
-            for ep in (1, 2, 4)}
+    held = {
+        ep: dist_pools.run(4, _state_bytes, model, dict(dp=4, ep=ep), tokens)[0] for ep in (1, 2, 4)
+    }
     experts = 2 * 8 * 3 * 64 * 64 * 4 * 4  # layers x experts x matrices x fp32 x 4 states
     assert held[1] - held[2] == pytest.approx(experts / 2, rel=0.01)
     assert held[1] - held[4] == pytest.approx(experts * 3 / 4, rel=0.01)
+
+
+@pytest.mark.parametrize("ep, reads", [(1, 1), (2, 3)])
+def test_host_reads_one_per_step_and_one_per_expert_parallel_layer(dist_pools, tokens, ep, reads):
+    """The step's metrics read, plus, under ep, one read of the token counts per MoE
+    layer and micro-batch (2 layers, 1 micro-batch); routing, the balancing loss and
+    the bias updates read nothing."""
+    from tests.dist.test_host_syncs import _reads_in_one_step
+
+    layout = dict(
+        preset="llama-tiny",
+        n_kv_head=2,
+        ffn_hidden_size=32,
+        n_experts=4,
+        moe_ffn_hidden_size=16,
+        aux_loss_coef=0.01,
+        bias_update_rate=0.01,
+        dp=2,
+        ep=ep,
+    )
+    for got in dist_pools.run(2, _reads_in_one_step, layout, tokens):
+        assert got == ["tolist"] * reads, got
