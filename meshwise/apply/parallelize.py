@@ -19,6 +19,7 @@ from meshwise.apply.checks import (
     split_modules,
     vocab_from_modules,
 )
+from meshwise.apply.experts import ExpertParallelExperts
 from meshwise.apply.module_init import default_inits
 from meshwise.apply.stages import chunk_layers, cut_stage, layers_of, set_module
 from meshwise.comm import ops
@@ -29,6 +30,7 @@ from meshwise.geometry.params import logical_piece, mark_tie
 from meshwise.geometry.pieces import Piece
 from meshwise.geometry.plan import ParallelPlan
 from meshwise.models.attention import Positions
+from meshwise.models.moe import Experts
 from meshwise.pipeline.actions import stage_index
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardRMSNorm
 from meshwise.tensor_parallel.mappings import tp_rank_of, tp_size_of
@@ -63,6 +65,7 @@ class ParallelModel:
     named as the single-process model. ``cross_stage_ties``: members whose partners live on
     another rank; ``local_ties``: members held here in different chunks (a V's ends).
     ``sequence_parallel``: every tp-replicated parameter's gradient is a partial sum over tp.
+    ``ep_group``: the ranks the experts are split over (None: not split).
     """
 
     chunks: list[nn.Module]
@@ -77,6 +80,7 @@ class ParallelModel:
     # each logical parameter's own initialisation (its module's), or why there is none
     own_inits: dict[str, Init] | None = None
     own_inits_problem: str = ""
+    ep_group: ops.Group | None = None  # the experts are split over it (None: not split)
 
     @property
     def holds_last_stage(self) -> bool:
@@ -195,6 +199,7 @@ def parallelize(
     *,
     mesh=None,
     tie_group=None,
+    ep_group=None,
     check_forward: bool = True,
 ) -> ParallelModel:
     """This rank's ``ParallelModel`` of ``model`` (consumed: chunks reuse it).
@@ -203,7 +208,8 @@ def parallelize(
     ``pp_rank``/``pp_size``/``virtual_stages``, ``stage_map`` (``loop`` or ``v``,
     ``meshwise.pipeline.actions``), ``sequence_parallel`` (tp > 1), ``cp_group`` (None or size
     1: none), ``tie_group`` (over which engines sum a cross-stage tie; they refuse one
-    without it). ``vocab_size``, when given, must agree with the plan's modules. The plan is
+    without it), ``ep_group`` (the plan's experts split over it; None or size 1: none).
+    ``vocab_size``, when given, must agree with the plan's modules. The plan is
     checked first (a ``ValueError`` names the module); ``check_forward`` adds the forward on
     meta copies (a second or two: meta tensors import torch's compiler; the trainer skips it
     for the families meshwise ships).
@@ -212,6 +218,7 @@ def parallelize(
         tp_group = mesh.tp_group if mesh.dims.tp > 1 else None
         pp_rank, pp_size, tie_group = mesh.pp_rank, mesh.dims.pp, mesh.tie_group
         cp_group = mesh.cp_group if mesh.dims.cp > 1 else None
+        ep_group = mesh.ep_group
     num_stages = pp_size * virtual_stages
     layers = layers_of(model, plan)
     if len(layers) % num_stages:
@@ -243,6 +250,10 @@ def parallelize(
             _swap_styles(
                 chunk, plan.cp_style, lambda style, module: _CP_SWAP[style](module, cp_group)
             )
+        if ep_group is not None and ep_group.size > 1:
+            _swap_styles(
+                chunk, plan.ep_style, lambda style, module: _split_experts(module, ep_group)
+            )
     remote, local = _cross_stage_ties(chunks, plan, num_stages)
     _mark_ties(chunks, remote, tie_group)
     return ParallelModel(
@@ -257,6 +268,7 @@ def parallelize(
         sequence_parallel,
         own,
         problem,
+        ep_group if ep_group is not None and ep_group.size > 1 else None,
     )
 
 
@@ -283,6 +295,21 @@ def _check(
         return vocab_size, default_inits(model), ""
     except ValueError as exc:
         return vocab_size, None, str(exc)
+
+
+def _split_experts(experts: nn.Module, ep_group) -> nn.Module:
+    if not isinstance(experts, Experts):
+        raise ValueError(
+            f"plan: the ep style 'experts' takes an Experts module, not {type(experts).__name__}"
+        )
+    num_experts = experts.gate_proj.shape[0]
+    if num_experts % ep_group.size:
+        valid = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
+        raise ValueError(
+            f"--ep {ep_group.size} does not divide the {num_experts} experts; "
+            f"valid: {', '.join(map(str, valid))}"
+        )
+    return ExpertParallelExperts(experts, ep_group)
 
 
 def _mark_ties(chunks, ties: list[str], tie_group) -> None:

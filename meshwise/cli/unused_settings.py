@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from meshwise.cli.train_flags import BY_FIELD
 from meshwise.train.config import TrainConfig, flag_name
+from meshwise.train.model_config import MOE_SETTINGS
 
 
 def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
@@ -53,4 +54,7 @@ def noop_warnings(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
             found.append(f"{BY_FIELD[name][0]} has no effect without --format chat")
     if d.eval_every == 0 and "eval_batches" in origins:
         found.append("--eval-batches applies to the one evaluation at the end (--eval-every 0)")
+    moe_only = [f for f in MOE_SETTINGS if f != "n_experts" and f in origins]
+    if moe_only and not cfg.model.resolved().n_experts:
+        found.append(f"{BY_FIELD[moe_only[0]][0]} has no effect on a dense model (--n-experts 0)")
     return found

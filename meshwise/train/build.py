@@ -4,6 +4,7 @@ sharding engine (allocating only what this rank keeps), and the dtype of ``--dty
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -13,11 +14,13 @@ from meshwise.apply.parallelize import ParallelModel, parallelize
 from meshwise.apply.stages import chunk_layers
 from meshwise.device.choice import resolve_dtype, takes_bf16
 from meshwise.geometry.init import on_meta
+from meshwise.geometry.params import ep_split
 from meshwise.mesh import Mesh
 from meshwise.models.families import FAMILIES, ModelFamily
 from meshwise.pipeline.schedules import STAGE_MAP_OF
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
+from meshwise.sharding.experts import DenseAndExperts
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.zero3 import ZeroStage3, reshard_policy
 from meshwise.train.config import TrainConfig
@@ -43,6 +46,7 @@ def build_model(
         cp_group=mesh.cp_group,
         stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop",
         tie_group=mesh.tie_group,
+        ep_group=mesh.ep_group,
         check_forward=FAMILIES.get(family.name) is not family,
     )
 
@@ -82,6 +86,8 @@ def build_engine(
     ``grad_reducer`` when given).
     """
     precision, p = precision_of(cfg), cfg.parallel
+    if model.ep_group is not None:
+        return _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer)
     if p.zero == 3:  # the layers are units, the rest the root unit
         target: nn.Module | list[nn.Module] = model.chunks[0]
         units: list = model.layers()
@@ -121,6 +127,82 @@ def build_engine(
         reduce_once=p.pp > 1,
         own_buckets=tied,
     )
+
+
+def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
+    """Under expert parallelism: the dense parameters' engine over dp x cp and the
+    experts' over their expert-data-parallel group, at the same ZeRO stage."""
+    p = cfg.parallel
+    named = model.named_parameters()
+    experts = [(n, q) for n, q in named if ep_split(q) is not None]
+    if not experts:  # a pipeline stage of dense layers only: its engine as without ep
+        whole = dataclasses.replace(model, ep_group=None)
+        return build_engine(whole, mesh, cfg, adamw, values, device, grad_reducer)
+    if p.zero == 3:
+        with _frozen([q for _, q in experts]):  # the dense engine leaves them alone
+            dense = build_engine(
+                dataclasses.replace(model, ep_group=None),
+                mesh,
+                cfg,
+                adamw,
+                values,
+                device,
+                grad_reducer,
+            )
+        # The dense engine took the rest: this one holds the experts, a unit per layer,
+        # gathered from a step's first forward to its end (no freed views to rebuild
+        # under the dense engine's saved-tensor hooks).
+        holders = [
+            [
+                m
+                for m in chunk.modules()
+                if any(ep_split(q) is not None for q in m.parameters(False))
+            ]
+            for chunk in model.chunks
+        ]
+        pipelined = len(model.chunks) > 1
+        expert_engine = ZeroStage3(
+            model.chunks if pipelined else model.chunks[0],
+            mesh.edp_group,
+            adamw,
+            holders if pipelined else holders[0],
+            reshard="after-step",
+            precision=precision_of(cfg),
+            values=values,
+            device=device,
+        )
+        return DenseAndExperts(dense, expert_engine, mesh.ep_group, [n for n, _ in experts])
+    dense_named = [(n, q) for n, q in named if ep_split(q) is None]
+    tied = list(model.cross_stage_ties) + [n for group in model.local_ties for n in group]
+    common = dict(
+        stage=p.zero,
+        adamw=adamw,
+        bucket_cap_mb=cfg.comm.bucket_mb,
+        precision=precision_of(cfg),
+        modules=model.chunks,
+        values=values,
+        device=device,
+        reduce_once=p.pp > 1,
+    )
+    return DenseAndExperts(
+        ZeroOptimizer(
+            dense_named, mesh.dp_cp_group, grad_reducer=grad_reducer, own_buckets=tied, **common
+        ),
+        ZeroOptimizer(experts, mesh.edp_group, **common),
+        mesh.ep_group,
+        [n for n, _ in experts],
+    )
+
+
+@contextlib.contextmanager
+def _frozen(params):
+    for q in params:
+        q.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for q in params:
+            q.requires_grad_(True)
 
 
 def own_model_shape(model: ParallelModel, data_vocab_size: int) -> dict:

@@ -205,12 +205,18 @@ def test_slow_bf16_on_this_cpu_is_said_once(monkeypatch, caplog, tmp_path):
 
 def test_flag_names_follow_the_fields_they_set():
     """``flag_name`` (error messages, --init-from) names the flag of every field but
-    the two whose flag reads better than the field."""
+    those whose flag reads better than the field (the balancing settings keep
+    ``LlamaConfig``'s names)."""
     from meshwise.cli.train_flags import TRAIN_FLAGS
     from meshwise.train.config import flag_name
 
     renamed = {flag: field for flag, _, field, _, _ in TRAIN_FLAGS if flag_name(field) != flag}
-    assert renamed == {"--model": "preset", "--data": "path"}
+    assert renamed == {
+        "--model": "preset",
+        "--data": "path",
+        "--moe-aux-loss-coef": "aux_loss_coef",
+        "--moe-bias-update-rate": "bias_update_rate",
+    }
 
 
 @pytest.mark.parametrize(
