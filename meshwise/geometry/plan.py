@@ -18,6 +18,7 @@ TP_STYLES = (
     "shard_norm",
 )
 CP_STYLES = ("positions", "ring_attention")
+EP_STYLES = ("experts",)  # stacked expert weights split along dim 0 over ep
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,10 @@ class ParallelPlan:
     tp: tuple[tuple[str, str], ...] = ()
     ties: tuple[tuple[str, ...], ...] = ()
     cp: tuple[tuple[str, str], ...] = ()
+    ep: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
-        for entries, styles in ((self.tp, TP_STYLES), (self.cp, CP_STYLES)):
+        for entries, styles in ((self.tp, TP_STYLES), (self.cp, CP_STYLES), (self.ep, EP_STYLES)):
             for pattern, style in entries:
                 if style not in styles:
                     raise ValueError(
@@ -53,6 +55,10 @@ class ParallelPlan:
     def cp_style(self, module_path: str) -> str | None:
         """What context parallelism makes of ``module_path`` (None: nothing)."""
         return _style(self.cp, module_path)
+
+    def ep_style(self, module_path: str) -> str | None:
+        """What expert parallelism makes of ``module_path`` (None: nothing)."""
+        return _style(self.ep, module_path)
 
     @property
     def ring_capable(self) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from meshwise.geometry.sequence import SequenceShard
 from meshwise.models.attention_masks import DocumentMask
+from meshwise.models.router_stats import RouterTally
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,6 +30,7 @@ class ForwardContext:
     tokens: SequenceShard = field(default_factory=SequenceShard)
     tp_rank: int = 0
     documents: DocumentMask | None = None
+    router: RouterTally | None = None  # where MoE layers note their routing, or None
 
 
 WHOLE = ForwardContext()  # one process, whole sequences: a forward called without a context

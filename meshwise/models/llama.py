@@ -19,6 +19,7 @@ from meshwise.models.attention import Positions, ScaledDotProductAttention
 from meshwise.models.attention_masks import window_mask  # noqa: F401 - the window's rule
 from meshwise.models.context import ForwardContext
 from meshwise.models.kv_cache import LayerCache
+from meshwise.models.moe import MoE, check_moe_config, is_moe_layer
 
 ROPE_TYPES = ("default", "llama3")
 
@@ -44,6 +45,19 @@ class LlamaConfig:
     head_size: int = 0  # 0: d_model / n_head
     sliding_window: int = 0  # 0: full causal attention (Mistral: its window)
     hf_type: str = "llama"  # the Hugging Face model_type it reads from and exports to
+    # Mixture of experts (docs/moe.md): 0 experts is a dense MLP in every layer.
+    n_experts: int = 0
+    experts_per_token: int = 2  # top-k
+    moe_ffn_hidden_size: int = 0  # each expert's SwiGLU width (0: ffn_hidden_size)
+    norm_topk_prob: bool = True  # the top-k weights renormalised to sum 1
+    router_score: str = "softmax"  # or "sigmoid" (DeepSeek-V3, with a routing bias)
+    shared_expert_size: int = 0  # a shared SwiGLU expert on every token (0: none)
+    shared_expert_gate: bool = False  # Qwen2-MoE: its output times sigmoid(Linear(x))
+    first_dense_layers: int = 0
+    moe_every: int = 1  # layer i is MoE iff i >= first_dense_layers and (i + 1) % moe_every == 0
+    aux_loss_coef: float = 0.0
+    aux_loss_formula: str = "per-layer"  # or "hf-concatenated" (transformers', pp 1 only)
+    bias_update_rate: float = 0.0
 
     def __post_init__(self):
         if not self.head_size and self.d_model % self.n_head:
@@ -60,6 +74,8 @@ class LlamaConfig:
                 f"--dropout {self.dropout}: the llama family trains without "
                 "dropout, as Llama does; valid: 0"
             )
+        if self.n_experts:
+            check_moe_config(self)
         rope_type = rope_type_of(self.rope_scaling)
         if rope_type not in ROPE_TYPES:
             raise ValueError(
@@ -204,13 +220,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); ``width``: its hidden size (default the
+    config's ``ffn_hidden_size``)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, width: int = 0):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.d_model, bias=False)
+        width = width or cfg.ffn_hidden_size
+        self.gate_proj = nn.Linear(cfg.d_model, width, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # (B, T, C)
@@ -246,12 +264,16 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        if is_moe_layer(cfg, layer):
+            shared = MLP(cfg, cfg.shared_expert_size) if cfg.shared_expert_size else None
+            self.mlp: nn.Module = MoE(cfg, layer, shared)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(
         self,
@@ -261,6 +283,9 @@ class DecoderLayer(nn.Module):
         context: ForwardContext | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, context)
+        if isinstance(self.mlp, MoE):
+            router = context.router if context is not None else None
+            return x + self.mlp(self.post_attention_layernorm(x), router)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -271,7 +296,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.n_layer)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.n_layer)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -332,9 +357,24 @@ def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
             ("layers.*.self_attn.k_proj", "colwise"),
             ("layers.*.self_attn.v_proj", "colwise"),
             ("layers.*.self_attn.o_proj", "rowwise"),
-            ("layers.*.mlp.gate_proj", "colwise"),
-            ("layers.*.mlp.up_proj", "colwise"),
-            ("layers.*.mlp.down_proj", "rowwise"),
+            *(
+                (
+                    ("layers.*.mlp.gate_proj", "colwise"),
+                    ("layers.*.mlp.up_proj", "colwise"),
+                    ("layers.*.mlp.down_proj", "rowwise"),
+                )
+                if any(not is_moe_layer(cfg, i) for i in range(cfg.n_layer))
+                else ()
+            ),
+            *(
+                (
+                    ("layers.*.mlp.shared_expert.gate_proj", "colwise"),
+                    ("layers.*.mlp.shared_expert.up_proj", "colwise"),
+                    ("layers.*.mlp.shared_expert.down_proj", "rowwise"),
+                )
+                if cfg.n_experts and cfg.shared_expert_size
+                else ()
+            ),
             ("lm_head", "vocab_head"),
             *(
                 (
@@ -347,6 +387,7 @@ def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
         ),
         cp=(("positions", "positions"), ("layers.*.self_attn.sdpa", "ring_attention")),
         ties=(("embed_tokens.weight", "lm_head.weight"),) if cfg.tie_embeddings else (),
+        ep=(("layers.*.mlp.experts", "experts"),) if cfg.n_experts else (),
     )
 
 
@@ -355,9 +396,9 @@ def llama_init(cfg: LlamaConfig, name: str) -> Init:
     linear and embedding weight, ones for the RMSNorm weights, zeros for biases."""
     if name.endswith("norm.weight"):
         return ONES
-    if name.endswith(".bias"):
+    if name.endswith(".bias") or name.endswith("expert_bias"):
         return ZEROS
-    return normal(0.02)
+    return normal(0.02)  # the router and the stacked expert weights too
 
 
 def valid_llama_tp(cfg: LlamaConfig) -> list[int]:
@@ -365,7 +406,10 @@ def valid_llama_tp(cfg: LlamaConfig) -> list[int]:
     return [
         t
         for t in range(1, cfg.n_kv_head + 1)
-        if cfg.n_kv_head % t == 0 and cfg.n_head % t == 0 and cfg.ffn_hidden_size % t == 0
+        if cfg.n_kv_head % t == 0
+        and cfg.n_head % t == 0
+        and cfg.ffn_hidden_size % t == 0
+        and cfg.shared_expert_size % t == 0
     ]
 
 
