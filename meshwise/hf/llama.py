@@ -12,7 +12,6 @@ from pathlib import Path
 from meshwise.hf.moe import (
     MOE_ARCHITECTURES,
     MOE_KEY_TYPES,
-    is_moe_layer,
     is_moe_type,
     moe_config,
     moe_shapes,
@@ -20,6 +19,7 @@ from meshwise.hf.moe import (
     unsupported_moe,
 )
 from meshwise.models.llama import LlamaConfig, rope_type_of
+from meshwise.models.moe import is_moe_layer
 
 ARCHITECTURE = "LlamaForCausalLM"
 # model_type -> the architecture transformers builds for it

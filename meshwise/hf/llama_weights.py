@@ -11,8 +11,9 @@ import torch
 
 from meshwise.geometry.pieces import Piece
 from meshwise.hf.llama import hf_shapes
-from meshwise.hf.moe import expert_name, fused_name, is_moe_layer, router_name, stacked_expert
+from meshwise.hf.moe import expert_name, fused_name, router_name, stacked_expert
 from meshwise.hf.safetensors_dir import SafetensorsDir
+from meshwise.models.moe import is_moe_layer
 
 
 class LlamaWeights:
@@ -35,6 +36,8 @@ class LlamaWeights:
                     for projection in ("gate_proj", "up_proj", "down_proj"):
                         del expected[expert_name(self.cfg, layer, projection, j)]
                 expected.update(self._fused_shapes(layer))
+                router = f"layers.{layer}.mlp.gate.weight"  # Mixtral's too, in that form
+                expected[f"model.{router}"] = expected.pop(router_name(self.cfg, router))
         self.files.check(expected, optional)
 
     def read(self, piece: Piece) -> torch.Tensor:
@@ -42,7 +45,10 @@ class LlamaWeights:
             return torch.zeros(piece.numel)
         stacked = stacked_expert(piece.name)
         if stacked is None:
-            return self.files.read(router_name(self.cfg, piece.name), piece)
+            stored = router_name(self.cfg, piece.name)
+            if stored != f"model.{piece.name}" and not self.files.has(stored):
+                stored = f"model.{piece.name}"  # Mixtral's router as transformers 5 holds it
+            return self.files.read(stored, piece)
         layer, projection = stacked
         if self._fused(layer):
             return self._read_fused(layer, projection, piece)

@@ -181,13 +181,6 @@ def export_family(cfg):
     return cfg
 
 
-def is_moe_layer(cfg, layer: int) -> bool:
-    """Qwen's decoder_sparse_step rule, after the leading dense layers."""
-    return (
-        cfg.n_experts > 0 and layer >= cfg.first_dense_layers and (layer + 1) % cfg.moe_every == 0
-    )
-
-
 def stacked_expert(name: str) -> tuple[int, str] | None:
     """(layer, projection) of our stacked expert tensor ``name``; None for any other name."""
     match = _STACKED.fullmatch(name)

@@ -195,3 +195,28 @@ def test_what_meshwise_does_not_compute_is_named(moe_dirs, change, message):
     config = {key: value for key, value in merged.items() if value is not None}  # None: left out
     with pytest.raises(ValueError, match=message):
         llama_sizes(config, "d")
+
+
+def test_the_aux_loss_of_an_imported_qwen3_moe_is_transformers(moe_dirs):
+    """transformers' ``aux_loss`` (``output_router_logits=True``: every MoE layer's tokens
+    concatenated) from our router statistics, and its gradient reaches every router."""
+    from transformers import AutoModelForCausalLM
+
+    from meshwise.models.context import ForwardContext
+    from meshwise.models.router_stats import RouterTally
+
+    directory = moe_dirs / "qwen3_moe"
+    cfg = _config(directory)
+    pm, values = laid_out(directory)
+    materialize(pm, values)
+    ids = token_ids()
+    tally = RouterTally(aux_scale=1.0, formula=cfg.aux_loss_formula)
+    pm.chunks[0](ids, context=ForwardContext(router=tally))
+    ours = tally.concatenated_share()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(ids, output_router_logits=True).aux_loss
+    assert abs(ours.item() - theirs.item()) <= 1e-6, (ours.item(), theirs.item())
+    ours.backward()
+    routers = [p for name, p in pm.named_parameters() if name.endswith("mlp.gate.weight")]
+    assert len(routers) == 2 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in routers)
