@@ -30,10 +30,11 @@ class TimeBreakdown:
     dp: float  # exposed gradient and ZeRO collectives
     optimizer: float
     bubble_fraction: float
+    ep: float = 0.0  # the experts' all-to-alls
 
     @property
     def step(self) -> float:
-        return self.compute + self.bubble + self.tp + self.cp + self.dp + self.optimizer
+        return self.compute + self.bubble + self.tp + self.cp + self.ep + self.dp + self.optimizer
 
     def parts(self) -> dict[str, float]:
         return {
@@ -41,6 +42,7 @@ class TimeBreakdown:
             "pipeline bubble": self.bubble,
             "tp comm": self.tp,
             "cp comm": self.cp,
+            "ep comm": self.ep,
             "dp comm": self.dp,
             "optimizer": self.optimizer,
         }
@@ -142,11 +144,11 @@ def pipeline(
         action_costs(shape, layout, st, device, layers, first > 0, last > 0)
         for _, first, last in ranks
     ]
-    worst = max(per_rank, key=lambda c: c.compute + c.tp + c.cp)
+    worst = max(per_rank, key=lambda c: c.compute + c.comm)
     m = layout.micro_batches * layout.grad_accum
     share = _core_share(layout, device)
     if layout.pp == 1:
-        seconds = m * (worst.compute * share + worst.tp + worst.cp)
+        seconds = m * (worst.compute * share + worst.comm)
         return Pipeline(worst, m, share, seconds, [1], ranks, exact)
     n = micro_batch_tokens(layout, st)
     # a stage's output; under sequence parallelism each tp rank holds, and sends, its slice
@@ -154,8 +156,8 @@ def pipeline(
     latency = p2p_s(
         device, message, link_kind(layout.tp * layout.cp, layout.pp, device.ranks_per_node)
     )
-    scale = worst.forward + worst.tp / 2 + worst.cp / 3
-    backward = (worst.backward + worst.tp / 2 + 2 * worst.cp / 3) / scale
+    scale = worst.forward + worst.tp / 2 + worst.cp / 3 + worst.ep / 2
+    backward = (worst.backward + worst.tp / 2 + 2 * worst.cp / 3 + worst.ep / 2) / scale
     weights = worst.weights / scale
     if exact:
         sim_step, flights = simulated(
@@ -171,7 +173,7 @@ def pipeline(
     else:
         sim_step, flights = _coarse(layout, backward, weights, latency / scale)
     # Ranks sharing cores: a pipeline's idle ranks leave theirs to the others.
-    shared = m * (worst.compute * share + worst.tp + worst.cp)
+    shared = m * (worst.compute * share + worst.comm)
     seconds = max(sim_step * scale * layout.grad_accum, shared)
     # Each chunk's forward waits for its input and its backward for its gradient, from
     # another rank but on the first and last stage: meetings with a peer that may have
@@ -207,7 +209,7 @@ def step_time(
     pipe = pipe or pipeline(shape, layout, st, device)
     w, m = pipe.worst, pipe.micro_steps
     compute = m * w.compute * pipe.share
-    bubble = max(0.0, pipe.seconds - compute - m * (w.tp + w.cp))
+    bubble = max(0.0, pipe.seconds - compute - m * w.comm)
     dp = _dp_exposed(shape, layout, st, device, pipe.ranks, m * (w.backward + w.weights))
     optimizer = _optimizer_s(layout, st, device, pipe.ranks) * pipe.share
     breakdown = TimeBreakdown(
@@ -218,6 +220,7 @@ def step_time(
         dp,
         optimizer,
         bubble / pipe.seconds if pipe.seconds > 0 else 0.0,
+        m * w.ep,
     )
     return breakdown, pipe.flights
 
