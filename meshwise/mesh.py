@@ -14,18 +14,26 @@ AXES = ("dp", "pp", "cp", "tp")  # outermost first: the order of the rank formul
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the four parallel axes; ``world_size`` is their product."""
+    """Sizes of the four parallel axes; ``world_size`` is their product. ``ep``: expert
+    parallelism, folded into dp x cp (not an axis of the world: ``ep_groups``)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        for axis in AXES:
+        for axis in (*AXES, "ep"):
             size = getattr(self, axis)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{axis} must be a positive integer, got {size!r}")
+        if (self.dp * self.cp) % self.ep:
+            valid = [e for e in range(1, self.dp * self.cp + 1) if self.dp * self.cp % e == 0]
+            raise ValueError(
+                f"--ep {self.ep} does not divide dp x cp = {self.dp * self.cp} (expert "
+                f"parallelism borrows the dp x cp ranks); valid: {', '.join(map(str, valid))}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -87,6 +95,18 @@ class ParallelDims:
             groups.append(sorted(ranks))
         return groups
 
+    def ep_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The expert-parallel groups and the expert-data-parallel groups: each run of
+        ``ep`` consecutive members of a dp x cp group (sorted by rank) is an ep group;
+        the members at the same place of every run form an expert-data-parallel group,
+        over which expert gradients are reduced (torchtitan's and Megatron-LM's folding)."""
+        ep_groups, edp_groups = [], []
+        for ranks in self.axes_groups(("dp", "cp")):
+            runs = [ranks[i : i + self.ep] for i in range(0, len(ranks), self.ep)]
+            ep_groups += runs
+            edp_groups += [list(column) for column in zip(*runs)]
+        return ep_groups, sorted(edp_groups)
+
 
 class Mesh:
     """This rank's place in the layout and one process group per axis.
@@ -94,8 +114,10 @@ class Mesh:
     ``dims.tp`` is an axis's size, ``tp_group`` its group, ``tp_rank`` this rank's
     coordinate. ``cp_group`` is None when cp is 1; ``dp_cp_group`` is ``dp_group`` when cp is
     1 and ``cp_group`` when dp is 1; ``tie_group`` pairs the first and last pipeline stage of
-    this (dp, cp, tp) position (None when pp is 1). Build it after ``torch.distributed`` is
-    initialised (``Mesh.build(dims)``) and pass it explicitly.
+    this (dp, cp, tp) position (None when pp is 1). ``ep_group`` holds this rank's experts'
+    peers (None when ep is 1) and ``edp_group`` the ranks holding the same experts
+    (``dp_cp_group`` when ep is 1; ``ParallelDims.ep_groups``). Build it after
+    ``torch.distributed`` is initialised (``Mesh.build(dims)``) and pass it explicitly.
     """
 
     def __init__(
@@ -109,6 +131,8 @@ class Mesh:
         tie_group=None,
         cp_group=None,
         dp_cp_group=None,
+        ep_group=None,
+        edp_group=None,
     ):
         self.dims = dims
         self.rank = rank
@@ -117,6 +141,8 @@ class Mesh:
         self.cp_group = cp_group
         self.dp_cp_group = dp_cp_group if dp_cp_group is not None else dp_group
         self.tie_group = tie_group
+        self.ep_group = ep_group
+        self.edp_group = edp_group if edp_group is not None else self.dp_cp_group
         coords = dims.coords(rank)
         self.dp_rank, self.pp_rank, self.tp_rank = coords["dp"], coords["pp"], coords["tp"]
         self.cp_rank = coords["cp"]
@@ -154,6 +180,10 @@ class Mesh:
         embed = None
         if dims.pp > 1:
             embed = mine("embed", [[ranks[0], ranks[-1]] for ranks in dims.axis_groups("pp")])
+        ep = edp = None
+        if dims.ep > 1:
+            ep_groups, edp_groups = dims.ep_groups()
+            ep, edp = mine("ep", ep_groups), mine("edp", edp_groups)
         return cls(
             dims,
             world.rank,
@@ -164,6 +194,8 @@ class Mesh:
             embed,
             cp_group=groups.get("cp"),
             dp_cp_group=dp_cp,
+            ep_group=ep,
+            edp_group=edp,
         )
 
     @property

@@ -20,6 +20,7 @@ from meshwise.apply.checks import (
     split_modules,
     vocab_from_modules,
 )
+from meshwise.apply.experts import ExpertParallelExperts
 from meshwise.apply.module_init import default_inits
 from meshwise.comm import ops
 from meshwise.context_parallel.ring import RingAttention
@@ -196,6 +197,7 @@ def parallelize(
     *,
     mesh=None,
     tie_group=None,
+    ep_group=None,
     check_forward: bool = True,
 ) -> ParallelModel:
     """This rank's ``ParallelModel`` of ``model`` (consumed: chunks reuse it).
@@ -204,7 +206,8 @@ def parallelize(
     ``pp_rank``/``pp_size``/``virtual_stages``, ``stage_map`` (``loop`` or ``v``,
     ``meshwise.pipeline.actions``), ``sequence_parallel`` (tp > 1), ``cp_group`` (None or size
     1: none), ``tie_group`` (over which engines sum a cross-stage tie; they refuse one
-    without it). ``vocab_size``, when given, must agree with the plan's modules. The plan is
+    without it), ``ep_group`` (the plan's experts split over it; None or size 1: none).
+    ``vocab_size``, when given, must agree with the plan's modules. The plan is
     checked first (a ``ValueError`` names the module); ``check_forward`` adds the forward on
     meta copies (a second or two: meta tensors import torch's compiler; the trainer skips it
     for the families meshwise ships).
@@ -213,6 +216,7 @@ def parallelize(
         tp_group = mesh.tp_group if mesh.dims.tp > 1 else None
         pp_rank, pp_size, tie_group = mesh.pp_rank, mesh.dims.pp, mesh.tie_group
         cp_group = mesh.cp_group if mesh.dims.cp > 1 else None
+        ep_group = mesh.ep_group
     num_stages = pp_size * virtual_stages
     layers = _layers(model, plan)
     if len(layers) % num_stages:
@@ -243,6 +247,10 @@ def parallelize(
         if cp_size > 1:
             _swap_styles(
                 chunk, plan.cp_style, lambda style, module: _CP_SWAP[style](module, cp_group)
+            )
+        if ep_group is not None and ep_group.size > 1:
+            _swap_styles(
+                chunk, plan.ep_style, lambda style, module: _split_experts(module, ep_group)
             )
     remote, local = _cross_stage_ties(chunks, plan, num_stages)
     _mark_ties(chunks, remote, tie_group)
@@ -284,6 +292,17 @@ def _check(
         return vocab_size, default_inits(model), ""
     except ValueError as exc:
         return vocab_size, None, str(exc)
+
+
+def _split_experts(experts: nn.Module, ep_group) -> nn.Module:
+    num_experts = experts.gate_proj.shape[0]
+    if num_experts % ep_group.size:
+        valid = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
+        raise ValueError(
+            f"--ep {ep_group.size} does not divide the {num_experts} experts; "
+            f"valid: {', '.join(map(str, valid))}"
+        )
+    return ExpertParallelExperts(experts, ep_group)
 
 
 def _mark_ties(chunks, ties: list[str], tie_group) -> None:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 from datetime import timedelta
 
@@ -281,6 +282,32 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, category: str = "oth
         group.counters.record(category, _nbytes(tensor))
     work = dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=True)
     _finish(work, group, category, False, entry, op="broadcast")
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    output_splits: list[int] | None = None,
+    input_splits: list[int] | None = None,
+    category: str = "other",
+    async_op: bool = False,
+):
+    """Rows ``input_splits[j]`` of ``input`` (dim 0, in order) go to group rank ``j``;
+    ``output`` receives ``output_splits[i]`` rows from rank ``i``, in rank order.
+    ``None`` splits: equal parts. Sizes may differ per rank (expert dispatch), so the
+    ledger matches the operation and dtype, not the sizes."""
+    if group.size == 1:
+        output.copy_(input)
+        return Handle([], None, category) if async_op else None
+    entry = _begin(group, f"all_to_all {str(input.dtype).removeprefix('torch.')}", [input, output])
+    row_bytes = math.prod(input.shape[1:]) * input.element_size()
+    kept = input_splits[group.rank] if input_splits is not None else len(input) // group.size
+    group.counters.record(category, (len(input) - kept) * row_bytes)  # rows that leave
+    work = dist.all_to_all_single(
+        output, input, output_splits, input_splits, group=group.pg, async_op=True
+    )
+    return _finish(work, group, category, async_op, entry, keep=input, op="all_to_all")
 
 
 def all_gather_object(obj, group: Group, category: str = "other") -> list:

@@ -1,8 +1,9 @@
 """Where a parameter sits across tensor-parallel ranks, and its piece of the logical tensor.
 
 Tensor-parallel layers mark their parameters (``tp_sharded``, ``tp_dim``, and
-``tp_unpadded_size`` on the padded embedding); gradient sync, the gradient norm and
-checkpoints read the marks. An unmarked parameter (a LayerNorm's) is replicated.
+``tp_unpadded_size`` on the padded embedding), expert-parallel experts theirs
+(``ep_split``); gradient sync, the gradient norm and checkpoints read the marks. An
+unmarked parameter (a LayerNorm's) is replicated.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ def mark_tie(param: nn.Parameter, group) -> nn.Parameter:
     return param
 
 
+def mark_ep(param: nn.Parameter, ep_rank: int, ep_size: int) -> nn.Parameter:
+    """Mark ``param`` as expert-parallel rank ``ep_rank``'s slice along dim 0 of ``ep_size``
+    equal ones (stacked experts); experts are never split over tp as well."""
+    param.ep_split = (ep_rank, ep_size)  # type: ignore[attr-defined]  # a mark, as above
+    return param
+
+
+def ep_split(param: torch.Tensor) -> tuple[int, int] | None:
+    """``(ep_rank, ep_size)`` of an expert-parallel slice, else None."""
+    return getattr(param, "ep_split", None)
+
+
 def cross_stage_tie(param: torch.Tensor) -> tuple[bool, object]:
     """Whether ``param`` is a cross-stage tie copy, and the group its gradient is summed over."""
     return bool(getattr(param, "cross_stage_tie", False)), getattr(param, "tie_group", None)
@@ -49,6 +62,14 @@ def logical_piece(name: str, param: torch.Tensor, tp_rank: int, tp_size: int) ->
     past ``tp_unpadded_size``) belongs to no logical element and is dropped.
     """
     shape = list(param.shape)
+    split = ep_split(param)
+    if split is not None:  # dim 0 over ep, as a tp split along dim 0
+        ep_rank, ep_size = split
+        full, offsets = (
+            [shape[0] * ep_size, *shape[1:]],
+            [ep_rank * shape[0]] + [0] * (len(shape) - 1),
+        )
+        return Piece.box(name, full, offsets, shape)
     if not is_tp_sharded(param):
         return Piece.whole(name, shape)
     dim = param.tp_dim  # type: ignore[attr-defined]  # set by mark_tp

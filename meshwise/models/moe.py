@@ -94,9 +94,10 @@ class MoE(nn.Module):
                 self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False)
         if cfg.router_score == "sigmoid" or cfg.bias_update_rate > 0:
             # Moved by the load after each step, never by gradients (DeepSeek-V3's
-            # auxiliary-loss-free balancing); a parameter so that checkpoints and every
-            # sharding keep it, with requires_grad off.
-            self.expert_bias = nn.Parameter(torch.zeros(cfg.n_experts), requires_grad=False)
+            # auxiliary-loss-free balancing). A parameter so that every engine holds,
+            # shards and checkpoints it; its gradient is exactly zero (``route``), so
+            # AdamW leaves it (a vector: no weight decay), with no parameter left out.
+            self.expert_bias = nn.Parameter(torch.zeros(cfg.n_experts))
 
     def route(self, x: torch.Tensor):
         """``x``: (N, D). Returns the chosen experts (N, k), their weights (N, k) and
@@ -109,6 +110,8 @@ class MoE(nn.Module):
         weights = scores.gather(-1, experts)  # (N, k): from the scores alone
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if bias is not None:  # its zero gradient (the choice carries none)
+            weights = weights + bias.sum() * 0.0
         probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         return experts, weights, probs
 

@@ -12,11 +12,13 @@ from torch import nn
 from meshwise.apply.parallelize import ParallelModel, parallelize
 from meshwise.device.choice import resolve_dtype, takes_bf16
 from meshwise.geometry.init import on_meta
+from meshwise.geometry.params import ep_split
 from meshwise.mesh import Mesh
 from meshwise.models.families import FAMILIES, ModelFamily
 from meshwise.pipeline.schedules import STAGE_MAP_OF
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.buckets import ZeroOptimizer
+from meshwise.sharding.experts import DenseAndExperts
 from meshwise.sharding.flat import Precision
 from meshwise.sharding.zero3 import ZeroStage3, reshard_policy
 from meshwise.train.config import TrainConfig
@@ -42,6 +44,7 @@ def build_model(
         cp_group=mesh.cp_group,
         stage_map=STAGE_MAP_OF.get(p.schedule, "loop") if p.pp > 1 else "loop",
         tie_group=mesh.tie_group,
+        ep_group=mesh.ep_group,
         check_forward=FAMILIES.get(family.name) is not family,
     )
 
@@ -81,6 +84,8 @@ def build_engine(
     ``grad_reducer`` when given).
     """
     precision, p = precision_of(cfg), cfg.parallel
+    if mesh.ep_group is not None:
+        return _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer)
     if p.zero == 3:  # the layers are units, the rest the root unit
         target: nn.Module | list[nn.Module] = model.chunks[0]
         units: list = model.layers()
@@ -119,6 +124,36 @@ def build_engine(
         grad_reducer=grad_reducer,
         reduce_once=p.pp > 1,
         own_buckets=tied,
+    )
+
+
+def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
+    """Under expert parallelism: the dense parameters' engine over dp x cp and the
+    experts' over their expert-data-parallel group, at the same ZeRO stage."""
+    p = cfg.parallel
+    if p.zero == 3:
+        raise ValueError("--zero 3 with --ep > 1 is not supported yet; valid: --zero 0, 1, 2")
+    named = model.named_parameters()
+    experts = [(n, q) for n, q in named if ep_split(q) is not None]
+    dense = [(n, q) for n, q in named if ep_split(q) is None]
+    tied = list(model.cross_stage_ties) + [n for group in model.local_ties for n in group]
+    common = dict(
+        stage=p.zero,
+        adamw=adamw,
+        bucket_cap_mb=cfg.comm.bucket_mb,
+        precision=precision_of(cfg),
+        modules=model.chunks,
+        values=values,
+        device=device,
+        reduce_once=p.pp > 1,
+    )
+    return DenseAndExperts(
+        ZeroOptimizer(
+            dense, mesh.dp_cp_group, grad_reducer=grad_reducer, own_buckets=tied, **common
+        ),
+        ZeroOptimizer(experts, mesh.edp_group, **common),
+        mesh.ep_group,
+        [n for n, _ in experts],
     )
 
 

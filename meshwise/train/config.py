@@ -32,7 +32,12 @@ from meshwise.train.loggers import parse_log_to
 from meshwise.train.lr_schedule import check_schedule
 
 # The model section and its presets, part of this module's interface.
-from meshwise.train.model_config import LLAMA_ONLY, MODEL_PRESETS, ModelConfig  # noqa: F401
+from meshwise.train.model_config import (  # noqa: F401
+    LLAMA_ONLY,
+    MODEL_PRESETS,
+    MOE_SETTINGS,
+    ModelConfig,
+)
 from meshwise.train.profiling import parse_steps
 from meshwise.train.value_checks import choice, flag_name, non_negative, positive
 
@@ -60,10 +65,11 @@ class ParallelConfig:
     micro_batches: int = 0  # 0: pp when pp > 1, else 1
     zero: int = 0
     reshard_after_forward: bool = False  # ZeRO-3 under a pipeline: gather per micro-batch
+    ep: int = 1  # expert parallel: each MoE layer's experts over ep of the dp x cp ranks
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
 
     @property
     def axes_text(self) -> str:
@@ -303,7 +309,7 @@ class TrainConfig:
     def _validate_model(self) -> None:
         m, d = self.model.resolved(), self.data
         if self.model.family != "llama":
-            for name in LLAMA_ONLY:
+            for name in LLAMA_ONLY + MOE_SETTINGS:
                 if getattr(m, name) is not None:
                     raise ValueError(
                         f"{flag_name(name)} applies to the llama models, "

@@ -13,6 +13,35 @@ from meshwise.train.value_checks import choice, non_negative, positive
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+def _check_experts(cfg, own_model: bool) -> None:
+    """--ep: borrowed from dp x cp, on a model with experts it divides."""
+    p = cfg.parallel
+    positive(ep=p.ep)
+    if p.ep == 1:
+        return
+    if (p.dp * p.cp) % p.ep:
+        valid = [e for e in range(1, p.dp * p.cp + 1) if (p.dp * p.cp) % e == 0]
+        raise ValueError(
+            f"--ep {p.ep} does not divide dp x cp = {p.dp} x {p.cp} (expert parallelism "
+            f"borrows those ranks); valid: --ep {', '.join(map(str, valid))}"
+        )
+    if own_model:
+        return
+    experts = cfg.model.resolved().n_experts or 0
+    if not experts:
+        raise ValueError(
+            f"--ep {p.ep} on a dense model (no experts); valid: --ep 1, or --n-experts > 0"
+        )
+    if experts % p.ep:
+        valid = [e for e in range(1, experts + 1) if experts % e == 0 and (p.dp * p.cp) % e == 0]
+        raise ValueError(
+            f"--ep {p.ep} does not divide the {experts} experts; valid: --ep "
+            f"{', '.join(map(str, valid))}"
+        )
+    if p.zero == 3:
+        raise ValueError(f"--zero 3 with --ep {p.ep} is not supported yet; valid: --zero 0, 1, 2")
+
+
 def check_layout(cfg, own_model: bool = False) -> None:
     """The axes, the schedule, the sequence, the batch and the gradients' group of ``cfg``
     (a ``TrainConfig``) fit together, or ``ValueError`` names the first that does not;
@@ -25,6 +54,7 @@ def check_layout(cfg, own_model: bool = False) -> None:
     non_negative(micro_batches=p.micro_batches)
     choice("--schedule", p.schedule, SCHEDULE_KINDS)
     choice("--zero", p.zero, ZERO_STAGES)
+    _check_experts(cfg, own_model)
     if p.tp > 1 and not own_model:
         fam = family(cfg.model.family)
         fam.check_tp(fam.make_config(cfg.model.sizes(max(m.vocab_size, 1))), p.tp)

@@ -15,6 +15,19 @@ LLAMA_VARIANT = {
     "head_size": 0,
     "sliding_window": 0,
     "hf_type": "llama",
+    # mixture of experts (docs/moe.md): none by default
+    "n_experts": 0,
+    "experts_per_token": 2,
+    "moe_ffn_hidden_size": 0,
+    "norm_topk_prob": True,
+    "router_score": "softmax",
+    "shared_expert_size": 0,
+    "shared_expert_gate": False,
+    "first_dense_layers": 0,
+    "moe_every": 1,
+    "aux_loss_coef": 0.0,
+    "aux_loss_formula": "per-layer",
+    "bias_update_rate": 0.0,
 }
 MODEL_PRESETS: dict[str, dict[str, Any]] = {  # values of each field's own type
     # name: the model family (meshwise.models.families) and its sizes
@@ -70,6 +83,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {  # values of each field's own type
 }
 # Settings of the llama family only; None: the preset's (or --init-from's config.json).
 LLAMA_ONLY = ("n_kv_head", "ffn_hidden_size", "rope_theta", "norm_eps")
+# Llama-family settings that may be 0 (or a string), so checked by the family's config.
+MOE_SETTINGS = (
+    "n_experts",
+    "experts_per_token",
+    "moe_ffn_hidden_size",
+    "shared_expert_size",
+    "first_dense_layers",
+    "moe_every",
+    "router_score",
+    "aux_loss_coef",
+    "bias_update_rate",
+)
 
 
 @dataclass
@@ -95,6 +120,19 @@ class ModelConfig:
     head_size: int | None = None
     sliding_window: int | None = None
     hf_type: str | None = None
+    # mixture of experts (None: the preset's, which has none, or config.json's)
+    n_experts: int | None = None
+    experts_per_token: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    norm_topk_prob: bool | None = None
+    router_score: str | None = None
+    shared_expert_size: int | None = None
+    shared_expert_gate: bool | None = None
+    first_dense_layers: int | None = None
+    moe_every: int | None = None
+    aux_loss_coef: float | None = None
+    aux_loss_formula: str | None = None
+    bias_update_rate: float | None = None
 
     def resolved(self) -> "ModelConfig":
         """A copy with every size the preset defines filled in where it is unset."""

@@ -84,8 +84,10 @@ class CommContext:
             return None
         if peer is not None:
             sig = signature(f"transfer tag{tag}", tensors)
-        else:  # every rank pickles a different object: no sizes
-            sig = signature(op, () if op == "all_gather_object" else tensors)
+        else:
+            # every rank pickles a different object, or sends different row counts
+            uneven = op == "all_gather_object" or op.startswith("all_to_all")
+            sig = signature(op, () if uneven else tensors)
         return self.ledger.issue(channel or group.channel, op, sig, site)
 
     def unbatched(self, group, peer: int, works: list, op: str) -> None:
