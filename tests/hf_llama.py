@@ -85,6 +85,7 @@ def laid_out(
     cp_group=None,
     sequence_parallel: bool = False,
     tie_group=None,
+    ep_group=None,
 ):
     """meshwise's ``ParallelModel`` of ``directory`` (on the meta device) and the
     ``values(name, start, end)`` that read its slices from the files."""
@@ -101,6 +102,7 @@ def laid_out(
         cp_group=cp_group,
         sequence_parallel=sequence_parallel,
         tie_group=tie_group,
+        ep_group=ep_group,
     )
     return pm, pm.values_from(LlamaWeights(directory, cfg).read)
 

@@ -69,7 +69,7 @@ class Layout:
             virtual_stages=self.virtual_stages,
             micro_batches=self.micro_batches if self.pp > 1 else 0,
             zero=self.zero,
-            **({"ep": self.ep} if self.ep > 1 else {}),  # a dense model's layout names none
+            ep=self.ep,
         )
         return dataclasses.replace(
             cfg,
@@ -90,6 +90,7 @@ class Layout:
             cp=p.cp,
             tp=p.tp,
             pp=p.pp,
+            ep=p.ep,
             sp=p.sp,
             schedule=p.schedule,
             virtual_stages=p.virtual_stages,
