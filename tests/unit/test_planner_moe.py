@@ -3,6 +3,7 @@ parameters, FLOPs from the active ones, expert state per rank at 1/ep with ZeRO 
 dp x cp / ep, the all-to-all bytes per MoE layer."""
 
 import pytest
+import torch
 
 from meshwise.planner.experts import all_to_all_bytes, expert_dp, valid_ep
 from meshwise.planner.layout import Layout
@@ -100,3 +101,34 @@ def test_the_layout_names_its_ep():
     assert "--ep 2" in layout.flags()
     assert Layout.parse(layout.flags()) == layout
     assert "--ep" not in Layout(dp=4).flags()
+
+
+def test_the_shape_counts_the_moe_model_itself():
+    from meshwise.models.families import family
+
+    fam = family("llama")
+    with torch.device("meta"):
+        model = fam.build(fam.make_config(MOE))
+    assert shape_of(MOE).num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_plan_searches_each_ep_that_divides_dp_cp_and_the_experts():
+    from meshwise.cli.main import build_parser
+    from meshwise.cli.plan import model_config
+    from meshwise.planner.request import plan_request
+    from meshwise.planner.search import Space
+
+    flags = ["--model", "llama-tiny", "--n-experts", "4", "--seq-len", "64", "--batch-size", "8"]
+    cfg = model_config(build_parser().parse_args(["plan", *flags]))
+    space = Space(zero=(1,), schedules=("1f1b",), activation_checkpointing=("none",))
+    listed = plan_request(cfg, 4, "cpu", space).run()
+    by_dp_cp: dict[int, set[int]] = {}
+    for p in listed:
+        by_dp_cp.setdefault(p.layout.dp * p.layout.cp, set()).add(p.layout.ep)
+    assert by_dp_cp[4] == {1, 2, 4} and by_dp_cp[2] == {1, 2} and by_dp_cp[1] == {1}
+    state = {
+        p.layout.ep: p.memory.model_state
+        for p in listed
+        if (p.layout.dp, p.layout.tp, p.layout.pp) == (4, 1, 1)
+    }
+    assert state[4] < state[2] < state[1]
