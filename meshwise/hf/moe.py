@@ -215,7 +215,9 @@ def moe_shapes(cfg, layer: int) -> dict[str, tuple[int, ...]]:
     """The tensors an MoE ``layer`` stores, by stored name, with their shapes."""
     d, e = cfg.d_model, cfg.n_experts
     f = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
-    shapes = {router_name(cfg, f"layers.{layer}.mlp.gate.weight"): (e, d)}
+    shapes: dict[str, tuple[int, ...]] = {
+        router_name(cfg, f"layers.{layer}.mlp.gate.weight"): (e, d)
+    }
     projections = {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
     for j in range(e):
         for projection, shape in projections.items():

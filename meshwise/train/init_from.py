@@ -97,13 +97,13 @@ def check_init_from(cfg: TrainConfig) -> None:
 def initial_values(parallel_model, cfg: TrainConfig, init_of, seed: int):
     """The engines' ``values(name, start, end)``: the directory's weights with
     ``--init-from``, else the layout-independent initialisation of ``seed``."""
-    if not cfg.model.init_from:
-        return parallel_model.init_values(init_of, seed)
-    if cfg.model.family == "gpt":
-        gpt2 = GPT2Weights(cfg.model.init_from, cfg.model.resolved().n_head)
-        return parallel_model.values_from(gpt2.read)
     from meshwise.models.families import family
 
     m = cfg.model
+    if not m.init_from:
+        return parallel_model.init_values(init_of, seed)
+    if m.family == "gpt":
+        gpt2 = GPT2Weights(m.init_from, m.resolved().n_head)
+        return parallel_model.values_from(gpt2.read)
     model = family(m.family).make_config(m.sizes(m.vocab_size))
     return parallel_model.values_from(LlamaWeights(m.init_from, model).read)
