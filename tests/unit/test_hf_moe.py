@@ -220,3 +220,21 @@ def test_the_aux_loss_of_an_imported_qwen3_moe_is_transformers(moe_dirs):
     ours.backward()
     routers = [p for name, p in pm.named_parameters() if name.endswith("mlp.gate.weight")]
     assert len(routers) == 2 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in routers)
+
+
+@pytest.mark.parametrize("flag, want", [(None, 0.02), (0.5, 0.5), (0.0, 0.0)])
+def test_moe_aux_loss_coef_wins_over_the_folders(moe_dirs, tmp_path, flag, want):
+    import shutil
+
+    from meshwise.train.config import TrainConfig
+    from meshwise.train.init_from import apply_init_from
+
+    directory = shutil.copytree(moe_dirs / "mixtral", tmp_path / "mixtral")
+    config = {**read_config(directory), "output_router_logits": True, "router_aux_loss_coef": 0.02}
+    (directory / "config.json").write_text(json.dumps(config))
+    cfg, origins = TrainConfig(), {}
+    cfg.model.init_from = str(directory)
+    if flag is not None:
+        cfg.model.aux_loss_coef, origins["aux_loss_coef"] = flag, "flag"
+    apply_init_from(cfg, origins)
+    assert cfg.model.aux_loss_coef == want and cfg.model.n_experts == 4
