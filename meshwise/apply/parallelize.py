@@ -63,6 +63,7 @@ class ParallelModel:
     named as the single-process model. ``cross_stage_ties``: members whose partners live on
     another rank; ``local_ties``: members held here in different chunks (a V's ends).
     ``sequence_parallel``: every tp-replicated parameter's gradient is a partial sum over tp.
+    ``ep_group``: the ranks the experts are split over (None: not split).
     """
 
     chunks: list[nn.Module]
@@ -77,6 +78,7 @@ class ParallelModel:
     # each logical parameter's own initialisation (its module's), or why there is none
     own_inits: dict[str, Init] | None = None
     own_inits_problem: str = ""
+    ep_group: ops.Group | None = None  # the experts are split over it (None: not split)
 
     @property
     def holds_last_stage(self) -> bool:
@@ -266,6 +268,7 @@ def parallelize(
         sequence_parallel,
         own,
         problem,
+        ep_group if ep_group is not None and ep_group.size > 1 else None,
     )
 
 

@@ -131,7 +131,8 @@ class MoE(nn.Module):
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         combined = torch.zeros_like(tokens).index_add_(0, source, out)  # (N, D)
         if hasattr(self, "shared_expert"):
-            shared = self.shared_expert(tokens)
+            # (B, T, D) in: under sequence parallelism its tp layers gather along T
+            shared = self.shared_expert(x).reshape(B * T, D)
             if hasattr(self, "shared_expert_gate"):
                 shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
             combined = combined + shared

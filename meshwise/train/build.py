@@ -4,6 +4,7 @@ sharding engine (allocating only what this rank keeps), and the dtype of ``--dty
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -84,7 +85,7 @@ def build_engine(
     ``grad_reducer`` when given).
     """
     precision, p = precision_of(cfg), cfg.parallel
-    if mesh.ep_group is not None:
+    if model.ep_group is not None:
         return _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer)
     if p.zero == 3:  # the layers are units, the rest the root unit
         target: nn.Module | list[nn.Module] = model.chunks[0]
@@ -131,11 +132,46 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
     """Under expert parallelism: the dense parameters' engine over dp x cp and the
     experts' over their expert-data-parallel group, at the same ZeRO stage."""
     p = cfg.parallel
-    if p.zero == 3:
-        raise ValueError("--zero 3 with --ep > 1 is not supported yet; valid: --zero 0, 1, 2")
     named = model.named_parameters()
     experts = [(n, q) for n, q in named if ep_split(q) is not None]
-    dense = [(n, q) for n, q in named if ep_split(q) is None]
+    if not experts:  # a pipeline stage of dense layers only: its engine as without ep
+        whole = dataclasses.replace(model, ep_group=None)
+        return build_engine(whole, mesh, cfg, adamw, values, device, grad_reducer)
+    if p.zero == 3:
+        with _frozen([q for _, q in experts]):  # the dense engine leaves them alone
+            dense = build_engine(
+                dataclasses.replace(model, ep_group=None),
+                mesh,
+                cfg,
+                adamw,
+                values,
+                device,
+                grad_reducer,
+            )
+        # The dense engine took the rest: this one holds the experts, a unit per layer,
+        # gathered from a step's first forward to its end (no freed views to rebuild
+        # under the dense engine's saved-tensor hooks).
+        holders = [
+            [
+                m
+                for m in chunk.modules()
+                if any(ep_split(q) is not None for q in m.parameters(False))
+            ]
+            for chunk in model.chunks
+        ]
+        pipelined = len(model.chunks) > 1
+        expert_engine = ZeroStage3(
+            model.chunks if pipelined else model.chunks[0],
+            mesh.edp_group,
+            adamw,
+            holders if pipelined else holders[0],
+            reshard="after-step",
+            precision=precision_of(cfg),
+            values=values,
+            device=device,
+        )
+        return DenseAndExperts(dense, expert_engine, mesh.ep_group, [n for n, _ in experts])
+    dense_named = [(n, q) for n, q in named if ep_split(q) is None]
     tied = list(model.cross_stage_ties) + [n for group in model.local_ties for n in group]
     common = dict(
         stage=p.zero,
@@ -149,12 +185,23 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
     )
     return DenseAndExperts(
         ZeroOptimizer(
-            dense, mesh.dp_cp_group, grad_reducer=grad_reducer, own_buckets=tied, **common
+            dense_named, mesh.dp_cp_group, grad_reducer=grad_reducer, own_buckets=tied, **common
         ),
         ZeroOptimizer(experts, mesh.edp_group, **common),
         mesh.ep_group,
         [n for n, _ in experts],
     )
+
+
+@contextlib.contextmanager
+def _frozen(params):
+    for q in params:
+        q.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for q in params:
+            q.requires_grad_(True)
 
 
 def own_model_shape(model: ParallelModel, data_vocab_size: int) -> dict:

@@ -14,9 +14,17 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _check_experts(cfg, own_model: bool) -> None:
-    """--ep: borrowed from dp x cp, on a model with experts it divides."""
+    """--ep: borrowed from dp x cp, on a model with experts it divides; transformers'
+    concatenated balancing loss needs every layer in one stage."""
     p = cfg.parallel
     positive(ep=p.ep)
+    m = cfg.model.resolved()
+    if m.aux_loss_formula == "hf-concatenated" and (m.aux_loss_coef or 0) > 0 and p.pp > 1:
+        raise ValueError(
+            f"the hf-concatenated balancing loss (transformers') needs every layer's "
+            f"router statistics on one stage, not --pp {p.pp}; valid: --pp 1, or "
+            "aux_loss_formula per-layer"
+        )
     if p.ep == 1:
         return
     if (p.dp * p.cp) % p.ep:
@@ -38,8 +46,6 @@ def _check_experts(cfg, own_model: bool) -> None:
             f"--ep {p.ep} does not divide the {experts} experts; valid: --ep "
             f"{', '.join(map(str, valid))}"
         )
-    if p.zero == 3:
-        raise ValueError(f"--zero 3 with --ep {p.ep} is not supported yet; valid: --zero 0, 1, 2")
 
 
 def check_layout(cfg, own_model: bool = False) -> None:

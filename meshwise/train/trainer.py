@@ -41,6 +41,7 @@ from meshwise.train.config import TrainConfig
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.memory import PeakMemory
 from meshwise.train.metrics import RankValues
+from meshwise.train.routing import RouterBalance
 from meshwise.train.run_state import RunState
 from meshwise.train.sampling import end_sample
 
@@ -100,6 +101,8 @@ class Trainer:
             cfg, self.mesh, self.family, self.model_cfg, self.parallel_model, self.device
         )
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.parallel_model)
+        micro_per_step = cfg.data.grad_accum * cfg.parallel.num_micro_batches
+        self.balance = RouterBalance.of(self.model_cfg, self.mesh, cfg.parallel.sp, micro_per_step)
         self.checkpointer = RunCheckpointer(
             cfg,
             self.run,
@@ -228,11 +231,17 @@ class Trainer:
         with self.observer.phase("forward_backward"):
             self.engine.zero_grad()
             micro_batches, contexts, labelled = self._micro_batches(step, "train")
+            if self.balance is not None:  # each micro-batch's router tally
+                contexts = self.balance.attach(contexts)
             loss_part = self._forward_backward(micro_batches, contexts, labelled)
         for loss_hook in self.after_loss:
             loss_part = loss_hook(step, loss_part)
         with self.observer.phase("grad_sync"):
             self.grad_sync.finish()
+        router_table = None
+        if self.balance is not None:  # the step's tokens per expert; the routing biases
+            router_table = self.balance.step_table(self.device)
+            self.balance.update_biases(router_table, self.engine.checkpoint_runs())
 
         # Norm, clipping and the non-finite check stay on the device: the step needs
         # no host read before the optimizer (a skipped step changes nothing there).
@@ -250,6 +259,8 @@ class Trainer:
         values = self._step_values(
             loss_part, sq_norm, skip, counters.bytes_sent["grad"] - grad_bytes_before
         )
+        if router_table is not None:
+            self.balance.add_values(values, router_table)
         combined = values.gather(self.mesh.world_group)  # the step's one host read: waits for it
         step_time_s = time.perf_counter() - start
         loss, grad_norm = combined["loss"], math.sqrt(combined["sq_norm"])
@@ -259,6 +270,10 @@ class Trainer:
         else:
             self.skipped_in_a_row = 0
         record = self._record(step, lr, labelled, combined, step_time_s)
+        if router_table is not None:
+            record["aux_loss"] = combined["aux_loss"]
+            record["moe_max_load"] = combined["moe_max_load"]
+            record["moe_worst_layer"] = int(combined["moe_worst_layer"])
         # Every rank issued the same operations on every group, or the ledger names the
         # rank that did not (a desync is wrong before it hangs): every few steps, and
         # always before results are written (the last step, a checkpoint).
@@ -342,7 +357,8 @@ class Trainer:
                     out = self._call(inputs, contexts[i])
                     loss = self.parallel_model.loss(out, targets) * scale
                 with ranges.named("backward"):
-                    strict.backward(loss)
+                    extra = self.balance.extra_loss(contexts[i]) if self.balance else 0.0
+                    strict.backward(loss + extra)
             total += loss.detach()
         return total
 
