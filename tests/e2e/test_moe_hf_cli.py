@@ -1,6 +1,7 @@
-"""``train --init-from`` a Qwen3-MoE folder at --dp 2 --tp 2 --ep 2, ``export --format hf``
-back: transformers loads the export (every expert gathered, published names) and computes
-the trained model's logits."""
+"""``train --init-from`` a Qwen3-MoE folder at --dp 2 --tp 2 --ep 2 and a Mixtral one at
+--dp 4 --ep 2 --zero 3 (experts sharded over their expert-data-parallel pair), ``export
+--format hf`` back: transformers loads the export (every expert gathered, published names)
+and computes the trained model's logits."""
 
 import pytest
 import torch
@@ -15,14 +16,20 @@ RUN = ["--seq-len", "32", "--batch-size", "4", "--steps", "2", "--warmup-steps",
 
 
 @pytest.mark.timeout(300)
-def test_qwen3_moe_fine_tuned_at_ep2_tp2_exports_to_transformers(tmp_path, corpus):
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("qwen3_moe", ["--dp", "2", "--tp", "2", "--ep", "2"]),
+        ("mixtral", ["--dp", "4", "--ep", "2", "--zero", "3"]),
+    ],
+)
+def test_moe_fine_tuned_at_ep2_exports_to_transformers(tmp_path, corpus, name, layout):
     from transformers import AutoModelForCausalLM
 
     from meshwise.checkpoint.store import open_checkpoint
     from meshwise.serve.model import load_model
 
-    save_hf_moe(tmp_path / "hf", "qwen3_moe")
-    layout = ["--dp", "2", "--tp", "2", "--ep", "2"]
+    save_hf_moe(tmp_path / "hf", name)
     result = run_cli(
         "train", "--init-from", tmp_path / "hf", *layout, "--data", corpus, *RUN,
         "--save", tmp_path / "ckpt", cwd=tmp_path,
@@ -34,7 +41,7 @@ def test_qwen3_moe_fine_tuned_at_ep2_tp2_exports_to_transformers(tmp_path, corpu
     assert export.returncode == 0, export.stderr
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info  # no tensor missing, unexpected or mismatched
-    assert hf.config.model_type == "qwen3_moe" and hf.config.mlp_only_layers == [0]
+    assert hf.config.model_type == name
     ours = load_model(open_checkpoint(tmp_path / "ckpt"))
     ids = torch.randint(
         0, HF_SIZES["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0)
