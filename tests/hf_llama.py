@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from meshwise.apply.parallelize import parallelize
-from meshwise.hf.llama import hf_name, llama_sizes, read_config
-from meshwise.hf.safetensors_dir import SafetensorsDir
+from meshwise.hf.llama import llama_sizes, read_config
+from meshwise.hf.llama_weights import LlamaWeights
 from meshwise.models.llama import Llama, LlamaConfig, llama_plan
 from meshwise.sharding.binding import param_owners, rebind
 
@@ -85,6 +85,7 @@ def laid_out(
     cp_group=None,
     sequence_parallel: bool = False,
     tie_group=None,
+    ep_group=None,
 ):
     """meshwise's ``ParallelModel`` of ``directory`` (on the meta device) and the
     ``values(name, start, end)`` that read its slices from the files."""
@@ -101,9 +102,9 @@ def laid_out(
         cp_group=cp_group,
         sequence_parallel=sequence_parallel,
         tie_group=tie_group,
+        ep_group=ep_group,
     )
-    weights = SafetensorsDir(directory)
-    return pm, pm.values_from(lambda piece: weights.read(hf_name(piece.name), piece))
+    return pm, pm.values_from(LlamaWeights(directory, cfg).read)
 
 
 def materialize(pm, values) -> None:

@@ -1,6 +1,7 @@
-"""Hugging Face's Llama, Mistral, Qwen2 and Qwen3 ``config.json`` and tensor names, to and
-from ours (pure). ``config.json`` is read as transformers 4 writes it (``rope_theta``,
-``rope_scaling``) and as 5 does (``rope_parameters``); exports use the first, read by both.
+"""Hugging Face's Llama, Mistral, Qwen2 and Qwen3 (and, with ``meshwise.hf.moe``, Mixtral,
+Qwen3-MoE and Qwen2-MoE) ``config.json`` and tensor names, to and from ours (pure).
+``config.json`` is read as transformers 4 writes it (``rope_theta``, ``rope_scaling``) and
+as 5 does (``rope_parameters``); exports use the first, read by both.
 """
 
 from __future__ import annotations
@@ -8,7 +9,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from meshwise.hf.moe import (
+    MOE_ARCHITECTURES,
+    MOE_KEY_TYPES,
+    is_moe_type,
+    moe_config,
+    moe_shapes,
+    moe_sizes,
+    unsupported_moe,
+)
 from meshwise.models.llama import LlamaConfig, rope_type_of
+from meshwise.models.moe import is_moe_layer
 
 ARCHITECTURE = "LlamaForCausalLM"
 # What --init-from reads (GPT-2 through meshwise.hf.gpt2), for messages.
@@ -19,6 +30,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **MOE_ARCHITECTURES,
 }
 # Mixture-of-experts keys of transformers' configs: a value > 0 means MoE blocks.
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -54,6 +66,7 @@ KEY_TYPES = {
     "sliding_window": "int?",
     "use_sliding_window": "bool",
     **{key: "int?" for key in MOE_KEYS},
+    **MOE_KEY_TYPES,
 }
 ROPE_KEY_TYPES = {
     "factor": "number",
@@ -110,6 +123,7 @@ def llama_sizes(config: dict, where: str) -> dict:
     kind = config.get("model_type")
     expected = ARCHITECTURES.get(kind) if isinstance(kind, str) else None
     architectures = config.get("architectures") or [expected or ""]
+    unsupported_moe(kind, where)
     if expected is None or expected not in architectures:
         valid = ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items())
         raise ValueError(
@@ -124,6 +138,8 @@ def llama_sizes(config: dict, where: str) -> dict:
         sizes["n_kv_head"] = sizes["n_head"]
     _check_supported(config, sizes, where)
     sizes.update(_variant(config, sizes, where))
+    if is_moe_type(kind):
+        sizes.update(moe_sizes(config, where))
     rope = dict(config.get("rope_parameters") or {})
     theta = (
         config["rope_theta"]
@@ -170,7 +186,8 @@ def check_types(config: dict, types: dict[str, str], where: str) -> None:
 
 
 def _check_supported(config: dict, sizes: dict, where: str) -> None:
-    moe = [key for key in MOE_KEYS if config.get(key)]
+    dense = not is_moe_type(config["model_type"])
+    moe = [key for key in MOE_KEYS if config.get(key) and dense]
     unsupported = [
         (moe, f"MoE blocks ({moe[0]} {config.get(moe[0])})" if moe else "", "a dense model"),
         (config.get("attention_bias", False), "attention_bias true", "false"),
@@ -195,15 +212,15 @@ def _check_supported(config: dict, sizes: dict, where: str) -> None:
 
 
 def _variant(config: dict, sizes: dict, where: str) -> dict:
-    """The switches of the model_type: Qwen2's biases, Qwen3's q/k norms, a head size
-    of its own, Mistral's sliding window."""
+    """The switches of the model_type: Qwen2's biases (Qwen2-MoE's by its qkv_bias),
+    Qwen3's q/k norms, a head size of its own, Mistral's and Mixtral's sliding window."""
     kind = config["model_type"]
     head_dim = config.get("head_dim") or sizes["d_model"] // sizes["n_head"]
     own_head = head_dim if head_dim * sizes["n_head"] != sizes["d_model"] else 0
-    window = config.get("sliding_window") if kind == "mistral" else None
+    window = config.get("sliding_window") if kind in ("mistral", "mixtral") else None
     return {
-        "qkv_bias": kind == "qwen2",
-        "qk_norm": kind == "qwen3",
+        "qkv_bias": kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True)),
+        "qk_norm": kind in ("qwen3", "qwen3_moe"),
         "head_size": own_head,
         "sliding_window": window or 0,
         "hf_type": kind,
@@ -243,9 +260,11 @@ def hf_config(cfg: LlamaConfig) -> dict:
         "torch_dtype": "float32",
         "use_cache": True,
     }
-    if cfg.hf_type in ("qwen2", "qwen3"):
+    if cfg.hf_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
-    if cfg.hf_type == "mistral":
+    if cfg.hf_type in MOE_ARCHITECTURES:
+        config.update(moe_config(cfg))
+    if cfg.hf_type in ("mistral", "mixtral"):
         config["sliding_window"] = cfg.sliding_window or None
     if cfg.rope_scaling:
         config["rope_scaling"] = dict(cfg.rope_scaling)
@@ -268,11 +287,16 @@ def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
                 attn + "k_proj.weight": (kv, d),
                 attn + "v_proj.weight": (kv, d),
                 attn + "o_proj.weight": (d, q),
-                layer + "mlp.gate_proj.weight": (ffn, d),
-                layer + "mlp.up_proj.weight": (ffn, d),
-                layer + "mlp.down_proj.weight": (d, ffn),
             }
         )
+        if not is_moe_layer(cfg, i):
+            shapes.update(
+                {
+                    layer + "mlp.gate_proj.weight": (ffn, d),
+                    layer + "mlp.up_proj.weight": (ffn, d),
+                    layer + "mlp.down_proj.weight": (d, ffn),
+                }
+            )
         if cfg.qkv_bias:
             shapes.update(
                 {
@@ -285,4 +309,8 @@ def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({attn + "q_norm.weight": (hd,), attn + "k_norm.weight": (hd,)})
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
-    return {hf_name(name): shape for name, shape in shapes.items()}
+    stored = {hf_name(name): shape for name, shape in shapes.items()}
+    for i in range(cfg.n_layer):
+        if is_moe_layer(cfg, i):
+            stored.update(moe_shapes(cfg, i))
+    return stored

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from meshwise.planner.collectives import collective_s, link_kind, p2p_s, sync_wait_s
 from meshwise.planner.devices import DeviceProfile
+from meshwise.planner.experts import PASSES, RECOMPUTE_PASSES, all_to_all_s
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import DTYPE_BYTES, Settings, activation_bytes_per_token
 from meshwise.planner.shapes import ModelShape
@@ -31,10 +32,15 @@ class ActionCosts:
     weights: float
     tp: float
     cp: float
+    ep: float = 0.0  # the experts' all-to-alls
 
     @property
     def compute(self) -> float:
         return self.forward + self.backward + self.weights
+
+    @property
+    def comm(self) -> float:
+        return self.tp + self.cp + self.ep
 
 
 def micro_batch_tokens(layout: Layout, st: Settings) -> int:
@@ -82,7 +88,8 @@ def action_costs(
         w += _collect_s(shape.final_replicated + shape.head_split / t, st, device)
     tp = layers * _tp_per_layer(shape, layout, st, device, n, layer_compute)
     cp = layers * _cp_per_layer(shape, layout, st, device, n, attention, layer_compute)
-    return ActionCosts(f, b, w, tp, cp)
+    ep = layers * _ep_per_layer(shape, layout, st, device, n, layer_compute)
+    return ActionCosts(f, b, w, tp, cp, ep)
 
 
 def _elementwise_s(
@@ -154,6 +161,23 @@ def _tp_per_layer(
     return moved + sync_wait_s(
         device, layout.tp, sum(counts.values()), layer_compute, layout.world_size
     )
+
+
+def _ep_per_layer(
+    shape, layout: Layout, st: Settings, device: DeviceProfile, n: int, layer_compute: float
+) -> float:
+    """The experts' all-to-alls of one layer (an MoE layer's, times the share of layers
+    that are), forward and backward, exposed (each waits for the tokens it moves), and the
+    waits for the ep group's peers at each."""
+    if layout.ep == 1 or not shape.moe_layers:
+        return 0.0
+    passes = PASSES + RECOMPUTE_PASSES * (layout.activation_checkpointing != "none")
+    held = n * shape.experts_per_token * shape.d_model * DTYPE_BYTES[st.dtype]  # token copies
+    # ep ranks borrowed from dp x cp: neighbours tp x pp ranks apart
+    link = link_kind(layout.tp * layout.pp, layout.ep, device.ranks_per_node)
+    moved = passes * all_to_all_s(device, held, layout.ep, link)
+    waits = sync_wait_s(device, layout.ep, passes, layer_compute, layout.world_size)
+    return (moved + waits) * shape.moe_layers / shape.n_layer
 
 
 def _cp_per_layer(

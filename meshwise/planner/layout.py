@@ -20,6 +20,7 @@ class Layout:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # experts split over ep of the dp x cp ranks
     sp: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -38,6 +39,8 @@ class Layout:
         parts = [f"--dp {self.dp}", f"--tp {self.tp}", f"--pp {self.pp}"]
         if self.cp > 1:
             parts.append(f"--cp {self.cp}")
+        if self.ep > 1:
+            parts.append(f"--ep {self.ep}")
         if self.sp:
             parts.append("--sp")
         if self.pp > 1:
@@ -66,6 +69,7 @@ class Layout:
             virtual_stages=self.virtual_stages,
             micro_batches=self.micro_batches if self.pp > 1 else 0,
             zero=self.zero,
+            ep=self.ep,
         )
         return dataclasses.replace(
             cfg,
@@ -86,6 +90,7 @@ class Layout:
             cp=p.cp,
             tp=p.tp,
             pp=p.pp,
+            ep=p.ep,
             sp=p.sp,
             schedule=p.schedule,
             virtual_stages=p.virtual_stages,
@@ -124,6 +129,7 @@ class Layout:
 _PARSED = {
     "dp": int,
     "cp": int,
+    "ep": int,
     "tp": int,
     "pp": int,
     "schedule": str,

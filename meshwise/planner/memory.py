@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshwise.pipeline.schedules import SPLIT_BACKWARD
+from meshwise.planner.experts import expert_dp
 from meshwise.planner.layout import Layout
 from meshwise.planner.shapes import ModelShape
 
@@ -74,15 +75,23 @@ def model_state_bytes_per_param(zero: int, n: int, dtype: str, grad_reduce_dtype
 
 def rank_params(shape: ModelShape, layout: Layout, rank: int) -> tuple[int, int, int]:
     """(parameters of rank ``rank``'s layers, of its first-stage modules, of its
-    last-stage modules), each this tp rank's shard."""
+    last-stage modules), each this tp rank's shard (its layers' routed experts: its
+    ``1 / ep`` of them, ``rank_expert_params``)."""
     t = layout.tp
     layers = shape.n_layer // layout.pp * (shape.layer_split // t + shape.layer_replicated)
+    layers = round(layers + rank_expert_params(shape, layout))
     v_shape = layout.schedule in ("zbv", "dualpipev") and layout.pp > 1
     first = (shape.embed_split // t + shape.embed_replicated) if rank == 0 else 0
     is_last = rank == (0 if v_shape else layout.pp - 1)
     head = 0 if (shape.tied and layout.pp == 1) or (shape.tied and v_shape) else shape.head_split
     last = (shape.final_replicated + head // t) if is_last else 0
     return layers, first, last
+
+
+def rank_expert_params(shape: ModelShape, layout: Layout) -> float:
+    """Routed expert parameters one rank holds: its stage's share of the MoE layers, of
+    each its ``1 / ep`` of the experts (whole over tp)."""
+    return shape.moe_layers * shape.expert_params / (layout.pp * layout.ep)
 
 
 def activation_bytes_per_token(shape: ModelShape, layout: Layout, dtype: str) -> dict[str, float]:
@@ -163,7 +172,11 @@ def _rank_memory(
     layers, first, last = rank_params(shape, layout, rank)
     params = layers + first + last
     n, a = layout.dp * layout.cp, DTYPE_BYTES[st.dtype]
-    state = params * model_state_bytes_per_param(layout.zero, n, st.dtype, st.grad_reduce_dtype)
+    experts = rank_expert_params(shape, layout)  # ZeRO over the expert data parallel ranks
+    n_expert = expert_dp(layout.dp, layout.cp, layout.ep)
+    state = (params - experts) * model_state_bytes_per_param(
+        layout.zero, n, st.dtype, st.grad_reduce_dtype
+    ) + experts * model_state_bytes_per_param(layout.zero, n_expert, st.dtype, st.grad_reduce_dtype)
     pipeline = 0.0
     if layout.pp > 1 and layout.zero >= 2 and n > 1:
         pipeline = params * 4 * (1 - 1 / n)  # the stage's full fp32 gradients

@@ -30,9 +30,15 @@ def header(request) -> list[str]:
         else ""
     )
     cores = f", {device.cores} cores" if device.cores else ""
+    experts = (
+        f" ({shape.active_params / 1e6:,.1f}M active: {shape.moe_layers} MoE layers of "
+        f"{shape.n_experts} experts, top-{shape.experts_per_token})"
+        if shape.n_experts
+        else ""
+    )
     return [
         f"model {m.preset if not m.init_from else m.init_from}: {shape.num_params / 1e6:,.1f}M "
-        f"parameters, {shape.n_layer} layers, d_model {shape.d_model}; global batch "
+        f"parameters{experts}, {shape.n_layer} layers, d_model {shape.d_model}; global batch "
         f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens, {cfg.runtime.dtype}",
         f"world {request.world} on {device.name} ({where}{nodes}{cores}); {device.source}",
     ]
@@ -52,7 +58,7 @@ def table(request, results: list[Prediction], top: int) -> str:
     )
     for i, p in enumerate(results[:top], 1):
         t = p.time
-        comm = t.tp + t.cp + t.dp
+        comm = t.tp + t.cp + t.ep + t.dp
         share = [100 * x / t.step for x in (t.compute, t.bubble, comm, t.optimizer)]
         lines.append(
             f"{i:>3}  {p.layout.flags():<{width}} {_bytes(p.memory.total):>10} "
@@ -88,4 +94,26 @@ def explain(request, layout: Layout) -> str:
     )
     for name, value in t.parts().items():
         lines.append(f"  {name:<18} {_seconds(value):>10}  {100 * value / t.step:5.1f}%")
+    if layout.ep > 1 and request.shape.moe_layers:
+        lines.append(_all_to_all_line(request, layout))
     return "\n".join(lines)
+
+
+def _all_to_all_line(request, layout: Layout) -> str:
+    """The experts' all-to-all bytes a rank sends per MoE layer and micro-batch."""
+    from meshwise.planner.compute import micro_batch_tokens
+    from meshwise.planner.experts import all_to_all_bytes
+    from meshwise.planner.memory import DTYPE_BYTES
+    from meshwise.planner.search import settings_of
+
+    st, shape = settings_of(request.cfg, request.device), request.shape
+    tokens = micro_batch_tokens(layout, st)
+    recompute = layout.activation_checkpointing != "none"
+    nbytes = all_to_all_bytes(
+        tokens, shape.experts_per_token, shape.d_model, DTYPE_BYTES[st.dtype], layout.ep, recompute
+    )
+    return (
+        f"all-to-all {_bytes(nbytes)} sent per rank, MoE layer and micro-batch of {tokens} "
+        f"tokens ({4 + 2 * recompute} x tokens x top-{shape.experts_per_token} x d_model "
+        f"{shape.d_model} x {DTYPE_BYTES[st.dtype]} B x (ep - 1) / ep)"
+    )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from meshwise.apply.activation_checkpointing import MODES
 from meshwise.pipeline.schedules import SCHEDULE_KINDS
 from meshwise.planner.devices import DeviceProfile
+from meshwise.planner.experts import valid_ep
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import MemoryBreakdown, Settings, peak_memory
 from meshwise.planner.shapes import ModelShape
@@ -120,7 +121,7 @@ def search(
     fitting: list[Prediction] = []
     over: list[Prediction] = []
     stages, modes = _valid_choices(cfg, space)
-    for structure in _structures(cfg, world, space):
+    for structure in _structures(cfg, world, space, shape.n_experts):
         # ZeRO over one rank shards nothing: stage 0 stands for them all
         zeros: Sequence[int] = stages if structure.dp * structure.cp > 1 else stages[:1]
         for mode in modes:
@@ -205,20 +206,22 @@ def _valid(cfg: TrainConfig, layout: Layout) -> bool:
     return True
 
 
-def _structures(cfg: TrainConfig, world: int, space: Space):
-    """Layouts without their ZeRO stage and checkpointing, valid at ZeRO-0."""
+def _structures(cfg: TrainConfig, world: int, space: Space, n_experts: int = 0):
+    """Layouts without their ZeRO stage and checkpointing, valid at ZeRO-0; with experts,
+    each expert parallel degree that divides dp x cp and the experts."""
     for dp, cp, tp, pp in _factorisations(world):
-        axes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
-        if any(axes[k] != v for k, v in space.axes.items()):
-            continue
         per_dp = cfg.data.batch_size // dp if cfg.data.batch_size % dp == 0 else 0
         if not per_dp:
             continue
-        for sp in (False, True) if tp > 1 else (False,):
-            base = Layout(dp=dp, cp=cp, tp=tp, pp=pp, sp=sp, compress=space.compress)
-            for layout in _pipelines(base, per_dp, space, cfg.model.resolved().n_layer):
-                if _valid(cfg, layout):
-                    yield layout
+        for ep in valid_ep(n_experts, dp * cp):
+            axes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
+            if any(axes[k] != v for k, v in space.axes.items()):
+                continue
+            for sp in (False, True) if tp > 1 else (False,):
+                base = Layout(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, sp=sp, compress=space.compress)
+                for layout in _pipelines(base, per_dp, space, cfg.model.resolved().n_layer):
+                    if _valid(cfg, layout):
+                        yield layout
 
 
 def _pipelines(base: Layout, per_dp: int, space: Space, n_layer: int):

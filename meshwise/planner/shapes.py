@@ -1,6 +1,7 @@
 """A model's shapes as the planner needs them, read from the model itself: built on the
-meta device with one layer (a family's layers are alike), each parameter sorted by its
-family's plan into split over tp or replicated. A 70B model costs what one layer does.
+meta device with one layer (a family's layers are alike; a mixture of experts: one dense
+and one MoE layer), each parameter sorted by its family's plan into split over tp,
+replicated, or (routed experts) split over ep. A 70B model costs what one layer does.
 """
 
 from __future__ import annotations
@@ -35,18 +36,34 @@ class ModelShape:
     embed_replicated: int  # learned positions (GPT)
     final_replicated: int  # the final norm (last stage)
     head_split: int  # the output head's own weight; with a tie, a copy under a pipeline
-    layer_matmul: int  # weights a layer multiplies by (FLOPs: 6 per token each)
+    layer_matmul: float  # weights a layer multiplies by per token (FLOPs: 6 per token each)
+    # Mixture of experts; the layer_* counts above are then averages over the layers, the
+    # routed experts left out (their own count, split over ep, not tp).
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_layers: int = 0
+    expert_params: int = 0  # one MoE layer's routed experts, all of them
 
     @property
     def num_params(self) -> int:
         """Parameters of the whole model (a tied head counted once)."""
-        return (
+        return round(
             self.n_layer * (self.layer_split + self.layer_replicated)
+            + self.moe_layers * self.expert_params
             + self.embed_split
             + self.embed_replicated
             + self.final_replicated
             + (0 if self.tied else self.head_split)
         )
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: of each MoE layer's routed experts only
+        its top-k (the router and a shared expert always)."""
+        if not self.n_experts:
+            return self.num_params
+        idle = self.moe_layers * self.expert_params * (1 - self.experts_per_token / self.n_experts)
+        return self.num_params - round(idle)
 
     @property
     def q_width(self) -> int:
@@ -58,7 +75,8 @@ class ModelShape:
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per token of a training step, by ``meshwise.train.flops``'s
-        convention (6 per matmul weight, the head included; attention's 12 L d T)."""
+        convention (6 per matmul weight, the head included; attention's 12 L d T): of the
+        active parameters (a token's top-k experts, not all of them)."""
         return (
             6.0 * (self.n_layer * self.layer_matmul + self.head_split)
             + 12.0 * self.n_layer * self.d_model * seq_len
@@ -67,14 +85,18 @@ class ModelShape:
 
 def model_shape(cfg: TrainConfig) -> ModelShape:
     """The shape of ``cfg``'s model (its vocabulary: ``--vocab-size``, else byte-level)."""
-    sizes = cfg.model.sizes(cfg.model.vocab_size or DEFAULT_VOCAB)
-    return _shape(tuple(sorted((k, _hashable(v)) for k, v in sizes.items())))
+    return shape_of(cfg.model.sizes(cfg.model.vocab_size or DEFAULT_VOCAB))
 
 
 def parameter_count(cfg: TrainConfig, vocab_size: int) -> int:
     """The parameters of ``cfg``'s model with ``vocab_size`` ids."""
-    sizes = cfg.model.sizes(vocab_size)
-    return _shape(tuple(sorted((k, _hashable(v)) for k, v in sizes.items()))).num_params
+    return shape_of(cfg.model.sizes(vocab_size)).num_params
+
+
+def shape_of(sizes: dict) -> ModelShape:
+    """The shape of the model ``sizes`` defines (``ModelConfig.sizes``: its family and the
+    family config's fields)."""
+    return _shape(tuple(sorted((k, _hashable(v)) for k, v in sizes.items())))
 
 
 def _hashable(value):
@@ -83,27 +105,69 @@ def _hashable(value):
 
 @functools.lru_cache(maxsize=64)
 def _shape(items: tuple) -> ModelShape:
-    from meshwise.geometry.init import on_meta
     from meshwise.models.families import family
 
     sizes: dict[str, Any] = {k: dict(v) if isinstance(v, tuple) else v for k, v in items}
     fam = family(sizes["family"])
     full = fam.make_config(sizes)
-    one = fam.make_config({**sizes, "n_layer": 1})
+    counts = _counts(fam, fam.make_config({**sizes, "n_layer": 1, "n_experts": 0}))
+    n_experts = getattr(full, "n_experts", 0)
+    moe = {"n_experts": 0, "experts_per_token": 0, "moe_layers": 0, "expert_params": 0}
+    if n_experts:
+        from meshwise.models.moe import is_moe_layer
+
+        one = {**sizes, "n_layer": 1, "first_dense_layers": 0, "moe_every": 1}
+        sparse = _counts(fam, fam.make_config(one))
+        moe_layers = sum(is_moe_layer(full, i) for i in range(full.n_layer))
+        dense = full.n_layer - moe_layers
+        for key in ("layer_split", "layer_replicated", "layer_matmul"):
+            counts[key] = (dense * counts[key] + moe_layers * sparse[key]) / full.n_layer
+        moe = {
+            "n_experts": n_experts,
+            "experts_per_token": full.experts_per_token,
+            "moe_layers": moe_layers,
+            "expert_params": sparse["layer_experts"],
+        }
+        # a token multiplies by its top-k experts' weights only
+        active = sparse["layer_experts"] * full.experts_per_token / n_experts
+        counts["layer_matmul"] += moe_layers * active / full.n_layer
+    del counts["layer_experts"]
+    head_dim = getattr(full, "head_dim", full.d_model // full.n_head)
+    return ModelShape(
+        family=sizes["family"],
+        n_layer=full.n_layer,
+        d_model=full.d_model,
+        n_head=full.n_head,
+        n_kv_head=getattr(full, "n_kv_head", full.n_head),
+        head_dim=head_dim,
+        ffn=getattr(full, "ffn_hidden_size", 4 * full.d_model),
+        vocab=full.vocab_size,
+        tied=bool(fam.plan(full).ties),
+        **counts,
+        **moe,
+    )
+
+
+def _counts(fam, one) -> dict[str, Any]:
+    """Parameters of the one-layer model ``one`` by where they sit and how tp splits them;
+    ``layer_experts``: its routed experts (split over ep); ``layer_matmul``: what its
+    layer multiplies by as ``nn.Linear`` weights (not the routed experts)."""
+    from meshwise.geometry.init import on_meta
+
     plan = fam.plan(one)
     with on_meta():
         model = fam.build(one)
     layers = getattr(model, plan.layers)
     ((layer_key, layer),) = layers.items()
-    counts = {
+    counts: dict[str, Any] = {
         "layer_split": 0,
         "layer_replicated": 0,
+        "layer_experts": 0,
         "embed_split": 0,
         "embed_replicated": 0,
         "final_replicated": 0,
         "head_split": 0,
     }
-    tied = bool(plan.ties)
     seen = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         module, _, kind = name.rpartition(".")
@@ -111,6 +175,9 @@ def _shape(items: tuple) -> ModelShape:
         split = style in ("colwise", "vocab_embedding", "vocab_head") or (
             style == "rowwise" and kind == "weight"
         )
+        if plan.ep_style(module) == "experts":
+            counts["layer_experts"] += param.numel()
+            continue
         if name.startswith(f"{plan.layers}."):
             where = "layer"
         elif any(name.startswith(m + ".") for m in plan.first_stage):
@@ -122,17 +189,5 @@ def _shape(items: tuple) -> ModelShape:
         seen.add(id(param))
         key = "head_split" if where == "head" else f"{where}_{'split' if split else 'replicated'}"
         counts[key] += param.numel()
-    head_dim = getattr(full, "head_dim", full.d_model // full.n_head)
-    return ModelShape(
-        family=sizes["family"],
-        n_layer=full.n_layer,
-        d_model=full.d_model,
-        n_head=full.n_head,
-        n_kv_head=getattr(full, "n_kv_head", full.n_head),
-        head_dim=head_dim,
-        ffn=getattr(full, "ffn_hidden_size", 4 * full.d_model),
-        vocab=full.vocab_size,
-        tied=tied,
-        layer_matmul=matmul_params(layer),
-        **counts,
-    )
+    counts["layer_matmul"] = matmul_params(layer)
+    return counts

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from meshwise.planner.collectives import collective_s, link_kind, p2p_s, sync_wait_s
 from meshwise.planner.compute import ActionCosts, action_costs, micro_batch_tokens
 from meshwise.planner.devices import DeviceProfile
+from meshwise.planner.experts import expert_dp
 from meshwise.planner.layout import Layout
-from meshwise.planner.memory import DTYPE_BYTES, Settings, rank_params
+from meshwise.planner.memory import DTYPE_BYTES, Settings, rank_expert_params, rank_params
 from meshwise.planner.shapes import ModelShape
 from meshwise.planner.traffic import ADAMW_BYTES
 
@@ -30,10 +31,11 @@ class TimeBreakdown:
     dp: float  # exposed gradient and ZeRO collectives
     optimizer: float
     bubble_fraction: float
+    ep: float = 0.0  # the experts' all-to-alls
 
     @property
     def step(self) -> float:
-        return self.compute + self.bubble + self.tp + self.cp + self.dp + self.optimizer
+        return self.compute + self.bubble + self.tp + self.cp + self.ep + self.dp + self.optimizer
 
     def parts(self) -> dict[str, float]:
         return {
@@ -41,6 +43,7 @@ class TimeBreakdown:
             "pipeline bubble": self.bubble,
             "tp comm": self.tp,
             "cp comm": self.cp,
+            "ep comm": self.ep,
             "dp comm": self.dp,
             "optimizer": self.optimizer,
         }
@@ -142,11 +145,11 @@ def pipeline(
         action_costs(shape, layout, st, device, layers, first > 0, last > 0)
         for _, first, last in ranks
     ]
-    worst = max(per_rank, key=lambda c: c.compute + c.tp + c.cp)
+    worst = max(per_rank, key=lambda c: c.compute + c.comm)
     m = layout.micro_batches * layout.grad_accum
     share = _core_share(layout, device)
     if layout.pp == 1:
-        seconds = m * (worst.compute * share + worst.tp + worst.cp)
+        seconds = m * (worst.compute * share + worst.comm)
         return Pipeline(worst, m, share, seconds, [1], ranks, exact)
     n = micro_batch_tokens(layout, st)
     # a stage's output; under sequence parallelism each tp rank holds, and sends, its slice
@@ -154,8 +157,8 @@ def pipeline(
     latency = p2p_s(
         device, message, link_kind(layout.tp * layout.cp, layout.pp, device.ranks_per_node)
     )
-    scale = worst.forward + worst.tp / 2 + worst.cp / 3
-    backward = (worst.backward + worst.tp / 2 + 2 * worst.cp / 3) / scale
+    scale = worst.forward + worst.tp / 2 + worst.cp / 3 + worst.ep / 2
+    backward = (worst.backward + worst.tp / 2 + 2 * worst.cp / 3 + worst.ep / 2) / scale
     weights = worst.weights / scale
     if exact:
         sim_step, flights = simulated(
@@ -171,7 +174,7 @@ def pipeline(
     else:
         sim_step, flights = _coarse(layout, backward, weights, latency / scale)
     # Ranks sharing cores: a pipeline's idle ranks leave theirs to the others.
-    shared = m * (worst.compute * share + worst.tp + worst.cp)
+    shared = m * (worst.compute * share + worst.comm)
     seconds = max(sim_step * scale * layout.grad_accum, shared)
     # Each chunk's forward waits for its input and its backward for its gradient, from
     # another rank but on the first and last stage: meetings with a peer that may have
@@ -207,9 +210,9 @@ def step_time(
     pipe = pipe or pipeline(shape, layout, st, device)
     w, m = pipe.worst, pipe.micro_steps
     compute = m * w.compute * pipe.share
-    bubble = max(0.0, pipe.seconds - compute - m * (w.tp + w.cp))
+    bubble = max(0.0, pipe.seconds - compute - m * w.comm)
     dp = _dp_exposed(shape, layout, st, device, pipe.ranks, m * (w.backward + w.weights))
-    optimizer = _optimizer_s(layout, st, device, pipe.ranks) * pipe.share
+    optimizer = _optimizer_s(shape, layout, st, device, pipe.ranks) * pipe.share
     breakdown = TimeBreakdown(
         compute,
         bubble,
@@ -218,6 +221,7 @@ def step_time(
         dp,
         optimizer,
         bubble / pipe.seconds if pipe.seconds > 0 else 0.0,
+        m * w.ep,
     )
     return breakdown, pipe.flights
 
@@ -242,17 +246,24 @@ def _dp_exposed(
     n = layout.dp * layout.cp
     if n == 1:
         return 0.0
-    params = max(sum(r) for r in ranks)
+    # routed experts under ep: reduced (and ZeRO-gathered) over their own expert data
+    # parallel group, by an engine of their own
+    experts = rank_expert_params(shape, layout) if layout.ep > 1 else 0.0
+    n_expert = expert_dp(layout.dp, layout.cp, layout.ep)
+    params = max(sum(r) for r in ranks) - experts
     a = DTYPE_BYTES[st.dtype]
-    grad_bytes = params * (2 if st.dtype == "bf16" and st.grad_reduce_dtype == "bf16" else 4)
-    grad_bytes *= COMPRESS_RATIO.get(layout.compress.partition(":")[0], 0.05)
+    per_grad = 2.0 if st.dtype == "bf16" and st.grad_reduce_dtype == "bf16" else 4.0
+    per_grad *= COMPRESS_RATIO.get(layout.compress.partition(":")[0], 0.05)
+    grad_bytes = params * per_grad
     if layout.dp > 1:
         link = link_kind(layout.tp * layout.cp * layout.pp, layout.dp, device.ranks_per_node)
     else:
         link = link_kind(layout.tp, layout.cp, device.ranks_per_node)
 
-    def coll(kind, nbytes):
-        return collective_s(device, kind, nbytes, n, link)
+    def coll(kind, nbytes, expert_bytes=0.0):
+        return collective_s(device, kind, nbytes, n, link) + collective_s(
+            device, kind, expert_bytes, n_expert, link
+        )
 
     z, micro = layout.zero, layout.grad_accum
     syncs = 1  # the step's reduction waits for every rank's last gradient
@@ -270,7 +281,8 @@ def _dp_exposed(
         # a gather per layer in the forward and again in the backward, without a pipeline
         syncs = 1 if layout.pp > 1 else per * 2 * (shape.n_layer + 1)
     sizes = {"all_reduce": grad_bytes, "reduce_scatter": grad_bytes, "all_gather": params * a}
-    total = sum(k * coll(kind, sizes[kind]) for kind, k in counts.items())
+    share = experts / max(params, 1)  # the experts' bytes beside each
+    total = sum(k * coll(kind, sizes[kind], share * sizes[kind]) for kind, k in counts.items())
     if not device.overlap:
         window = backward_s * (1.5 if syncs > 1 else 1.0)
         return total + sync_wait_s(device, n, syncs, window, layout.world_size)
@@ -291,10 +303,14 @@ def _dp_exposed(
     return max(tail, total - window) + device.overlap_slowdown * min(total, window)
 
 
-def _optimizer_s(layout: Layout, st: Settings, device: DeviceProfile, ranks) -> float:
+def _optimizer_s(shape, layout: Layout, st: Settings, device: DeviceProfile, ranks) -> float:
     """AdamW over the parameters this rank owns, and the gradient norm over its gradients."""
     params = max(sum(r) for r in ranks)
-    owned = params if layout.zero == 0 else params / (layout.dp * layout.cp)
+    owned = float(params)
+    if layout.zero:  # experts shard over their expert data parallel ranks, the rest over dp x cp
+        experts = rank_expert_params(shape, layout)
+        n = layout.dp * layout.cp
+        owned = (params - experts) / n + experts / expert_dp(layout.dp, layout.cp, layout.ep)
     if device.optimizer_s_per_param:
         return device.optimizer_fixed_s + owned * device.optimizer_s_per_param
     # AdamW's kernels over what this rank owns (meshwise.planner.traffic), the compute

@@ -17,7 +17,9 @@ import torch
 
 from meshwise.checkpoint.state import model_tensors
 from meshwise.checkpoint.store import open_checkpoint
-from meshwise.hf.llama import hf_config, hf_name
+from meshwise.hf.llama import hf_config
+from meshwise.hf.llama_weights import stored_tensors
+from meshwise.hf.moe import export_family
 from meshwise.serve.model import model_config, model_family
 
 FORMATS = ("safetensors", "hf")
@@ -42,8 +44,9 @@ def export_checkpoint(
     tensors = model_tensors(ckpt)
     family = model_family(ckpt)
     if fmt == "hf" and family == "llama":
-        tensors = {hf_name(name): t for name, t in tensors.items()}
+        cfg = export_family(cfg)  # a model with experts: the MoE family that holds it
         config = hf_config(cfg)
+        tensors = stored_tensors(cfg, tensors)
     elif fmt == "hf":
         tensors, config = _to_gpt2(tensors, cfg), _gpt2_config(cfg)
     else:

@@ -11,13 +11,15 @@ from pathlib import Path
 
 from meshwise.hf.gpt2 import SIZES as GPT2_SIZES
 from meshwise.hf.gpt2 import GPT2Weights, gpt2_sizes
-from meshwise.hf.llama import SIZES, hf_name, hf_shapes, llama_sizes, read_config
-from meshwise.hf.safetensors_dir import SafetensorsDir
+from meshwise.hf.llama import SIZES, llama_sizes, read_config
+from meshwise.hf.llama_weights import LlamaWeights
 from meshwise.train.config import MODEL_PRESETS, TrainConfig, flag_name
 
 # config.json's model_type -> (our family, the preset whose family it is)
 FAMILY_OF = {"gpt2": ("gpt", "tiny")}
 LLAMA = ("llama", "llama-tiny")
+# Settings config.json gives a default for that a flag may change (the flag wins).
+FLAG_WINS = ("aux_loss_coef",)
 
 
 def _read_sizes(where: str) -> tuple[tuple[str, str], dict, dict]:
@@ -50,6 +52,8 @@ def apply_init_from(cfg: TrainConfig, origins: dict[str, str]) -> None:
         origins["preset"] = "init-from"
     for field, value in sizes.items():
         given = getattr(m, field)
+        if field in FLAG_WINS and field in origins:
+            continue
         if field in origins and given not in (None, 0) and given != value:
             flag = flag_name(field)
             raise ValueError(
@@ -78,8 +82,7 @@ def check_init_from(cfg: TrainConfig) -> None:
         weights = GPT2Weights(m.init_from, model.n_head)
         weights.files.check(weights.stored_shapes(m.sizes(m.vocab_size)))
     else:
-        optional = ("lm_head.weight",) if model.tie_embeddings else ()
-        SafetensorsDir(m.init_from).check(hf_shapes(model), optional)
+        LlamaWeights(m.init_from, model).check()
     if cfg.data.tokenizer:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         if tokenizer.vocab_size > model.vocab_size:
@@ -100,10 +103,13 @@ def check_init_from(cfg: TrainConfig) -> None:
 def initial_values(parallel_model, cfg: TrainConfig, init_of, seed: int):
     """The engines' ``values(name, start, end)``: the directory's weights with
     ``--init-from``, else the layout-independent initialisation of ``seed``."""
-    if not cfg.model.init_from:
+    from meshwise.models.families import family
+
+    m = cfg.model
+    if not m.init_from:
         return parallel_model.init_values(init_of, seed)
-    if cfg.model.family == "gpt":
-        gpt2 = GPT2Weights(cfg.model.init_from, cfg.model.resolved().n_head)
+    if m.family == "gpt":
+        gpt2 = GPT2Weights(m.init_from, m.resolved().n_head)
         return parallel_model.values_from(gpt2.read)
-    weights = SafetensorsDir(cfg.model.init_from)
-    return parallel_model.values_from(lambda piece: weights.read(hf_name(piece.name), piece))
+    model = family(m.family).make_config(m.sizes(m.vocab_size))
+    return parallel_model.values_from(LlamaWeights(m.init_from, model).read)

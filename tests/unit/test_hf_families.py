@@ -68,8 +68,8 @@ def test_the_sliding_window_sees_itself_and_the_keys_before_it():
         ("mistral", {"num_local_experts": 8}, r"MoE blocks \(num_local_experts 8\)"),
         (
             "qwen2",
-            {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]},
-            "model_type 'qwen2_moe'",
+            {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]},
+            "model_type 'deepseek_v3' needs multi-head latent attention",
         ),
     ],
 )
