@@ -98,15 +98,17 @@ class RouterBalance:
         values.add("moe_worst_layer", layer_ids[worst], "first")
 
     @torch.no_grad()
-    def update_biases(self, table: torch.Tensor, runs: list[FlatRun]) -> None:
+    def update_biases(self, table: torch.Tensor, runs: list[FlatRun], skip: torch.Tensor) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437, section
         2.1.2): each expert's routing bias moves by ``rate * sign(mean load - load)``,
         written into the engine's values of ``layers.I.mlp.expert_bias`` (this rank's
-        part of them; the step's publish hands them to the forward)."""
+        part of them; the step's publish hands them to the forward). ``skip``: the step's
+        non-finite verdict (a 0-dim device tensor): a skipped step moves no bias."""
         rate = self.cfg.bias_update_rate
         if not rate:
             return
         delta = rate * torch.sign(table.mean(-1, keepdim=True) - table)  # (MoE layers, E)
+        delta = delta * (~skip).to(delta.dtype)  # on the device: no host read
         rows = {f"layers.{layer}.mlp.expert_bias": i for i, layer in enumerate(self.layers)}
         for run in runs:
             tensor, base = run.tensors["param"]

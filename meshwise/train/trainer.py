@@ -241,14 +241,15 @@ class Trainer:
         with self.observer.phase("grad_sync"):
             self.grad_sync.finish()
         router_table = None
-        if self.balance is not None:  # the step's tokens per expert; the routing biases
+        if self.balance is not None:  # the step's tokens per expert
             router_table = self.balance.step_table(self.device)
-            self.balance.update_biases(router_table, self.engine.checkpoint_runs())
 
         # Norm, clipping and the non-finite check stay on the device: the step needs
         # no host read before the optimizer (a skipped step changes nothing there).
         with self.observer.phase("optimizer"):
             sq_norm, skip = self.grad_sync.norm_and_skip(loss_part)
+            if router_table is not None:  # the routing biases move with the step, or not
+                self.balance.update_biases(router_table, self.engine.checkpoint_runs(), skip)
             clip = self.cfg.optim.clip
             grad_scale = (clip / (sq_norm.sqrt() + 1e-6)).clamp(max=1.0) if clip > 0 else 1.0
             self.engine.step(lr, grad_scale, skip)

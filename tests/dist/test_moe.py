@@ -183,6 +183,31 @@ def test_balancing_changes_the_routing(dist_pools, tokens):
     assert curves[0][1][3] != curves[2][1][3]  # the load at step 2 follows the biases
 
 
+def _biases_around_a_skipped_step(data_path: str):
+    """The routing biases after each of 3 steps when step 2's loss is NaN (--on-nan skip)."""
+    from meshwise.geometry.flat_runs import owned_values
+    from meshwise.train.trainer import Trainer
+
+    cfg = _config(MOE, {}, data_path)
+    cfg.optim.on_nan = "skip"
+    trainer = Trainer(cfg, data_path)
+    trainer.after_loss.append(lambda step, loss: loss * float("nan") if step == 2 else loss)
+    biases = []
+    for step in (1, 2, 3):
+        trainer.train_step(step)
+        held = owned_values(trainer.engine.checkpoint_runs())
+        biases.append(held["layers.0.mlp.expert_bias"].clone())
+    trainer.comm_stats.close()
+    return biases
+
+
+def test_a_skipped_step_moves_no_routing_bias(dist_pools, tokens):
+    after_1, after_2, after_3 = dist_pools.run(1, _biases_around_a_skipped_step, tokens)[0]
+    assert after_1.abs().sum() > 0  # the biases do move on a step taken
+    assert torch.equal(after_1, after_2)  # not on the skipped one
+    assert not torch.equal(after_2, after_3)
+
+
 def test_resume_across_ep_degrees(dist_pools, tokens, tmp_path):
     """Saved at ep 2 (experts split over two ranks), resumed at ep 1 and at ep 2 on a
     dp x cp of another shape: the uninterrupted run's losses."""
