@@ -325,6 +325,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, s
     for field, value in {**values, **given}.items():
         _, section, _ = BY_FIELD[field]
         setattr(getattr(cfg, section), field, value)
+    chosen = cfg.parallel.micro_batches
+    if "micro_batches" in origins and chosen < 1:  # the field's 0 means "not given"
+        raise ConfigError(
+            f"--micro-batches {chosen} is not a count of micro-batches; valid: 1 or more "
+            "(leave it out for the default, --pp)"
+        )
     return cfg, origins
 
 

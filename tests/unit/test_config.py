@@ -275,3 +275,9 @@ def test_sp_is_a_switch_on_the_command_line_and_a_bool_in_toml(tmp_path):
     path.write_text("tp = 2\nsp = 1\n")
     with pytest.raises(ValueError, match="sp = 1 is not true or false"):
         parse("--config", str(path))
+
+
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_micro_batches_below_one_are_refused_not_replaced_by_the_default(count):
+    with pytest.raises(ValueError, match=f"--micro-batches {count} .*valid: 1 or more"):
+        parse("--dp", "1", "--pp", "2", "--schedule", "zb-h1", "--micro-batches", count)
