@@ -46,8 +46,13 @@ class RankInterrupted(Exception):
     """This rank alone received SIGINT (a Ctrl-C reaches the launcher too, which stops all)."""
 
 
+# Signals that stop the launcher and every rank, as Ctrl-C does: SIGHUP is a closed
+# terminal or ssh session.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 class Stopped(Exception):
-    """The launcher was asked to stop (SIGINT or SIGTERM); every rank is gone."""
+    """The launcher was asked to stop (SIGINT, SIGTERM or SIGHUP); every rank is gone."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -135,7 +140,8 @@ def _spawned_child(
 ) -> None:
     die_with_parent(parent_pid)
     prefer_for_oom_kill()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler is not the rank's
+    for signum in STOP_SIGNALS:  # the launcher's handlers are not the rank's
+        signal.signal(signum, signal.SIG_DFL)
     # The tokenizers library disables its threads in a forked child, with a warning
     # on first use; say so up front instead.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -213,7 +219,7 @@ def _spawn(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
     try:
         supervise(
             context.processes, context.error_files, RankWatch(context.pids()), explain=job.explain
@@ -227,9 +233,10 @@ def _spawn(
         )
         raise Stopped(signum) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def raise_stopped(signum, frame) -> None:
-    """A signal handler: SIGTERM unwinds the launcher like Ctrl-C (``Stopped``)."""
+    """A signal handler: SIGTERM or SIGHUP unwinds the launcher like Ctrl-C (``Stopped``)."""
     raise Stopped(signum)

@@ -243,10 +243,11 @@ def _cgroup_limit_files() -> list[str]:
 def stop_ranks(processes) -> None:
     """SIGTERM every live rank, SIGKILL what is left after ``STOP_GRACE_S``, reap all.
 
-    Further Ctrl-C or SIGTERM are ignored meanwhile, so a second one cannot
+    Further Ctrl-C, SIGTERM or SIGHUP are ignored meanwhile, so a second one cannot
     leave ranks behind.
     """
-    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in stops}
     try:
         for process in processes:
             if process.is_alive():

@@ -69,8 +69,10 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path, corpus):
     _wait_gone(ranks, 10)
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_sigterm_or_ctrl_c_stop_every_rank(tmp_path, corpus, signum, code):
+@pytest.mark.parametrize(
+    "signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)]
+)
+def test_sigterm_ctrl_c_or_a_closed_terminal_stop_every_rank(tmp_path, corpus, signum, code):
     proc, ranks = _start(tmp_path, corpus)
     os.kill(ranks[1], signal.SIGSTOP)  # one rank cannot react: it must be killed
     os.kill(proc.pid, signum)
@@ -79,7 +81,7 @@ def test_sigterm_or_ctrl_c_stop_every_rank(tmp_path, corpus, signum, code):
     finally:
         _kill_group(proc.pid)
     assert proc.returncode == code, err
-    assert "all 2 ranks stopped" in err, err
+    assert f"meshwise: {signum.name}: all 2 ranks stopped" in err, err
     assert not any(_alive(p) for p in ranks)  # gone before the launcher said so
 
 
