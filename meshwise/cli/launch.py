@@ -14,9 +14,11 @@ import signal
 import socket
 import sys
 import traceback
+from datetime import timedelta
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from meshwise.cli.postmortem import JobFolder
 
@@ -78,14 +80,20 @@ def _threads_per_rank(num_local_ranks: int) -> int:
 
 
 def run_rank(
-    fn: Callable, args: tuple, device: str, timeout_s: float, num_local_ranks: int
+    fn: Callable,
+    args: tuple,
+    device: str,
+    timeout_s: float,
+    num_local_ranks: int,
+    store_hosted: bool = False,
 ) -> object:
-    """Initialise this process's rank from the environment, run ``fn(*args)``, clean up."""
+    """Initialise this process's rank from the environment, run ``fn(*args)``, clean up.
+    ``store_hosted``: the launcher hosts the store (``ops.init_process_group``)."""
     if device == "cuda":
         torch.cuda.set_device(rank_device(device))
     else:
         torch.set_num_threads(_threads_per_rank(num_local_ranks))
-    ops.init_process_group("nccl" if device == "cuda" else "gloo", timeout_s)
+    ops.init_process_group("nccl" if device == "cuda" else "gloo", timeout_s, store_hosted)
     try:
         result = fn(*args)
         # Tear down together: a rank that closes its connections while a peer's
@@ -154,7 +162,7 @@ def _spawned_child(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        run_rank(fn, args, device, timeout_s, world_size)
+        run_rank(fn, args, device, timeout_s, world_size, store_hosted=True)
     except KeyboardInterrupt:
         # Raised, not swallowed: torch.multiprocessing would report a clean exit.
         raise RankInterrupted(f"interrupted (SIGINT to rank {local_rank}'s process)") from None
@@ -203,12 +211,13 @@ def _spawn(
 
     # Even one rank runs as a child: a rank killed by the kernel (out of memory)
     # must leave a launcher behind to say so. Forking it costs about 10 ms.
+    store = host_store(timeout_s)  # held until every rank has ended, however it ends
     saved = {name: os.environ.get(name) for name in job.env()}
     os.environ.update(job.env())  # the ranks inherit it
     try:
         context = mp.start_processes(
             _spawned_child,
-            args=(world_size, free_port(), fn, args, device, timeout_s, os.getpid()),
+            args=(world_size, store.port, fn, args, device, timeout_s, os.getpid()),
             nprocs=world_size,
             join=False,
             start_method=start_method(device),
@@ -222,7 +231,11 @@ def _spawn(
     previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
     try:
         supervise(
-            context.processes, context.error_files, RankWatch(context.pids()), explain=job.explain
+            context.processes,
+            context.error_files,
+            RankWatch(context.pids()),
+            explain=job.explain,
+            timeout_s=timeout_s,
         )
     except (KeyboardInterrupt, Stopped) as exc:
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
@@ -235,6 +248,19 @@ def _spawn(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def host_store(timeout_s: float):
+    """The ranks' key-value store, served from this process on a free local port: a rank
+    stopped or gone cannot take it with it (as rank 0, its host otherwise, would), and it
+    outlives every rank's last read."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def raise_stopped(signum, frame) -> None:

@@ -103,3 +103,19 @@ def test_an_extra_last_operation_is_named_though_its_peer_issued_none_since(tmp_
         "sum float32[1] #2 at faults.py:37, which rank 0 never issued (its "
         "last there is all_reduce sum float32[8] #1 at engine.py:10)"
     )
+
+
+def test_a_rank_that_never_arrives_at_a_check_is_a_one_line_timeout_naming_it():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshwise.comm.handle import CollectiveTimeout
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    exchange = LedgerExchange(store, 0, 2, Ledger(0))  # rank 1 never publishes its summary
+    with pytest.raises(CollectiveTimeout) as caught:
+        exchange.check(timeout_s=0.5)
+    message = str(caught.value)
+    assert "after 0.5s timed out: rank(s) [1] did not arrive" in message, message
+    assert "\n" not in message

@@ -40,6 +40,7 @@ def check_every() -> int:
     return int(value)
 
 
+STORE_TIMEOUT_S = 60.0  # a store call's bound where the job sets no timeout
 WATCHDOG_JOIN_S = 10.0  # longer than one tick's store calls; bounded if the store hangs
 
 
@@ -113,8 +114,8 @@ class CommContext:
             return
         if self.ledger is None or self.world_size == 1 or self._store_factory is None:
             return
-        try:
-            store = self._store_factory()
+        try:  # its calls bounded like a collective: a peer never stalls this rank longer
+            store = self._store_factory(timeout_s or STORE_TIMEOUT_S)
         except (RuntimeError, OSError) as exc:  # the ledger still records; ranks do not compare
             log.warning(
                 "warning: collective ledger: cannot reach the launch's store (%s); "
