@@ -11,7 +11,6 @@ from meshwise.cli.ranks import RankWatch, stopped_message
 
 
 def _rank(rank: int, port: int, rank0_gone, failures) -> None:
-    import torch.distributed as dist
 
     from meshwise.comm import ops
 
