@@ -225,6 +225,7 @@ EXPECTED_ERRORS = (
     "MetricsWriteError",
     "RankInterrupted",
     "CheckpointWriteError",
+    "LoggerError",
 )
 
 

@@ -199,6 +199,9 @@ TRAIN_FLAGS = [
      "where the loggers keep the run (a resumed run with the same folder goes on in the "
      "same runs)"),
     ("--run-name", "runtime", "run_name", str, "the run's name in the loggers"),
+    ("--log-errors", "runtime", "log_errors", str,
+     "a logger that fails during the run: warn (one line, that logger off, training goes "
+     "on) or fatal (the run stops)"),
     ("--project", "runtime", "project", str,
      "the W&B project and MLflow experiment"),
     ("--profile-steps", "runtime", "profile_steps", str,

@@ -199,6 +199,17 @@ def test_bad_watching_flags_exit_2(tmp_path, corpus, flags, message):
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
+def test_a_log_dir_holding_another_run_exits_2_before_launch(tmp_path, corpus):
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "meshwise-run.json").write_text('{"run_name": "seed-1", "tensorboard": "x"}')
+    flags = ("--log-to", "tensorboard", "--log-dir", log_dir, "--seed", 2)
+    result = run_main("train", "--data", corpus, *SMALL, *flags, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "--log-dir" in result.stderr and "already holds the run 'seed-1'" in result.stderr
+    assert not (log_dir / "tensorboard").exists()  # nothing written into the other run
+
+
 def test_a_missing_logger_library_exits_2_with_the_pip_command(tmp_path, corpus, monkeypatch):
     import importlib.util
 
