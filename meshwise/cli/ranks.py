@@ -113,8 +113,8 @@ def stopped_message(rank: int, timeout_s: float) -> str:
     """One line for a rank whose process was stopped for ``timeout_s`` while its peers
     waited for it (the form of a collective's timeout)."""
     return (
-        f"rank {rank}: stopped (SIGSTOP or a debugger) and not resumed within --timeout-s "
-        f"{timeout_s:g}: its peers' collectives and store waits timed out waiting for it"
+        f"rank {rank}: timed out: its process was stopped (SIGSTOP or a debugger) for "
+        f"--timeout-s {timeout_s:g} while its peers waited on it"
     )
 
 

@@ -65,4 +65,5 @@ def test_a_stopped_rank_is_seen_stopped_and_named_in_one_line():
         os.kill(child.pid, signal.SIGKILL)
         child.join()
     line = stopped_message(1, 3)
-    assert line.startswith("rank 1: stopped") and "--timeout-s 3" in line and "\n" not in line
+    assert line.startswith("rank 1: timed out: its process was stopped") and "\n" not in line
+    assert "--timeout-s 3 " in line
