@@ -119,3 +119,17 @@ def test_a_rank_that_never_arrives_at_a_check_is_a_one_line_timeout_naming_it():
     message = str(caught.value)
     assert "after 0.5s timed out: rank(s) [1] did not arrive" in message, message
     assert "\n" not in message
+
+
+def test_a_timeout_names_the_ranks_that_do_not_answer_the_ledgers_alert(monkeypatch):
+    from meshwise.comm.checks import watchdog
+
+    monkeypatch.setattr(watchdog, "COLLECT_S", 0.2)
+    ctx = context.CommContext(0, 3)
+    ctx.exchange = LedgerExchange(DictStore(), 0, 3, ctx.ledger)
+    ctx.watchdog = watchdog.Watchdog(ctx.exchange, stall_s=10, timeout_s=5, reports_timeouts=False)
+    # Rank 1 answers, with nothing in flight; rank 2 (stopped) never does.
+    LedgerExchange(ctx.exchange.store, 1, 3, Ledger(1)).answer(1)
+    assert ctx.explain_stall() == "rank(s) [2] did not answer the ledger's alert within 0.2s " + (
+        "(stopped or gone)"
+    )

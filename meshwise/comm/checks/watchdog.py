@@ -64,8 +64,10 @@ class LedgerExchange:
             str(finding) if finding else f"ranks {involved} disagree on {', '.join(bad)}"
         )
 
-    def collect(self, gen: int, wait_s: float = COLLECT_S) -> dict[int, dict]:
-        """Raise alert ``gen`` and gather every rank's entries that arrive in ``wait_s``."""
+    def collect(self, gen: int, wait_s: float | None = None) -> dict[int, dict]:
+        """Raise alert ``gen`` and gather every rank's entries that arrive in ``wait_s``
+        (default ``COLLECT_S``)."""
+        wait_s = COLLECT_S if wait_s is None else wait_s
         self.store.set(f"{PREFIX}/alert", str(gen))
         self.answer(gen)
         deadline = time.monotonic() + wait_s
