@@ -7,8 +7,9 @@ from collections import namedtuple
 
 import pytest
 
-from meshwise.train import loggers
-from meshwise.train.loggers import ExperimentLog, LoggerError, check_log_dir, wandb_error
+from meshwise.train import log_folder, loggers
+from meshwise.train.log_folder import check_log_dir
+from meshwise.train.loggers import ExperimentLog, LoggerError, wandb_error
 
 
 def test_a_log_dir_holding_another_run_is_refused_unless_it_resumes(tmp_path):
@@ -24,7 +25,7 @@ def test_an_unwritable_or_full_log_dir_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"--log-dir .*file/logs: cannot write there"):
         check_log_dir(tmp_path / "file" / "logs", resuming=False)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(loggers.shutil, "disk_usage", lambda path: usage(1 << 30, 0, 5 << 20))
+    monkeypatch.setattr(log_folder.shutil, "disk_usage", lambda path: usage(1 << 30, 0, 5 << 20))
     with pytest.raises(ValueError, match=r"5 MiB free; the loggers need at least 64 MiB"):
         check_log_dir(tmp_path / "full", resuming=False)
 
