@@ -157,8 +157,9 @@ class ExperimentLog:
             )
 
     def _raise_if_fatal(self) -> None:
-        if self._fatal:
-            raise LoggerError(self._fatal)
+        if self._fatal:  # once: a close() while the run unwinds must not mask the first
+            message, self._fatal = self._fatal, ""
+            raise LoggerError(message)
 
     def _load_ids(self) -> dict:
         path = self.log_dir / RUN_FILE

@@ -192,6 +192,7 @@ def test_pipeline_actions_are_named_in_the_trace(tmp_path, corpus):
         ),
         (["--profile-steps", "5-2"], "--profile-steps '5-2' is not a range of steps"),
         (["--peak-tflops", "-1"], "--peak-tflops must be a finite number >= 0, got -1.0"),
+        (["--log-errors", "ignore"], "--log-errors 'ignore' is not valid; valid: warn, fatal"),
     ],
 )
 def test_bad_watching_flags_exit_2(tmp_path, corpus, flags, message):

@@ -78,6 +78,7 @@ def test_log_errors_fatal_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
     experiment.log({"step": 1, "loss": 1.0})
     with pytest.raises(LoggerError, match=r"tensorboard failed at step 1: .*No space left"):
         experiment.close()
+    experiment.close()  # said once: a second close, as the run unwinds, adds nothing
 
 
 def test_what_wandb_reports_only_in_its_own_log_is_surfaced(tmp_path, monkeypatch, caplog):
