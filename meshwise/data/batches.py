@@ -100,7 +100,7 @@ class BatchSource:
         raise ValueError(
             f"the chat data {chat.source}: {empty:,} of {len(train):,} training rows of "
             f"--seq-len {self.dataset.seq_len} + 1 tokens keep no assistant token to learn "
-            f"from ({rows.truncated:,} conversations truncated before their replies); "
+            f"from ({rows.truncated:,} conversations longer than a row were truncated); "
             f"valid: --seq-len {longest - 1} or more (the longest conversation has "
             f"{longest} tokens), or --long-conversations refuse to name the long ones"
         )
