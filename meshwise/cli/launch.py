@@ -211,13 +211,13 @@ def _spawn(
 
     # Even one rank runs as a child: a rank killed by the kernel (out of memory)
     # must leave a launcher behind to say so. Forking it costs about 10 ms.
-    store = host_store(timeout_s)  # held until every rank has ended, however it ends
+    listener = listening_socket()  # ranks may connect before the store serves it
     saved = {name: os.environ.get(name) for name in job.env()}
     os.environ.update(job.env())  # the ranks inherit it
     try:
         context = mp.start_processes(
             _spawned_child,
-            args=(world_size, store.port, fn, args, device, timeout_s, os.getpid()),
+            args=(world_size, listener.getsockname()[1], fn, args, device, timeout_s, os.getpid()),
             nprocs=world_size,
             join=False,
             start_method=start_method(device),
@@ -230,6 +230,9 @@ def _spawn(
                 os.environ[name] = value
     previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
     try:
+        # Served once the ranks are forked (no fork of a process running the store's
+        # thread) and held until every rank has ended.
+        store = host_store(timeout_s, listener)
         supervise(
             context.processes,
             context.error_files,
@@ -237,6 +240,7 @@ def _spawn(
             explain=job.explain,
             timeout_s=timeout_s,
         )
+        del store  # every rank has ended
     except (KeyboardInterrupt, Stopped) as exc:
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         stop_ranks(context.processes)
@@ -250,16 +254,28 @@ def _spawn(
             signal.signal(signum, handler)
 
 
-def host_store(timeout_s: float):
-    """The ranks' key-value store, served from this process on a free local port: a rank
-    stopped or gone cannot take it with it (as rank 0, its host otherwise, would), and it
-    outlives every rank's last read."""
+def listening_socket() -> socket.socket:
+    """A local socket on a free port, already listening: connections queue until the
+    store serves it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def host_store(timeout_s: float, listener: socket.socket | None = None):
+    """The ranks' key-value store, served from this process on ``listener`` (which it
+    takes over; None: a new one): a rank stopped or gone cannot take it with it (as rank
+    0, its host otherwise, would), and it outlives every rank's last read."""
+    listener = listener or listening_socket()
+    port = listener.getsockname()[1]
     return dist.TCPStore(
         "127.0.0.1",
-        0,
+        port,
         is_master=True,
         wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=listener.detach(),  # the store closes it
     )
 
 
