@@ -16,10 +16,12 @@ import socket
 import sys
 import tempfile
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from meshwise.cli.postmortem import JobFolder
 
@@ -51,8 +53,13 @@ class RankInterrupted(Exception):
     """This rank alone received SIGINT (a Ctrl-C reaches the launcher too, which stops all)."""
 
 
+# Signals that stop the launcher and every rank, as Ctrl-C does: SIGHUP is a closed
+# terminal or ssh session.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 class Stopped(Exception):
-    """The launcher was asked to stop (SIGINT or SIGTERM); every rank is gone."""
+    """The launcher was asked to stop (SIGINT, SIGTERM or SIGHUP); every rank is gone."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -94,12 +101,18 @@ def ranks_here(hosts: list[str], host: str) -> int:
 
 
 def run_rank(
-    fn: Callable, args: tuple, device: str, timeout_s: float, num_local_ranks: int
+    fn: Callable,
+    args: tuple,
+    device: str,
+    timeout_s: float,
+    num_local_ranks: int,
+    store_hosted: bool = False,
 ) -> object:
-    """Initialise this process's rank from the environment, run ``fn(*args)``, clean up."""
+    """Initialise this process's rank from the environment, run ``fn(*args)``, clean up.
+    ``store_hosted``: the launcher hosts the store (``ops.init_process_group``)."""
     if device == "cuda":
         torch.cuda.set_device(rank_device(device))
-    ops.init_process_group("nccl" if device == "cuda" else "gloo", timeout_s)
+    ops.init_process_group("nccl" if device == "cuda" else "gloo", timeout_s, store_hosted)
     if device != "cuda":
         if under_torchrun():  # several torchrun agents may share this machine
             host = socket.gethostname()
@@ -176,7 +189,8 @@ def _spawned_child(
 ) -> None:
     die_with_parent(parent_pid)
     prefer_for_oom_kill()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler is not the rank's
+    for signum in STOP_SIGNALS:  # the launcher's handlers are not the rank's
+        signal.signal(signum, signal.SIG_DFL)
     # The tokenizers library disables its threads in a forked child, with a warning
     # on first use; say so up front instead.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -189,7 +203,7 @@ def _spawned_child(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        result = run_rank(fn, args, device, timeout_s, world_size)
+        result = run_rank(fn, args, device, timeout_s, world_size, store_hosted=True)
         _save_result(result, results, local_rank)
     except KeyboardInterrupt:
         # Raised, not swallowed: torch.multiprocessing would report a clean exit.
@@ -268,12 +282,22 @@ def _spawn(
 
     # Even one rank runs as a child: a rank killed by the kernel (out of memory)
     # must leave a launcher behind to say so. Forking it costs about 10 ms.
+    listener = listening_socket()  # ranks may connect before the store serves it
     saved = {name: os.environ.get(name) for name in job.env()}
     os.environ.update(job.env())  # the ranks inherit it
     try:
         context = mp.start_processes(
             _spawned_child,
-            args=(world_size, free_port(), fn, args, device, timeout_s, os.getpid(), results),
+            args=(
+                world_size,
+                listener.getsockname()[1],
+                fn,
+                args,
+                device,
+                timeout_s,
+                os.getpid(),
+                results,
+            ),
             nprocs=world_size,
             join=False,
             start_method=start_method(device),
@@ -284,11 +308,19 @@ def _spawn(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
     try:
+        # Served once the ranks are forked (no fork of a process running the store's
+        # thread) and held until every rank has ended.
+        store = host_store(timeout_s, listener)
         supervise(
-            context.processes, context.error_files, RankWatch(context.pids()), explain=job.explain
+            context.processes,
+            context.error_files,
+            RankWatch(context.pids()),
+            explain=job.explain,
+            timeout_s=timeout_s,
         )
+        del store  # every rank has ended
     except (KeyboardInterrupt, Stopped) as exc:
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         stop_ranks(context.processes)
@@ -298,9 +330,35 @@ def _spawn(
         )
         raise Stopped(signum) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def listening_socket() -> socket.socket:
+    """A local socket on a free port, already listening: connections queue until the
+    store serves it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def host_store(timeout_s: float, listener: socket.socket | None = None):
+    """The ranks' key-value store, served from this process on ``listener`` (which it
+    takes over; None: a new one): a rank stopped or gone cannot take it with it (as rank
+    0, its host otherwise, would), and it outlives every rank's last read."""
+    listener = listener or listening_socket()
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=listener.detach(),  # the store closes it
+    )
 
 
 def raise_stopped(signum, frame) -> None:
-    """A signal handler: SIGTERM unwinds the launcher like Ctrl-C (``Stopped``)."""
+    """A signal handler: SIGTERM or SIGHUP unwinds the launcher like Ctrl-C (``Stopped``)."""
     raise Stopped(signum)

@@ -21,6 +21,7 @@ from meshwise.data.tokenizer import ByteTokenizer, check_vocab_fits, load_tokeni
 from meshwise.device import choice
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
+from meshwise.train.log_folder import check_log_dir
 from meshwise.train.loggers import missing_extra, parse_log_to
 from meshwise.train.run_state import RunState
 
@@ -85,6 +86,8 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
         ckpt = resume.open_verified(start, cfg.model.sizes(dataset.vocab_size))
         check_same_tokenizer(ckpt.meta.get("config", {}), cfg, run.tokenizer_digest)
     run = run.starting_from(cfg.optim, start)
+    if parse_log_to(cfg.runtime.log_to) and run.log_dir:  # before a rank writes there
+        check_log_dir(run.log_dir, resuming=bool(cfg.checkpoint.resume))
     check_start(cfg, run, ckpt, capacity.checkpoint_bytes(cfg, num_params))
     return path, run
 

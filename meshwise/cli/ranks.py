@@ -31,6 +31,8 @@ PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|"
     r"ECONNRESET|EPIPE|connectFullMesh|Socket closed"
 )
+# What a rank reports when a peer did not answer in time.
+TIMED_OUT = re.compile(r"CollectiveTimeout|timed out|DistStoreError")
 # What a rank reports when other ranks never joined it (under torchrun: a node that
 # stopped before starting its ranks, e.g. on an invalid flag).
 NEVER_JOINED = re.compile(r"Timed out after \d+ seconds waiting for clients[^.]*\.[^.]*\.")
@@ -57,36 +59,82 @@ class Outcome:
 
 @dataclass
 class RankWatch:
-    """The peak resident memory seen so far of each rank process (``/proc``, Linux)."""
+    """The peak resident memory seen so far of each rank process, and since when each is
+    stopped (SIGSTOP, a debugger), from ``/proc`` (Linux)."""
 
     pids: list[int]
     peaks: dict[int, int] = field(default_factory=dict)
+    stopped_since: dict[int, float] = field(default_factory=dict)
 
     def sample(self) -> None:
+        now = time.monotonic()
         for rank, pid in enumerate(self.pids):
-            peak = peak_rss_bytes(pid)
+            status = _status(pid)
+            peak = _kib_field(status, "VmHWM:") * 1024
             if peak:
                 self.peaks[rank] = max(self.peaks.get(rank, 0), peak)
+            if _stopped(status):
+                self.stopped_since.setdefault(rank, now)
+            else:
+                self.stopped_since.pop(rank, None)
+
+    def stopped_for(self, seconds: float) -> list[int]:
+        """The ranks stopped for at least ``seconds``, as of the last sample."""
+        now = time.monotonic()
+        return sorted(r for r, since in self.stopped_since.items() if now - since >= seconds)
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+
+
+def _kib_field(status: str, name: str) -> int:
+    for line in status.splitlines():
+        if line.startswith(name):
+            try:
+                return int(line.split()[1])
+            except (ValueError, IndexError):
+                return 0
+    return 0
+
+
+def _stopped(status: str) -> bool:
+    """``State: T (stopped)`` or ``t (tracing stop)``: it runs no code, its threads included."""
+    return any(
+        line.startswith("State:") and line.split()[1:2] in (["T"], ["t"])
+        for line in status.splitlines()
+    )
+
+
+def stopped_message(rank: int, timeout_s: float) -> str:
+    """One line for a rank whose process was stopped for ``timeout_s`` while its peers
+    waited for it (the form of a collective's timeout)."""
+    return (
+        f"rank {rank}: timed out: its process was stopped (SIGSTOP or a debugger) for "
+        f"--timeout-s {timeout_s:g} while its peers waited on it"
+    )
 
 
 def peak_rss_bytes(pid: int) -> int:
     """``VmHWM`` of a live process in bytes; 0 where it cannot be read."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    return _kib_field(_status(pid), "VmHWM:") * 1024
 
 
 def supervise(
-    processes, error_files: list[str], watch: RankWatch, explain: Callable[..., str] | None = None
+    processes,
+    error_files: list[str],
+    watch: RankWatch,
+    explain: Callable[..., str] | None = None,
+    timeout_s: float | None = None,
 ) -> None:
     """Wait for every rank; on the first failure stop the rest and raise ``RankFailed``.
 
     ``error_files[i]``: rank i's pickled traceback (``torch.multiprocessing``'s convention).
     ``explain(rank, message, silent=...)`` may add what the ledgers say (``postmortem``).
+    ``timeout_s``: a rank stopped this long ends the job, named, as its peers' waits would.
     """
     pending = {p.sentinel: rank for rank, p in enumerate(processes)}
     ended: list[int] = []
@@ -94,6 +142,10 @@ def supervise(
     while pending:
         _wait_some(pending, processes, ended, POLL_S)
         watch.sample()
+        stopped = watch.stopped_for(timeout_s) if timeout_s else []
+        if stopped:  # its peers wait on it; the launcher, never the stopped one, ends it
+            stop_ranks(processes)
+            raise RankFailed(stopped_message(stopped[0], timeout_s or 0.0))
         if any(processes[rank].exitcode != 0 for rank in ended):
             deadline = time.monotonic() + FAILURE_GRACE_S
             while pending and time.monotonic() < deadline:  # peers fail in their turn
@@ -109,6 +161,9 @@ def supervise(
                 for rank in ended
             ]
             culprit = blame(outcomes)
+            if watch.stopped_since and timeout_s and TIMED_OUT.search(culprit.trace):
+                # A peer's timeout is the stop's effect: name the stopped rank.
+                raise RankFailed(stopped_message(min(watch.stopped_since), timeout_s))
             message = describe(culprit)
             if explain is not None:
                 message = explain(culprit.rank, message, silent=not culprit.trace)
@@ -171,6 +226,7 @@ EXPECTED_ERRORS = (
     "RankInterrupted",
     "MeshwiseError",
     "CheckpointWriteError",
+    "LoggerError",
 )
 DEBUG_ENV = "MESHWISE_DEBUG"  # 1: every failed rank's whole traceback, expected or not
 
@@ -196,6 +252,13 @@ def failure_message(rank: int, trace: str) -> str:
             "rank ended first, and its own output says why"
         )
     return f"rank {rank} failed:\n{trace}"
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def _signal_name(signum: int) -> str:
@@ -247,14 +310,16 @@ def _cgroup_limit_files() -> list[str]:
 def stop_ranks(processes) -> None:
     """SIGTERM every live rank, SIGKILL what is left after ``STOP_GRACE_S``, reap all.
 
-    Further Ctrl-C or SIGTERM are ignored meanwhile, so a second one cannot
+    Further Ctrl-C, SIGTERM or SIGHUP are ignored meanwhile, so a second one cannot
     leave ranks behind.
     """
-    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in stops}
     try:
         for process in processes:
             if process.is_alive():
                 process.terminate()
+                _resume(process.pid)  # a stopped rank takes its SIGTERM only once resumed
         deadline = time.monotonic() + STOP_GRACE_S
         for process in processes:
             process.join(timeout=max(deadline - time.monotonic(), 0))

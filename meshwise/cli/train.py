@@ -36,8 +36,11 @@ def run_train(args: argparse.Namespace) -> int:
     """``meshwise train``: the exit status."""
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     launch.die_with_torchrun()  # before the checks, which may take a while (a corpus build)
-    # SIGTERM unwinds like Ctrl-C, so a half-built corpus or save leaves no temporary.
-    previous = signal.signal(signal.SIGTERM, launch.raise_stopped)
+    # SIGTERM and SIGHUP unwind like Ctrl-C, so a half-built corpus or save leaves no
+    # temporary.
+    previous = {
+        signum: signal.signal(signum, launch.raise_stopped) for signum in launch.STOP_SIGNALS
+    }
     try:
         with contextlib.ExitStack() as held:
             try:
@@ -62,7 +65,8 @@ def run_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 

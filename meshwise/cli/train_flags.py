@@ -224,6 +224,9 @@ TRAIN_FLAGS = [
      "where the loggers keep the run (a resumed run with the same folder goes on in the "
      "same runs)"),
     ("--run-name", "runtime", "run_name", str, "the run's name in the loggers"),
+    ("--log-errors", "runtime", "log_errors", str,
+     "a logger that fails during the run: warn (one line, that logger off, training goes "
+     "on) or fatal (the run stops)"),
     ("--project", "runtime", "project", str,
      "the W&B project and MLflow experiment"),
     ("--profile-steps", "runtime", "profile_steps", str,
@@ -359,6 +362,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, s
     for field, value in {**values, **given}.items():
         _, section, _ = BY_FIELD[field]
         setattr(getattr(cfg, section), field, value)
+    chosen = cfg.parallel.micro_batches
+    if "micro_batches" in origins and chosen < 1:  # the field's 0 means "not given"
+        raise ConfigError(
+            f"--micro-batches {chosen} is not a count of micro-batches; valid: 1 or more "
+            "(leave it out for the default, --pp)"
+        )
     return cfg, origins
 
 

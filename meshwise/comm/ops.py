@@ -79,11 +79,24 @@ def _pg_timeout(timeout_s: float, backend_name: str) -> timedelta:
     return timedelta(seconds=timeout_s + margin)
 
 
-def init_process_group(backend: str, timeout_s: float) -> None:
-    """Initialise from the ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` env."""
+def init_process_group(backend: str, timeout_s: float, store_hosted: bool = False) -> None:
+    """Initialise from the ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` env.
+
+    ``store_hosted``: the key-value store at that address is hosted by the launcher (else
+    rank 0 hosts it, or torchrun's agent where torchrun says so), so that a rank that is
+    stopped or gone never takes the store its peers wait on with it."""
     device_id = rank_device("cuda") if backend == "nccl" else None
+    timeout = _pg_timeout(timeout_s, backend)
+    if not store_hosted:
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+        return
     dist.init_process_group(
-        backend=backend, timeout=_pg_timeout(timeout_s, backend), device_id=device_id
+        backend=backend,
+        timeout=timeout,
+        device_id=device_id,
+        store=open_store(timeout_s),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
     )
 
 
@@ -106,20 +119,24 @@ def context() -> CommContext:
     current = _CONTEXT.get("current")
     if current is None or current.world_id != id(world):
         current = CommContext(
-            dist.get_rank(), dist.get_world_size(), _open_store, world_id=id(world)
+            dist.get_rank(), dist.get_world_size(), open_store, world_id=id(world)
         )
         _CONTEXT["current"] = current
     return current
 
 
-def _open_store():
-    """A client of the store the launch rendezvoused on (None where the environment
-    does not say where it is)."""
+def open_store(timeout_s: float):
+    """A client of the store the launch rendezvoused on, each call bounded by ``timeout_s``
+    (None where the environment does not say where it is)."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not (host and port):
         return None
     return dist.TCPStore(
-        host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60)
+        host,
+        int(port),
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
     )
 
 

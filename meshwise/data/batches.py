@@ -86,6 +86,24 @@ class BatchSource:
                 f"--seq-len {self.dataset.seq_len} + 1 tokens; it needs more than "
                 f"{self.num_val} ({self.num_val} held out for validation)"
             )
+        if self.loss_on == "assistant":
+            self._check_labelled(rows, chat)
+
+    def _check_labelled(self, rows: PackedRows, chat: ChatFile) -> None:
+        """Refuse data whose training rows mostly keep no assistant token: truncation cut
+        every reply, so most batches would train on nothing (a loss of 0)."""
+        train = rows.labelled_per_row(chat.labels)[: len(rows) - self.num_val]
+        empty = int((train == 0).sum())
+        if empty * 2 <= len(train):
+            return
+        longest = int(chat.lengths.max())
+        raise ValueError(
+            f"the chat data {chat.source}: {empty:,} of {len(train):,} training rows of "
+            f"--seq-len {self.dataset.seq_len} + 1 tokens keep no assistant token to learn "
+            f"from ({rows.truncated:,} conversations longer than a row were truncated); "
+            f"valid: --seq-len {longest - 1} or more (the longest conversation has "
+            f"{longest} tokens), or --long-conversations refuse to name the long ones"
+        )
 
     def epoch_position(self, step: int, batch_size: int) -> dict:
         """Where ``--data-order epochs`` is after global batch ``step`` (of windows, or of

@@ -92,6 +92,14 @@ class PackedRows:
     def __len__(self) -> int:
         return len(self.row_start)
 
+    def labelled_per_row(self, labels: np.ndarray) -> np.ndarray:
+        """The assistant targets each row keeps (labels nonzero, a conversation's first
+        token excepted): what ``batch`` labels with ``loss_on`` assistant, per row."""
+        marked = np.append(np.asarray(labels) != 0, False)  # a sentinel past the end
+        marked[self.conversation_starts] = False
+        bounds = np.stack([self.row_start, self.row_start + self.row_len], axis=1).ravel()
+        return np.add.reduceat(marked.astype(np.int64), bounds)[::2]
+
     @property
     def padding_share(self) -> float:
         return 1.0 - float(self.row_len.sum()) / (len(self) * self.width)

@@ -28,7 +28,7 @@ from meshwise.mesh import ParallelDims
 from meshwise.models.families import family
 from meshwise.pipeline.schedules import SCHEDULE_KINDS
 from meshwise.train.layout_rules import ZERO_STAGES, check_layout  # noqa: F401 (ZERO_STAGES)
-from meshwise.train.loggers import parse_log_to
+from meshwise.train.loggers import LOG_ERRORS, parse_log_to
 from meshwise.train.lr_schedule import check_schedule
 
 # The model section and its presets, part of this module's interface.
@@ -161,6 +161,7 @@ class RuntimeConfig:
     log_dir: str | None = None
     run_name: str | None = None
     project: str = "meshwise"
+    log_errors: str = "warn"  # a logger that fails: "warn" (it goes off) or "fatal"
     profile_steps: str | None = None  # "A-B"
     profile_dir: str | None = None
     peak_tflops: float = 0.0  # one device's peak for MFU; 0: data sheet (GPU) or measured
@@ -258,6 +259,7 @@ class TrainConfig:
             ACTIVATION_CHECKPOINTING,
         )
         parse_log_to(self.runtime.log_to)
+        choice("--log-errors", self.runtime.log_errors, LOG_ERRORS)
         parse_steps(self.runtime.profile_steps)
         non_negative(peak_tflops=self.runtime.peak_tflops)
         if not own_model:

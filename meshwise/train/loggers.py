@@ -18,6 +18,11 @@ log = logging.getLogger("meshwise")
 
 LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name -> module
 RUN_FILE = "meshwise-run.json"
+LOG_ERRORS = ("warn", "fatal")  # a logger that fails: turned off with a warning, or the end
+
+
+class LoggerError(RuntimeError):
+    """A logger failed and ``--log-errors fatal`` asked for the run to stop; one line."""
 
 
 def run_names(runtime, save_dir: str | None) -> dict[str, str]:
@@ -72,7 +77,11 @@ def flatten(record: dict, prefix: str = "") -> dict[str, float]:
 
 
 class ExperimentLog:
-    """The loggers of ``names`` for one run; ``log(record)`` per step, ``close()``."""
+    """The loggers of ``names`` for one run; ``log(record)`` per step, ``close()``.
+
+    A logger that fails (to start, to log, to close) is reported in one line and turned
+    off, the training going on; with ``on_error`` "fatal" the next ``log`` or ``close``
+    raises ``LoggerError`` instead."""
 
     def __init__(
         self,
@@ -81,21 +90,36 @@ class ExperimentLog:
         run_name: str,
         project: str,
         config: dict,
+        on_error: str = "warn",
     ):
         self.log_dir = Path(log_dir)
+        self.on_error, self._fatal = on_error, ""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         ids = self._load_ids()
-        self._backends = [
-            _BACKENDS[name](self.log_dir, run_name, project, config, ids.get(name))
-            for name in names
-        ]
-        self._save_ids({b.name: b.run_id for b in self._backends})
+        self._backends = []
+        for name in names:
+            try:
+                self._backends.append(
+                    _BACKENDS[name](self.log_dir, run_name, project, config, ids.get(name))
+                )
+            except Exception as exc:  # noqa: BLE001 - its library's own errors, named
+                self._failed(name, "could not start", exc)
+        try:
+            self._save_ids({"run_name": run_name, **{b.name: b.run_id for b in self._backends}})
+        except OSError as exc:
+            log.warning(
+                "warning: cannot keep the loggers' run ids in %s (%s): a resume starts new runs",
+                self.log_dir / RUN_FILE,
+                exc.strerror or exc,
+            )
+        self._raise_if_fatal()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="meshwise-loggers", daemon=True)
         self._thread.start()
 
     def log(self, record: dict) -> None:
         """Queue one step's record (the thread sends it to every logger)."""
+        self._raise_if_fatal()
         self._queue.put((flatten(record), int(record["step"])))
 
     def close(self) -> None:
@@ -103,16 +127,39 @@ class ExperimentLog:
         self._queue.put(None)
         self._thread.join()
         for backend in self._backends:
-            backend.close()
+            try:
+                problem = backend.close()
+            except Exception as exc:  # noqa: BLE001
+                self._failed(backend.name, "failed to close", exc)
+                continue
+            if problem:  # what the library reported only in its own log
+                self._failed(backend.name, "reported", problem)
+        self._raise_if_fatal()
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             values, step = item
-            for backend in self._backends:
+            for backend in list(self._backends):
                 try:
                     backend.log(values, step)
-                except Exception as exc:  # a logger's trouble must not end the training
-                    log.warning("warning: --log-to %s: %s", backend.name, exc)
+                except Exception as exc:  # noqa: BLE001 - a logger's trouble, not the run's
+                    self._backends.remove(backend)
+                    self._failed(backend.name, f"failed at step {step}", exc)
+
+    def _failed(self, name: str, what: str, exc: BaseException | str) -> None:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        line = f"--log-to {name} {what}: {text}"
+        if self.on_error == "fatal":
+            self._fatal = self._fatal or f"{line} (--log-errors fatal)"
+        else:
+            log.warning(
+                "warning: %s; %s is off from now on (--log-errors fatal stops instead)", line, name
+            )
+
+    def _raise_if_fatal(self) -> None:
+        if self._fatal:  # once: a close() while the run unwinds must not mask the first
+            message, self._fatal = self._fatal, ""
+            raise LoggerError(message)
 
     def _load_ids(self) -> dict:
         path = self.log_dir / RUN_FILE
@@ -172,8 +219,34 @@ class _Wandb:
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def close(self) -> None:
+    def close(self) -> str | None:
+        """Finish the run; the first error W&B wrote only to its own log (a full disk
+        leaves the run empty, and W&B raises nothing), or None."""
+        internal = Path(self.run.dir).parent / "logs" / "debug-internal.log"
         self.run.finish()
+        return wandb_error(internal)
+
+
+def wandb_error(internal_log: Path) -> str | None:
+    """The first ERROR line of W&B's ``debug-internal.log`` (JSON lines), or None."""
+    try:
+        lines = internal_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("level") == "ERROR":
+            detail = entry.get("error")
+            message = str(entry.get("msg", "error"))
+            return (
+                f"{message}: {detail} (in {internal_log})"
+                if detail
+                else (f"{message} (in {internal_log})")
+            )
+    return None
 
 
 def _wandb_key() -> bool:

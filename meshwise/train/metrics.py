@@ -74,6 +74,11 @@ class MetricsWriteError(RuntimeError):
     """The metrics file could not be written (a full disk, a vanished folder)."""
 
 
+def loss_text(loss: float | None) -> str:
+    """A loss as the progress line shows it; None: the batch had no labelled token."""
+    return "- (no labelled token)" if loss is None else f"{loss:.4f}"
+
+
 def strict_json(record: dict) -> dict:
     """``record`` with non-finite floats as ``null``, listed under ``non_finite``,
     so strict JSON parsers read every line (plain ``json.dumps`` writes ``NaN``)."""
@@ -149,12 +154,12 @@ class MetricsLog:
         done = len(self.history)
         eta = elapsed / done * (self.total_steps - step) if done else float("nan")
         line = (
-            f"step {step:>5}/{self.total_steps}  loss {record['loss']:.4f}  "
+            f"step {step:>5}/{self.total_steps}  loss {loss_text(record['loss'])}  "
             f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
             f"{record['tokens_per_s']:,.0f} tok/s  ETA {_format_duration(eta)}"
         )
         if "val_loss" in record:
-            line += f"  val_loss {record['val_loss']:.4f}"
+            line += f"  val_loss {loss_text(record['val_loss'])}"
         if "epoch" in record:  # --data-order epochs
             line += (
                 f"  epoch {record['epoch']} "
@@ -186,7 +191,8 @@ class MetricsLog:
         elapsed = _format_duration(time.perf_counter() - self.start)
         lines = [
             f"trained {len(self.history)} steps in {elapsed}",
-            f"  loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+            f"  loss {loss_text(first['loss'])} (step {first['step']}) -> "
+            f"{loss_text(last['loss'])} "
             f"(step {last['step']})",
             f"  median throughput {statistics.median(rates):,.0f} tokens/s",
         ]

@@ -62,7 +62,7 @@ class RunObserver:
             # rank that logs.
             where = run_names(run, cfg.checkpoint.save)
             self.loggers = ExperimentLog(
-                names, where["log_dir"], where["run_name"], r.project, config_dict
+                names, where["log_dir"], where["run_name"], r.project, config_dict, r.log_errors
             )
 
     def _peak(self, runtime) -> tuple[float, str]:

@@ -293,7 +293,7 @@ class Trainer:
         """The step's metrics line (docs/flags.md) from the values every rank combined."""
         record = {
             "step": step,
-            "loss": combined["loss"],
+            "loss": combined["loss"] if labelled else None,  # no target, no loss: not 0
             "grad_norm": math.sqrt(combined["sq_norm"]),
             "lr": lr,
             "tokens": self.global_tokens,
@@ -405,8 +405,9 @@ class Trainer:
         return self._reduce([1.0 if ok else 0.0], op="min")[0] == 1.0
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean labelled-token loss over ``eval_batches`` held-out global batches."""
+    def evaluate(self) -> float | None:
+        """Mean labelled-token loss over ``eval_batches`` held-out global batches (None
+        when they hold no labelled token)."""
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         labelled = 0
@@ -418,7 +419,7 @@ class Trainer:
                 total += loss.detach()
         self.model.train()
         sums = self._reduce([total], op="sum")
-        return sums[0] / max(labelled, 1)
+        return sums[0] / labelled if labelled else None
 
     def _forward(self, inputs, targets=None, context=None):
         """Forward only: the loss sum (or full logits) where the last stage is, else None."""

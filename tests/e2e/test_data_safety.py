@@ -39,6 +39,24 @@ def test_ids_past_the_vocabulary_are_refused_on_every_layout(tmp_path, corpus, l
     assert "holds token id 60000, outside the vocabulary of 256" in err, err
 
 
+def test_chat_data_truncated_to_no_reply_is_refused_before_training(tmp_path):
+    # Every conversation longer than a row, its reply past the cut: nothing to learn.
+    chats = [
+        [
+            {"role": "user", "content": f"Please add {a} and {a + 7} for me, thank you."},
+            {"role": "assistant", "content": str(2 * a + 7)},
+        ]
+        for a in range(121)
+    ]
+    data = tmp_path / "chat_long.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    flags = ("--format", "chat", "--chat-template", "chatml", "--steps", "2")
+    result = run_main("train", "--data", data, *SMALL, *flags, cwd=tmp_path)
+    line = _one_line(result)
+    assert "keep no assistant token to learn from" in line, line
+    assert "valid: --seq-len" in line and "--long-conversations" in line, line
+
+
 def test_the_largest_id_is_scanned_once_per_version_of_the_file(tmp_path, corpus):
     from meshwise.data.dataset import TokenDataset, sidecar_path
 

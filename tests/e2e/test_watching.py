@@ -192,11 +192,23 @@ def test_pipeline_actions_are_named_in_the_trace(tmp_path, corpus):
         ),
         (["--profile-steps", "5-2"], "--profile-steps '5-2' is not a range of steps"),
         (["--peak-tflops", "-1"], "--peak-tflops must be a finite number >= 0, got -1.0"),
+        (["--log-errors", "ignore"], "--log-errors 'ignore' is not valid; valid: warn, fatal"),
     ],
 )
 def test_bad_watching_flags_exit_2(tmp_path, corpus, flags, message):
     result = run_main("train", "--data", corpus, *SMALL, *flags, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_log_dir_holding_another_run_exits_2_before_launch(tmp_path, corpus):
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "meshwise-run.json").write_text('{"run_name": "seed-1", "tensorboard": "x"}')
+    flags = ("--log-to", "tensorboard", "--log-dir", log_dir, "--seed", 2)
+    result = run_main("train", "--data", corpus, *SMALL, *flags, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "--log-dir" in result.stderr and "already holds the run 'seed-1'" in result.stderr
+    assert not (log_dir / "tensorboard").exists()  # nothing written into the other run
 
 
 def test_a_missing_logger_library_exits_2_with_the_pip_command(tmp_path, corpus, monkeypatch):

@@ -145,6 +145,36 @@ def test_a_conversation_too_long_to_refuse_is_named(tmp_path):
     assert chat.records.tolist() == list(range(12)) and chat.labels.sum() > 0
 
 
+def test_labelled_targets_per_row_are_what_the_batches_label(tmp_path):
+    lengths = [30, 20, 50, 9, 70, 5]
+    rows = PackedRows(np.cumsum([0] + lengths[:-1]), sum(lengths), 64)
+    labels = np.zeros(sum(lengths), dtype=np.uint8)
+    labels[10:35] = 1
+    labels[100:160] = 1  # conversation 4 (tokens 109 to 178): its first token is no target
+    tokens = np.arange(sum(lengths)) % 7 + 1
+    expected = [
+        rows.batch(np.array([r]), tokens, labels, "assistant", False).num_labelled
+        for r in range(len(rows))
+    ]
+    assert rows.labelled_per_row(labels).tolist() == expected == [24, 8, 50, 0]
+
+
+def test_chat_data_truncated_to_no_assistant_token_is_refused_naming_the_fix(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    chats = conversations(40)
+    for chat in chats:  # a long user turn first: truncation leaves no reply
+        chat[0]["content"] = "y" * 200
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    build_chat_file(tmp_path / "chat.bin", path, ByteTokenizer(), load_template("chatml", None))
+    with pytest.raises(
+        ValueError,
+        match=r"chat.jsonl: \d+ of \d+ training rows of --seq-len 32 \+ 1 tokens keep no "
+        r"assistant token.*valid: --seq-len \d+ or more .*--long-conversations refuse",
+    ):
+        BatchSource(TokenDataset(tmp_path / "chat.bin", 32, vocab_size=256))
+    BatchSource(TokenDataset(tmp_path / "chat.bin", 32, vocab_size=256), loss_on="all")
+
+
 def test_document_masks_need_an_end_of_text_token(tmp_path):
     path = tmp_path / "bytes.bin"
     np.arange(4000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(path)

@@ -326,3 +326,9 @@ def test_resume_auto_on_an_empty_save_directory_says_it_starts_fresh(caplog, tmp
     assert f"--resume auto: {save} holds no complete checkpoint yet; starting at step 1" in [
         r.getMessage() for r in caplog.records
     ]
+
+
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_micro_batches_below_one_are_refused_not_replaced_by_the_default(count):
+    with pytest.raises(ValueError, match=f"--micro-batches {count} .*valid: 1 or more"):
+        parse("--dp", "1", "--pp", "2", "--schedule", "zb-h1", "--micro-batches", count)

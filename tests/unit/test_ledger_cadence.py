@@ -103,3 +103,33 @@ def test_an_extra_last_operation_is_named_though_its_peer_issued_none_since(tmp_
         "sum float32[1] #2 at faults.py:37, which rank 0 never issued (its "
         "last there is all_reduce sum float32[8] #1 at engine.py:10)"
     )
+
+
+def test_a_rank_that_never_arrives_at_a_check_is_a_one_line_timeout_naming_it():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshwise.comm.handle import CollectiveTimeout
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    exchange = LedgerExchange(store, 0, 2, Ledger(0))  # rank 1 never publishes its summary
+    with pytest.raises(CollectiveTimeout) as caught:
+        exchange.check(timeout_s=0.5)
+    message = str(caught.value)
+    assert "after 0.5s timed out: rank(s) [1] did not arrive" in message, message
+    assert "\n" not in message
+
+
+def test_a_timeout_names_the_ranks_that_do_not_answer_the_ledgers_alert(monkeypatch):
+    from meshwise.comm.checks import watchdog
+
+    monkeypatch.setattr(watchdog, "COLLECT_S", 0.2)
+    ctx = context.CommContext(0, 3)
+    ctx.exchange = LedgerExchange(DictStore(), 0, 3, ctx.ledger)
+    ctx.watchdog = watchdog.Watchdog(ctx.exchange, stall_s=10, timeout_s=5, reports_timeouts=False)
+    # Rank 1 answers, with nothing in flight; rank 2 (stopped) never does.
+    LedgerExchange(ctx.exchange.store, 1, 3, Ledger(1)).answer(1)
+    assert ctx.explain_stall() == "rank(s) [2] did not answer the ledger's alert within 0.2s " + (
+        "(stopped or gone)"
+    )

@@ -63,3 +63,31 @@ def test_step_peak_is_measured_by_the_os_and_reset_each_step():
     assert memory.step_peak_bytes() >= after_reset + 46 * 2**20
     assert status_kib("VmHWM", "VmRSS:\t10 kB\nVmHWM:\t  12 kB\n") == 12
     del held
+
+
+def test_a_step_without_a_labelled_token_reports_no_loss_not_zero(tmp_path):
+    from types import SimpleNamespace
+
+    from meshwise.train.trainer import Trainer
+
+    trainer = SimpleNamespace(
+        global_tokens=64,
+        cfg=SimpleNamespace(
+            data=SimpleNamespace(data_order="random-windows"), parallel=SimpleNamespace(zero=0)
+        ),
+        comm_stats=SimpleNamespace(record=lambda combined: {}),
+        observer=SimpleNamespace(record=lambda record: None),
+    )
+    combined = dict.fromkeys(
+        ["loss", "sq_norm", "grad_sync_bytes", "model_state_bytes", "peak_rss_bytes"], 0.0
+    )
+    combined["peak_mem_bytes"] = 0.0
+    record = Trainer._record(trainer, 1, 1e-3, 0, combined, 0.5)
+    assert record["loss"] is None and record["labelled_tokens"] == 0
+    out = io.StringIO()
+    log = MetricsLog(tmp_path / "m.jsonl", total_steps=1, log_every=1, stream=out)
+    log.write(record)
+    log.close()
+    assert "loss - (no labelled token)" in out.getvalue()
+    assert json.loads((tmp_path / "m.jsonl").read_text())["loss"] is None
+    assert "loss - (no labelled token) (step 1)" in log.summary(None)

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from meshwise.comm.checks import diagnose, strict
+from meshwise.comm.checks import diagnose, strict, watchdog
 from meshwise.comm.checks.ledger import Entry, Ledger, call_site, signature
 from meshwise.comm.checks.watchdog import LedgerExchange, Watchdog
 
@@ -40,6 +40,7 @@ def check_every() -> int:
     return int(value)
 
 
+STORE_TIMEOUT_S = 60.0  # a store call's bound where the job sets no timeout
 WATCHDOG_JOIN_S = 10.0  # longer than one tick's store calls; bounded if the store hangs
 
 
@@ -115,8 +116,8 @@ class CommContext:
             return
         if self.ledger is None or self.world_size == 1 or self._store_factory is None:
             return
-        try:
-            store = self._store_factory()
+        try:  # its calls bounded like a collective: a peer never stalls this rank longer
+            store = self._store_factory(timeout_s or STORE_TIMEOUT_S)
         except (RuntimeError, OSError) as exc:  # the ledger still records; ranks do not compare
             log.warning(
                 "warning: collective ledger: cannot reach the launch's store (%s); "
@@ -145,12 +146,22 @@ class CommContext:
         return self.exchange.check(timeout_s)
 
     def explain_stall(self) -> str | None:
-        """After a timeout: what the other ranks' ledgers say, if they answer."""
+        """After a timeout: what the other ranks' ledgers say, or which ranks did not
+        answer (stopped or gone: a stopped rank answers nothing)."""
         if self.exchange is None or self.watchdog is None:
             return None
         gen = self.watchdog.new_alert()
-        finding = diagnose.explain(self.exchange.collect(gen))
-        return self.exchange.report(str(finding)) if finding else None
+        answers = self.exchange.collect(gen)
+        finding = diagnose.explain(answers)
+        if finding:
+            return self.exchange.report(str(finding))
+        silent = [r for r in range(self.world_size) if r not in answers]
+        if not silent:
+            return None
+        return self.exchange.report(
+            f"rank(s) {silent} did not answer the ledger's alert within "
+            f"{watchdog.COLLECT_S:g}s (stopped or gone)"
+        )
 
     def close(self) -> None:
         """Stop the watchdog and wait for it: a daemon thread still inside a store

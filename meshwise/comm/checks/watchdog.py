@@ -15,6 +15,7 @@ from pathlib import Path
 
 from meshwise.comm.checks import diagnose
 from meshwise.comm.checks.ledger import Ledger
+from meshwise.comm.handle import CollectiveTimeout, is_timeout
 
 PREFIX = "meshwise/ledger"
 FAILURE_DIR_ENV = "MESHWISE_FAILURE_DIR"
@@ -63,8 +64,10 @@ class LedgerExchange:
             str(finding) if finding else f"ranks {involved} disagree on {', '.join(bad)}"
         )
 
-    def collect(self, gen: int, wait_s: float = COLLECT_S) -> dict[int, dict]:
-        """Raise alert ``gen`` and gather every rank's entries that arrive in ``wait_s``."""
+    def collect(self, gen: int, wait_s: float | None = None) -> dict[int, dict]:
+        """Raise alert ``gen`` and gather every rank's entries that arrive in ``wait_s``
+        (default ``COLLECT_S``)."""
+        wait_s = COLLECT_S if wait_s is None else wait_s
         self.store.set(f"{PREFIX}/alert", str(gen))
         self.answer(gen)
         deadline = time.monotonic() + wait_s
@@ -96,10 +99,25 @@ class LedgerExchange:
 
     def _get_all(self, kind: str, r: int, ranks, timeout_s: float) -> dict[int, dict]:
         keys = [f"{PREFIX}/{kind}/{r}/{p}" for p in ranks]
-        self.store.wait(keys, timedelta(seconds=timeout_s))
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # DistStoreError: a rank stopped or gone
+            if not is_timeout(exc):
+                raise
+            missing = [p for p, key in zip(ranks, keys) if not self._has(key)]
+            raise CollectiveTimeout(
+                f"ledger check #{r} on the launch's store (ranks {list(ranks)}) after "
+                f"{timeout_s:g}s timed out: rank(s) {missing or list(ranks)} did not arrive"
+            ) from None
         multi_get = getattr(self.store, "multi_get", None)  # torch >= 2.5
         values = multi_get(keys) if multi_get else [self.store.get(k) for k in keys]
         return {p: json.loads(v) for p, v in zip(ranks, values)}
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except RuntimeError:
+            return False
 
 
 class Watchdog(threading.Thread):
