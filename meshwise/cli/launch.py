@@ -309,10 +309,11 @@ def _spawn(
             else:
                 os.environ[name] = value
     previous = {signum: signal.signal(signum, raise_stopped) for signum in STOP_SIGNALS}
+    # Served once the ranks are forked (no fork of a process running the store's
+    # thread) and held until every rank has ended, then shut down whatever the ending:
+    # a traceback that kept it alive would leave its thread running into the next fork.
+    store = host_store(timeout_s, listener)
     try:
-        # Served once the ranks are forked (no fork of a process running the store's
-        # thread) and held until every rank has ended.
-        store = host_store(timeout_s, listener)
         supervise(
             context.processes,
             context.error_files,
@@ -320,7 +321,6 @@ def _spawn(
             explain=job.explain,
             timeout_s=timeout_s,
         )
-        del store  # every rank has ended
     except (KeyboardInterrupt, Stopped) as exc:
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         stop_ranks(context.processes)
@@ -330,6 +330,7 @@ def _spawn(
         )
         raise Stopped(signum) from None
     finally:
+        del store  # every rank has ended
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
