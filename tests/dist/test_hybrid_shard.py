@@ -16,8 +16,9 @@ LAYOUTS = {
     "dp4 shard2 zero1": dict(dp=4, dp_shard=2, zero=1),
     "dp4 shard2 zero2": dict(dp=4, dp_shard=2, zero=2),
     "dp4 shard2 zero3": dict(dp=4, dp_shard=2, zero=3),
-    "dp2 shard1 tp2 zero3": dict(dp=2, dp_shard=1, tp=2, zero=3),
-    "dp2 shard1 pp2 zero2": dict(dp=2, dp_shard=1, pp=2, zero=2),
+    "dp4 shard2 tp2 zero3": dict(dp=4, dp_shard=2, tp=2, zero=3),
+    "dp4 shard2 pp2 zero2": dict(dp=4, dp_shard=2, pp=2, zero=2),
+    "dp2 shard1 cp2 zero3": dict(dp=2, dp_shard=1, cp=2, zero=3),
 }
 
 
