@@ -15,13 +15,15 @@ AXES = ("dp", "pp", "cp", "tp")  # outermost first: the order of the rank formul
 @dataclass(frozen=True)
 class ParallelDims:
     """Sizes of the four parallel axes; ``world_size`` is their product. ``ep``: expert
-    parallelism, folded into dp x cp (not an axis of the world: ``ep_groups``)."""
+    parallelism, folded into dp x cp (not an axis of the world: ``ep_groups``);
+    ``dp_shard``: the dp ranks ZeRO shards over (0: all of dp; ``shard_groups``)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_shard: int = 0
 
     def __post_init__(self):
         for axis in (*AXES, "ep"):
@@ -34,6 +36,21 @@ class ParallelDims:
                 f"--ep {self.ep} does not divide dp x cp = {self.dp * self.cp} (expert "
                 f"parallelism borrows the dp x cp ranks); valid: {', '.join(map(str, valid))}"
             )
+        if self.dp_shard < 0 or self.dp % max(self.dp_shard, 1):
+            valid = [n for n in range(1, self.dp + 1) if self.dp % n == 0]
+            raise ValueError(
+                f"--dp-shard {self.dp_shard} does not divide dp = {self.dp} (dp is replicas x "
+                f"dp-shard); valid: {', '.join(map(str, valid))}"
+            )
+
+    @property
+    def shard_size(self) -> int:
+        """The dp ranks of one replica (ZeRO's group, with the cp ranks)."""
+        return self.dp_shard or self.dp
+
+    @property
+    def num_replicas(self) -> int:
+        return self.dp // self.shard_size
 
     @property
     def world_size(self) -> int:
@@ -107,6 +124,20 @@ class ParallelDims:
             edp_groups += [list(column) for column in zip(*runs)]
         return ep_groups, sorted(edp_groups)
 
+    def shard_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Hybrid sharding's groups: each run of ``dp_shard`` consecutive dp coordinates
+        (with every cp rank) of a dp x cp group is a replica, the group ZeRO shards over;
+        the members at the same place of every replica form a replicate group, over which
+        the shards' gradients are all-reduced (torchtitan's ``dp_replicate x dp_shard``).
+        cp stays inside the shard group: dp-shard splits dp only."""
+        run = self.shard_size * self.cp
+        shard, replicate = [], []
+        for ranks in self.axes_groups(("dp", "cp")):  # dp-major: a replica is a run
+            runs = [ranks[i : i + run] for i in range(0, len(ranks), run)]
+            shard += runs
+            replicate += [list(column) for column in zip(*runs)]
+        return shard, sorted(replicate)
+
 
 class Mesh:
     """This rank's place in the layout and one process group per axis.
@@ -116,7 +147,10 @@ class Mesh:
     1 and ``cp_group`` when dp is 1; ``tie_group`` pairs the first and last pipeline stage of
     this (dp, cp, tp) position (None when pp is 1). ``ep_group`` holds this rank's experts'
     peers (None when ep is 1) and ``edp_group`` the ranks holding the same experts
-    (``dp_cp_group`` when ep is 1; ``ParallelDims.ep_groups``). Build it after
+    (``dp_cp_group`` when ep is 1; ``ParallelDims.ep_groups``). ``shard_group``: the ranks
+    ZeRO shards over (``dp_cp_group`` unless ``--dp-shard``), ``replicate_group``: the ranks
+    holding the same shard in the other replicas (None: one replica;
+    ``ParallelDims.shard_groups``). Build it after
     ``torch.distributed`` is initialised (``Mesh.build(dims)``) and pass it explicitly.
     """
 
@@ -133,6 +167,8 @@ class Mesh:
         dp_cp_group=None,
         ep_group=None,
         edp_group=None,
+        shard_group=None,
+        replicate_group=None,
     ):
         self.dims = dims
         self.rank = rank
@@ -143,6 +179,8 @@ class Mesh:
         self.tie_group = tie_group
         self.ep_group = ep_group
         self.edp_group = edp_group if edp_group is not None else self.dp_cp_group
+        self.shard_group = shard_group if shard_group is not None else self.dp_cp_group
+        self.replicate_group = replicate_group
         coords = dims.coords(rank)
         self.dp_rank, self.pp_rank, self.tp_rank = coords["dp"], coords["pp"], coords["tp"]
         self.cp_rank = coords["cp"]
@@ -184,6 +222,10 @@ class Mesh:
         if dims.ep > 1:
             ep_groups, edp_groups = dims.ep_groups()
             ep, edp = mine("ep", ep_groups), mine("edp", edp_groups)
+        shard = replicate = None
+        if dims.num_replicas > 1:
+            shard_groups, replicate_groups = dims.shard_groups()
+            shard, replicate = mine("shard", shard_groups), mine("replicate", replicate_groups)
         return cls(
             dims,
             world.rank,
@@ -196,6 +238,8 @@ class Mesh:
             dp_cp_group=dp_cp,
             ep_group=ep,
             edp_group=edp,
+            shard_group=shard,
+            replicate_group=replicate,
         )
 
     @property

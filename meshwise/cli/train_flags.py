@@ -53,6 +53,10 @@ TRAIN_FLAGS = [
      "expert parallelism: each MoE layer's experts split over ep ranks borrowed from dp x cp "
      "(ep divides dp x cp and the experts; each run of ep consecutive dp x cp ranks is an "
      "ep group)"),
+    ("--dp-shard", "parallel", "dp_shard", int,
+     "hybrid sharding: ZeRO shards over N consecutive dp ranks (a replica, within a node) "
+     "and the dp / N replicas all-reduce their shards' gradients (N divides dp; default: "
+     "all of dp)"),
     ("--reshard-after-forward", "parallel", "reshard_after_forward", bool,
      "with --zero 3 and --pp > 1: gather each unit for every micro-batch's forward and "
      "backward and reduce-scatter every micro-batch's gradient (about two units in memory) "
@@ -239,7 +243,8 @@ TRAIN_FLAGS = [
      "matrix multiply measured at start-up"),
     ("--check-replicas-every", "runtime", "check_replicas_every", int,
      "every N steps, check that tp-replicated parameters (norms, biases, positions) are "
-     "equal on every tp rank, under any ZeRO stage; 0: never"),
+     "equal on every tp rank, under any ZeRO stage (with --dp-shard, also that every replica "
+     "holds bitwise the same parameters); 0: never"),
     ("--log-every", "runtime", "log_every", int,
      "progress line every N steps when output is not a terminal"),
     ("--save", "checkpoint", "save", str,
@@ -308,6 +313,7 @@ DEFAULT_TEXT = {
     "skip_bad_records": "off",
     "lr_restart": "off",
     "ranks_per_node": "torchrun's LOCAL_WORLD_SIZE; locally, every rank on one node",
+    "dp_shard": "all of dp",
 }
 BY_FIELD = {field: (flag, section, kind) for flag, section, field, kind, _ in TRAIN_FLAGS}
 

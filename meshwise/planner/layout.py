@@ -29,10 +29,19 @@ class Layout:
     zero: int = 0
     activation_checkpointing: str = "none"
     compress: str = "none"
+    dp_shard: int = 0  # ZeRO over dp_shard dp ranks, replicas across (0: all of dp)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def shard_size(self) -> int:
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        return self.dp // self.shard_size
 
     def flags(self) -> str:
         """The ``meshwise train`` flags of this layout (defaults left out, axes shown)."""
@@ -50,6 +59,8 @@ class Layout:
         if self.grad_accum > 1:
             parts.append(f"--grad-accum {self.grad_accum}")
         parts.append(f"--zero {self.zero}")
+        if self.replicas > 1:
+            parts.append(f"--dp-shard {self.dp_shard}")
         if self.activation_checkpointing != "none":
             parts.append(f"--activation-checkpointing {self.activation_checkpointing}")
         if self.compress != "none":
@@ -70,6 +81,7 @@ class Layout:
             micro_batches=self.micro_batches if self.pp > 1 else 0,
             zero=self.zero,
             ep=self.ep,
+            dp_shard=self.dp_shard,
         )
         return dataclasses.replace(
             cfg,
@@ -99,6 +111,7 @@ class Layout:
             zero=p.zero,
             activation_checkpointing=cfg.runtime.activation_checkpointing,
             compress=cfg.comm.compress,
+            dp_shard=p.dp_shard,
         )
 
     @classmethod
@@ -139,4 +152,5 @@ _PARSED = {
     "zero": int,
     "activation_checkpointing": str,
     "compress": str,
+    "dp_shard": int,
 }

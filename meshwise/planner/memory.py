@@ -171,7 +171,7 @@ def _rank_memory(
 ) -> MemoryBreakdown:
     layers, first, last = rank_params(shape, layout, rank)
     params = layers + first + last
-    n, a = layout.dp * layout.cp, DTYPE_BYTES[st.dtype]
+    n, a = layout.shard_size * layout.cp, DTYPE_BYTES[st.dtype]  # ZeRO's ranks
     experts = rank_expert_params(shape, layout)  # ZeRO over the expert data parallel ranks
     n_expert = expert_dp(layout.dp, layout.cp, layout.ep)
     state = (params - experts) * model_state_bytes_per_param(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meshwise.planner.hybrid import why
 from meshwise.planner.layout import Layout
 from meshwise.planner.search import Prediction
 
@@ -65,6 +66,8 @@ def table(request, results: list[Prediction], top: int) -> str:
             f"{_seconds(t.step):>9} {p.tokens_per_s:>10,.0f} {100 * p.mfu:>5.1f}%  "
             + " ".join(f"{s:>6.0f}%" for s in share)
         )
+    if results and results[0].layout.replicas > 1:
+        lines.append(f"hybrid sharding, {why(results[0].layout)}")
     if results:
         lines.append(
             f"run the best: meshwise train {results[0].layout.flags()} "
@@ -94,6 +97,8 @@ def explain(request, layout: Layout) -> str:
     )
     for name, value in t.parts().items():
         lines.append(f"  {name:<18} {_seconds(value):>10}  {100 * value / t.step:5.1f}%")
+    if layout.replicas > 1:
+        lines.append(why(layout))
     if layout.ep > 1 and request.shape.moe_layers:
         lines.append(_all_to_all_line(request, layout))
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from meshwise.apply.activation_checkpointing import MODES
 from meshwise.pipeline.schedules import SCHEDULE_KINDS
 from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.experts import valid_ep
+from meshwise.planner.hybrid import shard_options
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import MemoryBreakdown, Settings, peak_memory
 from meshwise.planner.shapes import ModelShape
@@ -127,11 +128,17 @@ def search(
         for mode in modes:
             base = _replace(structure, activation_checkpointing=mode)
             pipe = _pipe(shape, base, st, device)
-            found = [predict(shape, _replace(base, zero=z), st, device, limit, pipe) for z in zeros]
+            layouts = [_replace(base, zero=z) for z in zeros]
+            layouts += [  # hybrid sharding where dp crosses nodes
+                _replace(layout, dp_shard=n)
+                for layout in layouts
+                for n in shard_options(layout, device.ranks_per_node)
+            ]
+            found = [predict(shape, layout, st, device, limit, pipe) for layout in layouts]
             for p in found:
                 (fitting if p.fits else over).append(p)
             # more recomputation would only be slower where this mode fits
-            zeros = [p.layout.zero for p in found if not p.fits]
+            zeros = sorted({p.layout.zero for p in found if not p.fits})
             if not zeros:
                 break
     fitting.sort(key=_rank_key)

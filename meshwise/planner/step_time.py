@@ -12,6 +12,7 @@ from meshwise.planner.collectives import collective_s, link_kind, p2p_s, sync_wa
 from meshwise.planner.compute import ActionCosts, action_costs, micro_batch_tokens
 from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.experts import expert_dp
+from meshwise.planner.hybrid import cross_replica_bytes
 from meshwise.planner.layout import Layout
 from meshwise.planner.memory import DTYPE_BYTES, Settings, rank_expert_params, rank_params
 from meshwise.planner.shapes import ModelShape
@@ -242,10 +243,11 @@ def _core_share(layout: Layout, device: DeviceProfile) -> float:
 def _dp_exposed(
     shape, layout: Layout, st: Settings, device: DeviceProfile, ranks, backward_s: float
 ) -> float:
-    """Exposed seconds of the gradient (and ZeRO parameter) collectives over dp x cp."""
-    n = layout.dp * layout.cp
-    if n == 1:
+    """Exposed seconds of the gradient (and ZeRO parameter) collectives over dp x cp: within
+    a replica of ``--dp-shard``, then each shard's all-reduce across the replicas."""
+    if layout.dp * layout.cp == 1:
         return 0.0
+    n = layout.shard_size * layout.cp  # ZeRO's ranks
     # routed experts under ep: reduced (and ZeRO-gathered) over their own expert data
     # parallel group, by an engine of their own
     experts = rank_expert_params(shape, layout) if layout.ep > 1 else 0.0
@@ -256,7 +258,9 @@ def _dp_exposed(
     per_grad *= COMPRESS_RATIO.get(layout.compress.partition(":")[0], 0.05)
     grad_bytes = params * per_grad
     if layout.dp > 1:
-        link = link_kind(layout.tp * layout.cp * layout.pp, layout.dp, device.ranks_per_node)
+        link = link_kind(
+            layout.tp * layout.cp * layout.pp, layout.shard_size, device.ranks_per_node
+        )
     else:
         link = link_kind(layout.tp, layout.cp, device.ranks_per_node)
 
@@ -283,9 +287,12 @@ def _dp_exposed(
     sizes = {"all_reduce": grad_bytes, "reduce_scatter": grad_bytes, "all_gather": params * a}
     share = experts / max(params, 1)  # the experts' bytes beside each
     total = sum(k * coll(kind, sizes[kind], share * sizes[kind]) for kind, k in counts.items())
+    # across replicas: blocking all-reduces of the shards (or buffers), after each reduction
+    reductions = counts.get("reduce_scatter", counts.get("all_reduce", 0))
+    across = reductions * _across_replicas_s(layout, device, grad_bytes)
     if not device.overlap:
         window = backward_s * (1.5 if syncs > 1 else 1.0)
-        return total + sync_wait_s(device, n, syncs, window, layout.world_size)
+        return total + across + sync_wait_s(device, n, syncs, window, layout.world_size)
     # Hidden behind the backward (and ZeRO-3's gathers behind the forward too), but the
     # last bucket's reduction waits for the last gradient; without a pipeline ZeRO-3's
     # root unit (embedding, head) is gathered before the first layer can start and
@@ -300,7 +307,17 @@ def _dp_exposed(
         )
     window = backward_s * (1.5 if z == 3 else 1.0)
     # what is hidden still slows the compute it runs beside
-    return max(tail, total - window) + device.overlap_slowdown * min(total, window)
+    return max(tail, total - window) + device.overlap_slowdown * min(total, window) + across
+
+
+def _across_replicas_s(layout: Layout, device: DeviceProfile, grad_bytes: float) -> float:
+    """One reduction's all-reduce over the replicas of ``--dp-shard`` (0 with one)."""
+    if layout.replicas == 1:
+        return 0.0
+    stride = layout.shard_size * layout.tp * layout.cp * layout.pp
+    link = link_kind(stride, layout.replicas, device.ranks_per_node)
+    nbytes = cross_replica_bytes(layout, grad_bytes)
+    return collective_s(device, "all_reduce", nbytes, layout.replicas, link)
 
 
 def _optimizer_s(shape, layout: Layout, st: Settings, device: DeviceProfile, ranks) -> float:
@@ -309,7 +326,7 @@ def _optimizer_s(shape, layout: Layout, st: Settings, device: DeviceProfile, ran
     owned = float(params)
     if layout.zero:  # experts shard over their expert data parallel ranks, the rest over dp x cp
         experts = rank_expert_params(shape, layout)
-        n = layout.dp * layout.cp
+        n = layout.shard_size * layout.cp
         owned = (params - experts) / n + experts / expert_dp(layout.dp, layout.cp, layout.ep)
     if device.optimizer_s_per_param:
         return device.optimizer_fixed_s + owned * device.optimizer_s_per_param

@@ -39,12 +39,21 @@ class EngineBase:
         self.grad_reducer = grad_reducer
         self.step_count = 0
         self.flats: list = []
+        self.replicate_group = None  # hybrid sharding: ``replicate_over``
 
     def _connect_reducer(self) -> None:
         """Tell the reducer which parameters each buffer holds (PowerSGD compresses
         the matrices among them)."""
         if self.grad_reducer is not None:
             self.grad_reducer.set_layouts(self.reduction_layouts())
+
+    def replicate_over(self, group) -> None:
+        """Hybrid sharding: ``self.group`` is one replica; each shard's gradient is then
+        summed over ``group``, the ranks holding the same shard in the other replicas
+        (after the reduction within the replica), and the first replica saves."""
+        self.replicate_group = group
+        for flat in self.flats:
+            flat.replicate_group = group
 
     # -- to be provided by each engine -------------------------------------------------
     def _idle(self) -> bool:
@@ -62,6 +71,8 @@ class EngineBase:
         names, flags = self._gradient_flags()
         used = host_to_device(flags, torch.float32, self.flats[0].device)
         ops.all_reduce(used, self.group, op="max", category="check")
+        if self.replicate_group is not None:  # the replicas must skip the same parameters
+            ops.all_reduce(used, self.replicate_group, op="max", category="check")
         if all(flags):
             return None
         return {name for name, flag in zip(names, used.tolist()) if flag}

@@ -85,7 +85,11 @@ class PendingReduce:
         self._handle.wait()
         if self.flat.stage >= 2:  # accumulate our chunk into the fp32 shard
             s0, s1 = self.flat.shard_range
-            self.flat.shard_grad().add_(full[s0:s1] if out is None else out)
+            chunk = full[s0:s1] if out is None else out
+            self.flat.reduce_across_replicas(chunk)
+            self.flat.shard_grad().add_(chunk)
+        else:
+            self.flat.reduce_across_replicas(full)
         if self._on_done is not None:
             self._on_done(full)
         self._full = self._out = None
@@ -102,6 +106,8 @@ class FlatParams:
         self, slots: list[ParamSlot], group, stage: int, precision: Precision, device, values
     ):
         self.slots, self.group, self.stage, self.precision = slots, group, stage, precision
+        # Hybrid sharding: the ranks holding this shard in the other replicas (None: one).
+        self.replicate_group = None
         self.numel = sum(s.numel for s in slots)
         self.plan = ShardPlan(self.numel, group.size)
         self.shard_range = self.plan.shard_range(group.rank)
@@ -172,6 +178,12 @@ class FlatParams:
         out = torch.empty(self.plan.shard_numel, dtype=full_grad.dtype, device=self.device)
         handle = ops.reduce_scatter(out, full_grad, self.group, category="grad", async_op=True)
         return PendingReduce(self, handle, full_grad, out, on_done=on_done)
+
+    def reduce_across_replicas(self, grad: torch.Tensor) -> None:
+        """Sum a gradient reduced within this replica over the replicas, in place: the
+        shard only at stages 2-3 (1/N of the bytes), the whole buffer at stages 0-1."""
+        if self.replicate_group is not None and self.replicate_group.size > 1:
+            ops.all_reduce(grad, self.replicate_group, category="grad")
 
     def full_grad(self) -> torch.Tensor:
         """The whole reduced-gradient buffer (stages 0-1)."""
@@ -292,9 +304,12 @@ class FlatParams:
         # fp32 stages 0-2 update the compute buffer itself: every rank loads all of it.
         shared = self.stage < 3 and not self.precision.mixed
         param = (self.params, 0) if shared and self.params is not None else (self.master, lo)
+        save = self.plan.owned_range(self.group.rank)
+        if self.replicate_group is not None and self.replicate_group.rank > 0:
+            save = (save[0], save[0])  # the first replica writes; every replica loads
         return FlatRun(
             [(s.name, s.offset, s.numel) for s in self.slots],
-            self.plan.owned_range(self.group.rank),
+            save,
             {"param": param, "exp_avg": (self.exp_avg, lo), "exp_avg_sq": (self.exp_avg_sq, lo)},
         )
 

@@ -82,9 +82,16 @@ def build_engine(
     grad_reducer=None,
 ):
     """The gradient synchroniser + optimizer for ``--zero`` (``ZeroOptimizer`` for stages 0-2,
-    ``ZeroStage3``), filled from ``values``, reducing over ``mesh.dp_cp_group`` (through
-    ``grad_reducer`` when given).
+    ``ZeroStage3``), filled from ``values``, reducing over ``mesh.shard_group`` (through
+    ``grad_reducer`` when given), then over ``mesh.replicate_group`` (``--dp-shard``).
     """
+    engine = _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer)
+    if mesh.replicate_group is not None:
+        engine.replicate_over(mesh.replicate_group)
+    return engine
+
+
+def _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer):
     precision, p = precision_of(cfg), cfg.parallel
     if model.ep_group is not None:
         return _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer)
@@ -101,7 +108,7 @@ def build_engine(
             target, units = model.chunks, per_chunk
         return ZeroStage3(
             target,
-            mesh.dp_cp_group,
+            mesh.shard_group,
             adamw,
             units,
             reshard=reshard_policy(p.pp > 1, p.reshard_after_forward),
@@ -115,7 +122,7 @@ def build_engine(
     tied = list(model.cross_stage_ties) + [n for group in model.local_ties for n in group]
     return ZeroOptimizer(
         model.named_parameters(),
-        mesh.dp_cp_group,
+        mesh.shard_group,
         stage=p.zero,
         adamw=adamw,
         bucket_cap_mb=cfg.comm.bucket_mb,

@@ -66,10 +66,13 @@ class ParallelConfig:
     zero: int = 0
     reshard_after_forward: bool = False  # ZeRO-3 under a pipeline: gather per micro-batch
     ep: int = 1  # expert parallel: each MoE layer's experts over ep of the dp x cp ranks
+    dp_shard: int = 0  # ZeRO over dp_shard dp ranks, replicas across; 0: all of dp
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+        return ParallelDims(
+            dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, dp_shard=self.dp_shard
+        )
 
     @property
     def axes_text(self) -> str:

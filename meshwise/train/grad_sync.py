@@ -13,6 +13,7 @@ from meshwise.comm import ops
 from meshwise.geometry.flat_runs import owned_values
 from meshwise.geometry.params import is_tp_sharded
 from meshwise.mesh import Mesh
+from meshwise.sharding.replicas import check_replicas_equal
 
 
 class GradSync3D:
@@ -94,9 +95,11 @@ class GradSync3D:
         local = self.engine.grad_sq_norm(include=self.represented.__contains__, over_dp=False)
         both = torch.stack([local.to(torch.float64), loss_part.detach().to(torch.float64) * 0])
         ops.all_reduce(both, self.mesh.world_group, category="norm")
-        # At ZeRO 0-1 every rank of the engine's group holds the group's whole sum.
-        replicas = self.mesh.dims.dp * self.mesh.dims.cp
-        sq = both[0] if self.engine.stage >= 2 else both[0] / replicas
+        # At ZeRO 0-1 every dp x cp rank holds the whole sum; at 2-3 each replica of
+        # --dp-shard holds every shard once (the same values in each replica).
+        dims = self.mesh.dims
+        copies = dims.num_replicas if self.engine.stage >= 2 else dims.dp * dims.cp
+        sq = both[0] / copies
         return sq, ~(torch.isfinite(sq) & torch.isfinite(both[1]))
 
     def check_replica_values(self, rtol: float = 1e-6) -> None:
@@ -115,6 +118,8 @@ class GradSync3D:
             "values",
             sum_over=self.mesh.dp_cp_group,
         )
+        if self.mesh.replicate_group is not None:
+            check_replicas_equal(self.engine.flats, self.mesh.replicate_group)
 
     def _compare_across_tp(self, names, tensors, rtol: float, what: str, sum_over=None) -> None:
         if not names:

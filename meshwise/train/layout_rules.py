@@ -48,6 +48,33 @@ def _check_experts(cfg, own_model: bool) -> None:
         )
 
 
+def _check_dp_shard(cfg) -> None:
+    """--dp-shard: divides dp; not with --ep, --compress or another --allreduce yet; a
+    replica (its consecutive ranks) inside one node of --ranks-per-node."""
+    p, c = cfg.parallel, cfg.comm
+    if p.dp_shard in (0, p.dp):
+        return
+    for flag, value, alone in (
+        ("--ep", p.ep, 1),
+        ("--compress", c.compress, "none"),
+        ("--allreduce", c.allreduce, "native"),
+    ):
+        if value != alone:
+            raise ValueError(
+                f"--dp-shard {p.dp_shard} with {flag} {value} is not supported yet; "
+                f"valid: {flag} {alone}, or --dp-shard {p.dp}"
+            )
+    others = p.pp * p.cp * p.tp
+    replica = p.dims.shard_size * others  # consecutive global ranks (divides dp, or raises)
+    per_node = c.ranks_per_node
+    if per_node > 0 and per_node % replica:
+        fits = [n for n in range(1, p.dp) if p.dp % n == 0 and per_node % (n * others) == 0]
+        raise ValueError(
+            f"--dp-shard {p.dp_shard} puts a replica of {replica} ranks across nodes of "
+            f"--ranks-per-node {per_node}; valid: --dp-shard {', '.join(map(str, fits)) or 'none'}"
+        )
+
+
 def check_layout(cfg, own_model: bool = False) -> None:
     """The axes, the schedule, the sequence, the batch and the gradients' group of ``cfg``
     (a ``TrainConfig``) fit together, or ``ValueError`` names the first that does not;
@@ -61,6 +88,7 @@ def check_layout(cfg, own_model: bool = False) -> None:
     choice("--schedule", p.schedule, SCHEDULE_KINDS)
     choice("--zero", p.zero, ZERO_STAGES)
     _check_experts(cfg, own_model)
+    _check_dp_shard(cfg)
     if p.tp > 1 and not own_model:
         fam = family(cfg.model.family)
         fam.check_tp(fam.make_config(cfg.model.sizes(max(m.vocab_size, 1))), p.tp)

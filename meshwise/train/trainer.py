@@ -256,7 +256,8 @@ class Trainer:
         if self.compressor is not None:  # its warm-up and top-k's ramp count steps taken
             self.compressor.end_step()
         every = self.cfg.runtime.check_replicas_every
-        if every and step % every == 0 and self.mesh.dims.tp > 1:
+        replicas = self.mesh.dims.tp > 1 or self.mesh.replicate_group is not None
+        if every and step % every == 0 and replicas:
             self.grad_sync.check_replica_values()
 
         values = self._step_values(
