@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
+from meshwise.apply.compile import compile_blocks
 from meshwise.apply.parallelize import ParallelModel
 from meshwise.apply.stages import chunk_layers
 from meshwise.comm import ops
@@ -56,6 +57,10 @@ def lay_out_model(cfg: TrainConfig, mesh: Mesh, vocab_size: int, own: ModelFamil
         fam, model_cfg = own, None
         parallel_model = build_model(cfg, fam, None, mesh, None)
         model_shape = own_model_shape(parallel_model, vocab_size)
+    if cfg.runtime.compile:  # inside checkpointing: a recompute replays the compiled graph
+        p = cfg.parallel
+        split = p.pp > 1 and build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages).has_weight_actions
+        compile_blocks(parallel_model.layers(), split_backward=split)
     apply_activation_checkpointing(parallel_model.layers(), cfg.runtime.activation_checkpointing)
     return fam, model_cfg, parallel_model, model_shape
 
