@@ -37,6 +37,9 @@ _EAGER = (
 )
 # One kernel each: compiling one alone buys nothing and costs a graph.
 _SINGLE_KERNEL = (nn.Linear, nn.Embedding)
+# torch.compile's backend. Tests of tracing alone (graph breaks, hooks, recompiles) may
+# set "aot_eager": dynamo and AOTAutograd as inductor gets them, without its codegen.
+BACKEND = "inductor"
 
 
 def compile_blocks(blocks: Iterable[nn.Module], split_backward: bool = False) -> list[str]:
@@ -52,7 +55,7 @@ def compile_blocks(blocks: Iterable[nn.Module], split_backward: bool = False) ->
     for block in blocks:
         for module in _compute_parts(block, eager):
             if not isinstance(module, Compiled):
-                module.__class__ = _compiled_class(type(module))
+                module.__class__ = _compiled_class(type(module), BACKEND)
             name = type(module).__mro__[2].__name__
             if name not in compiled:
                 compiled.append(name)
@@ -79,9 +82,13 @@ class Compiled:
 
 
 @functools.cache
-def _compiled_class(cls: type) -> type:
-    forward = torch.compile(cls.forward, fullgraph=True)
-    return type(f"Compiled{cls.__name__}", (Compiled, cls), {"_compiled_forward": staticmethod(forward)})
+def _compiled_class(cls: type, backend: str) -> type:
+    # Static shapes: a new shape (an epoch's short last batch) compiles once more rather
+    # than turning every size symbolic, which the attention kernels' choices cannot take.
+    forward = torch.compile(cls.forward, fullgraph=True, dynamic=False, backend=backend)
+    return type(
+        f"Compiled{cls.__name__}", (Compiled, cls), {"_compiled_forward": staticmethod(forward)}
+    )
 
 
 def compile_seconds() -> float:
@@ -99,7 +106,7 @@ def compiler_problem(device_type: str) -> str:
     if not torch._dynamo.is_dynamo_supported():
         return (
             f"--compile: torch {torch.__version__}'s compiler does not run on this Python "
-            "(dynamo unsupported); valid: drop --compile, or a Python that torch's compiler supports"
+            "(dynamo unsupported); valid: drop --compile, or a Python torch compiles on"
         )
     if device_type == "cpu":
         from torch._inductor import cpp_builder

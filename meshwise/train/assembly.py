@@ -58,11 +58,18 @@ def lay_out_model(cfg: TrainConfig, mesh: Mesh, vocab_size: int, own: ModelFamil
         parallel_model = build_model(cfg, fam, None, mesh, None)
         model_shape = own_model_shape(parallel_model, vocab_size)
     if cfg.runtime.compile:  # inside checkpointing: a recompute replays the compiled graph
-        p = cfg.parallel
-        split = p.pp > 1 and build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages).has_weight_actions
-        compile_blocks(parallel_model.layers(), split_backward=split)
+        compile_blocks(parallel_model.layers(), split_backward=_splits_backward(cfg))
     apply_activation_checkpointing(parallel_model.layers(), cfg.runtime.activation_checkpointing)
     return fam, model_cfg, parallel_model, model_shape
+
+
+def _splits_backward(cfg: TrainConfig) -> bool:
+    """Whether the schedule defers linear layers' weight gradients to W actions."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return False
+    schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
+    return schedule.has_weight_actions
 
 
 def build_optimizer(
