@@ -47,7 +47,7 @@ def compile_blocks(blocks: Iterable[nn.Module], split_backward: bool = False) ->
     block holds eager modules (``_EAGER``; with ``split_backward`` every ``nn.Linear``
     too, whose weight gradient waits for a W action), its largest parts without them.
     Apply it after the plan and before activation checkpointing, so checkpointing wraps
-    the compiled forward. Returns the classes compiled (for the log)."""
+    the compiled forward. Returns the names of the classes compiled."""
     if isinstance(blocks, nn.ModuleDict):
         blocks = blocks.values()
     eager = _EAGER + ((nn.Linear,) if split_backward else ())
