@@ -48,6 +48,12 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
                 "torchrun across nodes"
             )
         check_gpu_dtypes(cfg)
+    if cfg.runtime.compile:
+        from meshwise.apply.compile import compiler_problem
+
+        problem = compiler_problem(device)
+        if problem:
+            raise ValueError(problem)
     if cfg.runtime.metrics:
         check_writable_file(cfg.runtime.metrics, "--metrics")
     missing = missing_extra(parse_log_to(cfg.runtime.log_to))

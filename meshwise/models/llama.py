@@ -134,9 +134,15 @@ class Rotary:
         """``positions``: (T,) positions of the tokens, or (B, T) per sequence (inside
         each document under document masking); returns (T, hd) each, or (B, 1, T, hd)."""
         key = str(positions.device)
-        if key not in self._inv_freq:
-            self._inv_freq[key] = rope_inverse_frequencies(self.cfg).to(positions.device)
-        angles = positions.float()[..., None] * self._inv_freq[key]  # (..., T, hd / 2)
+        if torch.compiler.is_compiling():
+            # In the graph, not memoised: a memo filled by the first call would change the
+            # compiled code's guards and recompile it at the next step (--compile).
+            inv_freq = rope_inverse_frequencies(self.cfg).to(positions.device)
+        else:
+            if key not in self._inv_freq:
+                self._inv_freq[key] = rope_inverse_frequencies(self.cfg).to(positions.device)
+            inv_freq = self._inv_freq[key]
+        angles = positions.float()[..., None] * inv_freq  # (..., T, hd / 2)
         angles = torch.cat([angles, angles], dim=-1)  # (..., T, hd): both halves rotate alike
         if angles.dim() == 3:
             angles = angles.unsqueeze(1)  # (B, 1, T, hd): the same for every head
@@ -329,6 +335,8 @@ class Llama(nn.Module):
         def rope(length: int, device, dtype):
             # Asked by each attention for the tokens of its queries (under sequence
             # parallelism more than the layers' input holds); computed once per forward.
+            if torch.compiler.is_compiling():  # in each layer's graph, fused: no memo to guard
+                return self.rotary(self.positions(start, length, device, context), dtype)
             key = (length, str(device), dtype)
             if key not in tables:
                 tables[key] = self.rotary(self.positions(start, length, device, context), dtype)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
+from meshwise.apply.compile import compile_blocks
 from meshwise.apply.parallelize import ParallelModel
 from meshwise.apply.stages import chunk_layers
 from meshwise.comm import ops
@@ -56,8 +57,19 @@ def lay_out_model(cfg: TrainConfig, mesh: Mesh, vocab_size: int, own: ModelFamil
         fam, model_cfg = own, None
         parallel_model = build_model(cfg, fam, None, mesh, None)
         model_shape = own_model_shape(parallel_model, vocab_size)
+    if cfg.runtime.compile:  # inside checkpointing: a recompute replays the compiled graph
+        compile_blocks(parallel_model.layers(), split_backward=_splits_backward(cfg))
     apply_activation_checkpointing(parallel_model.layers(), cfg.runtime.activation_checkpointing)
     return fam, model_cfg, parallel_model, model_shape
+
+
+def _splits_backward(cfg: TrainConfig) -> bool:
+    """Whether the schedule defers linear layers' weight gradients to W actions."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return False
+    schedule = build_schedule(p.schedule, p.pp, p.num_micro_batches, p.virtual_stages)
+    return schedule.has_weight_actions
 
 
 def build_optimizer(

@@ -158,6 +158,7 @@ class RuntimeConfig:
     quiet: bool = False
     check_replicas_every: int = 100  # compare tp replicas' values every N steps; 0: never
     activation_checkpointing: str = "none"  # "full": recompute each block in backward
+    compile: bool = False  # torch.compile each transformer block (meshwise.apply.compile)
     # watching a run (meshwise.train.observe): loggers, their folder and run, the profiler
     log_to: str = "none"  # comma-separated: tensorboard, wandb, mlflow
     # The three folders and names as given; None: the launcher's choice (``RunState``).

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from meshwise.apply.compile import compile_seconds
 from meshwise.comm import ops
 from meshwise.device import ranges
 from meshwise.device.clocks import Stopwatch
@@ -49,6 +50,7 @@ class RunObserver:
         self._watches = {name: Stopwatch(device) for name in PHASES}
         self._counters = mesh.world_group.counters
         self._waits = self._wait_totals()
+        self._compiled_s = compile_seconds()  # --compile: the part of compute spent compiling
         self.mfus: list[float] = []
         self.breakdowns: list[dict] = []
         r = cfg.runtime
@@ -101,8 +103,12 @@ class RunObserver:
         waits = {axis: totals[axis] - self._waits[axis] for axis in AXIS_CATEGORIES}
         self._waits = totals
         worked = phases["forward_backward"] + phases["grad_sync"]
-        compute = max(0.0, worked - sum(waits.values()))
+        compiling = compile_seconds() - self._compiled_s
+        self._compiled_s += compiling
+        compute = max(0.0, worked - sum(waits.values()) - compiling)
         breakdown = {"compute": compute, **waits, "optimizer": phases["optimizer"]}
+        if self.cfg.runtime.compile:
+            breakdown["compile"] = compiling
         breakdown["other"] = max(0.0, seconds - sum(breakdown.values()))
         record["time_breakdown"] = breakdown
         self.mfus.append(record["mfu"])

@@ -1,0 +1,121 @@
+"""``--compile``'s plumbing without compiling: what compiles in a block, names unchanged,
+and a compiler that cannot serve refused before any rank starts (the compiled runs'
+parity is tests/dist/test_compile.py's)."""
+
+import pytest
+import torch
+from torch import nn
+
+from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
+from meshwise.apply.compile import Compiled, compile_blocks
+from meshwise.models.families import family
+from tests.unit.test_config import parse
+
+
+def _llama():
+    fam = family("llama")
+    sizes = {
+        "family": "llama",
+        "n_layer": 2,
+        "n_head": 2,
+        "n_kv_head": 2,
+        "d_model": 32,
+        "vocab_size": 64,
+        "seq_len": 16,
+    }
+    return fam.build(fam.make_config(sizes))
+
+
+def test_compiled_blocks_keep_their_names_and_hooks():
+    eager, model = _llama(), _llama()
+    hook = model.layers["0"].register_forward_pre_hook(lambda module, args: None)
+    assert compile_blocks(model.layers) == ["DecoderLayer"]
+    apply_activation_checkpointing(model.layers, "full")
+    for layer in model.layers.values():
+        assert isinstance(layer, Compiled) and isinstance(layer, type(eager.layers["0"]))
+    assert list(model.state_dict()) == list(eager.state_dict())
+    assert not any("_orig_mod" in name for name in model.state_dict())
+    # The hook stays on the module, run by its __call__ outside the compiled forward.
+    assert hook.id in model.layers["0"]._forward_pre_hooks
+
+
+def test_a_split_backward_keeps_linear_layers_out_of_the_graph():
+    model = _llama()
+    # zero-bubble's W actions defer each nn.Linear's weight gradient: those run eager.
+    compiled = compile_blocks(model.layers, split_backward=True)
+    assert compiled == ["RMSNorm", "ScaledDotProductAttention"]
+    assert not any(isinstance(m, nn.Linear) and isinstance(m, Compiled) for m in model.modules())
+
+
+def test_compile_without_a_cpp_compiler_is_refused_before_spawning(monkeypatch):
+    from torch._inductor import cpp_builder
+
+    from meshwise.cli.preflight import prepare
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler among g++, clang++")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    with pytest.raises(ValueError, match="--compile on the CPU needs a C..? compiler"):
+        prepare(parse("--compile", "--device", "cpu"))
+
+
+def test_compile_on_a_python_without_dynamo_is_refused(monkeypatch):
+    from meshwise.cli.preflight import prepare
+
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    with pytest.raises(ValueError, match="--compile: torch .* does not run on this Python"):
+        prepare(parse("--compile", "--device", "cpu"))
+
+
+def test_moe_experts_run_eager_around_the_compiled_parts():
+    from meshwise.models.moe import Experts
+
+    fam = family("llama")
+    sizes = {
+        "family": "llama",
+        "n_layer": 1,
+        "n_head": 2,
+        "n_kv_head": 2,
+        "d_model": 32,
+        "vocab_size": 64,
+        "seq_len": 16,
+        "n_experts": 4,
+        "experts_per_token": 2,
+        "shared_expert_size": 16,
+    }
+    model = fam.build(fam.make_config(sizes))
+    # The experts read their token counts to the host: a graph break, kept out.
+    assert compile_blocks(model.layers) == ["RMSNorm", "Attention", "MLP"]
+    assert not any(isinstance(m, Experts) and isinstance(m, Compiled) for m in model.modules())
+
+
+def test_inductor_blocks_equal_eager_without_breaks_or_recompiles(monkeypatch, tmp_path):
+    """Inductor's own kernels, once (10-20 s here): the layouts are tests/dist's."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = _llama()
+    for p in eager.parameters():
+        nn.init.normal_(p, std=0.1)
+    model = copy.deepcopy(eager)
+    compile_blocks(model.layers)
+    for m in (eager, model):
+        apply_activation_checkpointing(m.layers, "full")  # the recompute replays the graph
+    graphs = []
+    for step in range(3):
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        losses = [m(x).square().mean() for m in (eager, model)]
+        for loss in losses:
+            loss.backward()
+        assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
+        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"]
+    assert graphs == [1, 1, 1]  # both blocks share one graph, never recompiled
