@@ -16,7 +16,7 @@ def add_export_arguments(parser) -> None:
         default="safetensors",
         help="safetensors: meshwise names + config.json; hf: a Hugging Face "
         "directory (GPT-2 or Llama, Mistral, Qwen2, Qwen3: the checkpoint's family, with "
-        "the tokenizer) (default "
+        "the tokenizer); peft: a LoRA run's adapters as PEFT saves them (default "
         "safetensors)",
     )
 

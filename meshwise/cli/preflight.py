@@ -21,8 +21,8 @@ from meshwise.data.tokenizer import ByteTokenizer, check_vocab_fits, load_tokeni
 from meshwise.device import choice
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
-from meshwise.train.lora_setup import check_lora
 from meshwise.train.loggers import missing_extra, parse_log_to
+from meshwise.train.lora_setup import check_lora
 from meshwise.train.run_state import RunState
 
 log = logging.getLogger("meshwise")

@@ -20,9 +20,10 @@ from meshwise.checkpoint.store import open_checkpoint
 from meshwise.hf.llama import hf_config
 from meshwise.hf.llama_weights import stored_tensors
 from meshwise.hf.moe import export_family
+from meshwise.serve.adapter import export_adapter
 from meshwise.serve.model import model_config, model_family
 
-FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "hf", "peft")
 # model_type -> the tokenizer class transformers 5 builds for it whatever tokenizer_class
 # says: from tokenizer.json's vocabulary and merges alone, under its own pre-tokenizer.
 REBUILT_TOKENIZERS = {"qwen2": "Qwen2Tokenizer"}
@@ -40,6 +41,8 @@ def export_checkpoint(
     out = Path(out)
     if out.exists():
         raise ValueError(f"--out {out}: already exists; choose a new directory")
+    if fmt == "peft":
+        return export_adapter(ckpt, out)
     cfg = model_config(ckpt)
     tensors = model_tensors(ckpt)
     family = model_family(ckpt)

@@ -66,7 +66,8 @@ def _config(root, layout: dict):
     cfg.optim.weight_decay = 0.0
     cfg.runtime.device, cfg.runtime.quiet = "cpu", True
     for key, value in layout.items():
-        section = next(s for s in (cfg.runtime, cfg.parallel, cfg.data) if hasattr(s, key))
+        sections = (cfg.runtime, cfg.parallel, cfg.data, cfg.checkpoint)
+        section = next(s for s in sections if hasattr(s, key))
         setattr(section, key, value)
     origins: dict = {}
     apply_init_from(cfg, origins)
@@ -86,9 +87,7 @@ def _train(root, layout: dict):
     frozen = {n: p for n, p in pm.named_parameters() if not p.requires_grad}
     records = [trainer.train_step(step) for step in range(1, STEPS + 1)]
     trainer.comm_stats.close()
-    weights = LlamaWeights(
-        cfg.model.init_from, family("llama").make_config(cfg.model.sizes(256))
-    )
+    weights = LlamaWeights(cfg.model.init_from, family("llama").make_config(cfg.model.sizes(256)))
     pieces = pm.pieces(list(frozen.items()))
     unchanged = all(
         torch.equal(p.detach().reshape(-1), weights.read(pieces[n])) for n, p in frozen.items()
@@ -150,3 +149,42 @@ def test_layout_trains_the_adapters_as_one_process(dist_pools, run_dirs, name):
     assert all(unchanged for _, unchanged, _ in results), name
     for step, (got, ref) in enumerate(zip(results[0][0], want, strict=True), 1):
         assert got == pytest.approx(ref, rel=1e-4), (name, step)
+
+
+def _train_save_and_logits(root, layout: dict, save: str, ids: torch.Tensor):
+    from meshwise.train.trainer import Trainer
+
+    cfg = _config(root, {**layout, "save": save})
+    trainer = Trainer(cfg, cfg.data.path)
+    for step in range(1, STEPS + 1):
+        trainer.train_step(step)
+    trainer.checkpointer.save(STEPS)
+    trainer.comm_stats.close()
+    pm = trainer.parallel_model
+    with torch.no_grad():
+        return pm.full_logits(pm.chunks[0](ids))
+
+
+def test_an_exported_adapter_loads_into_peft_with_equal_logits(dist_pools, run_dirs, tmp_path):
+    """Trained at tp 2 (B split on column-parallel layers, A on row-parallel ones), saved,
+    exported: PEFT's model of the adapter gives meshwise's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from meshwise.serve.export import export_checkpoint
+
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
+    save = tmp_path / "run"
+    save.mkdir()
+    logits = dist_pools.run(2, _train_save_and_logits, run_dirs, dict(tp=2), str(save), ids)[0]
+    export_checkpoint(save, tmp_path / "adapter", "peft")
+    base = AutoModelForCausalLM.from_pretrained(run_dirs / "base", dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        untrained = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(run_dirs / "base", dtype=torch.float32),
+            run_dirs / "adapter",
+        )(input_ids=ids).logits
+    assert (want - untrained).abs().max() > 1e-3  # the exported adapter is the trained one
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
