@@ -226,3 +226,13 @@ def hold_frozen(model, values, dtype: torch.dtype, device) -> int:
             module._parameters[attr] = new
         held += p.numel()
     return held
+
+
+def frozen_bytes(chunks: list[nn.Module]) -> int:
+    """Bytes of the frozen parameters held (outside any engine), each storage once."""
+    storages = {}
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if not p.requires_grad and p.device.type != "meta":
+                storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+    return sum(storages.values())
