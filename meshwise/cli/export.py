@@ -19,8 +19,14 @@ def add_export_arguments(parser) -> None:
         "the tokenizer); peft: a LoRA run's adapters as PEFT saves them (default "
         "safetensors)",
     )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run: merge its adapters into the frozen weights (the whole model)",
+    )
 
 
 def run_export(args) -> str:
     """What ``meshwise export`` prints."""
-    return f"wrote {export_checkpoint(args.checkpoint, args.out, args.format)}"
+    out = export_checkpoint(args.checkpoint, args.out, args.format, args.merge_lora)
+    return f"wrote {out}"

@@ -20,7 +20,7 @@ from meshwise.checkpoint.store import open_checkpoint
 from meshwise.hf.llama import hf_config
 from meshwise.hf.llama_weights import stored_tensors
 from meshwise.hf.moe import export_family
-from meshwise.serve.adapter import export_adapter
+from meshwise.serve.adapter import export_adapter, merged_tensors
 from meshwise.serve.model import model_config, model_family
 
 FORMATS = ("safetensors", "hf", "peft")
@@ -31,10 +31,14 @@ log = logging.getLogger("meshwise")
 
 
 def export_checkpoint(
-    checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str = "safetensors"
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    fmt: str = "safetensors",
+    merge_lora: bool = False,
 ) -> Path:
     """Write ``checkpoint``'s model to the new directory ``out`` in format ``fmt``
-    (``FORMATS``); ``ValueError`` names what cannot be done."""
+    (``FORMATS``); ``merge_lora``: a LoRA run's adapters merged into its frozen weights.
+    ``ValueError`` names what cannot be done."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not valid; valid: {', '.join(FORMATS)}")
     ckpt = open_checkpoint(checkpoint)
@@ -42,10 +46,12 @@ def export_checkpoint(
     if out.exists():
         raise ValueError(f"--out {out}: already exists; choose a new directory")
     if fmt == "peft":
+        if merge_lora:
+            raise ValueError("--merge-lora makes a whole model; valid: --format hf or safetensors")
         return export_adapter(ckpt, out)
     cfg = model_config(ckpt)
-    tensors = model_tensors(ckpt)
     family = model_family(ckpt)
+    tensors = merged_tensors(ckpt, cfg, family) if merge_lora else model_tensors(ckpt)
     if fmt == "hf" and family == "llama":
         cfg = export_family(cfg)  # a model with experts: the MoE family that holds it
         config = hf_config(cfg)

@@ -167,7 +167,8 @@ def _train_save_and_logits(root, layout: dict, save: str, ids: torch.Tensor):
 
 def test_an_exported_adapter_loads_into_peft_with_equal_logits(dist_pools, run_dirs, tmp_path):
     """Trained at tp 2 (B split on column-parallel layers, A on row-parallel ones), saved,
-    exported: PEFT's model of the adapter gives meshwise's logits."""
+    exported: PEFT's model of the adapter gives meshwise's logits, and so does the
+    merged model transformers loads."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -188,3 +189,7 @@ def test_an_exported_adapter_loads_into_peft_with_equal_logits(dist_pools, run_d
         )(input_ids=ids).logits
     assert (want - untrained).abs().max() > 1e-3  # the exported adapter is the trained one
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+    export_checkpoint(save, tmp_path / "merged", "hf", merge_lora=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=0)
