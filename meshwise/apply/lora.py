@@ -45,40 +45,40 @@ _LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 class LoraConfig:
     """``--lora-*``: rank 0 turns LoRA off."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    adapter_dropout: float = 0.0  # on the adapters' input (PEFT's lora_dropout)
-    targets: str = ALL_LINEAR  # comma-separated module names (PEFT's suffix match)
-    init: str = "kaiming"  # PEFT's default: A Kaiming-uniform; gaussian: A ~ N(0, 1/r^2)
-    from_dir: str = ""  # a PEFT adapter to start from (its config sets the fields above)
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0  # on the adapters' input
+    lora_targets: str = ALL_LINEAR  # comma-separated module names (PEFT's suffix match)
+    lora_init: str = "kaiming"  # PEFT's default: A Kaiming-uniform; gaussian: A ~ N(0, 1/r^2)
+    lora_from: str = ""  # a PEFT adapter to start from (its config sets the fields above)
 
     @property
     def enabled(self) -> bool:
-        return self.rank > 0
+        return self.lora_rank > 0
 
     @property
     def scaling(self) -> float:
-        return self.alpha / self.rank
+        return self.lora_alpha / self.lora_rank
 
     @property
     def target_names(self) -> list[str]:
-        return [t.strip() for t in self.targets.split(",") if t.strip()]
+        return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
 
     def check(self) -> None:
         """ValueError naming the first bad setting."""
-        if self.rank < 0:
-            raise ValueError(f"--lora-rank {self.rank}; valid: 0 (off) or a positive rank")
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank {self.lora_rank}; valid: 0 (off) or a positive rank")
         if not self.enabled:
             return
-        if self.alpha <= 0:
-            raise ValueError(f"--lora-alpha {self.alpha:g}; valid: a positive number")
-        if not 0.0 <= self.adapter_dropout < 1.0:
-            raise ValueError(f"--lora-dropout {self.adapter_dropout:g}; valid: 0 <= p < 1")
-        if self.init not in LORA_INITS:
-            raise ValueError(f"--lora-init {self.init!r}; valid: {', '.join(LORA_INITS)}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha {self.lora_alpha:g}; valid: a positive number")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora-dropout {self.lora_dropout:g}; valid: 0 <= p < 1")
+        if self.lora_init not in LORA_INITS:
+            raise ValueError(f"--lora-init {self.lora_init!r}; valid: {', '.join(LORA_INITS)}")
         if not self.target_names:
             raise ValueError(
-                f"--lora-targets {self.targets!r} names no module; valid: {ALL_LINEAR} or "
+                f"--lora-targets {self.lora_targets!r} names no module; valid: {ALL_LINEAR} or "
                 "names such as q_proj,k_proj,v_proj,o_proj"
             )
 
@@ -107,9 +107,9 @@ def targeted_layers(model: nn.Module, cfg: LoraConfig, skip=()) -> list[tuple[st
                 )
     for path, module in chosen:
         smallest = min(module.in_features, module.out_features)
-        if cfg.rank > smallest:
+        if cfg.lora_rank > smallest:
             raise ValueError(
-                f"--lora-rank {cfg.rank} is above the smallest dimension of {path} "
+                f"--lora-rank {cfg.lora_rank} is above the smallest dimension of {path} "
                 f"({module.in_features} -> {module.out_features}); valid: 1 to {smallest}"
             )
     return chosen
@@ -146,8 +146,8 @@ def _attach(module: nn.Module, cfg: LoraConfig) -> None:
     out_local = module.out_features // (tp if kind == "colwise" else 1)
     weight = module.weight
     make = partial(torch.zeros, dtype=weight.dtype, device=weight.device)
-    module.lora_A = mark_tp(nn.Parameter(make(cfg.rank, in_local)), kind == "rowwise", 1)
-    module.lora_B = mark_tp(nn.Parameter(make(out_local, cfg.rank)), kind == "colwise", 0)
+    module.lora_A = mark_tp(nn.Parameter(make(cfg.lora_rank, in_local)), kind == "rowwise", 1)
+    module.lora_B = mark_tp(nn.Parameter(make(out_local, cfg.lora_rank)), kind == "colwise", 0)
     module.register_forward_hook(
         partial(
             _adapter_forward,
@@ -155,7 +155,7 @@ def _attach(module: nn.Module, cfg: LoraConfig) -> None:
             group=group,
             sequence_parallel=sequence_parallel,
             scaling=cfg.scaling,
-            dropout=cfg.adapter_dropout,
+            dropout=cfg.lora_dropout,
         )
     )
 
@@ -180,8 +180,8 @@ def adapter_init(cfg: LoraConfig, shapes: dict[str, tuple[int, ...]]):
     def init_of(name: str) -> Init:
         if name.endswith("lora_B"):
             return ZEROS
-        if cfg.init == "gaussian":
-            return normal(1.0 / cfg.rank)
+        if cfg.lora_init == "gaussian":
+            return normal(1.0 / cfg.lora_rank)
         return uniform(1.0 / math.sqrt(shapes[name][1]))
 
     return init_of

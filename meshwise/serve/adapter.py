@@ -24,7 +24,7 @@ from meshwise.models.families import family
 def lora_settings(ckpt: Checkpoint) -> dict:
     """The run's ``--lora-*`` settings (ValueError when it trained no adapter)."""
     lora = ckpt.meta.get("config", {}).get("lora") or {}
-    if not lora.get("rank"):
+    if not lora.get("lora_rank"):
         raise ValueError(
             f"{ckpt.path}: this run trained no LoRA adapter (--lora-rank 0); valid: "
             "--format safetensors or hf"
@@ -44,7 +44,7 @@ def export_adapter(ckpt: Checkpoint, out: Path) -> Path:
     targets = {n.split(".")[-2] for n in tensors}
     base = ckpt.meta.get("config", {}).get("model", {}).get("init_from") or ""
     config = peft.adapter_config(
-        lora["rank"], lora["alpha"], lora["adapter_dropout"], targets, base
+        lora["lora_rank"], lora["lora_alpha"], lora["lora_dropout"], targets, base
     )
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -81,5 +81,7 @@ def merged_tensors(ckpt: Checkpoint, cfg, family_name: str) -> dict[str, torch.T
         if name.endswith(ADAPTER_NAMES[0]):
             layer = name.rpartition(".")[0]
             a, b = adapters[name], adapters[f"{layer}.{ADAPTER_NAMES[1]}"]
-            tensors[f"{layer}.weight"] += (b.float() @ a.float()) * (lora["alpha"] / lora["rank"])
+            tensors[f"{layer}.weight"] += (b.float() @ a.float()) * (
+                lora["lora_alpha"] / lora["lora_rank"]
+            )
     return tensors

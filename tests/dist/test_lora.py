@@ -59,7 +59,7 @@ def _config(root, layout: dict):
     from meshwise.train.lora_setup import apply_lora_from
 
     cfg = TrainConfig()
-    cfg.model.init_from, cfg.lora.from_dir = str(root / "base"), str(root / "adapter")
+    cfg.model.init_from, cfg.lora.lora_from = str(root / "base"), str(root / "adapter")
     cfg.data.path, cfg.data.seq_len, cfg.data.batch_size = str(root / "tokens"), SEQ, BATCH
     cfg.data.seed = SEED
     cfg.optim.steps, cfg.optim.warmup_steps, cfg.optim.lr = STEPS, 1, LR
@@ -75,17 +75,20 @@ def _config(root, layout: dict):
     return cfg.validate()
 
 
-def _train(root, layout: dict):
-    """(loss, grad norm) per step, and whether every frozen weight is still the file's."""
+def _train(root, layout: dict, stop: int = STEPS, resume: str | None = None):
+    """(loss, grad norm) per step up to ``stop`` of a ``STEPS``-step run (saved there with
+    ``save``), and whether every frozen weight is still the file's."""
     from meshwise.hf.llama_weights import LlamaWeights
     from meshwise.models.families import family
     from meshwise.train.trainer import Trainer
 
     cfg = _config(root, layout)
-    trainer = Trainer(cfg, cfg.data.path)
+    trainer = Trainer(cfg, cfg.data.path, resume)
     pm = trainer.parallel_model
     frozen = {n: p for n, p in pm.named_parameters() if not p.requires_grad}
-    records = [trainer.train_step(step) for step in range(1, STEPS + 1)]
+    records = [trainer.train_step(step) for step in range(trainer.start_step + 1, stop + 1)]
+    if layout.get("save"):
+        trainer.checkpointer.save(stop)
     trainer.comm_stats.close()
     weights = LlamaWeights(cfg.model.init_from, family("llama").make_config(cfg.model.sizes(256)))
     pieces = pm.pieces(list(frozen.items()))
@@ -149,6 +152,21 @@ def test_layout_trains_the_adapters_as_one_process(dist_pools, run_dirs, name):
     assert all(unchanged for _, unchanged, _ in results), name
     for step, (got, ref) in enumerate(zip(results[0][0], want, strict=True), 1):
         assert got == pytest.approx(ref, rel=1e-4), (name, step)
+
+
+def test_a_run_saved_at_dp2_resumes_at_tp2_as_the_uninterrupted_run(dist_pools, run_dirs, tmp_path):
+    """The checkpoint holds the adapters and their AdamW state; the frozen weights are
+    read again from --init-from on resume."""
+    want, _, _ = _one_process(dist_pools, run_dirs)
+    save = tmp_path / "run"
+    save.mkdir()
+    dist_pools.run(2, _train, run_dirs, dict(dp=2, zero=2, save=str(save)), 2)
+    checkpoint = str(next(save.rglob("manifest.json")).parent)
+    results = dist_pools.run(2, _train, run_dirs, dict(tp=2), STEPS, checkpoint)
+    got, unchanged, _ = results[0]
+    assert unchanged and len(got) == STEPS - 2
+    for step, (row, ref) in enumerate(zip(got, want[2:], strict=True), 3):
+        assert row == pytest.approx(ref, rel=1e-4), step
 
 
 def _train_save_and_logits(root, layout: dict, save: str, ids: torch.Tensor):

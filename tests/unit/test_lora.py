@@ -24,14 +24,14 @@ def _model():
 
 
 def test_all_linear_targets_every_linear_layer_but_the_head():
-    every = [p for p, _ in targeted_layers(_model(), LoraConfig(rank=2))]
+    every = [p for p, _ in targeted_layers(_model(), LoraConfig(lora_rank=2))]
     assert len(every) == 2 * 7 + 1 and every[-1] == "lm_head"
-    skipped = [p for p, _ in targeted_layers(_model(), LoraConfig(rank=2), skip=("lm_head",))]
+    skipped = [p for p, _ in targeted_layers(_model(), LoraConfig(lora_rank=2), skip=("lm_head",))]
     assert skipped == every[:-1]
 
 
 def test_names_match_as_peft_matches_them():
-    cfg = LoraConfig(rank=2, targets="q_proj, mlp.down_proj")
+    cfg = LoraConfig(lora_rank=2, lora_targets="q_proj, mlp.down_proj")
     paths = [p for p, _ in targeted_layers(_model(), cfg)]
     assert paths == [
         "layers.0.self_attn.q_proj",
@@ -47,7 +47,7 @@ def test_a_target_matching_nothing_lists_the_linear_names():
         match="'qproj' matches no linear layer; valid: all-linear or "
         "names among down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj",
     ):
-        targeted_layers(_model(), LoraConfig(rank=2, targets="q_proj,qproj"))
+        targeted_layers(_model(), LoraConfig(lora_rank=2, lora_targets="q_proj,qproj"))
 
 
 def test_a_rank_above_a_layers_smaller_dimension_is_refused():
@@ -57,16 +57,19 @@ def test_a_rank_above_a_layers_smaller_dimension_is_refused():
         match=r"--lora-rank 9 is above the smallest dimension of "
         r"layers.0.self_attn.k_proj \(16 -> 8\); valid: 1 to 8",
     ):
-        targeted_layers(_model(), LoraConfig(rank=9, targets="k_proj"))
+        targeted_layers(_model(), LoraConfig(lora_rank=9, lora_targets="k_proj"))
 
 
 def test_bad_settings_are_named():
     for cfg, match in [
-        (LoraConfig(rank=-1), "--lora-rank -1"),
-        (LoraConfig(rank=2, alpha=0), "--lora-alpha 0"),
-        (LoraConfig(rank=2, adapter_dropout=1.0), "--lora-dropout 1"),
-        (LoraConfig(rank=2, init="xavier"), "--lora-init 'xavier'; valid: kaiming, gaussian"),
-        (LoraConfig(rank=2, targets=" , "), "names no module"),
+        (LoraConfig(lora_rank=-1), "--lora-rank -1"),
+        (LoraConfig(lora_rank=2, lora_alpha=0), "--lora-alpha 0"),
+        (LoraConfig(lora_rank=2, lora_dropout=1.0), "--lora-dropout 1"),
+        (
+            LoraConfig(lora_rank=2, lora_init="xavier"),
+            "--lora-init 'xavier'; valid: kaiming, gaussian",
+        ),
+        (LoraConfig(lora_rank=2, lora_targets=" , "), "names no module"),
     ]:
         with pytest.raises(ValueError, match=match):
             cfg.check()
@@ -77,7 +80,7 @@ def test_the_adapted_layer_is_peft_s_formula_and_the_rest_is_frozen():
     from meshwise.geometry.init import full_init, init_module
     from meshwise.models.llama import llama_init
 
-    cfg = LoraConfig(rank=4, alpha=8.0, targets="q_proj")
+    cfg = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_targets="q_proj")
     model = Llama(LlamaConfig(**SIZES))
     init_module(model, lambda n: llama_init(model.cfg, n), 0)
     names = add_adapters([model], cfg)
@@ -120,7 +123,7 @@ def _train_config(*argv):
 def test_lora_from_takes_the_adapter_s_settings(tmp_path):
     cfg = _train_config("--lora-from", _adapter(tmp_path), "--lora-alpha", "8")
     lora = cfg.lora
-    assert (lora.rank, lora.alpha, lora.targets) == (4, 8.0, "q_proj,v_proj")
+    assert (lora.lora_rank, lora.lora_alpha, lora.lora_targets) == (4, 8.0, "q_proj,v_proj")
 
 
 def test_lora_from_refuses_a_contradicting_flag_and_what_is_not_plain_lora(tmp_path):
