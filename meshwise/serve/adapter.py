@@ -21,6 +21,11 @@ from meshwise.hf import peft
 from meshwise.models.families import family
 
 
+def trained_adapters(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint's run trained LoRA adapters (and holds only them)."""
+    return bool((ckpt.meta.get("config", {}).get("lora") or {}).get("lora_rank"))
+
+
 def lora_settings(ckpt: Checkpoint) -> dict:
     """The run's ``--lora-*`` settings (ValueError when it trained no adapter)."""
     lora = ckpt.meta.get("config", {}).get("lora") or {}

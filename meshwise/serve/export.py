@@ -20,7 +20,7 @@ from meshwise.checkpoint.store import open_checkpoint
 from meshwise.hf.llama import hf_config
 from meshwise.hf.llama_weights import stored_tensors
 from meshwise.hf.moe import export_family
-from meshwise.serve.adapter import export_adapter, merged_tensors
+from meshwise.serve.adapter import export_adapter, merged_tensors, trained_adapters
 from meshwise.serve.model import model_config, model_family
 
 FORMATS = ("safetensors", "hf", "peft")
@@ -49,6 +49,11 @@ def export_checkpoint(
         if merge_lora:
             raise ValueError("--merge-lora makes a whole model; valid: --format hf or safetensors")
         return export_adapter(ckpt, out)
+    if trained_adapters(ckpt) and not merge_lora:
+        raise ValueError(
+            f"{ckpt.path}: a LoRA run's checkpoint holds its adapters only; valid: "
+            "--format peft, or --merge-lora for the whole model"
+        )
     cfg = model_config(ckpt)
     family = model_family(ckpt)
     tensors = merged_tensors(ckpt, cfg, family) if merge_lora else model_tensors(ckpt)

@@ -185,12 +185,14 @@ def _train_save_and_logits(root, layout: dict, save: str, ids: torch.Tensor):
 
 def test_an_exported_adapter_loads_into_peft_with_equal_logits(dist_pools, run_dirs, tmp_path):
     """Trained at tp 2 (B split on column-parallel layers, A on row-parallel ones), saved,
-    exported: PEFT's model of the adapter gives meshwise's logits, and so does the
-    merged model transformers loads."""
+    exported: PEFT's model of the adapter gives meshwise's logits, and so do the merged
+    model transformers loads and the model generate samples from."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from meshwise.checkpoint.store import open_checkpoint
     from meshwise.serve.export import export_checkpoint
+    from meshwise.serve.model import load_model
 
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
     save = tmp_path / "run"
@@ -208,6 +210,9 @@ def test_an_exported_adapter_loads_into_peft_with_equal_logits(dist_pools, run_d
     assert (want - untrained).abs().max() > 1e-3  # the exported adapter is the trained one
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
     export_checkpoint(save, tmp_path / "merged", "hf", merge_lora=True)
+    with torch.no_grad():  # what generate samples from
+        sampled = load_model(open_checkpoint(save))(ids)
+    torch.testing.assert_close(sampled, want, atol=1e-5, rtol=0)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=0)
