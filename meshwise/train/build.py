@@ -138,7 +138,8 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
     experts' over their expert-data-parallel group, at the same ZeRO stage."""
     p = cfg.parallel
     named = model.named_parameters()
-    experts = [(n, q) for n, q in named if ep_split(q) is not None]
+    # Frozen experts (LoRA) are held beside the engines, as every frozen weight.
+    experts = [(n, q) for n, q in named if ep_split(q) is not None and q.requires_grad]
     if not experts:  # a pipeline stage of dense layers only: its engine as without ep
         whole = dataclasses.replace(model, ep_group=None)
         return build_engine(whole, mesh, cfg, adamw, values, device, grad_reducer)

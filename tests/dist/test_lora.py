@@ -216,3 +216,31 @@ def test_an_exported_adapter_loads_into_peft_with_equal_logits(dist_pools, run_d
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+def _moe_losses(root, layout: dict):
+    """A mixture of experts with adapters on its attention (experts frozen, split over ep)."""
+    from meshwise.train.config import TrainConfig
+    from meshwise.train.trainer import Trainer
+
+    cfg = TrainConfig()
+    model = dict(preset="llama-tiny", n_layer=2, d_model=32, n_head=2, n_kv_head=2)
+    for key, value in {**model, "n_experts": 4, "moe_ffn_hidden_size": 16}.items():
+        setattr(cfg.model, key, value)
+    cfg.lora.lora_rank, cfg.lora.lora_targets = 4, "q_proj,v_proj,o_proj"
+    cfg.data.path, cfg.data.seq_len, cfg.data.batch_size = str(root / "tokens"), SEQ, BATCH
+    cfg.optim.steps, cfg.optim.warmup_steps, cfg.optim.lr = STEPS, 1, LR
+    cfg.runtime.device, cfg.runtime.quiet = "cpu", True
+    for key, value in layout.items():
+        setattr(cfg.parallel, key, value)
+    trainer = Trainer(cfg.validate(), cfg.data.path)
+    records = [trainer.train_step(step) for step in range(1, STEPS + 1)]
+    trainer.comm_stats.close()
+    return [(r["loss"], r["grad_norm"]) for r in records]
+
+
+def test_adapters_beside_frozen_experts_split_over_ep(dist_pools, run_dirs):
+    want = dist_pools.run(1, _moe_losses, run_dirs, {})[0]
+    got = dist_pools.run(2, _moe_losses, run_dirs, dict(dp=2, ep=2))[0]
+    for step, (row, ref) in enumerate(zip(got, want, strict=True), 1):
+        assert row == pytest.approx(ref, rel=1e-4), step
