@@ -16,11 +16,17 @@ def add_export_arguments(parser) -> None:
         default="safetensors",
         help="safetensors: meshwise names + config.json; hf: a Hugging Face "
         "directory (GPT-2 or Llama, Mistral, Qwen2, Qwen3: the checkpoint's family, with "
-        "the tokenizer) (default "
+        "the tokenizer); peft: a LoRA run's adapters as PEFT saves them (default "
         "safetensors)",
+    )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run: merge its adapters into the frozen weights (the whole model)",
     )
 
 
 def run_export(args) -> str:
     """What ``meshwise export`` prints."""
-    return f"wrote {export_checkpoint(args.checkpoint, args.out, args.format)}"
+    out = export_checkpoint(args.checkpoint, args.out, args.format, args.merge_lora)
+    return f"wrote {out}"

@@ -23,6 +23,7 @@ from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import check_init_from
 from meshwise.train.log_folder import check_log_dir
 from meshwise.train.loggers import missing_extra, parse_log_to
+from meshwise.train.lora_setup import check_lora
 from meshwise.train.run_state import RunState
 
 log = logging.getLogger("meshwise")
@@ -77,6 +78,7 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
         data_order=cfg.data.data_order,
     )
     check_batches(cfg, dataset)
+    check_lora(cfg, dataset.vocab_size)
     num_params = capacity.parameter_count(cfg, dataset.vocab_size)
     capacity.check_memory(cfg, num_params, dataset.vocab_size, device)
     c = cfg.checkpoint

@@ -26,6 +26,7 @@ from meshwise.cli.unused_settings import noop_warnings
 from meshwise.device import choice
 from meshwise.train.config import TrainConfig
 from meshwise.train.init_from import apply_init_from
+from meshwise.train.lora_setup import apply_lora_from
 from meshwise.train.lr_schedule import warmup_warning
 from meshwise.train.run_state import RunState, record
 
@@ -75,6 +76,7 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]
     cfg, origins = config_from_args(args)
     cfg.runtime.quiet = args.quiet
     apply_init_from(cfg, origins)
+    apply_lora_from(cfg, origins)
     apply_launch_defaults(cfg, origins)
     if getattr(args, "layout", None) == "auto":
         cfg = choose_layout(cfg, origins)  # the planner's best for the launched world

@@ -106,6 +106,20 @@ TRAIN_FLAGS = [
      "safetensors): the model's sizes "
      "come from its config.json and its weights start from the directory's; its "
      "tokenizer.json is the default --tokenizer"),
+    ("--lora-rank", "lora", "lora_rank", int,
+     "LoRA: train rank-R adapters beside the frozen weights (0: full fine-tuning); "
+     "docs/lora.md"),
+    ("--lora-alpha", "lora", "lora_alpha", float,
+     "LoRA: the adapters' output scaled by alpha / rank"),
+    ("--lora-dropout", "lora", "lora_dropout", float, "LoRA: dropout on the adapters' input"),
+    ("--lora-targets", "lora", "lora_targets", str,
+     "LoRA: comma-separated Hugging Face module names (q_proj,v_proj,...) or all-linear "
+     "(every linear layer but the output head)"),
+    ("--lora-init", "lora", "lora_init", str,
+     "LoRA: A Kaiming-uniform (kaiming, PEFT's default) or N(0, 1/rank^2) (gaussian); B zero"),
+    ("--lora-from", "lora", "lora_from", str,
+     "LoRA: start the adapters from a PEFT adapter directory (adapter_config.json + "
+     "adapter_model.safetensors); its config sets rank, alpha, dropout and targets"),
     ("--vocab-size", "model", "vocab_size", int,
      "vocabulary of the model; needed for a .bin with token ids past 255"),
     ("--seq-len", "data", "seq_len", int, "tokens per sequence"),
@@ -297,6 +311,7 @@ DEFAULT_TEXT = {
     "bias_update_rate": "0: none",
     "norm_eps": "the preset's",
     "init_from": "none: the initialisation drawn from --seed",
+    "lora_from": "none: A drawn from --seed, B zero",
     "vocab_size": "the tokenizer's, else the data's (byte-level: 256)",
     "tokenizer": "byte-level, vocab 256; or the one a .bin was prepared with",
     "path": "the Python standard library's sources, byte-level",

@@ -20,9 +20,10 @@ from meshwise.checkpoint.store import open_checkpoint
 from meshwise.hf.llama import hf_config
 from meshwise.hf.llama_weights import stored_tensors
 from meshwise.hf.moe import export_family
+from meshwise.serve.adapter import export_adapter, merged_tensors, trained_adapters
 from meshwise.serve.model import model_config, model_family
 
-FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "hf", "peft")
 # model_type -> the tokenizer class transformers 5 builds for it whatever tokenizer_class
 # says: from tokenizer.json's vocabulary and merges alone, under its own pre-tokenizer.
 REBUILT_TOKENIZERS = {"qwen2": "Qwen2Tokenizer"}
@@ -30,19 +31,32 @@ log = logging.getLogger("meshwise")
 
 
 def export_checkpoint(
-    checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str = "safetensors"
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    fmt: str = "safetensors",
+    merge_lora: bool = False,
 ) -> Path:
     """Write ``checkpoint``'s model to the new directory ``out`` in format ``fmt``
-    (``FORMATS``); ``ValueError`` names what cannot be done."""
+    (``FORMATS``); ``merge_lora``: a LoRA run's adapters merged into its frozen weights.
+    ``ValueError`` names what cannot be done."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not valid; valid: {', '.join(FORMATS)}")
     ckpt = open_checkpoint(checkpoint)
     out = Path(out)
     if out.exists():
         raise ValueError(f"--out {out}: already exists; choose a new directory")
+    if fmt == "peft":
+        if merge_lora:
+            raise ValueError("--merge-lora makes a whole model; valid: --format hf or safetensors")
+        return export_adapter(ckpt, out)
+    if trained_adapters(ckpt) and not merge_lora:
+        raise ValueError(
+            f"{ckpt.path}: a LoRA run's checkpoint holds its adapters only; valid: "
+            "--format peft, or --merge-lora for the whole model"
+        )
     cfg = model_config(ckpt)
-    tensors = model_tensors(ckpt)
     family = model_family(ckpt)
+    tensors = merged_tensors(ckpt, cfg, family) if merge_lora else model_tensors(ckpt)
     if fmt == "hf" and family == "llama":
         cfg = export_family(cfg)  # a model with experts: the MoE family that holds it
         config = hf_config(cfg)

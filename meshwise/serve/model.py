@@ -11,6 +11,7 @@ from meshwise.checkpoint.state import model_tensors
 from meshwise.checkpoint.store import Checkpoint, CheckpointError
 from meshwise.geometry.init import on_meta
 from meshwise.models.families import family
+from meshwise.serve.adapter import merged_tensors, trained_adapters
 
 
 def model_family(ckpt: Checkpoint) -> str:
@@ -29,7 +30,10 @@ def load_model(ckpt: Checkpoint) -> torch.nn.Module:
     fam, cfg = family(model_family(ckpt)), model_config(ckpt)
     with on_meta():
         model = fam.build(cfg)
-    tensors = model_tensors(ckpt)
+    if trained_adapters(ckpt):  # adapters only: merged into the frozen weights rebuilt
+        tensors = merged_tensors(ckpt, cfg, model_family(ckpt))
+    else:
+        tensors = model_tensors(ckpt)
     names = [name for name, _ in model.named_parameters()]  # a tie appears once
     missing = sorted(set(names) - set(tensors))
     if missing:

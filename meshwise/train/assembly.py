@@ -21,12 +21,19 @@ from meshwise.models.families import ModelFamily, family
 from meshwise.pipeline.runtime import PipelineRuntime
 from meshwise.pipeline.schedules import build_schedule
 from meshwise.sharding.adamw import AdamWConfig
-from meshwise.train.build import build_engine, build_model, hidden_size, own_model_shape
+from meshwise.train.build import (
+    build_engine,
+    build_model,
+    hidden_size,
+    own_model_shape,
+    precision_of,
+)
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
 from meshwise.train.fingerprint import check_same_job
 from meshwise.train.grad_comm import GradCommStats, grad_compressor, grad_reducer
 from meshwise.train.init_from import initial_values
+from meshwise.train.lora_setup import lora_values
 from meshwise.train.lr_schedule import LRSchedule
 from meshwise.train.metrics import MetricsLog
 from meshwise.train.observe import RunObserver
@@ -87,6 +94,8 @@ def build_optimizer(
     values = initial_values(
         parallel_model, cfg, fam.init and partial(fam.init, model_cfg), cfg.data.seed
     )
+    if cfg.lora.enabled:  # the adapters' values; the frozen weights held outside the engine
+        values = lora_values(parallel_model, values, cfg, precision_of(cfg).param_dtype, device)
     compressor = grad_compressor(mesh, cfg)
     reducer = grad_reducer(mesh, cfg, compressor)
     engine = build_engine(parallel_model, mesh, cfg, adamw, values, device, reducer)

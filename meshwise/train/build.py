@@ -10,6 +10,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from meshwise.apply.lora import add_adapters
 from meshwise.apply.parallelize import ParallelModel, parallelize
 from meshwise.apply.stages import chunk_layers
 from meshwise.device.choice import resolve_dtype, takes_bf16
@@ -34,7 +35,7 @@ def build_model(
     p = cfg.parallel
     with on_meta():
         model = family.build(model_cfg)
-    return parallelize(
+    parallel_model = parallelize(
         model,
         family.plan(model_cfg),
         tp_group=mesh.tp_group if p.tp > 1 else None,
@@ -49,6 +50,9 @@ def build_model(
         ep_group=mesh.ep_group,
         check_forward=FAMILIES.get(family.name) is not family,
     )
+    if cfg.lora.enabled:  # after the tp swap: each adapter follows its layer's split
+        add_adapters(parallel_model.chunks, cfg.lora, skip=parallel_model.plan.last_stage)
+    return parallel_model
 
 
 def dtype_resolved(cfg: TrainConfig, device: torch.device) -> TrainConfig:
@@ -141,7 +145,8 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
     experts' over their expert-data-parallel group, at the same ZeRO stage."""
     p = cfg.parallel
     named = model.named_parameters()
-    experts = [(n, q) for n, q in named if ep_split(q) is not None]
+    # Frozen experts (LoRA) are held beside the engines, as every frozen weight.
+    experts = [(n, q) for n, q in named if ep_split(q) is not None and q.requires_grad]
     if not experts:  # a pipeline stage of dense layers only: its engine as without ep
         whole = dataclasses.replace(model, ep_group=None)
         return build_engine(whole, mesh, cfg, adamw, values, device, grad_reducer)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshwise.apply.activation_checkpointing import MODES as ACTIVATION_CHECKPOINTING
+from meshwise.apply.lora import LoraConfig
 from meshwise.comm.allreduce.algorithms import ALGORITHMS
 from meshwise.comm.compression.compressors import (
     COMPRESS_WARMUP_STEPS,
@@ -190,6 +191,7 @@ class TrainConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def ledger_dir(self) -> Path:
         """Where ranks write their collective ledgers when something goes wrong: beside
@@ -228,6 +230,7 @@ class TrainConfig:
             block_size=m.block_size,
         )
         positive(lr=o.lr)
+        self.lora.check()
         non_negative(check_replicas_every=self.runtime.check_replicas_every)
         non_negative(seed=d.seed, vocab_size=m.vocab_size, max_skipped_steps=o.max_skipped_steps)
         low, high = TIMEOUT_RANGE_S

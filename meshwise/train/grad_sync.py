@@ -25,7 +25,7 @@ class GradSync3D:
 
     def __init__(self, named_params, mesh: Mesh, engine, model=None):
         self.mesh, self.engine = mesh, engine
-        self.params = dict(named_params)
+        self.params = {n: p for n, p in named_params if p.requires_grad}  # frozen: no gradient
         self.local_ties = model.local_ties if model is not None else []
         writer = model.is_writer if model is not None else (lambda name: True)
         # The parameters this rank speaks for: each logical tensor once among its tp

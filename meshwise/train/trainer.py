@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from meshwise.apply.lora import frozen_bytes
 from meshwise.comm import ops
 from meshwise.comm.checks import strict
 from meshwise.data.batches import BatchSource
@@ -101,6 +102,7 @@ class Trainer:
             cfg, self.mesh, self.family, self.model_cfg, self.parallel_model, self.device
         )
         self.grad_sync = GradSync3D(named_params, self.mesh, self.engine, self.parallel_model)
+        self.frozen_bytes = frozen_bytes(self.parallel_model.chunks)  # held beside the engine
         micro_per_step = cfg.data.grad_accum * cfg.parallel.num_micro_batches
         self.balance = RouterBalance.of(self.model_cfg, self.mesh, cfg.parallel.sp, micro_per_step)
         self.checkpointer = RunCheckpointer(
@@ -322,7 +324,7 @@ class Trainer:
         values.add("sq_norm", sq_norm, "first")
         values.add("skip", skip, "max")
         values.add("grad_sync_bytes", grad_bytes, "sum")
-        values.add("model_state_bytes", self.engine.state_bytes(), "max")
+        values.add("model_state_bytes", self.engine.state_bytes() + self.frozen_bytes, "max")
         values.add("peak_rss_bytes", self.memory.run_peak_rss_bytes(), "max")
         values.add("peak_mem_bytes", self.memory.step_peak_bytes(), "max")
         values.add("gathered", getattr(self.engine, "peak_gathered_bytes", 0), "max")  # ZeRO-3

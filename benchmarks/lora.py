@@ -1,0 +1,174 @@
+"""LoRA beside full fine-tuning and beside PEFT, one process each, on the same Hugging Face
+Llama (random, saved here) and the same batches: median step time, the model state
+meshwise counts (frozen weights + adapters' parameters, gradients and AdamW state), and
+the process's peak RSS, measured by the process.
+
+    python benchmarks/lora.py [--model llama-small --rank 8 --steps 12 --seq-len 256]
+
+Each variant runs in a fresh process (``meshwise train --dp 1`` or a PEFT + transformers
++ ``torch.optim.AdamW`` loop), with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns
+freed buffers. The formula beside the counts: full fine-tuning 16 B/param (fp32 weights,
+gradients, two AdamW moments); LoRA 4 B per frozen parameter + 16 B per adapter parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from meshwise.train.model_config import MODEL_PRESETS
+
+TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-small", help="a Llama preset's sizes")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12, help="steps per variant (the first 2 untimed)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=32000, help="the HF model's vocabulary")
+    return p.parse_args(argv)
+
+
+def save_base(args, out: Path) -> None:
+    """A random ``LlamaForCausalLM`` of the preset's sizes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = MODEL_PRESETS[args.model]
+    config = LlamaConfig(
+        hidden_size=s["d_model"],
+        intermediate_size=s["ffn_hidden_size"],
+        num_hidden_layers=s["n_layer"],
+        num_attention_heads=s["n_head"],
+        num_key_value_heads=s["n_kv_head"],
+        vocab_size=args.vocab_size,
+        max_position_embeddings=max(s["block_size"], args.seq_len),
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+
+
+def meshwise_run(args, base: Path, tokens: Path, work: Path, lora: bool) -> dict:
+    metrics = work / f"metrics-{'lora' if lora else 'full'}.jsonl"
+    cmd = [sys.executable, "-m", "meshwise", "train", "--init-from", str(base)]
+    cmd += ["--data", str(tokens), "--vocab-size", str(args.vocab_size), "--dp", "1"]
+    cmd += ["--steps", str(args.steps), "--seq-len", str(args.seq_len)]
+    cmd += ["--batch-size", str(args.batch_size), "--metrics", str(metrics), "-q"]
+    if lora:
+        cmd += ["--lora-rank", str(args.rank), "--lora-alpha", str(2 * args.rank)]
+        cmd += ["--lora-targets", TARGETS]
+    subprocess.run(cmd, check=True, env=_env())
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {
+        "step_time_s": statistics.median(r["step_time_s"] for r in rows[2:]),
+        "model_state_bytes_counted": rows[-1]["model_state_bytes"],
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rows),
+    }
+
+
+PEFT_LOOP = """
+import json, resource, statistics, sys, time
+import numpy as np, torch, torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+base, tokens, rank, steps, seq, batch, targets = sys.argv[1:8]
+rank, steps, seq, batch = int(rank), int(steps), int(seq), int(batch)
+torch.set_num_threads(int(sys.argv[8]))
+model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
+                                         target_modules=targets.split(",")))
+trainable = [p for p in model.parameters() if p.requires_grad]
+opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+data = torch.from_numpy(np.fromfile(tokens, dtype=np.uint16).astype(np.int64))
+gen = torch.Generator().manual_seed(0)
+times = []
+for step in range(steps):
+    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+    rows = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])  # (B, T + 1)
+    t0 = time.perf_counter()
+    logits = model(input_ids=rows[:, :-1]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+    opt.step()
+    times.append(time.perf_counter() - t0)
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"step_time_s": statistics.median(times[2:]), "peak_rss_bytes": rss}))
+"""
+
+
+def peft_run(args, base: Path, tokens: Path) -> dict:
+    argv = [str(base), str(tokens), str(args.rank), str(args.steps), str(args.seq_len)]
+    argv += [str(args.batch_size), TARGETS, str(os.cpu_count() or 1)]
+    out = subprocess.run(
+        [sys.executable, "-c", PEFT_LOOP, *argv],
+        check=True,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _env() -> dict:
+    return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def counts(args) -> dict:
+    """Parameters of the model and of its rank-r adapters on every targeted layer."""
+    s = MODEL_PRESETS[args.model]
+    d, f, layers = s["d_model"], s["ffn_hidden_size"], s["n_layer"]
+    kv = d // s["n_head"] * s["n_kv_head"]
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]  # (in, out)
+    adapters = layers * sum(args.rank * (i + o) for i, o in shapes)
+    linear = layers * sum(i * o for i, o in shapes)
+    params = linear + layers * 2 * d + d + 2 * args.vocab_size * d
+    return {"params": params, "adapter_params": adapters}
+
+
+def main(argv=None) -> None:
+    import numpy as np
+
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        save_base(args, work / "base")
+        tokens = work / "tokens.bin"
+        rng = np.random.default_rng(0)
+        rng.integers(0, args.vocab_size, 400_000).astype(np.uint16).tofile(tokens)
+        results = {
+            "full": meshwise_run(args, work / "base", tokens, work, lora=False),
+            "lora": meshwise_run(args, work / "base", tokens, work, lora=True),
+            "peft": peft_run(args, work / "base", tokens),
+        }
+    n = counts(args)
+    formula = {
+        "full": 16 * n["params"],
+        "lora": 4 * (n["params"]) + 16 * n["adapter_params"],
+    }
+    for name, row in results.items():
+        print(
+            f"{name:5s} step {row['step_time_s'] * 1e3:8.1f} ms  peak RSS "
+            f"{row['peak_rss_bytes'] / 2**20:8.1f} MiB"
+            + (
+                f"  model state {row['model_state_bytes_counted'] / 2**20:7.1f} MiB counted"
+                f" (formula {formula[name] / 2**20:7.1f} MiB)"
+                if name in formula
+                else ""
+            )
+        )
+    print(json.dumps({**n, "formula_bytes": formula, **results}))
+
+
+if __name__ == "__main__":
+    main()
