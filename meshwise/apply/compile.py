@@ -10,7 +10,6 @@ no ``_orig_mod.`` and the engines' module hooks run outside the compiled code.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
@@ -81,8 +80,18 @@ class Compiled:
         return self._compiled_forward(self, *args, **kwargs)
 
 
-@functools.cache
-def _compiled_class(cls: type, backend: str) -> type:
+_COMPILED_CLASSES: dict[tuple[type[nn.Module], str], type] = {}
+
+
+def _compiled_class(cls: type[nn.Module], backend: str) -> type:
+    """One compiled subclass per (class, backend), made once."""
+    key = (cls, backend)
+    if key not in _COMPILED_CLASSES:
+        _COMPILED_CLASSES[key] = _make_compiled_class(cls, backend)
+    return _COMPILED_CLASSES[key]
+
+
+def _make_compiled_class(cls: type[nn.Module], backend: str) -> type:
     # Static shapes: a new shape (an epoch's short last batch) compiles once more rather
     # than turning every size symbolic, which the attention kernels' choices cannot take.
     forward = torch.compile(cls.forward, fullgraph=True, dynamic=False, backend=backend)

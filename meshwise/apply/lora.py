@@ -39,6 +39,7 @@ ALL_LINEAR = "all-linear"
 LORA_INITS = ("kaiming", "gaussian")
 ADAPTER_NAMES = ("lora_A", "lora_B")
 _LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+LinearLayer = nn.Linear | ColumnParallelLinear | RowParallelLinear  # what an adapter attaches to
 
 
 @dataclass
@@ -88,11 +89,13 @@ def is_adapter(name: str) -> bool:
     return name.rpartition(".")[2] in ADAPTER_NAMES
 
 
-def targeted_layers(model: nn.Module, cfg: LoraConfig, skip=()) -> list[tuple[str, nn.Module]]:
+def targeted_layers(model: nn.Module, cfg: LoraConfig, skip=()) -> list[tuple[str, LinearLayer]]:
     """``(path, module)`` of each linear layer ``cfg`` targets (``all-linear``: every one
     but the modules in ``skip``, the output head, as PEFT leaves it). ValueError for a
     target that matches none, or a rank above a targeted layer's smallest dimension."""
-    linears = [(p, m) for p, m in model.named_modules() if isinstance(m, _LINEARS)]
+    linears: list[tuple[str, LinearLayer]] = [
+        (p, m) for p, m in model.named_modules() if isinstance(m, _LINEARS)
+    ]
     names = cfg.target_names
     if names == [ALL_LINEAR]:
         chosen = [(p, m) for p, m in linears if p not in skip]
@@ -133,7 +136,7 @@ def add_adapters(chunks: list[nn.Module], cfg: LoraConfig, skip=()) -> list[str]
     return names
 
 
-def _attach(module: nn.Module, cfg: LoraConfig) -> None:
+def _attach(module: LinearLayer, cfg: LoraConfig) -> None:
     kind, group, sequence_parallel = "plain", None, False
     if isinstance(module, ColumnParallelLinear):
         kind, group, sequence_parallel = "colwise", module.tp_group, module.sequence is not None

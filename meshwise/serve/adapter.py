@@ -78,8 +78,9 @@ def merged_tensors(ckpt: Checkpoint, cfg, family_name: str) -> dict[str, torch.T
         weights = GPT2Weights(init_from, cfg.n_head) if is_gpt else LlamaWeights(init_from, cfg)
         read = lambda name, shape: weights.read(Piece.whole(name, shape))  # noqa: E731
     else:
-        seed = run["data"]["seed"]
-        read = lambda name, shape: full_init(fam.init(cfg, name), seed, name, shape)  # noqa: E731
+        seed, init = run["data"]["seed"], fam.init
+        assert init is not None, f"model family {family_name!r} draws no initial values"
+        read = lambda name, shape: full_init(init(cfg, name), seed, name, shape)  # noqa: E731
     tensors = {name: read(name, shape).reshape(shape) for name, shape in shapes.items()}
     adapters = {n: t for n, t in model_tensors(ckpt).items() if is_adapter(n)}
     for name in adapters:

@@ -45,7 +45,7 @@ def _same_targets(field: str, now, value) -> bool:
     return field == "lora_targets" and sorted(now.split(",")) == value.split(",")
 
 
-def adapter_shapes(cfg: TrainConfig, vocab_size: int) -> dict[str, tuple[int, int]]:
+def adapter_shapes(cfg: TrainConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Each adapter's logical shape on the whole model (built on meta); ValueError for a
     target matching no layer or a rank above a layer's smallest dimension."""
     from meshwise.models.families import family
@@ -55,7 +55,7 @@ def adapter_shapes(cfg: TrainConfig, vocab_size: int) -> dict[str, tuple[int, in
     with on_meta():
         model = fam.build(model_cfg)
     skip = fam.plan(model_cfg).last_stage
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for path, module in targeted_layers(model, cfg.lora, skip):
         a, b = (f"{path}.{n}" for n in ADAPTER_NAMES)
         shapes[a] = (cfg.lora.lora_rank, module.in_features)
