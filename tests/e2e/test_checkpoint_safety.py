@@ -269,7 +269,7 @@ def test_too_small_a_disk_for_one_checkpoint_exits_2(tmp_path, corpus):
         [
             "env",
             f"MESHWISE_CACHE={tmp_path / 'cache'}",
-            *_train_command(tmp_path, corpus, "--steps", 2, "--save", save),
+            *_train_command(tmp_path, corpus, "--steps", 3, "--save", save),
         ],
         timeout=120,
     )
