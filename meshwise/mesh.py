@@ -117,12 +117,7 @@ class ParallelDims:
         ``ep`` consecutive members of a dp x cp group (sorted by rank) is an ep group;
         the members at the same place of every run form an expert-data-parallel group,
         over which expert gradients are reduced (torchtitan's and Megatron-LM's folding)."""
-        ep_groups, edp_groups = [], []
-        for ranks in self.axes_groups(("dp", "cp")):
-            runs = [ranks[i : i + self.ep] for i in range(0, len(ranks), self.ep)]
-            ep_groups += runs
-            edp_groups += [list(column) for column in zip(*runs)]
-        return ep_groups, sorted(edp_groups)
+        return self._dp_cp_runs(self.ep)
 
     def shard_groups(self) -> tuple[list[list[int]], list[list[int]]]:
         """Hybrid sharding's groups: each run of ``dp_shard`` consecutive dp coordinates
@@ -130,13 +125,17 @@ class ParallelDims:
         the members at the same place of every replica form a replicate group, over which
         the shards' gradients are all-reduced (torchtitan's ``dp_replicate x dp_shard``).
         cp stays inside the shard group: dp-shard splits dp only."""
-        run = self.shard_size * self.cp
-        shard, replicate = [], []
-        for ranks in self.axes_groups(("dp", "cp")):  # dp-major: a replica is a run
-            runs = [ranks[i : i + run] for i in range(0, len(ranks), run)]
-            shard += runs
-            replicate += [list(column) for column in zip(*runs)]
-        return shard, sorted(replicate)
+        return self._dp_cp_runs(self.shard_size * self.cp)  # dp-major: a replica is a run
+
+    def _dp_cp_runs(self, length: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Each run of ``length`` consecutive members of every dp x cp group (sorted by
+        rank), and the columns: the members at the same place of every run."""
+        runs, columns = [], []
+        for ranks in self.axes_groups(("dp", "cp")):
+            these = [ranks[i : i + length] for i in range(0, len(ranks), length)]
+            runs += these
+            columns += [list(column) for column in zip(*these)]
+        return runs, sorted(columns)
 
 
 class Mesh:

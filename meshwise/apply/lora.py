@@ -26,6 +26,7 @@ from torch import nn
 
 from meshwise.geometry.init import ZEROS, Init, init_values, normal, uniform
 from meshwise.geometry.params import mark_tp
+from meshwise.sharding.binding import param_owners, rebind
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from meshwise.tensor_parallel.mappings import (
     copy_to_tp,
@@ -212,21 +213,13 @@ def hold_frozen(model, values, dtype: torch.dtype, device) -> int:
     """Give each frozen parameter still on the meta device (no engine holds it) its
     values, on ``device`` in the compute ``dtype``: this rank's tp piece, whole.
     Returns the number of elements held."""
-    owners: dict[int, list] = {}
-    for chunk in model.chunks:
-        for module in chunk.modules():
-            for attr, p in module._parameters.items():
-                if p is not None:
-                    owners.setdefault(id(p), []).append((module, attr))
+    owners = param_owners(model.chunks)
     held = 0
     for name, p in model.named_parameters():
         if p.requires_grad or p.device.type != "meta":
             continue
         data = values(name, 0, p.numel()).view(p.shape).to(device=device, dtype=dtype)
-        new = nn.Parameter(data, requires_grad=False)
-        new.__dict__.update(p.__dict__)  # tensor-parallel marks
-        for module, attr in owners[id(p)]:
-            module._parameters[attr] = new
+        rebind(p, data, owners)  # a new parameter in every module that registers it
         held += p.numel()
     return held
 

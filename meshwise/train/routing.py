@@ -97,6 +97,15 @@ class RouterBalance:
         values.add("moe_max_load", ratio[worst], "first")
         values.add("moe_worst_layer", layer_ids[worst], "first")
 
+    @staticmethod
+    def report(combined: dict) -> dict:
+        """The router report's entries of the metrics line, from the combined values."""
+        return {
+            "aux_loss": combined["aux_loss"],
+            "moe_max_load": combined["moe_max_load"],
+            "moe_worst_layer": int(combined["moe_worst_layer"]),
+        }
+
     @torch.no_grad()
     def update_biases(self, table: torch.Tensor, runs: list[FlatRun], skip: torch.Tensor) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437, section

@@ -277,9 +277,7 @@ class Trainer:
             self.skipped_in_a_row = 0
         record = self._record(step, lr, labelled, combined, step_time_s)
         if router_table is not None:
-            record["aux_loss"] = combined["aux_loss"]
-            record["moe_max_load"] = combined["moe_max_load"]
-            record["moe_worst_layer"] = int(combined["moe_worst_layer"])
+            record.update(self.balance.report(combined))
         # Every rank issued the same operations on every group, or the ledger names the
         # rank that did not (a desync is wrong before it hangs): every few steps, and
         # always before results are written (the last step, a checkpoint).
