@@ -55,7 +55,7 @@ class ExpertParallelExperts(nn.Module):
             part = nn.Parameter(torch.empty(self.local, *whole.shape[1:], device=whole.device))
             setattr(self, name, mark_ep(part, rank, size))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, split_sizes=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: (N, D) this rank's token copies sorted by (global) expert, ``counts``:
         (E,) per expert. Returns their outputs in the same order."""
         ep, local = self.group.size, self.local

@@ -15,7 +15,8 @@ def add_export_arguments(parser) -> None:
         choices=FORMATS,
         default="safetensors",
         help="safetensors: meshwise names + config.json; hf: a Hugging Face "
-        "directory (GPT-2 or Llama, Mistral, Qwen2, Qwen3: the checkpoint's family, with "
+        "directory (GPT-2 or Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE: the "
+        "checkpoint's family, with "
         "the tokenizer); peft: a LoRA run's adapters as PEFT saves them (default "
         "safetensors)",
     )

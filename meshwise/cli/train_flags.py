@@ -102,7 +102,8 @@ TRAIN_FLAGS = [
      "llama: base of the rotary position embedding's wavelengths"),
     ("--norm-eps", "model", "norm_eps", float, "llama: epsilon of the RMSNorms"),
     ("--init-from", "model", "init_from", str,
-     "a local Hugging Face Llama, Mistral, Qwen2, Qwen3 or GPT-2 directory (config.json + "
+     "a local Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE or "
+     "GPT-2 directory (config.json + "
      "safetensors): the model's sizes "
      "come from its config.json and its weights start from the directory's; its "
      "tokenizer.json is the default --tokenizer"),

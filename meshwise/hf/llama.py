@@ -23,7 +23,7 @@ from meshwise.models.moe import is_moe_layer
 
 ARCHITECTURE = "LlamaForCausalLM"
 # What --init-from reads (GPT-2 through meshwise.hf.gpt2), for messages.
-FAMILIES_READ = "Llama, Mistral, Qwen2, Qwen3 or GPT-2"
+FAMILIES_READ = "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE or GPT-2"
 # model_type -> the architecture transformers builds for it
 ARCHITECTURES = {
     "llama": ARCHITECTURE,

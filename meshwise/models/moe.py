@@ -28,10 +28,10 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, F_, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, F_))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, split_sizes=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: (N, D) tokens sorted by expert, ``counts``: (E,) tokens per expert on
-        x's device; ``split_sizes``: the same counts on the host where known."""
-        return expert_swiglu(x, self.gate_proj, self.up_proj, self.down_proj, counts, split_sizes)
+        x's device."""
+        return expert_swiglu(x, self.gate_proj, self.up_proj, self.down_proj, counts)
 
 
 def expert_swiglu(x, gate_proj, up_proj, down_proj, counts, split_sizes=None) -> torch.Tensor:

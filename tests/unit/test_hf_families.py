@@ -84,6 +84,6 @@ def test_a_directory_without_config_json_names_every_family_read(tmp_path):
     with pytest.raises(
         ValueError,
         match="no config.json there; expected a Hugging Face "
-        "Llama, Mistral, Qwen2, Qwen3 or GPT-2 directory",
+        "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE or GPT-2 directory",
     ):
         read_config(tmp_path)
