@@ -12,7 +12,11 @@ heads, 8 key/value heads, SwiGLU 8192, tied head) with a 128k vocabulary
 * ``plain``: the same model (``meshwise.models.llama.Llama``, a plain module)
   in a loop a user would write: fp32 weights under ``torch.autocast(bfloat16)``,
   SDPA attention, ``torch.optim.AdamW(fused=True)``, gradient clipping;
-* ``transformers``: ``LlamaForCausalLM`` (SDPA) in the same loop.
+* ``transformers``: ``LlamaForCausalLM`` (SDPA) in the same loop;
+* ``meshwise-compile`` and ``plain-compile``: the first two with each decoder layer
+  under ``torch.compile(fullgraph=True)`` (inductor): ``meshwise train --compile``,
+  and the plain loop with ``layer.compile(fullgraph=True)`` on each of its layers.
+  The first two steps pay the compile and fall within ``--warmup``.
 
 The plain loops time each step from ``zero_grad`` to ``torch.cuda.synchronize()``
 after ``optimizer.step()``; their loss is the cross entropy of the logits
@@ -29,6 +33,7 @@ its data sheet. The last line is one JSON object (``skipped`` with the reason
 where there is no CUDA device).
 
     python benchmarks/gpu.py [--seq-lens 2048,8192 --tokens-per-step 8192 --rounds 2]
+    python benchmarks/gpu.py --only meshwise-compile --only plain-compile --only meshwise
 """
 
 from __future__ import annotations
@@ -52,7 +57,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from benchmarks.common import print_json  # noqa: E402
 
-VARIANTS = ("meshwise", "plain", "transformers")
+VARIANTS = ("meshwise", "plain", "transformers", "meshwise-compile", "plain-compile")
+# Each compiled variant is compared with its eager self and with the plain compiled loop.
+PEERS = {"meshwise": ("plain", "transformers"), "meshwise-compile": ("plain-compile", "meshwise")}
 SHAPE = dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, ffn_hidden_size=8192)
 ROPE_THETA = 500000.0
 # Dense bf16 peaks from the vendors' data sheets (SXM parts), in FLOP/s.
@@ -73,7 +80,7 @@ def peak_flops() -> float | None:
 
 
 # ---------------------------------------------------------------- one run each
-def run_meshwise(args, seq_len: int, batch: int, folder: Path) -> dict:
+def run_meshwise(args, seq_len: int, batch: int, folder: Path, compiled: bool) -> dict:
     data, metrics = folder / "tokens.bin", folder / f"meshwise-{seq_len}.jsonl"
     if not data.exists():
         num_tokens = 4 * args.steps * args.tokens_per_step + 1
@@ -107,6 +114,7 @@ def run_meshwise(args, seq_len: int, batch: int, folder: Path) -> dict:
         "--eval-batches",
         "1",
         "-q",
+        *(["--compile"] if compiled else []),
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHWISE_CACHE=str(folder / "cache"))
     subprocess.run([sys.executable, "-m", "meshwise", *flags], check=True, env=env)
@@ -118,7 +126,7 @@ def run_meshwise(args, seq_len: int, batch: int, folder: Path) -> dict:
 
 
 def _model(variant: str, vocab: int, seq_len: int) -> torch.nn.Module:
-    if variant == "plain":
+    if variant.startswith("plain"):
         from meshwise.models.llama import Llama, LlamaConfig
 
         cfg = LlamaConfig(
@@ -150,6 +158,9 @@ def run_loop(variant: str, seq_len: int, batch: int, steps: int, warmup: int, vo
     """The plain loop, in this process (a worker of its own)."""
     with torch.device("cuda"):
         model = _model(variant, vocab, seq_len)
+    if variant == "plain-compile":
+        for layer in model.layers.values():
+            layer.compile(fullgraph=True)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
     )
@@ -215,9 +226,11 @@ def summarise(runs: dict, seq_len: int, batch: int, vocab: int, peak: float | No
             "peak_mem_gib": max(r["peak_mem_bytes"] for r in results) / 2**30,
             "rounds": [round(r["tokens_per_s"]) for r in results],
         }
-    for peer in VARIANTS[1:]:
-        if "meshwise" in row and peer in row:
-            row[f"meshwise_vs_{peer}"] = row["meshwise"]["tokens_per_s"] / row[peer]["tokens_per_s"]
+    for ours, peers in PEERS.items():
+        for peer in peers:
+            if ours in row and peer in row:
+                rate = row[ours]["tokens_per_s"] / row[peer]["tokens_per_s"]
+                row[f"{ours}_vs_{peer}"] = rate
     return row
 
 
@@ -227,17 +240,14 @@ def print_row(seq_len: int, row: dict) -> None:
             r = row[variant]
             mfu = f", MFU {r['mfu']:.1%}" if r["mfu"] is not None else ""
             print(
-                f"seq {seq_len}: {variant:<12} {r['tokens_per_s']:>9,.0f} tokens/s, "
+                f"seq {seq_len}: {variant:<16} {r['tokens_per_s']:>9,.0f} tokens/s, "
                 f"{r['tflops']:.0f} TFLOP/s{mfu}, peak {r['peak_mem_gib']:.1f} GiB",
                 flush=True,
             )
-    ratios = [
-        f"{k.removeprefix('meshwise_vs_')} {v:.2f}x"
-        for k, v in row.items()
-        if k.startswith("meshwise_vs_")
-    ]
-    if ratios:
-        print(f"seq {seq_len}: meshwise tokens/s over " + ", ".join(ratios), flush=True)
+    for ours, peers in PEERS.items():
+        ratios = [f"{p} {row[f'{ours}_vs_{p}']:.2f}x" for p in peers if f"{ours}_vs_{p}" in row]
+        if ratios:
+            print(f"seq {seq_len}: {ours} tokens/s over " + ", ".join(ratios), flush=True)
 
 
 def main() -> None:
@@ -259,7 +269,9 @@ def main() -> None:
         action="append",
         help="run this variant (repeat for several; default: all)",
     )
-    p.add_argument("--worker", choices=VARIANTS[1:], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--worker", choices=("plain", "transformers", "plain-compile"), help=argparse.SUPPRESS
+    )
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -296,8 +308,9 @@ def main() -> None:
             for round_ in range(args.rounds):
                 shift = round_ % len(variants)
                 for variant in variants[shift:] + variants[:shift]:
-                    if variant == "meshwise":
-                        result = run_meshwise(args, seq_len, batch, Path(tmp))
+                    if variant.startswith("meshwise"):
+                        compiled = variant.endswith("compile")
+                        result = run_meshwise(args, seq_len, batch, Path(tmp), compiled)
                     else:
                         result = run_worker(args, variant, seq_len, batch)
                     runs[variant].append(result)
