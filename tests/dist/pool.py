@@ -47,10 +47,22 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             value = fn(*args, **kwargs)
             if agree:  # every rank issued the same operations
                 ops.check_ledger(COLLECTIVE_TIMEOUT_S)
+            _destroy_subgroups(dist)
             results.put((rank, True, value))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     ops.destroy_process_group()
+
+
+def _destroy_subgroups(dist) -> None:
+    """End the groups a task created: each gloo group keeps threads polling its sockets,
+    and hundreds of them left from earlier tests take a share of the CPU from every
+    later one."""
+    from torch.distributed.distributed_c10d import _world
+
+    for group in list(_world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 class WorkerPool:
