@@ -8,3 +8,10 @@ def _pools_end_with_the_package(dist_pools):
     which would take a share of the CPU from every test after these."""
     yield
     dist_pools.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _groups_end_with_the_file(dist_pools):
+    """A file's gloo subgroups end with its last test (``Pools.end_subgroups``)."""
+    yield
+    dist_pools.end_subgroups()

@@ -47,17 +47,17 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             value = fn(*args, **kwargs)
             if agree:  # every rank issued the same operations
                 ops.check_ledger(COLLECTIVE_TIMEOUT_S)
-            _destroy_subgroups(dist)
             results.put((rank, True, value))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     ops.destroy_process_group()
 
 
-def _destroy_subgroups(dist) -> None:
-    """End the groups a task created: each gloo group keeps threads polling its sockets,
+def end_subgroups() -> None:
+    """End every group but the world: each gloo group keeps threads polling its sockets,
     and hundreds of them left from earlier tests take a share of the CPU from every
     later one."""
+    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
     for group in list(_world.pg_map):
@@ -134,6 +134,11 @@ class Pools:
         if not agree:
             self._pools.pop(world_size).close()
         return result
+
+    def end_subgroups(self) -> None:
+        """End the subgroups on every live pool (tests may keep theirs within a file)."""
+        for world_size in list(self._pools):
+            self.run(world_size, end_subgroups)
 
     def close(self) -> None:
         for pool in self._pools.values():
