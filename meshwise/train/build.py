@@ -86,12 +86,14 @@ def build_engine(
     grad_reducer=None,
 ):
     """The gradient synchroniser + optimizer for ``--zero`` (``ZeroOptimizer`` for stages 0-2,
-    ``ZeroStage3``), filled from ``values``, reducing over ``mesh.shard_group`` (through
-    ``grad_reducer`` when given), then over ``mesh.replicate_group`` (``--dp-shard``).
-    """
-    engine = _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer)
-    if mesh.replicate_group is not None:
-        engine.replicate_over(mesh.replicate_group)
+    ``ZeroStage3``), filled from ``values``, reducing over ``mesh.shard_group``, then over
+    ``mesh.replicate_group`` (``--dp-shard``); through ``grad_reducer`` when given (its
+    group: the replicate group under ``--dp-shard``, else dp x cp)."""
+    if mesh.replicate_group is None:
+        return _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer)
+    # Hybrid: native within a replica, the reducer's algorithm / compressor across them.
+    engine = _sharding_engine(model, mesh, cfg, adamw, values, device, None)
+    engine.replicate_over(mesh.replicate_group, grad_reducer)
     return engine
 
 

@@ -2,6 +2,8 @@
 - ZeRO 1-3 within replicas of 2 dp ranks, replicas all-reducing their shards, with tp
   and with a pipeline: the single-process losses and gradient norms step by step (the
   norm counts each shard once), every replica bitwise equal after every step;
+- the cross-replica sum through the ring and tree algorithms and the fp16 and PowerSGD
+  compressors;
 - a run saved with --dp-shard 2 resumes with another --dp-shard.
 """
 
@@ -21,7 +23,14 @@ LAYOUTS = {
     "dp2 shard1 cp2 zero3": dict(dp=2, dp_shard=1, cp=2, zero=3),
     # bf16 compute, fp32 masters: other summation orders, agreement to bf16 round-off
     "dp4 shard2 zero2 bf16": dict(dp=4, dp_shard=2, zero=2, dtype="bf16"),
+    # the cross-replica sum through our algorithms (exact), and a lossy compressor
+    "dp4 shard2 zero2 ring": dict(dp=4, dp_shard=2, zero=2, allreduce="ring"),
+    "dp4 shard2 tp2 zero3 tree": dict(dp=4, dp_shard=2, tp=2, zero=3, allreduce="tree"),
+    "dp4 shard2 zero3 fp16": dict(dp=4, dp_shard=2, zero=3, compress="fp16"),
 }
+# Relative tolerance per step against one process: fp32 round-off, unless bf16 compute
+# or fp16 gradients across the replicas (2^-11 relative each, clipped updates).
+TOLERANCE = {"bf16": 1e-2, "fp16": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +53,9 @@ def _config(layout: dict, data_path: str):
     cfg.runtime.check_replicas_every = 1  # replicas bitwise equal after every step
     for key, value in layout.items():
         section = next(
-            s for s in (cfg.runtime, cfg.parallel, cfg.data, cfg.checkpoint) if hasattr(s, key)
+            s
+            for s in (cfg.runtime, cfg.parallel, cfg.data, cfg.checkpoint, cfg.comm)
+            if hasattr(s, key)
         )
         setattr(section, key, value)
     return cfg.validate()
@@ -83,8 +94,22 @@ def test_hybrid_sharding_trains_as_one_process(dist_pools, tokens, name):
     dtype = layout.get("dtype", "fp32")
     expected = _reference(dist_pools, tokens, dtype)
     got = dist_pools.run(_world(layout), _train, layout, tokens)[0]
+    rel = next((tol for key, tol in TOLERANCE.items() if name.endswith(key)), 1e-4)
     for step, (row, ref) in enumerate(zip(got, expected, strict=True), 1):
-        assert row == pytest.approx(ref, rel=1e-4 if dtype == "fp32" else 1e-2), (name, step)
+        assert row == pytest.approx(ref, rel=rel), (name, step)
+
+
+def test_powersgd_across_replicas_is_powersgd_over_dp(dist_pools, tokens):
+    """PowerSGD is linear in the summed gradient (P = sum M_i Q, Q' = sum M_i^T P^), and so
+    is its error feedback: at ZeRO-1, compressing the replicas' sums equals compressing
+    every rank's gradient over the whole dp group, to round-off (a lossy reference)."""
+    compressed = dict(dp=4, zero=1, compress="powersgd:1", compress_warmup_steps=1)
+    whole = dist_pools.run(4, _train, compressed, tokens)[0]
+    hybrid = dist_pools.run(4, _train, {**compressed, "dp_shard": 2}, tokens)[0]
+    norms = [norm for _, norm in _reference(dist_pools, tokens)]
+    assert [norm for _, norm in whole] != pytest.approx(norms, rel=1e-2)  # it compressed
+    for step, (row, ref) in enumerate(zip(hybrid, whole, strict=True), 1):
+        assert row == pytest.approx(ref, rel=1e-4), step
 
 
 def test_resume_across_dp_shard(dist_pools, tokens, tmp_path):

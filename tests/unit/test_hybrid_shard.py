@@ -38,7 +38,11 @@ def _cfg(**parallel):
         (dict(dp=4, dp_shard=3), "--dp-shard 3 does not divide dp = 4 .* valid: 1, 2, 4"),
         (dict(dp=4, dp_shard=2, ranks_per_node=1), "across nodes .* valid: --dp-shard 1"),
         (dict(dp=4, tp=2, dp_shard=2, ranks_per_node=2), "replica of 4 ranks .* --dp-shard 1$"),
-        (dict(dp=4, dp_shard=2, compress="fp16"), "--compress fp16 is not supported yet"),
+        # a replica per node: each replicate group has one rank per node, no two levels
+        (
+            dict(dp=4, dp_shard=2, allreduce="hierarchical", ranks_per_node=2),
+            "hierarchical cannot serve the replicate group of --dp-shard: each rank",
+        ),
     ],
 )
 def test_bad_dp_shard_is_refused_in_one_line(parallel, message):
@@ -50,3 +54,34 @@ def test_bad_dp_shard_is_refused_in_one_line(parallel, message):
 def test_a_replica_filling_a_node_is_accepted():
     check_layout(_cfg(dp=4, tp=2, dp_shard=2, ranks_per_node=4))
     check_layout(_cfg(dp=4, dp_shard=4, ranks_per_node=2))  # all of dp: today's ZeRO
+    # the cross-replica sum through an algorithm and a compressor
+    check_layout(_cfg(dp=4, dp_shard=2, allreduce="ring", compress="powersgd:2"))
+    check_layout(_cfg(dp=8, dp_shard=1, allreduce="hierarchical", ranks_per_node=2))
+
+
+def test_powersgd_across_replicas_sees_the_matrices_whole_in_what_crosses():
+    """Two 2x4 matrices and a vector of 4 over a replica of 2: shards of 10 elements.
+    The first matrix is whole in shard 0, the second is cut by the shards' edge (sent
+    as is), the vector is whole in shard 1 at offset 6 of it; at ZeRO-1 the buffer."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from meshwise.comm.ops import CommCounters
+    from meshwise.sharding.flat import FlatParams, ParamSlot, Precision
+
+    shapes = {"a": (2, 4), "b": (2, 4), "c": (4,)}
+    slots, offset = [], 0
+    for name, shape in shapes.items():
+        numel = int(torch.Size(shape).numel())
+        slots.append(ParamSlot(name, torch.Size(shape), offset, numel, True))
+        offset += numel
+
+    def layout(stage, rank):
+        group = SimpleNamespace(size=2, rank=rank, counters=CommCounters())
+        values = lambda name, a, b: torch.zeros(b - a)  # noqa: E731
+        return FlatParams(slots, group, stage, Precision(), "cpu", values).replica_layout()
+
+    assert layout(3, 0) == [(0, (2, 4))]
+    assert layout(2, 1) == [(6, (4,))]
+    assert layout(1, 1) == [(0, (2, 4)), (8, (2, 4)), (16, (4,))]
