@@ -49,15 +49,18 @@ def _check_experts(cfg, own_model: bool) -> None:
 
 
 def _check_dp_shard(cfg) -> None:
-    """--dp-shard: divides dp; not with --ep yet; a replica (its consecutive ranks)
-    inside one node of --ranks-per-node."""
+    """--dp-shard: divides dp; a replica holds whole ep groups (its experts shard within
+    it and replicate across); a replica (its consecutive ranks) inside one node of
+    --ranks-per-node."""
     p, c = cfg.parallel, cfg.comm
     if p.dp_shard in (0, p.dp):
         return
-    if p.ep != 1:
+    if not p.dims.replica_holds_ep:
+        fits = [n for n in range(1, p.dp + 1) if p.dp % n == 0 and (n * p.cp) % p.ep == 0]
         raise ValueError(
-            f"--dp-shard {p.dp_shard} with --ep {p.ep} is not supported yet; "
-            f"valid: --ep 1, or --dp-shard {p.dp}"
+            f"--dp-shard {p.dp_shard} with --ep {p.ep}: a replica of {p.dp_shard} x cp "
+            f"{p.cp} dp x cp ranks does not hold whole ep groups; "
+            f"valid: --dp-shard {', '.join(map(str, fits))}"
         )
     others = p.pp * p.cp * p.tp
     replica = p.dims.shard_size * others  # consecutive global ranks (divides dp, or raises)

@@ -17,6 +17,12 @@ def test_replicas_are_runs_of_consecutive_dp_ranks_and_columns_replicate():
     # cp stays inside the shard group: dp-shard splits dp only
     shard, replicate = ParallelDims(dp=4, cp=2, dp_shard=2).shard_groups()
     assert shard == [[0, 1, 2, 3], [4, 5, 6, 7]] and replicate == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # experts: an expert-data-parallel group split as dp is, inside and across replicas
+    shard, replicate = ParallelDims(dp=8, dp_shard=4, ep=2).expert_shard_groups()
+    assert shard == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert replicate == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    shard, replicate = ParallelDims(dp=4, dp_shard=2, ep=2).expert_shard_groups()
+    assert shard == [[0], [2], [1], [3]] and replicate == [[0, 2], [1, 3]]
     whole = ParallelDims(dp=4)
     assert whole.shard_size == 4 and whole.num_replicas == 1
     assert ParallelDims(dp=8, dp_shard=2).num_replicas == 4
@@ -28,7 +34,8 @@ def _cfg(**parallel):
     rpn = parallel.pop("ranks_per_node", 0)
     cfg.comm.ranks_per_node = rpn
     for key, value in parallel.items():
-        setattr(cfg.comm if key in ("compress", "allreduce") else cfg.parallel, key, value)
+        section = cfg.model if key == "n_experts" else cfg.parallel
+        setattr(cfg.comm if key in ("compress", "allreduce") else section, key, value)
     return cfg
 
 
@@ -37,6 +44,10 @@ def _cfg(**parallel):
     [
         (dict(dp=4, dp_shard=3), "--dp-shard 3 does not divide dp = 4 .* valid: 1, 2, 4"),
         (dict(dp=4, dp_shard=2, ranks_per_node=1), "across nodes .* valid: --dp-shard 1"),
+        (
+            dict(dp=8, dp_shard=2, ep=4, n_experts=4),
+            "--dp-shard 2 with --ep 4: .* does not hold whole ep groups; valid: --dp-shard 4, 8$",
+        ),
         (dict(dp=4, tp=2, dp_shard=2, ranks_per_node=2), "replica of 4 ranks .* --dp-shard 1$"),
         # a replica per node: each replicate group has one rank per node, no two levels
         (
