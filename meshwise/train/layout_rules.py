@@ -58,8 +58,8 @@ def _check_dp_shard(cfg) -> None:
     if not p.dims.replica_holds_ep:
         fits = [n for n in range(1, p.dp + 1) if p.dp % n == 0 and (n * p.cp) % p.ep == 0]
         raise ValueError(
-            f"--dp-shard {p.dp_shard} with --ep {p.ep}: a replica of {p.dp_shard} x cp "
-            f"{p.cp} dp x cp ranks does not hold whole ep groups; "
+            f"--dp-shard {p.dp_shard} with --ep {p.ep}: a replica's {p.dp_shard * p.cp} "
+            f"dp x cp ranks do not hold whole ep groups (ep divides dp-shard x cp); "
             f"valid: --dp-shard {', '.join(map(str, fits))}"
         )
     others = p.pp * p.cp * p.tp

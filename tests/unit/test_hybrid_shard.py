@@ -46,7 +46,7 @@ def _cfg(**parallel):
         (dict(dp=4, dp_shard=2, ranks_per_node=1), "across nodes .* valid: --dp-shard 1"),
         (
             dict(dp=8, dp_shard=2, ep=4, n_experts=4),
-            "--dp-shard 2 with --ep 4: .* does not hold whole ep groups; valid: --dp-shard 4, 8$",
+            "--ep 4: a replica's 2 dp x cp ranks do not .* valid: --dp-shard 4, 8$",
         ),
         (dict(dp=4, tp=2, dp_shard=2, ranks_per_node=2), "replica of 4 ranks .* --dp-shard 1$"),
         # a replica per node: each replicate group has one rank per node, no two levels
