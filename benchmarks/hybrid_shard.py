@@ -8,6 +8,9 @@ run so start-up traffic cancels) and the peak RSS of the largest rank (``peak_rs
 with ``MALLOC_MMAP_THRESHOLD_`` so freed buffers go back to the kernel). Needs root.
 
     python benchmarks/hybrid_shard.py --rate 200mbit --delay 1ms --zero 3
+
+``--cross-replica`` adds a hybrid row per flag set for the sum across the replicas,
+e.g. ``--cross-replica "--compress fp16" "--allreduce ring"``.
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ def main() -> int:
     parser.add_argument("--delay", default="1ms", help="added one-way delay (netem)")
     parser.add_argument("--zero", type=int, nargs="+", default=[3])
     parser.add_argument("--steps", type=int, nargs=2, default=[3, 8], metavar=("SHORT", "LONG"))
+    parser.add_argument(
+        "--cross-replica",
+        nargs="*",
+        default=[],
+        metavar="FLAGS",
+        help='more --dp-shard 2 rows, each with these flags (e.g. "--compress fp16")',
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     reason = unavailable()
@@ -83,25 +93,29 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, TwoNodes(args.rate, args.delay) as nodes:
         os.environ.setdefault("MESHWISE_CACHE", str(Path(tmp) / "cache"))
         print(f"two nodes of 2 ranks; link: {nodes.shaping}")
+        hybrids = [["--dp-shard", "2", *flags.split()] for flags in ["", *args.cross_replica]]
         for zero in args.zero:
-            for extra in ([], ["--dp-shard", "2"]):
+            for extra in [[], *hybrids]:
                 layout = ["--dp", "4", "--zero", str(zero), *extra]
                 rows.append(measure(nodes, layout, *args.steps, Path(tmp)))
                 row = rows[-1]
                 print(
-                    f"{row['layout']:<32} step {row['step_time_s'] * 1e3:8.1f} ms  "
+                    f"{row['layout']:<48} step {row['step_time_s'] * 1e3:8.1f} ms  "
                     f"link {row['link_bytes_per_step'] / 2**20:8.2f} MiB/step  "
                     f"peak RSS {row['peak_rss_bytes'] / 2**20:7.1f} MiB  "
                     f"model state {row['model_state_bytes'] / 2**20:6.2f} MiB",
                     flush=True,
                 )
-    for full, hybrid in zip(rows[::2], rows[1::2]):
-        gap = max(abs(a - b) / abs(a) for a, b in zip(full["losses"], hybrid["losses"]))
-        print(
-            f"--zero {full['layout'].split()[3]}: --dp-shard 2 / full ZeRO: link bytes "
-            f"{hybrid['link_bytes_per_step'] / full['link_bytes_per_step']:.2f}x, step time "
-            f"{hybrid['step_time_s'] / full['step_time_s']:.2f}x; losses within {gap:.1e}"
-        )
+    per_zero = 1 + len(hybrids)
+    for at in range(0, len(rows), per_zero):
+        full = rows[at]
+        for hybrid in rows[at + 1 : at + per_zero]:
+            gap = max(abs(a - b) / abs(a) for a, b in zip(full["losses"], hybrid["losses"]))
+            print(
+                f"{hybrid['layout']} / full ZeRO: link bytes "
+                f"{hybrid['link_bytes_per_step'] / full['link_bytes_per_step']:.2f}x, step time "
+                f"{hybrid['step_time_s'] / full['step_time_s']:.2f}x; losses within {gap:.1e}"
+            )
     if args.json:
         print(json.dumps(rows))
     return 0

@@ -127,15 +127,33 @@ class ParallelDims:
         cp stays inside the shard group: dp-shard splits dp only."""
         return self._dp_cp_runs(self.shard_size * self.cp)  # dp-major: a replica is a run
 
+    def expert_shard_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Hybrid sharding of the experts: the members of an expert-data-parallel group
+        inside one replica shard its experts, those at the same place of every replica
+        replicate them (ep divides a replica's dp x cp ranks: ``replica_holds_ep``)."""
+        per_replica = self.shard_size * self.cp // self.ep
+        return _runs_and_columns(self.ep_groups()[1], per_replica)
+
+    @property
+    def replica_holds_ep(self) -> bool:
+        """Whether each replica holds whole ep groups (every expert, as dp x cp does)."""
+        return (self.shard_size * self.cp) % self.ep == 0
+
     def _dp_cp_runs(self, length: int) -> tuple[list[list[int]], list[list[int]]]:
         """Each run of ``length`` consecutive members of every dp x cp group (sorted by
         rank), and the columns: the members at the same place of every run."""
-        runs, columns = [], []
-        for ranks in self.axes_groups(("dp", "cp")):
-            these = [ranks[i : i + length] for i in range(0, len(ranks), length)]
-            runs += these
-            columns += [list(column) for column in zip(*these)]
-        return runs, sorted(columns)
+        return _runs_and_columns(self.axes_groups(("dp", "cp")), length)
+
+
+def _runs_and_columns(groups, length: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each run of ``length`` consecutive members of every group (sorted by rank), and
+    the columns: the members at the same place of every run of a group."""
+    runs, columns = [], []
+    for ranks in groups:
+        these = [ranks[i : i + length] for i in range(0, len(ranks), length)]
+        runs += these
+        columns += [list(column) for column in zip(*these)]
+    return runs, sorted(columns)
 
 
 class Mesh:
@@ -149,7 +167,8 @@ class Mesh:
     (``dp_cp_group`` when ep is 1; ``ParallelDims.ep_groups``). ``shard_group``: the ranks
     ZeRO shards over (``dp_cp_group`` unless ``--dp-shard``), ``replicate_group``: the ranks
     holding the same shard in the other replicas (None: one replica;
-    ``ParallelDims.shard_groups``). Build it after
+    ``ParallelDims.shard_groups``); ``expert_shard_group`` and ``expert_replicate_group``
+    split ``edp_group`` so (``ParallelDims.expert_shard_groups``). Build it after
     ``torch.distributed`` is initialised (``Mesh.build(dims)``) and pass it explicitly.
     """
 
@@ -168,6 +187,8 @@ class Mesh:
         edp_group=None,
         shard_group=None,
         replicate_group=None,
+        expert_shard_group=None,
+        expert_replicate_group=None,
     ):
         self.dims = dims
         self.rank = rank
@@ -180,6 +201,10 @@ class Mesh:
         self.edp_group = edp_group if edp_group is not None else self.dp_cp_group
         self.shard_group = shard_group if shard_group is not None else self.dp_cp_group
         self.replicate_group = replicate_group
+        self.expert_shard_group = (
+            expert_shard_group if expert_shard_group is not None else self.edp_group
+        )
+        self.expert_replicate_group = expert_replicate_group
         coords = dims.coords(rank)
         self.dp_rank, self.pp_rank, self.tp_rank = coords["dp"], coords["pp"], coords["tp"]
         self.cp_rank = coords["cp"]
@@ -225,6 +250,11 @@ class Mesh:
         if dims.num_replicas > 1:
             shard_groups, replicate_groups = dims.shard_groups()
             shard, replicate = mine("shard", shard_groups), mine("replicate", replicate_groups)
+        expert_shard = expert_replicate = None
+        if dims.ep > 1 and dims.num_replicas > 1:
+            shard_groups, replicate_groups = dims.expert_shard_groups()
+            expert_shard = mine("expert_shard", shard_groups)
+            expert_replicate = mine("expert_replicate", replicate_groups)
         return cls(
             dims,
             world.rank,
@@ -239,6 +269,8 @@ class Mesh:
             edp_group=edp,
             shard_group=shard,
             replicate_group=replicate,
+            expert_shard_group=expert_shard,
+            expert_replicate_group=expert_replicate,
         )
 
     @property

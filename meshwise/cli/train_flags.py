@@ -55,8 +55,8 @@ TRAIN_FLAGS = [
      "ep group)"),
     ("--dp-shard", "parallel", "dp_shard", int,
      "hybrid sharding: ZeRO shards over N consecutive dp ranks (a replica, within a node) "
-     "and the dp / N replicas all-reduce their shards' gradients (N divides dp; default: "
-     "all of dp)"),
+     "and the dp / N replicas all-reduce their shards' gradients, through --compress and "
+     "--allreduce (N divides dp; with --ep, ep divides N x cp; default: all of dp)"),
     ("--reshard-after-forward", "parallel", "reshard_after_forward", bool,
      "with --zero 3 and --pp > 1: gather each unit for every micro-batch's forward and "
      "backward and reduce-scatter every micro-batch's gradient (about two units in memory) "

@@ -47,13 +47,19 @@ class EngineBase:
         if self.grad_reducer is not None:
             self.grad_reducer.set_layouts(self.reduction_layouts())
 
-    def replicate_over(self, group) -> None:
+    def replicate_over(self, group, reducer=None) -> None:
         """Hybrid sharding: ``self.group`` is one replica; each shard's gradient is then
         summed over ``group``, the ranks holding the same shard in the other replicas
-        (after the reduction within the replica), and the first replica saves."""
+        (after the reduction within the replica), and the first replica saves.
+        ``reducer``: a ``GradReducer`` over ``group`` (``--compress``, ``--allreduce``)
+        for that sum, keyed by buffer; ``None``: the group's native all-reduce."""
         self.replicate_group = group
-        for flat in self.flats:
+        for key, flat in enumerate(self.flats):
             flat.replicate_group = group
+            if reducer is not None:
+                flat.replica_reducer = (reducer, key)
+        if reducer is not None:
+            reducer.set_layouts({key: flat.replica_layout() for key, flat in enumerate(self.flats)})
 
     # -- to be provided by each engine -------------------------------------------------
     def _idle(self) -> bool:

@@ -47,6 +47,11 @@ class DenseAndExperts:
         with self.dense.no_sync(), self.experts.no_sync():
             yield
 
+    def replicate_over(self, group, reducer=None) -> None:
+        """Hybrid sharding of the dense engine (``EngineBase.replicate_over``); the
+        experts' engine replicates over its own group, set where it was built."""
+        self.dense.replicate_over(group, reducer)
+
     def finish_grad_sync(self) -> None:
         for engine in self.engines:
             engine.finish_grad_sync()

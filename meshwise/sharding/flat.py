@@ -108,6 +108,7 @@ class FlatParams:
         self.slots, self.group, self.stage, self.precision = slots, group, stage, precision
         # Hybrid sharding: the ranks holding this shard in the other replicas (None: one).
         self.replicate_group = None
+        self.replica_reducer = None  # (GradReducer, key) of --compress / --allreduce across them
         self.numel = sum(s.numel for s in slots)
         self.plan = ShardPlan(self.numel, group.size)
         self.shard_range = self.plan.shard_range(group.rank)
@@ -182,8 +183,22 @@ class FlatParams:
     def reduce_across_replicas(self, grad: torch.Tensor) -> None:
         """Sum a gradient reduced within this replica over the replicas, in place: the
         shard only at stages 2-3 (1/N of the bytes), the whole buffer at stages 0-1."""
-        if self.replicate_group is not None and self.replicate_group.size > 1:
+        if self.replica_reducer is not None:
+            reducer, key = self.replica_reducer
+            reducer.start(key, grad).wait()
+        elif self.replicate_group is not None and self.replicate_group.size > 1:
             ops.all_reduce(grad, self.replicate_group, category="grad")
+
+    def replica_layout(self) -> list[tuple[int, tuple[int, ...]]]:
+        """``[(offset, shape)]`` of the parameters whole inside what crosses the replicas
+        (the shard at stages 2-3, offsets from its start; the buffer at 0-1): PowerSGD
+        compresses those matrices and sends a parameter cut by the shard's edge as is."""
+        lo, hi = self.shard_range if self.stage >= 2 else (0, self.numel)
+        return [
+            (s.offset - lo, tuple(s.shape))
+            for s in self.slots
+            if lo <= s.offset and s.offset + s.numel <= hi
+        ]
 
     def full_grad(self) -> torch.Tensor:
         """The whole reduced-gradient buffer (stages 0-1)."""

@@ -86,12 +86,14 @@ def build_engine(
     grad_reducer=None,
 ):
     """The gradient synchroniser + optimizer for ``--zero`` (``ZeroOptimizer`` for stages 0-2,
-    ``ZeroStage3``), filled from ``values``, reducing over ``mesh.shard_group`` (through
-    ``grad_reducer`` when given), then over ``mesh.replicate_group`` (``--dp-shard``).
-    """
-    engine = _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer)
-    if mesh.replicate_group is not None:
-        engine.replicate_over(mesh.replicate_group)
+    ``ZeroStage3``), filled from ``values``, reducing over ``mesh.shard_group``, then over
+    ``mesh.replicate_group`` (``--dp-shard``); through ``grad_reducer`` when given (its
+    group: the replicate group under ``--dp-shard``, else dp x cp)."""
+    if mesh.replicate_group is None:
+        return _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer)
+    # Hybrid: native within a replica, the reducer's algorithm / compressor across them.
+    engine = _sharding_engine(model, mesh, cfg, adamw, values, device, None)
+    engine.replicate_over(mesh.replicate_group, grad_reducer)
     return engine
 
 
@@ -149,10 +151,10 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
     experts = [(n, q) for n, q in named if ep_split(q) is not None and q.requires_grad]
     if not experts:  # a pipeline stage of dense layers only: its engine as without ep
         whole = dataclasses.replace(model, ep_group=None)
-        return build_engine(whole, mesh, cfg, adamw, values, device, grad_reducer)
+        return _sharding_engine(whole, mesh, cfg, adamw, values, device, grad_reducer)
     if p.zero == 3:
         with _frozen([q for _, q in experts]):  # the dense engine leaves them alone
-            dense = build_engine(
+            dense = _sharding_engine(
                 dataclasses.replace(model, ep_group=None),
                 mesh,
                 cfg,
@@ -175,7 +177,7 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
         pipelined = len(model.chunks) > 1
         expert_engine = ZeroStage3(
             model.chunks if pipelined else model.chunks[0],
-            mesh.edp_group,
+            mesh.expert_shard_group,
             adamw,
             holders if pipelined else holders[0],
             reshard="after-step",
@@ -183,7 +185,7 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
             values=values,
             device=device,
         )
-        return DenseAndExperts(dense, expert_engine, mesh.ep_group, [n for n, _ in experts])
+        return _with_experts(dense, expert_engine, mesh, experts)
     dense_named = [(n, q) for n, q in named if ep_split(q) is None]
     tied = list(model.cross_stage_ties) + [n for group in model.local_ties for n in group]
     common = dict(
@@ -196,14 +198,20 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
         device=device,
         reduce_once=p.pp > 1,
     )
-    return DenseAndExperts(
-        ZeroOptimizer(
-            dense_named, mesh.dp_cp_group, grad_reducer=grad_reducer, own_buckets=tied, **common
-        ),
-        ZeroOptimizer(experts, mesh.edp_group, **common),
-        mesh.ep_group,
-        [n for n, _ in experts],
+    dense = ZeroOptimizer(
+        dense_named, mesh.shard_group, grad_reducer=grad_reducer, own_buckets=tied, **common
     )
+    return _with_experts(
+        dense, ZeroOptimizer(experts, mesh.expert_shard_group, **common), mesh, experts
+    )
+
+
+def _with_experts(dense, expert_engine, mesh, experts) -> DenseAndExperts:
+    """Under ``--dp-shard`` the experts' shards are summed over their replicate group
+    (the dense engine's group is ``build_engine``'s to set)."""
+    if mesh.expert_replicate_group is not None:
+        expert_engine.replicate_over(mesh.expert_replicate_group)
+    return DenseAndExperts(dense, expert_engine, mesh.ep_group, [n for n, _ in experts])
 
 
 @contextlib.contextmanager

@@ -34,17 +34,19 @@ def grad_compressor(mesh: Mesh, cfg: TrainConfig) -> Compressor | None:
 
 def grad_reducer(mesh: Mesh, cfg: TrainConfig, compressor: Compressor | None) -> GradReducer | None:
     """The dp (x cp) reducer when compression or an algorithm asks for one (``None``:
-    the engines use the group's native collectives)."""
+    the engines use the group's native collectives). Under ``--dp-shard`` it sums
+    across the replicas (the slow links); within a replica the reduction is native."""
     c = cfg.comm
-    group = mesh.dp_cp_group
+    group = mesh.replicate_group if mesh.replicate_group is not None else mesh.dp_cp_group
     if (compressor is None and c.allreduce == "native") or group.size == 1:
         return None
     per_node = c.ranks_per_node or mesh.dims.world_size
     reducer = GradReducer(group, compressor, c.allreduce, Topology.of(group.ranks, per_node))
     if mesh.rank == 0:
         log.info(
-            "dp gradient sync: --compress %s (error feedback %s), --allreduce %s, "
+            "%s gradient sync: --compress %s (error feedback %s), --allreduce %s, "
             "%d ranks per node",
+            "cross-replica" if mesh.replicate_group is not None else "dp",
             c.compress,
             c.error_feedback,
             c.allreduce,

@@ -118,8 +118,9 @@ class GradSync3D:
             "values",
             sum_over=self.mesh.dp_cp_group,
         )
-        if self.mesh.replicate_group is not None:
-            check_replicas_equal(self.engine.flats, self.mesh.replicate_group)
+        for engine in getattr(self.engine, "engines", (self.engine,)):  # dense, experts
+            if engine.replicate_group is not None:
+                check_replicas_equal(engine.flats, engine.replicate_group)
 
     def _compare_across_tp(self, names, tensors, rtol: float, what: str, sum_over=None) -> None:
         if not names:

@@ -49,21 +49,19 @@ def _check_experts(cfg, own_model: bool) -> None:
 
 
 def _check_dp_shard(cfg) -> None:
-    """--dp-shard: divides dp; not with --ep, --compress or another --allreduce yet; a
-    replica (its consecutive ranks) inside one node of --ranks-per-node."""
+    """--dp-shard: divides dp; a replica holds whole ep groups (its experts shard within
+    it and replicate across); a replica (its consecutive ranks) inside one node of
+    --ranks-per-node."""
     p, c = cfg.parallel, cfg.comm
     if p.dp_shard in (0, p.dp):
         return
-    for flag, value, alone in (
-        ("--ep", p.ep, 1),
-        ("--compress", c.compress, "none"),
-        ("--allreduce", c.allreduce, "native"),
-    ):
-        if value != alone:
-            raise ValueError(
-                f"--dp-shard {p.dp_shard} with {flag} {value} is not supported yet; "
-                f"valid: {flag} {alone}, or --dp-shard {p.dp}"
-            )
+    if not p.dims.replica_holds_ep:
+        fits = [n for n in range(1, p.dp + 1) if p.dp % n == 0 and (n * p.cp) % p.ep == 0]
+        raise ValueError(
+            f"--dp-shard {p.dp_shard} with --ep {p.ep}: a replica's {p.dp_shard * p.cp} "
+            f"dp x cp ranks do not hold whole ep groups (ep divides dp-shard x cp); "
+            f"valid: --dp-shard {', '.join(map(str, fits))}"
+        )
     others = p.pp * p.cp * p.tp
     replica = p.dims.shard_size * others  # consecutive global ranks (divides dp, or raises)
     per_node = c.ranks_per_node
@@ -178,13 +176,16 @@ def _check_gradient_group(cfg) -> None:
         )
     if c.allreduce == "hierarchical":
         per_node = c.ranks_per_node or world
-        for ranks in p.dims.axes_groups(("dp", "cp")):  # the gradients' group
+        hybrid = p.dims.num_replicas > 1  # the algorithm sums across the replicas only
+        groups = p.dims.shard_groups()[1] if hybrid else p.dims.axes_groups(("dp", "cp"))
+        name = "replicate group of --dp-shard" if hybrid else "dp group"
+        for ranks in groups:
             problem = hierarchical_problem(Topology.of(ranks, per_node), ranks)
             if problem:
                 raise ValueError(
-                    f"--allreduce hierarchical cannot serve the dp group: {problem} "
+                    f"--allreduce hierarchical cannot serve the {name}: {problem} "
                     f"(--ranks-per-node {per_node}); valid here: native, ring, tree, "
-                    "adaptive, or a --ranks-per-node that puts 2+ nodes in each dp group"
+                    f"adaptive, or a --ranks-per-node that puts 2+ nodes in each {name}"
                 )
 
 

@@ -98,6 +98,10 @@ LAYOUTS = {
     "dp2 ep2 pp2 zero3 dense first stage": dict(dp=2, ep=2, pp=2, zero=3),
     # bf16 compute (fp32 routing): other summation orders, agreement to bf16 round-off
     "dp2 ep2 zero2 bf16": dict(dp=2, ep=2, zero=2, dtype="bf16"),
+    # hybrid sharding: experts shard within a replica and replicate across, every
+    # replica bitwise equal after every step
+    "dp4 shard2 ep2 zero1": dict(dp=4, dp_shard=2, ep=2, zero=1, check_replicas_every=1),
+    "dp4 shard2 ep2 zero3": dict(dp=4, dp_shard=2, ep=2, zero=3, check_replicas_every=1),
 }
 MODEL_OF = {"dp2 ep2 pp2 zero3 dense first stage": {"first_dense_layers": 1}}
 ACCUMULATE = {"pp2": 2}

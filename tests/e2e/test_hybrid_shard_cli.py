@@ -14,7 +14,10 @@ from tests.e2e.conftest import SMALL, run_main
             "--dp-shard 2 puts a replica of 2 ranks across nodes of --ranks-per-node 1; "
             "valid: --dp-shard 1",
         ),
-        (["--dp", "4", "--dp-shard", "2", "--allreduce", "ring"], "not supported yet"),
+        (
+            ["--dp", "4", "--dp-shard", "2", "--allreduce", "hierarchical"],
+            "--allreduce hierarchical cannot serve the replicate group of --dp-shard",
+        ),
     ],
 )
 def test_bad_dp_shard_exits_2_in_one_line(tmp_path, corpus, flags, message):
