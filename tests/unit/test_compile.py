@@ -119,3 +119,67 @@ def test_inductor_blocks_equal_eager_without_breaks_or_recompiles(monkeypatch, t
         graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"]
     assert graphs == [1, 1, 1]  # both blocks share one graph, never recompiled
+
+
+def test_the_loss_compiles_at_tp1_and_stays_eager_under_tp(monkeypatch):
+    """At tp 1 the final norm and the cross entropy compile (one graph each, never again
+    after the first step) and give eager's loss and gradients; under tp the loss issues
+    collectives and stays eager. Traced as inductor gets them, run by aot_eager."""
+    import copy
+    import types
+
+    from torch._dynamo.utils import counters
+
+    import meshwise.apply.compile as compile_module
+    from meshwise.apply.compile import compile_loss
+    from meshwise.apply.parallelize import parallelize
+    from meshwise.models.gpt import GPT, GPTConfig, gpt_plan
+
+    cfg = GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=16, vocab_size=50)
+    with torch.device("meta"):
+        sharded = parallelize(
+            GPT(cfg), gpt_plan(cfg), tp_group=types.SimpleNamespace(rank=0, size=2)
+        )
+    assert compile_loss(sharded) == ["LayerNorm"] and sharded.compiled_loss is None
+
+    monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    eager = parallelize(GPT(cfg).init_weights(0), gpt_plan(cfg), vocab_size=50)
+    model = copy.deepcopy(eager)
+    assert compile_loss(model) == ["LayerNorm", "cross_entropy"]
+    graphs = []
+    for step in range(3):
+        x, y = torch.randint(0, 50, (2, 2, 16), generator=torch.Generator().manual_seed(step))
+        losses = [m.loss(m.chunks[0](x), y) for m in (eager, model)]
+        for loss in losses:
+            loss.backward()
+        assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
+        for (name, p), (_, q) in zip(eager.named_parameters(), model.named_parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"]
+    assert graphs == [2, 2, 2]  # the final norm's and the loss's, never recompiled
+
+
+def test_the_planner_prices_compiled_layers_by_the_calibrated_ratio(tmp_path):
+    from meshwise.planner.compute import action_costs
+    from meshwise.planner.devices import save_calibration
+    from meshwise.planner.layout import Layout
+    from meshwise.planner.request import plan_request
+    from meshwise.planner.search import Space, settings_of
+    from meshwise.train.config import TrainConfig
+
+    save_calibration(
+        {"layer_time_factor": {"llama": 1.5}, "compiled_layer_ratio": {"llama": 0.6}}, tmp_path
+    )
+    costs = []
+    for compiled in (False, True):
+        cfg = TrainConfig()
+        cfg.model.preset, cfg.runtime.compile = "llama-tiny", compiled
+        request = plan_request(cfg, 1, "cpu", Space(), cache_dir=str(tmp_path))
+        st = settings_of(cfg, request.device)
+        costs.append(action_costs(request.shape, Layout(), st, request.device, 2, False, False))
+    eager, compiled_costs = costs
+    for part in ("forward", "backward", "weights"):
+        assert getattr(compiled_costs, part) == pytest.approx(0.6 * getattr(eager, part)), part
