@@ -10,7 +10,9 @@ no ``_orig_mod.`` and the engines' module hooks run outside the compiled code.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -137,6 +139,16 @@ def _make_compiled_class(cls: type[nn.Module], backend: str) -> type:
     return type(
         f"Compiled{cls.__name__}", (Compiled, cls), {"_compiled_forward": staticmethod(forward)}
     )
+
+
+def keep_kernels_in(cache_dir: str | None) -> None:
+    """Keep inductor's compiled kernels under meshwise's cache (``--cache-dir``, else
+    $MESHWISE_CACHE or ~/.cache/meshwise, then ``inductor``), so a later run of the same
+    blocks and shapes finds them; a TORCHINDUCTOR_CACHE_DIR already set wins."""
+    from meshwise.data.sources import default_cache_dir
+
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
 
 
 def compile_seconds() -> float:
