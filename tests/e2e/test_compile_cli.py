@@ -14,7 +14,7 @@ def _train(workdir, name, *flags) -> list[dict]:
     result = run_cli(
         "train",
         *("--model", "llama-tiny", *SMALL, "--steps", STEPS, "--metrics", metrics),
-        *("--activation-checkpointing", "full", "--eval-batches", "0", *flags),
+        *("--activation-checkpointing", "full", "--eval-batches", "1", *flags),
         cwd=workdir,
         env_extra={"TORCHINDUCTOR_CACHE_DIR": None},  # the run's own: <cache>/inductor
         timeout=400,
