@@ -10,7 +10,10 @@ no ``_orig_mod.`` and the engines' module hooks run outside the compiled code.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,8 +22,16 @@ from meshwise.apply.experts import ExpertParallelExperts
 from meshwise.context_parallel.ring import RingAttention
 from meshwise.models.moe import Experts
 from meshwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardRMSNorm
+from meshwise.tensor_parallel.mappings import tp_size_of
 from meshwise.tensor_parallel.sequence import SequenceParallelEmbedding
-from meshwise.tensor_parallel.vocab import VocabParallelEmbedding, VocabParallelHead
+from meshwise.tensor_parallel.vocab import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    vocab_parallel_cross_entropy,
+)
+
+if TYPE_CHECKING:
+    from meshwise.apply.parallelize import ParallelModel
 
 # Their forwards issue collectives or read the host: they run eager, by design.
 _EAGER = (
@@ -61,6 +72,36 @@ def compile_blocks(blocks: Iterable[nn.Module], split_backward: bool = False) ->
     return compiled
 
 
+def compile_loss(parallel_model: ParallelModel) -> list[str]:
+    """Compile the last stage's final norm (as a block's parts) and, at tp 1, the cross
+    entropy over the logits, one fullgraph region from the head's output to the summed
+    loss. Under tp the vocab-parallel loss all-reduces its maxima and sums: it stays
+    eager. Returns the names compiled ("cross_entropy" for the loss)."""
+    ends = [parallel_model.end_modules(chunk)[1] for chunk in parallel_model.chunks]
+    compiled = compile_blocks(m for modules in ends for m in modules)
+    if tp_size_of(parallel_model.tp_group) == 1:
+        parallel_model.compiled_loss = _compiled_loss(BACKEND)
+        compiled.append("cross_entropy")
+    return compiled
+
+
+def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None):
+    # The eager loss's own code at tp 1 (fp32 cast, padded columns cut, cross entropy):
+    # compiled, its softmax and gather fuse instead of writing fp32 logits twice.
+    return vocab_parallel_cross_entropy(logits, targets, None, vocab_size, reduction="sum")
+
+
+_COMPILED_LOSSES: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _compiled_loss(backend: str) -> Callable[..., torch.Tensor]:
+    if backend not in _COMPILED_LOSSES:
+        _COMPILED_LOSSES[backend] = torch.compile(
+            _token_loss_sum, fullgraph=True, dynamic=False, backend=backend
+        )
+    return _COMPILED_LOSSES[backend]
+
+
 def _compute_parts(module: nn.Module, eager: tuple[type, ...]) -> list[nn.Module]:
     """The largest submodules of ``module`` (itself included) holding no eager module."""
     if isinstance(module, eager):
@@ -98,6 +139,16 @@ def _make_compiled_class(cls: type[nn.Module], backend: str) -> type:
     return type(
         f"Compiled{cls.__name__}", (Compiled, cls), {"_compiled_forward": staticmethod(forward)}
     )
+
+
+def keep_kernels_in(cache_dir: str | None) -> None:
+    """Keep inductor's compiled kernels under meshwise's cache (``--cache-dir``, else
+    $MESHWISE_CACHE or ~/.cache/meshwise, then ``inductor``), so a later run of the same
+    blocks and shapes finds them; a TORCHINDUCTOR_CACHE_DIR already set wins."""
+    from meshwise.data.sources import default_cache_dir
+
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
 
 
 def compile_seconds() -> float:

@@ -81,6 +81,8 @@ class ParallelModel:
     own_inits: dict[str, Init] | None = None
     own_inits_problem: str = ""
     ep_group: ops.Group | None = None  # the experts are split over it (None: not split)
+    # --compile at tp 1: the loss's compiled form, (logits, targets, vocab_size) -> sum
+    compiled_loss: Callable[..., torch.Tensor] | None = None
 
     @property
     def holds_last_stage(self) -> bool:
@@ -173,6 +175,8 @@ class ParallelModel:
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of token losses; from the logit shards under tensor parallelism."""
+        if self.compiled_loss is not None:
+            return self.compiled_loss(logits, targets, self.vocab_size)
         return vocab_parallel_cross_entropy(
             logits, targets, self.tp_group, vocab_size=self.vocab_size, reduction="sum"
         )

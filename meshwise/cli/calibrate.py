@@ -48,6 +48,7 @@ def calibrate(cache_dir: str | None = None) -> str:
 
     start = time.perf_counter()
     values = local_probes()
+    values["compiled_layer_ratio"] = _compiled_ratios()
     values["all_reduce"], values["drift"], values["links"] = _comm()
     values.update(_training_run(values))
     values["given_gradient_bytes"] = given_gradient_memory()
@@ -74,9 +75,23 @@ def calibrate(cache_dir: str | None = None) -> str:
             f"+{values['given_gradient_bytes'] / 2**20:.0f} MiB on a rank that runs a backward "
             f"from a given gradient, +{values['checkpointing_bytes'] / 2**20:.0f} MiB with "
             "activation checkpointing",
+            "--compile's layer time over eager: "
+            + (
+                ", ".join(f"{f} {r:.2f}" for f, r in values["compiled_layer_ratio"].items())
+                or "not measured (no compiler here)"
+            ),
             f"stored in {path} ({time.perf_counter() - start:.0f} s)",
         ]
     )
+
+
+def _compiled_ratios() -> dict[str, float]:
+    """The planner's compiled profile, where inductor can compile here (else none: the
+    planner prices --compile as eager)."""
+    from meshwise.apply.compile import compiler_problem
+    from meshwise.planner.probes import compiled_layer_ratios
+
+    return {} if compiler_problem("cpu") else compiled_layer_ratios()
 
 
 def _comm() -> tuple[dict, dict, dict]:

@@ -69,6 +69,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="gradient bucket and ZeRO-3 unit size (default: %(default)s)",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="price layers as meshwise train --compile runs them (the compiled-over-eager "
+        "ratio --calibrate measures on the CPU; 1 where none is measured)",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         metavar="NAME",
@@ -204,6 +210,7 @@ def model_config(args: argparse.Namespace) -> TrainConfig:
     cfg.runtime.grad_reduce_dtype = args.grad_reduce_dtype
     cfg.runtime.device = "cuda" if gpu else "cpu"
     cfg.comm.bucket_mb = args.bucket_mb
+    cfg.runtime.compile = args.compile
     cfg.validate()  # the model, sequence and batch on one rank: bad values exit 2 here
     return cfg
 

@@ -50,8 +50,9 @@ def prepare(cfg: TrainConfig, run_id: str = "") -> tuple[Path, RunState]:
             )
         check_gpu_dtypes(cfg)
     if cfg.runtime.compile:
-        from meshwise.apply.compile import compiler_problem
+        from meshwise.apply.compile import compiler_problem, keep_kernels_in
 
+        keep_kernels_in(cfg.data.cache_dir)  # before the check below reads inductor's default
         problem = compiler_problem(device)
         if problem:
             raise ValueError(problem)

@@ -235,9 +235,9 @@ TRAIN_FLAGS = [
      "selective keeps the matmul and attention outputs and recomputes the element-wise "
      "rest (most of the saving at a fraction of the recompute)"),
     ("--compile", "runtime", "compile", bool,
-     "torch.compile each transformer block (fullgraph; collectives and MoE dispatch run "
-     "eager around the compiled compute); the first step pays the compile, "
-     "TORCHINDUCTOR_CACHE_DIR keeps it between runs"),
+     "torch.compile each transformer block and, at tp 1, the loss (fullgraph; collectives "
+     "and MoE dispatch run eager around the compiled compute); the first step pays the "
+     "compile, kept under --cache-dir's inductor folder for the next run"),
     ("--metrics", "runtime", "metrics", str, "write one JSON line per step to this file"),
     ("--log-to", "runtime", "log_to", str,
      "experiment loggers, comma-separated: tensorboard, wandb, mlflow (each an optional "

@@ -55,6 +55,9 @@ class DeviceProfile:
     optimizer_fixed_s: float = 0.0  # the optimizer phase's part that no parameter adds to
     # a family's measured layer time over the roofline's (CPU: --calibrate; GPU: 1)
     layer_time_factor: dict[str, float] = field(default_factory=dict)
+    # --compile: a family's layer time compiled over eager (CPU: --calibrate's probe of one
+    # block compiled by inductor; none measured: 1, the eager estimate)
+    compiled_layer_ratio: dict[str, float] = field(default_factory=dict)
     # by group size: seconds a rank waits at a blocking collective for peers that computed
     # slower since the last one, per square root of the seconds of that compute
     # (--calibrate's rank_drift; 0 on GPUs, whose kernels keep a steadier pace than a
@@ -175,6 +178,8 @@ CPU_DEFAULTS = {
     "optimizer_s_per_param": 6.8e-9,
     "optimizer_fixed_s": 0.0079,
     "layer_time_factor": {"gpt": 1.10, "llama": 1.05},
+    # one calibration's probe (2 cores, inductor, one thread's CPU time)
+    "compiled_layer_ratio": {"gpt": 0.99, "llama": 0.87},
     "drift": {"2": 0.023, "4": 0.080},
 }
 
@@ -240,7 +245,19 @@ def cpu_profile(calibration: dict | None, cores: int | None = None) -> DevicePro
         optimizer_s_per_param=values["optimizer_s_per_param"],
         optimizer_fixed_s=values.get("optimizer_fixed_s", 0.0),
         layer_time_factor=values.get("layer_time_factor", {}),
+        compiled_layer_ratio=values.get("compiled_layer_ratio", {}),
         drift={int(size): k for size, k in values["drift"].items()},
+    )
+
+
+def compiled_profile(profile: DeviceProfile) -> DeviceProfile:
+    """``profile`` as a ``--compile`` run sees it: each family's layer time scaled by its
+    measured compiled ratio (the head, loss and collectives as eager)."""
+    ratio, factor = profile.compiled_layer_ratio, profile.layer_time_factor
+    return replace(
+        profile,
+        layer_time_factor={f: factor.get(f, 1.0) * ratio.get(f, 1.0) for f in {*factor, *ratio}},
+        source=f"{profile.source}, compiled layers",
     )
 
 

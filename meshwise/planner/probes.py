@@ -85,27 +85,40 @@ LAYER_SIZES: dict[str, dict[str, Any]] = {
 LAYER_TOKENS = 512
 
 
-def layer_seconds(family_name: str) -> float:
+def layer_seconds(family_name: str, compiled: bool = False) -> float:
     """Forward and backward of one layer of the family's own code on ``LAYER_TOKENS`` tokens
-    (the fastest of several runs)."""
+    (the fastest of several runs); ``compiled``: as ``--compile`` runs it (the warm-up
+    compiles)."""
+    from meshwise.apply.compile import compile_blocks
     from meshwise.models.gpt import Block, GPTConfig
     from meshwise.models.llama import DecoderLayer, LlamaConfig, Rotary
 
     sizes = {k: v for k, v in LAYER_SIZES[family_name].items() if k != "preset"}
     x = torch.randn(1, LAYER_TOKENS, sizes["d_model"], requires_grad=True)
     if family_name == "gpt":
-        block = Block(GPTConfig(n_layer=1, block_size=LAYER_TOKENS, **sizes), 0)
-
-        def run():
-            return block(x)
+        block: torch.nn.Module = Block(GPTConfig(n_layer=1, block_size=LAYER_TOKENS, **sizes), 0)
+        args: tuple = (x,)
     else:
         cfg = LlamaConfig(n_layer=1, block_size=LAYER_TOKENS, **sizes)
-        decoder, rotary = DecoderLayer(cfg), Rotary(cfg)
+        block, rotary = DecoderLayer(cfg), Rotary(cfg)
+        # one function for every call: a new one each call would recompile a compiled block
+        args = (x, lambda n, device, dtype: rotary(torch.arange(n), dtype))
+    if compiled:
+        compile_blocks([block])
+    return _best(lambda: block(*args).sum().backward(), runs=5)
 
-        def run():
-            return decoder(x, lambda n, device, dtype: rotary(torch.arange(n), dtype))
 
-    return _best(lambda: run().sum().backward(), runs=5)
+def compiled_layer_ratios() -> dict[str, float]:
+    """Each family's layer time compiled by inductor over eager, on one thread (for the
+    planner's ``--compile`` profile; one inductor compile of a block per family)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {
+            name: layer_seconds(name, compiled=True) / layer_seconds(name) for name in LAYER_SIZES
+        }
+    finally:
+        torch.set_num_threads(threads)
 
 
 def layer_time_factors(values: dict) -> dict[str, float]:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshwise.planner.devices import DeviceProfile, device_profile
+from meshwise.planner.devices import DeviceProfile, compiled_profile, device_profile
 from meshwise.planner.layout import Layout
 from meshwise.planner.search import Prediction, Space, memory_limit, predict, search, settings_of
 from meshwise.planner.shapes import ModelShape, model_shape
@@ -132,6 +132,8 @@ def plan_request(
         Path(cache_dir) if cache_dir else None,
         memory_bytes=memory_gb * GIB if memory_gb else None,
     )
+    if cfg.runtime.compile:
+        device = compiled_profile(device)
     if nodes is not None:
         if nodes < 1 or world % nodes:
             divisors = [k for k in range(1, world + 1) if world % k == 0]

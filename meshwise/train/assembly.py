@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
-from meshwise.apply.compile import compile_blocks
+from meshwise.apply.compile import compile_blocks, compile_loss, keep_kernels_in
 from meshwise.apply.parallelize import ParallelModel
 from meshwise.apply.stages import chunk_layers
 from meshwise.comm import ops
@@ -65,7 +65,9 @@ def lay_out_model(cfg: TrainConfig, mesh: Mesh, vocab_size: int, own: ModelFamil
         parallel_model = build_model(cfg, fam, None, mesh, None)
         model_shape = own_model_shape(parallel_model, vocab_size)
     if cfg.runtime.compile:  # inside checkpointing: a recompute replays the compiled graph
+        keep_kernels_in(cfg.data.cache_dir)
         compile_blocks(parallel_model.layers(), split_backward=_splits_backward(cfg))
+        compile_loss(parallel_model)
     apply_activation_checkpointing(parallel_model.layers(), cfg.runtime.activation_checkpointing)
     return fam, model_cfg, parallel_model, model_shape
 

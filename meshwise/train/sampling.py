@@ -31,7 +31,11 @@ def end_sample(
     for _ in range(num_tokens):
         window = tokens[:, -trainer.cfg.data.seq_len :]
         padded, length = shard.padded(window)  # a length cp and sp split
-        last = _last_logits(trainer, trainer._forward(shard.cut(padded)), window.shape[1], length)
+        # --compile: every length would compile each region anew, and fullgraph fails at
+        # dynamo's recompile limit; a few tokens decode eager.
+        with torch.compiler.set_stance("force_eager"):
+            out = trainer._forward(shard.cut(padded))
+        last = _last_logits(trainer, out, window.shape[1], length)
         nxt = torch.zeros(1, dtype=torch.long, device=trainer.device)
         if last is not None:
             probs = torch.softmax(last.float().cpu() / temperature, -1)  # (V,)

@@ -9,26 +9,28 @@ import pytest
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 3
+STEPS = 20
 LLAMA = {"preset": "llama-tiny", "n_layer": 2, "n_head": 2, "n_kv_head": 2, "d_model": 32}
 GPT = {"preset": "tiny", "n_layer": 2, "n_head": 2, "d_model": 32}
 MOE = {**LLAMA, "n_experts": 4, "moe_ffn_hidden_size": 32}
 # Traced as inductor gets them (dynamo, AOTAutograd) and run by "aot_eager": inductor's
-# codegen takes 10-20 s a graph here; tests/unit/test_compile.py runs it on one process.
-LAYOUTS = {
-    "llama-1": (LLAMA, {}),
-    "llama-dp2-zero3-selective": (
-        LLAMA,
-        {"dp": 2, "zero": 3, "activation_checkpointing": "selective"},
-    ),
-    "llama-tp2-sp": (LLAMA, {"tp": 2, "sp": True}),
-    "llama-pp2-zb-h1": (LLAMA, {"pp": 2, "schedule": "zb-h1", "micro_batches": 2}),
-    "llama-cp2": (LLAMA, {"cp": 2}),
-    "moe-dp2-ep2": (MOE, {"dp": 2, "ep": 2}),
-    "gpt-dp2-zero3-full": (GPT, {"dp": 2, "zero": 3, "activation_checkpointing": "full"}),
-    "gpt-tp2-sp": (GPT, {"tp": 2, "sp": True}),
-    "gpt-pp2-zb-h1": (GPT, {"pp": 2, "schedule": "zb-h1", "micro_batches": 2}),
+# codegen takes 10-20 s a graph here; tests/e2e/test_compile_cli.py runs it through the CLI.
+SELECTIVE = {"activation_checkpointing": "selective"}
+PARALLEL = {
+    "1": {},
+    "dp2-zero3": {"dp": 2, "zero": 3},
+    "tp2-sp": {"tp": 2, "sp": True},
+    "pp2-zb-h1": {"pp": 2, "schedule": "zb-h1", "micro_batches": 2},
+    "cp2": {"cp": 2},
 }
+# Each family at each layout with selective checkpointing (the policy around a compiled
+# block); full checkpointing and experts once.
+LAYOUTS = {
+    f"{name}-{layout}-selective": (model, {**parallel, **SELECTIVE})
+    for name, model in (("llama", LLAMA), ("gpt", GPT))
+    for layout, parallel in PARALLEL.items()
+}
+LAYOUTS["moe-dp2-ep2-full"] = (MOE, {"dp": 2, "ep": 2, "activation_checkpointing": "full"})
 
 
 @pytest.fixture(scope="module")

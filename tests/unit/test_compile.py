@@ -47,7 +47,7 @@ def test_a_split_backward_keeps_linear_layers_out_of_the_graph():
     assert not any(isinstance(m, nn.Linear) and isinstance(m, Compiled) for m in model.modules())
 
 
-def test_compile_without_a_cpp_compiler_is_refused_before_spawning(monkeypatch):
+def test_compile_without_a_cpp_compiler_is_refused_before_spawning(monkeypatch, tmp_path):
     from torch._inductor import cpp_builder
 
     from meshwise.cli.preflight import prepare
@@ -56,12 +56,15 @@ def test_compile_without_a_cpp_compiler_is_refused_before_spawning(monkeypatch):
         raise RuntimeError("no C++ compiler among g++, clang++")
 
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the check would set it
     with pytest.raises(ValueError, match="--compile on the CPU needs a C..? compiler"):
         prepare(parse("--compile", "--device", "cpu"))
 
 
-def test_compile_on_a_python_without_dynamo_is_refused(monkeypatch):
+def test_compile_on_a_python_without_dynamo_is_refused(monkeypatch, tmp_path):
     from meshwise.cli.preflight import prepare
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
     monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
     with pytest.raises(ValueError, match="--compile: torch .* does not run on this Python"):
@@ -90,32 +93,70 @@ def test_moe_experts_run_eager_around_the_compiled_parts():
     assert not any(isinstance(m, Experts) and isinstance(m, Compiled) for m in model.modules())
 
 
-def test_inductor_blocks_equal_eager_without_breaks_or_recompiles(monkeypatch, tmp_path):
-    """Inductor's own kernels, once (10-20 s here): the layouts are tests/dist's."""
+def test_blocks_and_loss_equal_eager_recompiling_once_per_new_shape(monkeypatch):
+    """At tp 1 the blocks (one graph for both), the final norm and the cross entropy
+    compile, give eager's loss and gradients, and compile again only for a new batch
+    shape, once; under tp the loss issues collectives and stays eager. Traced as inductor
+    gets them, run by aot_eager (inductor's kernels: tests/e2e/test_compile_cli.py)."""
     import copy
+    import types
 
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    import meshwise.apply.compile as compile_module
+    from meshwise.apply.compile import compile_loss
+    from meshwise.apply.parallelize import parallelize
+    from meshwise.models.gpt import GPT, GPTConfig, gpt_plan
+
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=50)
+    with torch.device("meta"):
+        sharded = parallelize(
+            GPT(cfg), gpt_plan(cfg), tp_group=types.SimpleNamespace(rank=0, size=2)
+        )
+    assert compile_loss(sharded) == ["LayerNorm"] and sharded.compiled_loss is None
+
+    monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
     torch._dynamo.reset()
     counters.clear()
-    torch.manual_seed(0)
-    eager = _llama()
-    for p in eager.parameters():
-        nn.init.normal_(p, std=0.1)
+    eager = parallelize(GPT(cfg).init_weights(0), gpt_plan(cfg), vocab_size=50)
     model = copy.deepcopy(eager)
-    compile_blocks(model.layers)
+    assert compile_blocks(model.layers()) == ["Block"]
+    assert compile_loss(model) == ["LayerNorm", "cross_entropy"]
     for m in (eager, model):
-        apply_activation_checkpointing(m.layers, "full")  # the recompute replays the graph
+        apply_activation_checkpointing(m.layers(), "full")  # the recompute replays the graph
     graphs = []
-    for step in range(3):
-        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
-        losses = [m(x).square().mean() for m in (eager, model)]
+    for step, batch in enumerate((2, 2, 2, 3, 3)):  # the last two: a shorter last batch
+        x, y = torch.randint(0, 50, (2, batch, 16), generator=torch.Generator().manual_seed(step))
+        losses = [m.loss(m.chunks[0](x), y) for m in (eager, model)]
         for loss in losses:
             loss.backward()
         assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
-        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        for (name, p), (_, q) in zip(eager.named_parameters(), model.named_parameters()):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
         graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"]
-    assert graphs == [1, 1, 1]  # both blocks share one graph, never recompiled
+    # the blocks', the final norm's and the loss's graphs; a new shape: each once more
+    assert graphs == [3, 3, 3, 6, 6]
+
+
+def test_the_planner_prices_compiled_layers_by_the_calibrated_ratio(tmp_path):
+    from meshwise.planner.compute import action_costs
+    from meshwise.planner.devices import save_calibration
+    from meshwise.planner.layout import Layout
+    from meshwise.planner.request import plan_request
+    from meshwise.planner.search import Space, settings_of
+    from meshwise.train.config import TrainConfig
+
+    save_calibration(
+        {"layer_time_factor": {"llama": 1.5}, "compiled_layer_ratio": {"llama": 0.6}}, tmp_path
+    )
+    costs = []
+    for compiled in (False, True):
+        cfg = TrainConfig()
+        cfg.model.preset, cfg.runtime.compile = "llama-tiny", compiled
+        request = plan_request(cfg, 1, "cpu", Space(), cache_dir=str(tmp_path))
+        st = settings_of(cfg, request.device)
+        costs.append(action_costs(request.shape, Layout(), st, request.device, 2, False, False))
+    eager, compiled_costs = costs
+    for part in ("forward", "backward", "weights"):
+        assert getattr(compiled_costs, part) == pytest.approx(0.6 * getattr(eager, part)), part
