@@ -25,7 +25,7 @@ from meshwise.tensor_parallel.mappings import tp_size_of
 QUANTIZE_BASE = ("none", "nf4")
 BLOCK_SIZE = 64
 # The 16 NF4 values: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero (QLoRA
-# appendix E; the same fp32 values as bitsandbytes' code book).
+# section 3; the same fp32 values as bitsandbytes' code book).
 NF4_VALUES = (
     -1.0,
     -0.6961928009986877,

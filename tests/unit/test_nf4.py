@@ -25,7 +25,7 @@ def _weight(rows=12, cols=256, seed=0):
 
 
 def test_the_code_book_is_normal_quantiles_scaled_to_one():
-    # QLoRA (Dettmers et al. 2023) appendix E: 8 positive and 7 negative quantiles of
+    # QLoRA (Dettmers et al. 2023) section 3: 8 positive and 7 negative quantiles of
     # N(0, 1) between offset and 1/2, and an exact zero, normalised by the largest (the
     # published values are fp32, rounded from a 7-digit offset).
     offset = 0.5 * (1 / 32 + 1 / 30)
