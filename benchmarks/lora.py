@@ -3,7 +3,7 @@ Hugging Face Llama (random, saved here) and the same batches: median step time, 
 state meshwise counts (frozen weights + adapters' parameters, gradients and AdamW state),
 and the process's peak RSS, measured by the process.
 
-    python benchmarks/lora.py [--model llama-small --rank 8 --steps 12 --seq-len 256]
+    python benchmarks/lora.py [--model llama-small --n-layer N --rank 8 --steps 12 --seq-len 256]
 
 Each variant runs in a fresh process (``meshwise train --dp 1`` or a PEFT + transformers
 + ``torch.optim.AdamW`` loop), with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns
@@ -33,6 +33,7 @@ TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-small", help="a Llama preset's sizes")
+    p.add_argument("--n-layer", type=int, default=0, help="blocks (0: the preset's)")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--steps", type=int, default=12, help="steps per variant (the first 2 untimed)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -41,12 +42,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def sizes(args) -> dict:
+    """The preset's sizes, with ``--n-layer``."""
+    s = dict(MODEL_PRESETS[args.model])
+    s["n_layer"] = args.n_layer or s["n_layer"]
+    return s
+
+
 def save_base(args, out: Path) -> None:
     """A random ``LlamaForCausalLM`` of the preset's sizes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    s = MODEL_PRESETS[args.model]
+    s = sizes(args)
     config = LlamaConfig(
         hidden_size=s["d_model"],
         intermediate_size=s["ffn_hidden_size"],
@@ -132,7 +140,7 @@ def _env() -> dict:
 
 def counts(args) -> dict:
     """Parameters of the model and of its rank-r adapters on every targeted layer."""
-    s = MODEL_PRESETS[args.model]
+    s = sizes(args)
     d, f, layers = s["d_model"], s["ffn_hidden_size"], s["n_layer"]
     kv = d // s["n_head"] * s["n_kv_head"]
     shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]  # (in, out)
