@@ -86,7 +86,8 @@ def dequantize_nf4(
     product taken in fp32, then cast)."""
     code = nf4_code(codes.device) if code is None else code
     pairs = codes.reshape(-1, BLOCK_SIZE // 2)  # (num_blocks, 32)
-    index = torch.stack((pairs >> 4, pairs & 0xF), dim=-1).reshape(-1, BLOCK_SIZE).long()
+    # int32 indices: half the transient bytes of int64 for the layer being dequantised
+    index = torch.stack((pairs >> 4, pairs & 0xF), dim=-1).reshape(-1, BLOCK_SIZE).int()
     values = code[index] * absmax.unsqueeze(1)  # (num_blocks, 64)
     return values.reshape(shape).to(dtype)
 
