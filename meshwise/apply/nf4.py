@@ -88,8 +88,9 @@ def dequantize_nf4(
     pairs = codes.reshape(-1, BLOCK_SIZE // 2)  # (num_blocks, 32)
     # int32 indices: half the transient bytes of int64 for the layer being dequantised
     index = torch.stack((pairs >> 4, pairs & 0xF), dim=-1).reshape(-1, BLOCK_SIZE).int()
-    values = code[index] * absmax.unsqueeze(1)  # (num_blocks, 64)
-    return values.reshape(shape).to(dtype)
+    values = code[index]  # (num_blocks, 64)
+    del index  # scaled in place: the transient stays two buffers of the layer's size
+    return values.mul_(absmax.unsqueeze(1)).reshape(shape).to(dtype)
 
 
 @dataclass
