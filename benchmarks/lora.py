@@ -1,14 +1,17 @@
-"""LoRA beside full fine-tuning and beside PEFT, one process each, on the same Hugging Face
-Llama (random, saved here) and the same batches: median step time, the model state
-meshwise counts (frozen weights + adapters' parameters, gradients and AdamW state), and
-the process's peak RSS, measured by the process.
+"""LoRA and QLoRA beside full fine-tuning and beside PEFT, one process each, on the same
+Hugging Face Llama (random, saved here) and the same batches: median step time, the model
+state meshwise counts (frozen weights + adapters' parameters, gradients and AdamW state),
+and the process's peak RSS, measured by the process.
 
-    python benchmarks/lora.py [--model llama-small --rank 8 --steps 12 --seq-len 256]
+    python benchmarks/lora.py [--model llama-small --n-layer N --rank 8 --steps 12 --seq-len 256]
 
 Each variant runs in a fresh process (``meshwise train --dp 1`` or a PEFT + transformers
 + ``torch.optim.AdamW`` loop), with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns
 freed buffers. The formula beside the counts: full fine-tuning 16 B/param (fp32 weights,
-gradients, two AdamW moments); LoRA 4 B per frozen parameter + 16 B per adapter parameter.
+gradients, two AdamW moments); LoRA 4 B per frozen parameter + 16 B per adapter parameter;
+QLoRA the same with the blocks' linear weights at 0.5 B + 4 B / 64 (a code and its share
+of an fp32 block scale). The QLoRA run's frozen linear weights, measured: the LoRA run's 4 B
+per linear parameter less the fall of peak RSS from LoRA to QLoRA, per linear parameter.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-small", help="a Llama preset's sizes")
+    p.add_argument("--n-layer", type=int, default=0, help="blocks (0: the preset's)")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--steps", type=int, default=12, help="steps per variant (the first 2 untimed)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -38,12 +42,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def sizes(args) -> dict:
+    """The preset's sizes, with ``--n-layer``."""
+    s = dict(MODEL_PRESETS[args.model])
+    s["n_layer"] = args.n_layer or s["n_layer"]
+    return s
+
+
 def save_base(args, out: Path) -> None:
     """A random ``LlamaForCausalLM`` of the preset's sizes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    s = MODEL_PRESETS[args.model]
+    s = sizes(args)
     config = LlamaConfig(
         hidden_size=s["d_model"],
         intermediate_size=s["ffn_hidden_size"],
@@ -57,15 +68,18 @@ def save_base(args, out: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(out)
 
 
-def meshwise_run(args, base: Path, tokens: Path, work: Path, lora: bool) -> dict:
-    metrics = work / f"metrics-{'lora' if lora else 'full'}.jsonl"
+def meshwise_run(args, base: Path, tokens: Path, work: Path, variant: str) -> dict:
+    """``variant``: full, lora or qlora (LoRA with --quantize-base nf4)."""
+    metrics = work / f"metrics-{variant}.jsonl"
     cmd = [sys.executable, "-m", "meshwise", "train", "--init-from", str(base)]
     cmd += ["--data", str(tokens), "--vocab-size", str(args.vocab_size), "--dp", "1"]
     cmd += ["--steps", str(args.steps), "--seq-len", str(args.seq_len)]
     cmd += ["--batch-size", str(args.batch_size), "--metrics", str(metrics), "-q"]
-    if lora:
+    if variant != "full":
         cmd += ["--lora-rank", str(args.rank), "--lora-alpha", str(2 * args.rank)]
         cmd += ["--lora-targets", TARGETS]
+    if variant == "qlora":
+        cmd += ["--quantize-base", "nf4"]
     subprocess.run(cmd, check=True, env=_env())
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {
@@ -126,14 +140,14 @@ def _env() -> dict:
 
 def counts(args) -> dict:
     """Parameters of the model and of its rank-r adapters on every targeted layer."""
-    s = MODEL_PRESETS[args.model]
+    s = sizes(args)
     d, f, layers = s["d_model"], s["ffn_hidden_size"], s["n_layer"]
     kv = d // s["n_head"] * s["n_kv_head"]
     shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]  # (in, out)
     adapters = layers * sum(args.rank * (i + o) for i, o in shapes)
     linear = layers * sum(i * o for i, o in shapes)
     params = linear + layers * 2 * d + d + 2 * args.vocab_size * d
-    return {"params": params, "adapter_params": adapters}
+    return {"params": params, "linear_params": linear, "adapter_params": adapters}
 
 
 def main(argv=None) -> None:
@@ -147,14 +161,19 @@ def main(argv=None) -> None:
         rng = np.random.default_rng(0)
         rng.integers(0, args.vocab_size, 400_000).astype(np.uint16).tofile(tokens)
         results = {
-            "full": meshwise_run(args, work / "base", tokens, work, lora=False),
-            "lora": meshwise_run(args, work / "base", tokens, work, lora=True),
+            "full": meshwise_run(args, work / "base", tokens, work, "full"),
+            "lora": meshwise_run(args, work / "base", tokens, work, "lora"),
+            "qlora": meshwise_run(args, work / "base", tokens, work, "qlora"),
             "peft": peft_run(args, work / "base", tokens),
         }
     n = counts(args)
+    nf4_bytes_per_param = 0.5 + 4 / 64
     formula = {
         "full": 16 * n["params"],
         "lora": 4 * (n["params"]) + 16 * n["adapter_params"],
+        "qlora": 4 * (n["params"] - n["linear_params"])
+        + nf4_bytes_per_param * n["linear_params"]
+        + 16 * n["adapter_params"],
     }
     for name, row in results.items():
         print(
@@ -167,7 +186,18 @@ def main(argv=None) -> None:
                 else ""
             )
         )
-    print(json.dumps({**n, "formula_bytes": formula, **results}))
+    fall = results["lora"]["peak_rss_bytes"] - results["qlora"]["peak_rss_bytes"]
+    measured = 4 - fall / n["linear_params"]
+    print(
+        f"QLoRA's frozen linear weights: {measured:.3f} B/param measured (4 B less the fall "
+        f"of peak RSS, {fall / 2**20:.1f} MiB, over {n['linear_params'] / 1e6:.2f}M linear "
+        f"parameters); formula {nf4_bytes_per_param:.4f} B/param"
+    )
+    print(
+        json.dumps(
+            {**n, "formula_bytes": formula, "qlora_linear_bytes_per_param": measured, **results}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshwise.apply.nf4 import QUANTIZE_BASE, quantized_bytes
 from meshwise.geometry.init import ZEROS, Init, init_values, normal, uniform
 from meshwise.geometry.params import mark_tp
 from meshwise.sharding.binding import param_owners, rebind
@@ -53,6 +54,7 @@ class LoraConfig:
     lora_targets: str = ALL_LINEAR  # comma-separated module names (PEFT's suffix match)
     lora_init: str = "kaiming"  # PEFT's default: A Kaiming-uniform; gaussian: A ~ N(0, 1/r^2)
     lora_from: str = ""  # a PEFT adapter to start from (its config sets the fields above)
+    quantize_base: str = "none"  # nf4: the frozen linear weights held as 4-bit (QLoRA)
 
     @property
     def enabled(self) -> bool:
@@ -70,7 +72,16 @@ class LoraConfig:
         """ValueError naming the first bad setting."""
         if self.lora_rank < 0:
             raise ValueError(f"--lora-rank {self.lora_rank}; valid: 0 (off) or a positive rank")
+        if self.quantize_base not in QUANTIZE_BASE:
+            raise ValueError(
+                f"--quantize-base {self.quantize_base!r}; valid: {', '.join(QUANTIZE_BASE)}"
+            )
         if not self.enabled:
+            if self.quantize_base != "none":
+                raise ValueError(
+                    f"--quantize-base {self.quantize_base} quantises the frozen base of a LoRA "
+                    "run; valid: with --lora-rank > 0, or --quantize-base none"
+                )
             return
         if self.lora_alpha <= 0:
             raise ValueError(f"--lora-alpha {self.lora_alpha:g}; valid: a positive number")
@@ -225,10 +236,11 @@ def hold_frozen(model, values, dtype: torch.dtype, device) -> int:
 
 
 def frozen_bytes(chunks: list[nn.Module]) -> int:
-    """Bytes of the frozen parameters held (outside any engine), each storage once."""
+    """Bytes of the frozen parameters held (outside any engine), each storage once, and
+    of the NF4 codes and scales of a quantised base."""
     storages = {}
     for chunk in chunks:
         for p in chunk.parameters():
             if not p.requires_grad and p.device.type != "meta":
                 storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
-    return sum(storages.values())
+    return sum(storages.values()) + quantized_bytes(chunks)

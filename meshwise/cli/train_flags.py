@@ -121,6 +121,9 @@ TRAIN_FLAGS = [
     ("--lora-from", "lora", "lora_from", str,
      "LoRA: start the adapters from a PEFT adapter directory (adapter_config.json + "
      "adapter_model.safetensors); its config sets rank, alpha, dropout and targets"),
+    ("--quantize-base", "lora", "quantize_base", str,
+     "LoRA: hold the frozen linear weights as 4-bit NormalFloat blocks (nf4, QLoRA) or as "
+     "they are (none)"),
     ("--vocab-size", "model", "vocab_size", int,
      "vocabulary of the model; needed for a .bin with token ids past 255"),
     ("--seq-len", "data", "seq_len", int, "tokens per sequence"),

@@ -1,7 +1,8 @@
 """A LoRA run's checkpoint as a PEFT adapter (``meshwise export --format peft``): the
 adapters, read whole from whatever layout saved them, under PEFT's names, with the
 ``adapter_config.json`` of the run's ``--lora-*`` settings; or merged into the frozen
-weights (``--merge-lora``), which the run rebuilt from ``--init-from`` or ``--seed``.
+weights (``--merge-lora``), which the run rebuilt from ``--init-from`` or ``--seed``
+(and, under ``--quantize-base nf4``, held as NF4: merged into those dequantised values).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from meshwise.apply.lora import ADAPTER_NAMES, is_adapter
+from meshwise.apply.nf4 import dequantize_nf4, quantizable_layers, quantize_nf4
 from meshwise.checkpoint.state import model_tensors
 from meshwise.checkpoint.store import Checkpoint
 from meshwise.geometry.init import full_init, on_meta
@@ -82,6 +84,10 @@ def merged_tensors(ckpt: Checkpoint, cfg, family_name: str) -> dict[str, torch.T
         assert init is not None, f"model family {family_name!r} draws no initial values"
         read = lambda name, shape: full_init(init(cfg, name), seed, name, shape)  # noqa: E731
     tensors = {name: read(name, shape).reshape(shape) for name, shape in shapes.items()}
+    if lora.get("quantize_base", "none") == "nf4":  # the base the run computed with
+        for path, _ in quantizable_layers(model, fam.plan(cfg).last_stage):
+            weight = tensors[f"{path}.weight"]
+            tensors[f"{path}.weight"] = dequantize_nf4(*quantize_nf4(weight), weight.shape)
     adapters = {n: t for n, t in model_tensors(ckpt).items() if is_adapter(n)}
     for name in adapters:
         if name.endswith(ADAPTER_NAMES[0]):

@@ -123,6 +123,25 @@ def check_layout(cfg, own_model: bool = False) -> None:
             f"micro-batches = {p.dp} x {d.grad_accum} x {p.num_micro_batches} = {per_step}"
         )
     _check_gradient_group(cfg)
+    _check_quantized_base(cfg)
+
+
+def _check_quantized_base(cfg) -> None:
+    """--quantize-base nf4 holds the frozen weights beside the engines, dequantised by each
+    layer's own forward: not with ZeRO-3 (its engine shards and gathers frozen weights
+    itself) nor --compile (the saved-tensor hooks that keep the codes for backward)."""
+    base = cfg.lora.quantize_base
+    if base == "none":
+        return
+    if cfg.parallel.zero == 3:
+        raise ValueError(
+            f"--quantize-base {base} with --zero 3 is not supported yet; valid: --zero 0, 1 or 2"
+        )
+    if cfg.runtime.compile:
+        raise ValueError(
+            f"--quantize-base {base} with --compile is not supported yet; valid: leave "
+            "--compile out"
+        )
 
 
 def _check_sequence(cfg, own_model: bool) -> None:

@@ -6,6 +6,7 @@ of the frozen weights they sit beside.
 from __future__ import annotations
 
 from meshwise.apply.lora import ADAPTER_NAMES, hold_frozen, targeted_layers, with_adapter_values
+from meshwise.apply.nf4 import BLOCK_SIZE, LINEAR_TYPES, quantize_frozen
 from meshwise.geometry.init import on_meta
 from meshwise.hf import peft
 from meshwise.train.config import TrainConfig, flag_name
@@ -45,16 +46,22 @@ def _same_targets(field: str, now, value) -> bool:
     return field == "lora_targets" and sorted(now.split(",")) == value.split(",")
 
 
-def adapter_shapes(cfg: TrainConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Each adapter's logical shape on the whole model (built on meta); ValueError for a
-    target matching no layer or a rank above a layer's smallest dimension."""
+def _whole_model(cfg: TrainConfig, vocab_size: int):
+    """The whole model on meta, and its plan."""
     from meshwise.models.families import family
 
     fam = family(cfg.model.family)
     model_cfg = fam.make_config(cfg.model.sizes(vocab_size))
     with on_meta():
         model = fam.build(model_cfg)
-    skip = fam.plan(model_cfg).last_stage
+    return model, fam.plan(model_cfg)
+
+
+def adapter_shapes(cfg: TrainConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Each adapter's logical shape on the whole model (built on meta); ValueError for a
+    target matching no layer or a rank above a layer's smallest dimension."""
+    model, plan = _whole_model(cfg, vocab_size)
+    skip = plan.last_stage
     shapes: dict[str, tuple[int, ...]] = {}
     for path, module in targeted_layers(model, cfg.lora, skip):
         a, b = (f"{path}.{n}" for n in ADAPTER_NAMES)
@@ -70,6 +77,42 @@ def check_lora(cfg: TrainConfig, vocab_size: int) -> None:
     shapes = adapter_shapes(cfg, vocab_size)
     if cfg.lora.lora_from:
         peft.AdapterFile(cfg.lora.lora_from).check(shapes)
+    if cfg.lora.quantize_base == "nf4":
+        check_nf4_rows(cfg, vocab_size)
+
+
+def check_nf4_rows(cfg: TrainConfig, vocab_size: int) -> None:
+    """Each rank's row of every quantised weight is whole 64-value blocks (a row-parallel
+    layer holds in_features / tp of each row), so no block straddles a tp shard."""
+    model, plan = _whole_model(cfg, vocab_size)
+    rows = {}  # path -> (in_features, split by tp)
+    for path, module in model.named_modules():
+        if isinstance(module, LINEAR_TYPES) and path not in plan.last_stage:
+            rows[path] = (module.in_features, plan.tp_style(path) == "rowwise")
+
+    def row_on_rank(n: int, split: bool, tp: int) -> int:
+        return n // tp if split else n
+
+    def misfit(tp: int) -> str | None:
+        """The first layer whose row on a rank is not whole blocks under ``tp``."""
+        return next(
+            (p for p, (n, split) in rows.items() if row_on_rank(n, split, tp) % BLOCK_SIZE),
+            None,
+        )
+
+    tp = cfg.parallel.tp
+    path = misfit(tp)
+    if path is None:
+        return
+    n, split = rows[path]
+    valid = [t for t in range(1, tp + 1) if tp % t == 0 and misfit(t) is None]
+    held = f"{n} / tp {tp} = {row_on_rank(n, split, tp)}" if split else str(n)
+    layout = f" --tp {tp}" if tp > 1 else ""
+    raise ValueError(
+        f"--quantize-base nf4{layout}: a row of {path} holds {held} values per rank, not "
+        f"whole {BLOCK_SIZE}-value NF4 blocks; valid: "
+        + (f"--tp {', '.join(map(str, valid))}" if valid else "--quantize-base none")
+    )
 
 
 def lora_values(parallel_model, values, cfg: TrainConfig, dtype, device):
@@ -78,5 +121,7 @@ def lora_values(parallel_model, values, cfg: TrainConfig, dtype, device):
     lora = cfg.lora
     read = peft.AdapterFile(lora.lora_from).read if lora.lora_from else None
     values = with_adapter_values(parallel_model, values, lora, cfg.data.seed, read)
+    if lora.quantize_base == "nf4":  # before hold_frozen: no dense copy of these is made
+        quantize_frozen(parallel_model, values, dtype, device, parallel_model.plan.last_stage)
     hold_frozen(parallel_model, values, dtype, device)
     return values

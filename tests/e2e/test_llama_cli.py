@@ -223,6 +223,12 @@ def test_bad_init_from_exits_2_with_one_line(tmp_path, hf_dir, corpus, spoil, fl
         (["--n-kv-head", "2"], "--n-kv-head applies to the llama models, not --model tiny"),
         (["--model", "llama-tiny", "--n-kv-head", "3"], "--n-kv-head 3 does not divide --n-head 4"),
         (["--model", "llama-tiny", "--dropout", "0.1"], "the llama family trains without dropout"),
+        (
+            ["--model", "llama-tiny", "--n-kv-head", "4", "--tp", "4"]
+            + ["--lora-rank", "4", "--quantize-base", "nf4"],
+            "o_proj holds 128 / tp 4 = 32 values per rank, not whole 64-value NF4 blocks; "
+            "valid: --tp 1, 2",
+        ),
     ],
 )
 def test_bad_llama_settings_exit_2_with_one_line(tmp_path, corpus, flags, message):
