@@ -65,6 +65,8 @@ class ZeroStage3(EngineBase):
     ``unit_cap_mb`` except those in ``alone``. ``prefetch``: start the next unit's
     all-gather ahead of its use. ``reshard``: one of ``RESHARD`` (``reshard_policy``).
     ``values``/``precision``/``device``/``grad_reducer``: as for ``ZeroOptimizer``.
+    Frozen parameters are sharded and gathered with their unit, never reduced or
+    updated; ``exclude``: parameters another engine owns, left alone.
     ``events``: what the latest micro-step did, ``(kind, unit)``, kind one of
     ``gather_start``, ``forward``, ``free``, ``backward``, ``reduce_scatter``.
     """
@@ -79,6 +81,7 @@ class ZeroStage3(EngineBase):
         *,
         reshard: str | None = None,
         alone=(),
+        exclude=(),
         precision: Precision | None = None,
         values=None,
         device=None,
@@ -90,7 +93,9 @@ class ZeroStage3(EngineBase):
         reshard = reshard_policy(pipelined) if reshard is None else reshard
         if reshard not in RESHARD:
             raise ValueError(f"reshard {reshard!r} is not valid; valid: {', '.join(RESHARD)}")
-        named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+        left_out = {id(p) for p in exclude}
+        every = [(n, p) for m in modules for n, p in m.named_parameters() if id(p) not in left_out]
+        named = [(n, p) for n, p in every if p.requires_grad]
         super().__init__(
             dp_group, 3, adamw, precision or Precision.of(named[0][1].dtype), grad_reducer
         )
@@ -106,29 +111,35 @@ class ZeroStage3(EngineBase):
             group=dp_group,
             precision=self.precision,
             device=device or device_of(p for _, p in named),
-            values=values or values_of(named),
+            values=values or values_of(every),
             pool=self.pool,
             gathered=self.gathered,
             on_gradient=self._views_backward,
         )
         self._chunks: list[_Chunk] = []
         for c, module in enumerate(modules):
-            unit_params, root_params = cut_into_units(
+            unit_params, (root_trained, root_frozen) = cut_into_units(
                 module,
                 units[c] if pipelined else units,
                 unit_cap_mb * 2**20 if unit_cap_mb else None,
                 alone,
+                exclude,
             )
             root = (
-                make(f"root{c}" if pipelined else ROOT, [module], root_params)
-                if root_params
+                make(f"root{c}" if pipelined else ROOT, [module], root_trained, frozen=root_frozen)
+                if root_trained or root_frozen
                 else None
             )
-            self._chunks.append(_Chunk(module, root, [make(*u) for u in unit_params]))
+            blocks = [
+                make(name, mods, trained, frozen=frozen)
+                for name, mods, trained, frozen in unit_params
+            ]
+            self._chunks.append(_Chunk(module, root, blocks))
             self._register(self._chunks[-1])
         self.units = [u for ch in self._chunks for u in ([ch.root] if ch.root else []) + ch.blocks]
         self.blocks = [u for ch in self._chunks for u in ch.blocks]
-        self.flats = [unit.flat for unit in self.units]
+        # What trains: a unit of frozen parameters only has an empty flat, left out.
+        self.flats = [unit.flat for unit in self.units if unit.flat.slots]
         self._roots = {ch.root for ch in self._chunks if ch.root is not None}
         self.root = self._chunks[0].root  # the model's (the first chunk's)
         self.events = self.gathered.events
@@ -268,7 +279,7 @@ class ZeroStage3(EngineBase):
         self.events.append(("reduce_scatter", unit.name))
         self._pending.append(
             unit.flat.start_reduce(
-                full, self.grad_reducer, key=self.units.index(unit), on_done=self.pool.release
+                full, self.grad_reducer, key=self.flats.index(unit.flat), on_done=self.pool.release
             )
         )
         while len(self._pending) > self.max_inflight:
@@ -343,15 +354,22 @@ class ZeroStage3(EngineBase):
             "in alone="
         )
 
+    def state_bytes(self) -> int:
+        """The trained parameters' state, and the frozen parameters' shards."""
+        frozen = [u.frozen.master for u in self.units if u.frozen is not None]
+        return super().state_bytes() + sum(t.numel() * t.element_size() for t in frozen)
+
     @property
     def peak_gathered_bytes(self) -> int:
         """Most bytes of gathered parameters alive at once during the last step."""
         return self.gathered.peak if self._last_step_peak is None else self._last_step_peak
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 copies of every managed parameter by name (a collective)."""
+    def full_state_dict(self, frozen: bool = False) -> dict[str, torch.Tensor]:
+        """Full fp32 copies of every trained parameter by name (a collective); with
+        ``frozen``, of the frozen ones instead, in the compute dtype."""
         out = {}
-        for flat in self.flats:
+        frozen_flats = [u.frozen for u in self.units if u.frozen is not None]
+        for flat in frozen_flats if frozen else self.flats:
             full = torch.empty(flat.plan.padded_numel, dtype=flat.master.dtype, device=flat.device)
             ops.all_gather(full, flat.master, self.group, category="param")
             out.update(
@@ -360,7 +378,7 @@ class ZeroStage3(EngineBase):
                     for s in flat.slots
                 }
             )
-        return {name: out[name] for name in self.param_names}
+        return out if frozen else {name: out[name] for name in self.param_names}
 
 
 def PipelineZeroStage3(

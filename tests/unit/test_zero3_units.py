@@ -25,7 +25,7 @@ def _group(size=1, rank=0):
 
 
 def _reference_adamw(model):
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
         {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
@@ -58,7 +58,17 @@ def _gpt_selective():
     return model
 
 
-@pytest.mark.parametrize("make", [_gpt, _gpt_selective, lambda: CheckpointedBlocks().double()])
+def _gpt_frozen():
+    """Frozen weights (LoRA's base) in every unit, and a root of frozen ones only."""
+    model = _gpt()
+    for name, p in model.named_parameters():
+        p.requires_grad_("mlp" in name)
+    return model
+
+
+@pytest.mark.parametrize(
+    "make", [_gpt, _gpt_selective, _gpt_frozen, lambda: CheckpointedBlocks().double()]
+)
 def test_single_rank_matches_adamw(make):
     torch.manual_seed(0)
     model = make()
@@ -88,8 +98,16 @@ def test_single_rank_matches_adamw(make):
         assert losses[0] == losses[1]
         assert all(u.gathered_bytes() == 0 for u in zero.units)
     full = zero.full_state_dict()
+    frozen = zero.full_state_dict(frozen=True)
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(full[name], p, rtol=0, atol=1e-12)
+        if p.requires_grad:
+            torch.testing.assert_close(full[name], p, rtol=0, atol=1e-12)
+        else:
+            assert torch.equal(frozen[name], p)
+    # Frozen: sharded storage only, no gradient, no AdamW state, nothing to checkpoint.
+    assert len(full) + len(frozen) == len(list(ref.parameters()))
+    assert all(u.frozen is None or u.frozen.grad_shard is None for u in zero.units)
+    assert sum(len(run.names) for run in zero.checkpoint_runs()) == len(full)
 
 
 def test_tied_embedding_stays_in_root():
@@ -97,6 +115,17 @@ def test_tied_embedding_stays_in_root():
     assert [u.name for u in zero.units] == ["root", "blocks.0", "blocks.1"]
     assert "wte.weight" in [s.name for s in zero.root.flat.slots]
     assert zero.param_names[0] == "wte.weight"
+
+
+def test_excluded_parameters_stay_with_their_module():
+    """Another engine's parameters (experts under ep): neither sharded nor unregistered."""
+    model = _gpt()
+    mlp = model.blocks["0"].mlp
+    kept = list(mlp.parameters())
+    zero = ZeroStage3(model, _group(), CFG, exclude=kept)
+    held = {s.name for u in zero.units for s in u.flat.slots}
+    assert list(mlp.parameters()) == kept and not any(".0.mlp." in n for n in held)
+    assert len(held) == len(list(_gpt().parameters())) - len(kept)
 
 
 def test_eval_forward_frees_everything():
