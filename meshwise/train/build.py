@@ -4,7 +4,6 @@ sharding engine (allocating only what this rank keeps), and the dtype of ``--dty
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -84,18 +83,21 @@ def build_engine(
     values,
     device,
     grad_reducer=None,
+    exclude=(),
 ):
     """The gradient synchroniser + optimizer for ``--zero`` (``ZeroOptimizer`` for stages 0-2,
     ``ZeroStage3``), filled from ``values``, reducing over ``mesh.shard_group`` (through
     ``grad_reducer`` when given), then over ``mesh.replicate_group`` (``--dp-shard``).
+    ``exclude``: parameters held elsewhere, which ZeRO-3 must not shard (stages 0-2
+    take only trained ones, and those are the caller's to leave out).
     """
-    engine = _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer)
+    engine = _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer, exclude)
     if mesh.replicate_group is not None:
         engine.replicate_over(mesh.replicate_group)
     return engine
 
 
-def _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer):
+def _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer, exclude=()):
     precision, p = precision_of(cfg), cfg.parallel
     if model.ep_group is not None:
         return _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer)
@@ -117,6 +119,7 @@ def _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer):
             units,
             reshard=reshard_policy(p.pp > 1, p.reshard_after_forward),
             alone=alone,
+            exclude=exclude,
             precision=precision,
             values=values,
             device=device,
@@ -145,22 +148,20 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
     experts' over their expert-data-parallel group, at the same ZeRO stage."""
     p = cfg.parallel
     named = model.named_parameters()
-    # Frozen experts (LoRA) are held beside the engines, as every frozen weight.
+    # Experts differ across ep ranks: the dense engine's ZeRO-3 must not shard them over
+    # dp x cp. Trained, they have an engine of their own; frozen (LoRA), they are held
+    # beside the engines (``meshwise.train.lora_setup``).
+    every_expert = [q for _, q in named if ep_split(q) is not None]
     experts = [(n, q) for n, q in named if ep_split(q) is not None and q.requires_grad]
+    dense_model = dataclasses.replace(model, ep_group=None)
     if not experts:  # a pipeline stage of dense layers only: its engine as without ep
-        whole = dataclasses.replace(model, ep_group=None)
-        return build_engine(whole, mesh, cfg, adamw, values, device, grad_reducer)
+        return build_engine(
+            dense_model, mesh, cfg, adamw, values, device, grad_reducer, every_expert
+        )
     if p.zero == 3:
-        with _frozen([q for _, q in experts]):  # the dense engine leaves them alone
-            dense = build_engine(
-                dataclasses.replace(model, ep_group=None),
-                mesh,
-                cfg,
-                adamw,
-                values,
-                device,
-                grad_reducer,
-            )
+        dense = build_engine(
+            dense_model, mesh, cfg, adamw, values, device, grad_reducer, every_expert
+        )
         # The dense engine took the rest: this one holds the experts, a unit per layer,
         # gathered from a step's first forward to its end (no freed views to rebuild
         # under the dense engine's saved-tensor hooks).
@@ -204,17 +205,6 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
         mesh.ep_group,
         [n for n, _ in experts],
     )
-
-
-@contextlib.contextmanager
-def _frozen(params):
-    for q in params:
-        q.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for q in params:
-            q.requires_grad_(True)
 
 
 def own_model_shape(model: ParallelModel, data_vocab_size: int) -> dict:

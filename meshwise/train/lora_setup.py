@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from meshwise.apply.lora import ADAPTER_NAMES, hold_frozen, targeted_layers, with_adapter_values
 from meshwise.geometry.init import on_meta
+from meshwise.geometry.params import ep_split
 from meshwise.hf import peft
 from meshwise.train.config import TrainConfig, flag_name
 
@@ -74,9 +75,11 @@ def check_lora(cfg: TrainConfig, vocab_size: int) -> None:
 
 def lora_values(parallel_model, values, cfg: TrainConfig, dtype, device):
     """The engines' values with the adapters' (drawn, or ``--lora-from``'s); the frozen
-    weights, which no engine holds, given theirs on ``device`` in ``dtype``."""
+    weights no engine holds given theirs on ``device`` in ``dtype``: all of them at ZeRO
+    0-2, the experts' only at ZeRO-3, which shards the rest."""
     lora = cfg.lora
     read = peft.AdapterFile(lora.lora_from).read if lora.lora_from else None
     values = with_adapter_values(parallel_model, values, lora, cfg.data.seed, read)
-    hold_frozen(parallel_model, values, dtype, device)
+    experts_only = (lambda p: ep_split(p) is not None) if cfg.parallel.zero == 3 else None
+    hold_frozen(parallel_model, values, dtype, device, experts_only)
     return values

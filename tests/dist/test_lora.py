@@ -91,10 +91,13 @@ def _train(root, layout: dict, stop: int = STEPS, resume: str | None = None):
         trainer.checkpointer.save(stop)
     trainer.comm_stats.close()
     weights = LlamaWeights(cfg.model.init_from, family("llama").make_config(cfg.model.sizes(256)))
+    if cfg.parallel.zero == 3:  # sharded by the engine, as the trained ones (none held whole)
+        assert not frozen and trainer.frozen_bytes == 0
+        frozen = trainer.engine.full_state_dict(frozen=True)
+        assert frozen
     pieces = pm.pieces(list(frozen.items()))
-    unchanged = all(
-        torch.equal(p.detach().reshape(-1), weights.read(pieces[n])) for n, p in frozen.items()
-    )
+    held = {n: p.detach() for n, p in frozen.items()}
+    unchanged = all(torch.equal(p.reshape(-1), weights.read(pieces[n])) for n, p in held.items())
     return [(r["loss"], r["grad_norm"]) for r in records], unchanged, len(frozen)
 
 
