@@ -32,6 +32,8 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "dp2 zero3": dict(dp=2, zero=3),
     "dp2 zero1 checkpointing": dict(dp=2, zero=1, activation_checkpointing="full"),
+    "cp2": dict(cp=2),
+    "dp2 tp2 pp2": dict(dp=2, tp=2, pp=2),
 }
 
 
@@ -77,7 +79,8 @@ def _config(root, layout: dict):
 
 def _train(root, layout: dict, stop: int = STEPS, resume: str | None = None):
     """(loss, grad norm) per step up to ``stop`` of a ``STEPS``-step run (saved there with
-    ``save``), and whether every frozen weight is still the file's."""
+    ``save``), whether every frozen weight is still the file's, and how many there are
+    and the dtypes of the frozen weights and of the adapters' masters."""
     from meshwise.hf.llama_weights import LlamaWeights
     from meshwise.models.families import family
     from meshwise.train.trainer import Trainer
@@ -97,8 +100,15 @@ def _train(root, layout: dict, stop: int = STEPS, resume: str | None = None):
         assert frozen
     pieces = pm.pieces(list(frozen.items()))
     held = {n: p.detach() for n, p in frozen.items()}
-    unchanged = all(torch.equal(p.reshape(-1), weights.read(pieces[n])) for n, p in held.items())
-    return [(r["loss"], r["grad_norm"]) for r in records], unchanged, len(frozen)
+    unchanged = all(
+        torch.equal(p.reshape(-1), weights.read(pieces[n]).to(p.dtype)) for n, p in held.items()
+    )
+    dtypes = (
+        ",".join(sorted({str(p.dtype) for p in held.values()})),  # the frozen weights'
+        ",".join(sorted({str(f.master.dtype) for f in trainer.engine.flats})),  # AdamW's
+    )
+    facts = {"frozen": len(frozen), "dtypes": dtypes}
+    return [(r["loss"], r["grad_norm"]) for r in records], unchanged, facts
 
 
 def _peft_training(root) -> list[tuple[float, float]]:
@@ -139,8 +149,8 @@ def _one_process(dist_pools, root):
 
 
 def test_one_process_equals_peft_and_keeps_the_base(dist_pools, run_dirs):
-    curve, unchanged, num_frozen = _one_process(dist_pools, run_dirs)
-    assert unchanged and num_frozen == 2 * 9 + 3  # every weight but the adapters
+    curve, unchanged, facts = _one_process(dist_pools, run_dirs)
+    assert unchanged and facts["frozen"] == 2 * 9 + 3  # every weight but the adapters
     want = _peft_training(run_dirs)
     for step, (got, ref) in enumerate(zip(curve, want, strict=True), 1):
         assert got == pytest.approx(ref, rel=1e-4), step
@@ -150,11 +160,25 @@ def test_one_process_equals_peft_and_keeps_the_base(dist_pools, run_dirs):
 def test_layout_trains_the_adapters_as_one_process(dist_pools, run_dirs, name):
     layout = LAYOUTS[name]
     want, _, _ = _one_process(dist_pools, run_dirs)
-    world = int(np.prod([layout.get(a, 1) for a in ("dp", "tp", "pp")]))
+    world = int(np.prod([layout.get(a, 1) for a in ("dp", "tp", "pp", "cp")]))
     results = dist_pools.run(world, _train, run_dirs, layout)
     assert all(unchanged for _, unchanged, _ in results), name
     for step, (got, ref) in enumerate(zip(results[0][0], want, strict=True), 1):
         assert got == pytest.approx(ref, rel=1e-4), (name, step)
+
+
+def test_bf16_trains_fp32_adapter_masters_and_two_ranks_match_one(dist_pools, run_dirs):
+    """bf16 compute (frozen weights and gathered adapters), fp32 AdamW masters; ZeRO-3 at
+    two ranks gives one rank's losses to bf16's precision."""
+    bf16 = ("torch.bfloat16", "torch.float32")
+    want, unchanged, facts = dist_pools.run(1, _train, run_dirs, dict(dtype="bf16"))[0]
+    assert unchanged and facts["dtypes"] == bf16
+    got, unchanged, facts = dist_pools.run(2, _train, run_dirs, dict(dtype="bf16", dp=2, zero=3))[0]
+    assert unchanged and facts["dtypes"] == bf16
+    fp32, _, _ = _one_process(dist_pools, run_dirs)
+    for step, (row, ref, full) in enumerate(zip(got, want, fp32, strict=True), 1):
+        assert row[0] == pytest.approx(ref[0], rel=1e-2), step
+        assert row[0] == pytest.approx(full[0], rel=5e-2), step  # bf16 trains as fp32 does
 
 
 def test_a_run_saved_at_dp2_resumes_at_tp2_as_the_uninterrupted_run(dist_pools, run_dirs, tmp_path):
