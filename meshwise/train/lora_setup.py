@@ -68,6 +68,11 @@ def check_lora(cfg: TrainConfig, vocab_size: int) -> None:
     """Before any rank starts: the targets, the rank, and ``--lora-from``'s tensors."""
     if not cfg.lora.enabled:
         return
+    if cfg.lora.lora_from and cfg.model.family != "llama":
+        raise ValueError(
+            f"--lora-from {cfg.lora.lora_from} needs a {peft.FAMILIES} model, not a "
+            f"{cfg.model.family} one (GPT-2's PEFT names differ)"
+        )
     shapes = adapter_shapes(cfg, vocab_size)
     if cfg.lora.lora_from:
         peft.AdapterFile(cfg.lora.lora_from).check(shapes)

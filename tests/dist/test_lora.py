@@ -39,12 +39,12 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def run_dirs(tmp_path_factory):
-    """A Hugging Face Llama, a PEFT adapter of it with random A and B, and tokens."""
-    peft = pytest.importorskip("peft")
-    root = tmp_path_factory.mktemp("lora")
-    base = save_hf_llama(root / "base", seed=3, **HF)
+def _base_and_adapter(root, model_type: str) -> None:
+    """A Hugging Face model of ``model_type`` in ``root/base``, a PEFT adapter of it with
+    random A and B in ``root/adapter``."""
+    import peft
+
+    base = save_hf_llama(root / "base", seed=3, model_type=model_type, **HF)
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
     model = peft.get_peft_model(base, config)
     with torch.no_grad():
@@ -53,7 +53,19 @@ def run_dirs(tmp_path_factory):
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     model.save_pretrained(root / "adapter")
+
+
+@pytest.fixture(scope="module")
+def run_dirs(tmp_path_factory):
+    """A Hugging Face Llama and its PEFT adapter, tokens, and in ``qwen2/`` a Qwen2 (biases
+    on q, k, v) and its adapter beside the same tokens."""
+    pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("lora")
+    _base_and_adapter(root, "llama")
     np.random.default_rng(1).integers(0, 256, 20_000).astype(np.uint16).tofile(root / "tokens")
+    (root / "qwen2").mkdir()
+    _base_and_adapter(root / "qwen2", "qwen2")
+    (root / "qwen2" / "tokens").symlink_to(root / "tokens")
     return root
 
 
@@ -214,10 +226,13 @@ def _train_save_and_logits(root, layout: dict, save: str, ids: torch.Tensor):
         return pm.full_logits(pm.chunks[0](ids))
 
 
-def test_an_exported_adapter_loads_into_peft_with_equal_logits(dist_pools, run_dirs, tmp_path):
-    """Trained at tp 2 (B split on column-parallel layers, A on row-parallel ones), saved,
-    exported: PEFT's model of the adapter gives meshwise's logits, and so do the merged
-    model transformers loads and the model generate samples from."""
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_an_exported_adapter_loads_into_peft_with_equal_logits(
+    dist_pools, run_dirs, tmp_path, model_type
+):
+    """Trained at tp 2 (B split on column-parallel layers, A on row-parallel ones) from
+    ``--lora-from``, saved, exported: PEFT's model of the adapter gives meshwise's logits,
+    and so do the merged model transformers loads and the model generate samples from."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -225,6 +240,7 @@ def test_an_exported_adapter_loads_into_peft_with_equal_logits(dist_pools, run_d
     from meshwise.serve.export import export_checkpoint
     from meshwise.serve.model import load_model
 
+    run_dirs = run_dirs if model_type == "llama" else run_dirs / model_type
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
     save = tmp_path / "run"
     save.mkdir()
