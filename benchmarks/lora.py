@@ -4,11 +4,16 @@ meshwise counts (frozen weights + adapters' parameters, gradients and AdamW stat
 the process's peak RSS, measured by the process.
 
     python benchmarks/lora.py [--model llama-small --rank 8 --steps 12 --seq-len 256]
+    python benchmarks/lora.py --dp 2 --n-layer 12 --vocab-size 4096  # + ZeRO-2 vs ZeRO-3
 
 Each variant runs in a fresh process (``meshwise train --dp 1`` or a PEFT + transformers
 + ``torch.optim.AdamW`` loop), with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns
 freed buffers. The formula beside the counts: full fine-tuning 16 B/param (fp32 weights,
 gradients, two AdamW moments); LoRA 4 B per frozen parameter + 16 B per adapter parameter.
+With ``--dp N``, LoRA runs instead at ``--dp N --zero 2`` (frozen weights whole on every
+rank) and ``--dp N --zero 3`` (frozen weights sharded, 4 B / N per parameter, gathered
+a unit at a time), each row's peak RSS the largest over its ranks, and also the peak
+within a step (``peak_mem_bytes``), past start-up's reading of the weights.
 """
 
 from __future__ import annotations
@@ -35,7 +40,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=32000, help="the HF model's vocabulary")
+    p.add_argument("--n-layer", type=int, default=0, help="layers (0: the preset's)")
+    p.add_argument("--dp", type=int, default=1, help="above 1: LoRA at ZeRO-2 and ZeRO-3 only")
     return p.parse_args(argv)
+
+
+def sizes(args) -> dict:
+    """The preset's sizes, with ``--n-layer``."""
+    s = dict(MODEL_PRESETS[args.model])
+    s["n_layer"] = args.n_layer or s["n_layer"]
+    return s
 
 
 def save_base(args, out: Path) -> None:
@@ -43,7 +57,7 @@ def save_base(args, out: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    s = MODEL_PRESETS[args.model]
+    s = sizes(args)
     config = LlamaConfig(
         hidden_size=s["d_model"],
         intermediate_size=s["ffn_hidden_size"],
@@ -57,10 +71,13 @@ def save_base(args, out: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(out)
 
 
-def meshwise_run(args, base: Path, tokens: Path, work: Path, lora: bool) -> dict:
-    metrics = work / f"metrics-{'lora' if lora else 'full'}.jsonl"
+def meshwise_run(
+    args, base: Path, tokens: Path, work: Path, lora: bool, dp: int = 1, zero: int = 0
+) -> dict:
+    metrics = work / f"metrics-{'lora' if lora else 'full'}-{dp}-{zero}.jsonl"
     cmd = [sys.executable, "-m", "meshwise", "train", "--init-from", str(base)]
-    cmd += ["--data", str(tokens), "--vocab-size", str(args.vocab_size), "--dp", "1"]
+    cmd += ["--data", str(tokens), "--vocab-size", str(args.vocab_size)]
+    cmd += ["--dp", str(dp), "--zero", str(zero)]
     cmd += ["--steps", str(args.steps), "--seq-len", str(args.seq_len)]
     cmd += ["--batch-size", str(args.batch_size), "--metrics", str(metrics), "-q"]
     if lora:
@@ -72,6 +89,8 @@ def meshwise_run(args, base: Path, tokens: Path, work: Path, lora: bool) -> dict
         "step_time_s": statistics.median(r["step_time_s"] for r in rows[2:]),
         "model_state_bytes_counted": rows[-1]["model_state_bytes"],
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rows),
+        # the steps' own peak (VmHWM reset each step), start-up's reading of the weights apart
+        "step_peak_rss_bytes": max(r["peak_mem_bytes"] for r in rows[1:]),
     }
 
 
@@ -126,7 +145,7 @@ def _env() -> dict:
 
 def counts(args) -> dict:
     """Parameters of the model and of its rank-r adapters on every targeted layer."""
-    s = MODEL_PRESETS[args.model]
+    s = sizes(args)
     d, f, layers = s["d_model"], s["ffn_hidden_size"], s["n_layer"]
     kv = d // s["n_head"] * s["n_kv_head"]
     shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]  # (in, out)
@@ -146,20 +165,35 @@ def main(argv=None) -> None:
         tokens = work / "tokens.bin"
         rng = np.random.default_rng(0)
         rng.integers(0, args.vocab_size, 400_000).astype(np.uint16).tofile(tokens)
-        results = {
-            "full": meshwise_run(args, work / "base", tokens, work, lora=False),
-            "lora": meshwise_run(args, work / "base", tokens, work, lora=True),
-            "peft": peft_run(args, work / "base", tokens),
-        }
-    n = counts(args)
+        results = {}
+        for zero in (2, 3) if args.dp > 1 else ():
+            results[f"lora dp{args.dp} zero{zero}"] = meshwise_run(
+                args, work / "base", tokens, work, lora=True, dp=args.dp, zero=zero
+            )
+        if args.dp == 1:
+            results = {
+                "full": meshwise_run(args, work / "base", tokens, work, lora=False),
+                "lora": meshwise_run(args, work / "base", tokens, work, lora=True),
+                "peft": peft_run(args, work / "base", tokens),
+            }
+    n, dp = counts(args), args.dp
     formula = {
         "full": 16 * n["params"],
         "lora": 4 * (n["params"]) + 16 * n["adapter_params"],
+        # ZeRO-2: frozen weights and the adapters' values whole, the adapters' gradient
+        # and moments sharded; ZeRO-3: all of it sharded
+        f"lora dp{dp} zero2": 4 * n["params"] + (4 + 12 / dp) * n["adapter_params"],
+        f"lora dp{dp} zero3": (4 * n["params"] + 16 * n["adapter_params"]) / dp,
     }
     for name, row in results.items():
         print(
-            f"{name:5s} step {row['step_time_s'] * 1e3:8.1f} ms  peak RSS "
+            f"{name:15s} step {row['step_time_s'] * 1e3:8.1f} ms  peak RSS "
             f"{row['peak_rss_bytes'] / 2**20:8.1f} MiB"
+            + (
+                f" (in a step {row['step_peak_rss_bytes'] / 2**20:7.1f} MiB)"
+                if "step_peak_rss_bytes" in row
+                else ""
+            )
             + (
                 f"  model state {row['model_state_bytes_counted'] / 2**20:7.1f} MiB counted"
                 f" (formula {formula[name] / 2**20:7.1f} MiB)"
