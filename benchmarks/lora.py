@@ -42,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=32000, help="the HF model's vocabulary")
     p.add_argument("--n-layer", type=int, default=0, help="layers (0: the preset's)")
     p.add_argument("--dp", type=int, default=1, help="above 1: LoRA at ZeRO-2 and ZeRO-3 only")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="also ZeRO-3's unit size cap")
     return p.parse_args(argv)
 
 
@@ -80,6 +81,7 @@ def meshwise_run(
     cmd += ["--dp", str(dp), "--zero", str(zero)]
     cmd += ["--steps", str(args.steps), "--seq-len", str(args.seq_len)]
     cmd += ["--batch-size", str(args.batch_size), "--metrics", str(metrics), "-q"]
+    cmd += ["--bucket-mb", str(args.bucket_mb)]
     if lora:
         cmd += ["--lora-rank", str(args.rank), "--lora-alpha", str(2 * args.rank)]
         cmd += ["--lora-targets", TARGETS]

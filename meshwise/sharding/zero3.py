@@ -105,6 +105,9 @@ class ZeroStage3(EngineBase):
         # Buffers of the request's size where units of unlike sizes (an embedding
         # alone, a layer) are held at once.
         self.pool = BufferPool(exact=pipelined or reshard == "after-step")
+        # The roots are gathered for most of a step, beside the layers: a pool of their
+        # own, so that a root (an embedding and a head) does not size every layer's buffer.
+        self.root_pool = BufferPool(exact=True)
         self.gathered = Gathered()
         make = partial(
             Unit,
@@ -126,7 +129,13 @@ class ZeroStage3(EngineBase):
                 exclude,
             )
             root = (
-                make(f"root{c}" if pipelined else ROOT, [module], root_trained, frozen=root_frozen)
+                make(
+                    f"root{c}" if pipelined else ROOT,
+                    [module],
+                    root_trained,
+                    frozen=root_frozen,
+                    pool=self.root_pool,
+                )
                 if root_trained or root_frozen
                 else None
             )
@@ -279,7 +288,7 @@ class ZeroStage3(EngineBase):
         self.events.append(("reduce_scatter", unit.name))
         self._pending.append(
             unit.flat.start_reduce(
-                full, self.grad_reducer, key=self.flats.index(unit.flat), on_done=self.pool.release
+                full, self.grad_reducer, key=self.flats.index(unit.flat), on_done=unit.pool.release
             )
         )
         while len(self._pending) > self.max_inflight:
