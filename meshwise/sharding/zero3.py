@@ -55,6 +55,7 @@ class _Chunk:
     blocks: list[Unit]
     ran: list[Unit] = field(default_factory=list)  # units run in its latest forward
     checked: bool = False  # its units compared across dp ranks
+    root_ends_after_blocks: bool = False  # see ``_chunk_pre_forward``
 
 
 class ZeroStage3(EngineBase):
@@ -195,6 +196,11 @@ class ZeroStage3(EngineBase):
             self._saved_hooks = hooks = saved_views(self.gathered)
             hooks.__enter__()
         if chunk.root is not None:
+            # A root of frozen weights only, whose input needs no gradient (token ids),
+            # has no backward of its own to end it: its last use is the backward of what
+            # follows the layers (the head's input gradient needs the head's weight),
+            # over once the gradient reaches the last layer's output.
+            chunk.root_ends_after_blocks = not chunk.root.flat.slots and not grad_tensors(args)
             following = chunk.blocks[0] if chunk.blocks else None
             self._pre_forward(chunk, chunk.root, True, following, module, args)
 
@@ -236,6 +242,8 @@ class ZeroStage3(EngineBase):
             register_multi_grad_hook(
                 tensors, partial(self._pre_backward, unit, previous), mode="any"
             )
+            if chunk.root_ends_after_blocks and unit is chunk.blocks[-1]:
+                register_multi_grad_hook(tensors, partial(self._input_grad_ready, chunk.root))
         if self._frees_now(unit):
             unit.free()
 

@@ -110,6 +110,17 @@ def test_single_rank_matches_adamw(make):
     assert sum(len(run.names) for run in zero.checkpoint_runs()) == len(full)
 
 
+def test_a_frozen_root_is_freed_once_the_head_backward_is_over():
+    """Nothing of the root trains and token ids need no gradient: it is freed once the
+    gradient reaches the last layer, before the layers' backward, not at the step's end."""
+    zero = ZeroStage3(_gpt_frozen(), _group(), CFG)
+    x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+    zero(x).sum().backward()
+    events = zero.events
+    assert events.index(("free", "root")) < events.index(("backward", "blocks.0"))
+    assert zero.root.gathered_bytes() == 0
+
+
 def test_tied_embedding_stays_in_root():
     zero = ZeroStage3(_gpt(), _group(), CFG)
     assert [u.name for u in zero.units] == ["root", "blocks.0", "blocks.1"]
