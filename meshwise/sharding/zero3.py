@@ -9,56 +9,33 @@ Rajbhandari et al. 2020, section 5.3; FSDP, Zhao et al. 2023). A policy frees
 its gathered parameters (FSDP2's ``reshard_after_forward``): ``after-forward``,
 ``after-backward`` (when no micro-batch in flight awaits its backward) or
 ``after-step``, whose gradients add up unsharded and are reduce-scattered once,
-after the step's last backward (torchtitan's pipeline x FSDP).
+after the step's last backward (torchtitan's pipeline x FSDP). When units are
+gathered and freed: ``meshwise.sharding.unit_hooks``; here, the state, the
+gradients' reduction and the step.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.autograd.graph import saved_tensors_hooks
 
 from meshwise.comm import ops, policy
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.binding import BufferPool, cut_into_units, device_of, tie_groups, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
-from meshwise.sharding.units import (
-    ROOT,
-    Gathered,
-    Unit,
-    check_same_units,
-    grad_tensors,
-    saved_views,
-)
+from meshwise.sharding.unit_hooks import RESHARD, Chunk, UnitHooks, reshard_policy
+from meshwise.sharding.units import ROOT, Gathered, Unit
 
-RESHARD = ("after-forward", "after-backward", "after-step")
+__all__ = ["RESHARD", "PipelineZeroStage3", "ZeroStage3", "reshard_policy"]
 
 
-def reshard_policy(pipelined: bool, reshard_after_forward: bool = False) -> str:
-    """The default policy: per step under a pipeline, whose stages run many forwards
-    first, unless ``reshard_after_forward``; else after each forward."""
-    return "after-step" if pipelined and not reshard_after_forward else "after-forward"
-
-
-@dataclass
-class _Chunk:
-    """A module the engine hooks: the model, or one of a rank's pipeline chunks."""
-
-    module: nn.Module
-    root: Unit | None
-    blocks: list[Unit]
-    ran: list[Unit] = field(default_factory=list)  # units run in its latest forward
-    checked: bool = False  # its units compared across dp ranks
-    root_ends_after_blocks: bool = False  # see ``_chunk_pre_forward``
-
-
-class ZeroStage3(EngineBase):
+class ZeroStage3(UnitHooks, EngineBase):
     """Fully sharded data parallel around ``model`` (or this rank's pipeline chunks, a
     list; ``units`` then per chunk) with a sharded AdamW.
 
@@ -120,7 +97,7 @@ class ZeroStage3(EngineBase):
             gathered=self.gathered,
             on_gradient=self._views_backward,
         )
-        self._chunks: list[_Chunk] = []
+        self._chunks: list[Chunk] = []
         for c, module in enumerate(modules):
             unit_params, (root_trained, root_frozen) = cut_into_units(
                 module,
@@ -144,7 +121,7 @@ class ZeroStage3(EngineBase):
                 make(name, mods, trained, frozen=frozen)
                 for name, mods, trained, frozen in unit_params
             ]
-            self._chunks.append(_Chunk(module, root, blocks))
+            self._chunks.append(Chunk(module, root, blocks))
             self._register(self._chunks[-1])
         self.units = [u for ch in self._chunks for u in ([ch.root] if ch.root else []) + ch.blocks]
         self.blocks = [u for ch in self._chunks for u in ch.blocks]
@@ -165,110 +142,6 @@ class ZeroStage3(EngineBase):
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
-
-    def _register(self, chunk: _Chunk) -> None:
-        for unit, following in zip(chunk.blocks, chunk.blocks[1:] + [None]):
-            for j, module in enumerate(unit.modules):
-                module.register_forward_pre_hook(
-                    partial(self._pre_forward, chunk, unit, j == 0, following)
-                )
-            unit.modules[-1].register_forward_hook(partial(self._post_forward, chunk, unit))
-        # The chunk's hooks run first before and last after its forward.
-        chunk.module.register_forward_pre_hook(
-            partial(self._chunk_pre_forward, chunk), prepend=True
-        )
-        chunk.module.register_forward_hook(
-            partial(self._chunk_post_forward, chunk), always_call=True
-        )
-
-    def _frees_now(self, unit: Unit) -> bool:
-        """After a forward or a backward: a root's ``after-forward`` is ``after-backward``."""
-        if self.reshard == "after-forward" and unit not in self._roots:
-            return True
-        return self.reshard != "after-step" and not unit.pending
-
-    # -- hooks -----------------------------------------------------------------------
-    def _chunk_pre_forward(self, chunk: _Chunk, module, args) -> None:
-        if torch.is_grad_enabled() and not any(u.pending for u in self.units):
-            self.events.clear()  # a new micro-step begins
-        chunk.ran = []
-        if self.reshard == "after-forward":  # saved views of freed units: rebuilt when regathered
-            self._saved_hooks = hooks = saved_views(self.gathered)
-            hooks.__enter__()
-        if chunk.root is not None:
-            # A root of frozen weights only, whose input needs no gradient (token ids),
-            # has no backward of its own to end it: its last use is the backward of what
-            # follows the layers (the head's input gradient needs the head's weight),
-            # over once the gradient reaches the last layer's output.
-            chunk.root_ends_after_blocks = not chunk.root.flat.slots and not grad_tensors(args)
-            following = chunk.blocks[0] if chunk.blocks else None
-            self._pre_forward(chunk, chunk.root, True, following, module, args)
-
-    def _chunk_post_forward(self, chunk: _Chunk, module, args, output) -> None:
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
-        if torch.is_grad_enabled() and chunk.blocks and not chunk.checked:
-            check_same_units(chunk.blocks, chunk.ran, self.group)
-            chunk.checked = True
-        if chunk.root is not None:
-            self._post_forward(chunk, chunk.root, module, args, output)
-
-    def _pre_forward(self, chunk: _Chunk, unit: Unit, first: bool, following, module, args) -> None:
-        unit.ensure_gathered()
-        if unit.in_backward or not first:
-            # A recompute (activation checkpointing) inside backward finds the views its
-            # pre-backward hook made; a unit's first module pointed all of them.
-            return
-        if self.prefetch and following is not None:
-            following.start_gather()
-        unit.use_views()
-        inputs = grad_tensors(args) if torch.is_grad_enabled() else None
-        if inputs is not None:
-            chunk.ran.append(unit)
-        if inputs:
-            # The gradient of its input ends the unit's backward, also when each of its
-            # parameters waits for a W (no gradient reaches its views in B).
-            register_multi_grad_hook(inputs, partial(self._input_grad_ready, unit))
-        self.events.append(("forward", unit.name))
-
-    def _post_forward(self, chunk: _Chunk, unit: Unit, module, args, output) -> None:
-        if unit.in_backward:
-            return  # a recompute: the backward still needs the gathered unit
-        tensors = grad_tensors(output)
-        if tensors:
-            unit.pending += 1
-            previous = next((u for u in reversed(chunk.ran) if u is not unit), None)
-            register_multi_grad_hook(
-                tensors, partial(self._pre_backward, unit, previous), mode="any"
-            )
-            if chunk.root_ends_after_blocks and unit is chunk.blocks[-1]:
-                register_multi_grad_hook(tensors, partial(self._input_grad_ready, chunk.root))
-        if self._frees_now(unit):
-            unit.free()
-
-    def _pre_backward(self, unit: Unit, previous: Unit | None, grads) -> None:
-        unit.ensure_gathered()
-        unit.in_backward = True
-        # The modules point at the gathered unit before any recompute runs: there, under
-        # selective checkpointing's dispatch mode, the replay must meet the model's ops only.
-        with torch.enable_grad():
-            unit.use_views()
-        if self.prefetch and previous is not None and previous.pending:
-            previous.start_gather()  # its backward comes next
-        self.events.append(("backward", unit.name))
-
-    def _input_grad_ready(self, unit: Unit, grads) -> None:
-        self._end_backward(unit, grads)
-
-    def _end_backward(self, unit: Unit, grads=None, take: bool = False) -> torch.Tensor | None:
-        """A backward of ``unit`` ended: free it if its policy says so (``take``: its buffer
-        is returned, to hold the gradient)."""
-        if not unit.in_backward:
-            return None
-        unit.in_backward = False
-        unit.pending -= 1
-        return unit.free(take) if self._frees_now(unit) else None
 
     def _views_backward(self, unit: Unit, grads, ctx) -> None:
         """``_UnitViews``' backward: all of a forward's gradient, or B's or W's part of it."""
@@ -301,11 +174,6 @@ class ZeroStage3(EngineBase):
         )
         while len(self._pending) > self.max_inflight:
             self._pending.popleft().finish()
-
-    def _free_all(self) -> None:
-        for unit in self.units:
-            unit.pending, unit.in_backward = 0, False
-            unit.free()
 
     # -- the engine protocol -------------------------------------------------------
     @contextmanager
