@@ -121,6 +121,22 @@ def test_a_frozen_root_is_freed_once_the_head_backward_is_over():
     assert zero.root.gathered_bytes() == 0
 
 
+def test_a_root_larger_than_a_layer_does_not_size_the_layers_buffers():
+    """The root is gathered beside the layers for most of a step: from a pool of its own,
+    else every layer's buffer would be the embedding's size."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8, vocab_size=512))
+    for name, p in model.named_parameters():
+        p.requires_grad_("mlp" in name)
+    zero = ZeroStage3(model.double(), _group(), CFG)
+    x = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
+    zero(x).sum().backward()
+    zero.step(CFG.lr)
+    layer = max(u.flat.plan.padded_numel + u.frozen.plan.padded_numel for u in zero.blocks)
+    assert zero.root.frozen.plan.padded_numel > layer
+    pooled = [b.numel() for buffers in zero.pool._free.values() for b in buffers]
+    assert pooled and max(pooled) <= layer
+
+
 def test_tied_embedding_stays_in_root():
     zero = ZeroStage3(_gpt(), _group(), CFG)
     assert [u.name for u in zero.units] == ["root", "blocks.0", "blocks.1"]
