@@ -4,6 +4,7 @@ state meshwise counts (frozen weights + adapters' parameters, gradients and Adam
 and the process's peak RSS, measured by the process.
 
     python benchmarks/lora.py [--model llama-small --n-layer N --rank 8 --steps 12 --seq-len 256]
+    python benchmarks/lora.py --dp 2 --n-layer 12 --vocab-size 4096  # + ZeRO-2 vs ZeRO-3
 
 Each variant runs in a fresh process (``meshwise train --dp 1`` or a PEFT + transformers
 + ``torch.optim.AdamW`` loop), with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns
@@ -12,6 +13,10 @@ gradients, two AdamW moments); LoRA 4 B per frozen parameter + 16 B per adapter 
 QLoRA the same with the blocks' linear weights at 0.5 B + 4 B / 64 (a code and its share
 of an fp32 block scale). The QLoRA run's frozen linear weights, measured: the LoRA run's 4 B
 per linear parameter less the fall of peak RSS from LoRA to QLoRA, per linear parameter.
+With ``--dp N``, LoRA runs instead at ``--dp N --zero 2`` (frozen weights whole on every
+rank) and ``--dp N --zero 3`` (frozen weights sharded, 4 B / N per parameter, gathered
+a unit at a time), each row's peak RSS the largest over its ranks, and also the peak
+within a step (``peak_mem_bytes``), past start-up's reading of the weights.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=32000, help="the HF model's vocabulary")
+    p.add_argument("--dp", type=int, default=1, help="above 1: LoRA at ZeRO-2 and ZeRO-3 only")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="also ZeRO-3's unit size cap")
     return p.parse_args(argv)
 
 
@@ -68,13 +75,17 @@ def save_base(args, out: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(out)
 
 
-def meshwise_run(args, base: Path, tokens: Path, work: Path, variant: str) -> dict:
+def meshwise_run(
+    args, base: Path, tokens: Path, work: Path, variant: str, dp: int = 1, zero: int = 0
+) -> dict:
     """``variant``: full, lora or qlora (LoRA with --quantize-base nf4)."""
-    metrics = work / f"metrics-{variant}.jsonl"
+    metrics = work / f"metrics-{variant}-{dp}-{zero}.jsonl"
     cmd = [sys.executable, "-m", "meshwise", "train", "--init-from", str(base)]
-    cmd += ["--data", str(tokens), "--vocab-size", str(args.vocab_size), "--dp", "1"]
+    cmd += ["--data", str(tokens), "--vocab-size", str(args.vocab_size)]
+    cmd += ["--dp", str(dp), "--zero", str(zero)]
     cmd += ["--steps", str(args.steps), "--seq-len", str(args.seq_len)]
     cmd += ["--batch-size", str(args.batch_size), "--metrics", str(metrics), "-q"]
+    cmd += ["--bucket-mb", str(args.bucket_mb)]
     if variant != "full":
         cmd += ["--lora-rank", str(args.rank), "--lora-alpha", str(2 * args.rank)]
         cmd += ["--lora-targets", TARGETS]
@@ -86,6 +97,8 @@ def meshwise_run(args, base: Path, tokens: Path, work: Path, variant: str) -> di
         "step_time_s": statistics.median(r["step_time_s"] for r in rows[2:]),
         "model_state_bytes_counted": rows[-1]["model_state_bytes"],
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rows),
+        # the steps' own peak (VmHWM reset each step), start-up's reading of the weights apart
+        "step_peak_rss_bytes": max(r["peak_mem_bytes"] for r in rows[1:]),
     }
 
 
@@ -160,13 +173,18 @@ def main(argv=None) -> None:
         tokens = work / "tokens.bin"
         rng = np.random.default_rng(0)
         rng.integers(0, args.vocab_size, 400_000).astype(np.uint16).tofile(tokens)
-        results = {
-            "full": meshwise_run(args, work / "base", tokens, work, "full"),
-            "lora": meshwise_run(args, work / "base", tokens, work, "lora"),
-            "qlora": meshwise_run(args, work / "base", tokens, work, "qlora"),
-            "peft": peft_run(args, work / "base", tokens),
-        }
-    n = counts(args)
+        results = {}
+        for zero in (2, 3) if args.dp > 1 else ():
+            results[f"lora dp{args.dp} zero{zero}"] = meshwise_run(
+                args, work / "base", tokens, work, "lora", dp=args.dp, zero=zero
+            )
+        if args.dp == 1:
+            results = {
+                variant: meshwise_run(args, work / "base", tokens, work, variant)
+                for variant in ("full", "lora", "qlora")
+            }
+            results["peft"] = peft_run(args, work / "base", tokens)
+    n, dp = counts(args), args.dp
     nf4_bytes_per_param = 0.5 + 4 / 64
     formula = {
         "full": 16 * n["params"],
@@ -174,11 +192,20 @@ def main(argv=None) -> None:
         "qlora": 4 * (n["params"] - n["linear_params"])
         + nf4_bytes_per_param * n["linear_params"]
         + 16 * n["adapter_params"],
+        # ZeRO-2: frozen weights and the adapters' values whole, the adapters' gradient
+        # and moments sharded; ZeRO-3: all of it sharded
+        f"lora dp{dp} zero2": 4 * n["params"] + (4 + 12 / dp) * n["adapter_params"],
+        f"lora dp{dp} zero3": (4 * n["params"] + 16 * n["adapter_params"]) / dp,
     }
     for name, row in results.items():
         print(
-            f"{name:5s} step {row['step_time_s'] * 1e3:8.1f} ms  peak RSS "
+            f"{name:15s} step {row['step_time_s'] * 1e3:8.1f} ms  peak RSS "
             f"{row['peak_rss_bytes'] / 2**20:8.1f} MiB"
+            + (
+                f" (in a step {row['step_peak_rss_bytes'] / 2**20:7.1f} MiB)"
+                if "step_peak_rss_bytes" in row
+                else ""
+            )
             + (
                 f"  model state {row['model_state_bytes_counted'] / 2**20:7.1f} MiB counted"
                 f" (formula {formula[name] / 2**20:7.1f} MiB)"
@@ -186,6 +213,9 @@ def main(argv=None) -> None:
                 else ""
             )
         )
+    if "qlora" not in results:
+        print(json.dumps({**n, "formula_bytes": formula, **results}))
+        return
     fall = results["lora"]["peak_rss_bytes"] - results["qlora"]["peak_rss_bytes"]
     measured = 4 - fall / n["linear_params"]
     print(

@@ -220,14 +220,14 @@ def with_adapter_values(model, base_values, cfg: LoraConfig, seed: int, read=Non
 
 
 @torch.no_grad()
-def hold_frozen(model, values, dtype: torch.dtype, device) -> int:
-    """Give each frozen parameter still on the meta device (no engine holds it) its
-    values, on ``device`` in the compute ``dtype``: this rank's tp piece, whole.
-    Returns the number of elements held."""
+def hold_frozen(model, values, dtype: torch.dtype, device, which=None) -> int:
+    """Give each frozen parameter still on the meta device (no engine holds it; with
+    ``which``, those it picks) its values, on ``device`` in the compute ``dtype``: this
+    rank's tp piece, whole. Returns the number of elements held."""
     owners = param_owners(model.chunks)
     held = 0
     for name, p in model.named_parameters():
-        if p.requires_grad or p.device.type != "meta":
+        if p.requires_grad or p.device.type != "meta" or (which and not which(p)):
             continue
         data = values(name, 0, p.numel()).view(p.shape).to(device=device, dtype=dtype)
         rebind(p, data, owners)  # a new parameter in every module that registers it

@@ -13,6 +13,9 @@ import torch
 from meshwise.geometry.pieces import Piece
 from meshwise.hf.llama import hf_name
 
+# The families whose modules PEFT names as transformers' Llama does (GPT-2's fused Conv1D
+# layers have other names and a transposed weight: not supported).
+FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or Qwen2-MoE"
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."

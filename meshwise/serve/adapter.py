@@ -44,8 +44,9 @@ def export_adapter(ckpt: Checkpoint, out: Path) -> Path:
     lora = lora_settings(ckpt)
     if ckpt.meta["model"].get("family", "gpt") != "llama":
         raise ValueError(
-            f"{ckpt.path}: --format peft writes Llama-family adapters (PEFT's names for "
-            "transformers' Llama modules); valid: --format hf --merge-lora"
+            f"{ckpt.path}: --format peft writes adapters of a {peft.FAMILIES} model, not "
+            f"of a {ckpt.meta['model'].get('family', 'gpt')} model; valid: --format hf "
+            "--merge-lora"
         )
     tensors = {n: t for n, t in model_tensors(ckpt).items() if is_adapter(n)}
     targets = {n.split(".")[-2] for n in tensors}

@@ -117,36 +117,43 @@ class BufferPool:
 
 
 def cut_into_units(
-    model: nn.Module, units: list[nn.Module] | None, cap_bytes: float | None = None, alone=()
+    model: nn.Module,
+    units: list[nn.Module] | None,
+    cap_bytes: float | None = None,
+    alone=(),
+    exclude=(),
 ):
-    """Cut ``model``'s trainable parameters into units, which own them from then on (they
-    are unregistered from their modules).
+    """Cut ``model``'s parameters into units, which own them from then on (they are
+    unregistered from their modules); the parameters in ``exclude`` (another engine's)
+    stay where they are.
 
     ``units``: the layers (default ``model.blocks``), consecutive ones merged while
     within ``cap_bytes`` except the modules in ``alone`` (a tied embedding, whose
-    shards must line up with its partner's). Returns ``[(name, modules, params)]``
-    for units holding parameters and the root's ``params``, each ``(name, param,
-    [(module, attr), ...])`` in ``named_parameters`` order.
+    shards must line up with its partner's). Returns ``[(name, modules, trained,
+    frozen)]`` for units holding parameters and the root's ``(trained, frozen)``,
+    each parameter ``(name, param, [(module, attr), ...])`` in ``named_parameters``
+    order; frozen ones (``requires_grad=False``) are apart, as they never train.
     """
     layers = _resolve_layers(model, units)
-    groups = _assign_params(model, [m for _, m in layers])
+    groups = _assign_params(model, [m for _, m in layers], {id(p) for p in exclude})
     merged: list[list] = []
-    for (name, module), params in zip(layers, groups):
-        if not params:
+    for (name, module), (trained, frozen) in zip(layers, groups):
+        if not trained and not frozen:
             continue  # a parameter-free layer needs no gathering
-        size = sum(p.numel() * p.element_size() for _, p, _ in params)
+        size = sum(p.numel() * p.element_size() for _, p, _ in trained + frozen)
         last = merged[-1] if merged else None
         mergeable = last is not None and module not in alone and last[1][-1] not in alone
-        if last is not None and mergeable and cap_bytes and last[3] + size <= cap_bytes:
-            last[0], last[1], last[2], last[3] = (
+        if last is not None and mergeable and cap_bytes and last[4] + size <= cap_bytes:
+            last[:] = (
                 f"{last[0]}+{name}",
                 last[1] + [module],
-                last[2] + params,
-                last[3] + size,
+                last[2] + trained,
+                last[3] + frozen,
+                last[4] + size,
             )
         else:
-            merged.append([name, [module], params, size])
-    return [(name, modules, params) for name, modules, params, _ in merged], groups[-1]
+            merged.append([name, [module], trained, frozen, size])
+    return [tuple(unit[:4]) for unit in merged], groups[-1]
 
 
 def _resolve_layers(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
@@ -175,26 +182,29 @@ def _resolve_layers(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
     return resolved
 
 
-def _assign_params(model: nn.Module, unit_modules: list[nn.Module]) -> list[list]:
-    """Per unit (then the root last): ``(name, param, [(module, attr), ...])``. A tied
-    parameter lists every (module, attribute) holding it and must stay within one unit."""
+def _assign_params(model: nn.Module, unit_modules: list[nn.Module], exclude: set[int]) -> list:
+    """Per unit (then the root last): ``(trained, frozen)``, lists of ``(name, param,
+    [(module, attr), ...])``, leaving out the parameters whose ids are in ``exclude``.
+    A tied parameter lists every (module, attribute) holding it and must stay within
+    one unit."""
     unit_of = {id(sub): i for i, m in enumerate(unit_modules) for sub in m.modules()}
     owners = param_owners([model])
-    groups: list[list] = [[] for _ in range(len(unit_modules) + 1)]
+    groups: list[tuple[list, list]] = [([], []) for _ in range(len(unit_modules) + 1)]
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue  # frozen parameters stay ordinary, unsharded parameters
+        if id(p) in exclude:
+            continue
         held_by = {unit_of.get(id(module), len(unit_modules)) for module, _ in owners[id(p)]}
         if len(held_by) > 1:
             raise ValueError(
                 f"parameter {name!r} is shared by several units; "
                 "tied parameters must live in one unit"
             )
-        groups[held_by.pop()].append((name, p, owners[id(p)]))
+        groups[held_by.pop()][0 if p.requires_grad else 1].append((name, p, owners[id(p)]))
     # Only once everything is validated: the units' flat buffers now own them.
-    for _, _, held in (param for group in groups for param in group):
-        for module, attr in held:
-            del module._parameters[attr]
+    for trained, frozen in groups:
+        for _, _, held in trained + frozen:
+            for module, attr in held:
+                del module._parameters[attr]
     return groups
 
 

@@ -99,13 +99,24 @@ class FlatParams:
     """Parameters ``slots`` in one flat buffer over ``group`` at ZeRO ``stage``.
 
     ``values(name, start, end)`` gives elements ``[start, end)`` of a parameter's
-    (flattened) initial value; only what this rank keeps is asked for.
+    (flattened) initial value; only what this rank keeps is asked for. ``frozen``
+    (stage 3): parameters that never train keep only their shard, in the compute
+    dtype, with no gradient or optimizer state.
     """
 
     def __init__(
-        self, slots: list[ParamSlot], group, stage: int, precision: Precision, device, values
+        self,
+        slots: list[ParamSlot],
+        group,
+        stage: int,
+        precision: Precision,
+        device,
+        values,
+        frozen: bool = False,
     ):
+        assert stage == 3 or not frozen, "only stage 3 holds frozen parameters"
         self.slots, self.group, self.stage, self.precision = slots, group, stage, precision
+        self.frozen = frozen
         # Hybrid sharding: the ranks holding this shard in the other replicas (None: one).
         self.replicate_group = None
         self.replica_reducer = None  # (GradReducer, key) of --compress / --allreduce across them
@@ -126,10 +137,12 @@ class FlatParams:
             self.master = self.params[lo:hi]  # the optimizer updates the compute values
         else:  # stage 3 keeps its whole (padded) shard: the all-gather's input
             size = hi - lo if stage < 3 else self.plan.shard_numel
-            self.master = torch.zeros(size, dtype=fp32, device=device)
+            kept = precision.param_dtype if frozen else fp32  # frozen: nothing to update
+            self.master = torch.zeros(size, dtype=kept, device=device)
             self._fill(self.master, lo, hi, values)
-        self.exp_avg = torch.zeros(hi - lo, dtype=fp32, device=device)
-        self.exp_avg_sq = torch.zeros(hi - lo, dtype=fp32, device=device)
+        state = 0 if frozen else hi - lo
+        self.exp_avg = torch.zeros(state, dtype=fp32, device=device)
+        self.exp_avg_sq = torch.zeros(state, dtype=fp32, device=device)
         # the reduced gradient: whole (stages 0-1, ``grad``) or this rank's shard (2-3)
         self.grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -138,7 +151,7 @@ class FlatParams:
             self.grad = torch.zeros(
                 self.plan.padded_numel, dtype=precision.reduce_dtype, device=device
             )
-        else:
+        elif not frozen:
             self.grad_shard = torch.zeros(self.plan.shard_numel, dtype=fp32, device=device)
 
     def _overlaps(self, lo: int, hi: int):
@@ -281,7 +294,8 @@ class FlatParams:
         """The compute parameters themselves where this rank's shard is all of them, in
         the compute dtype (stage 3 over a group of one, without mixed precision): a
         unit then uses them as they are, with nothing to gather or copy. Else None."""
-        if self.stage == 3 and self.group.size == 1 and not self.precision.mixed:
+        whole = self.stage == 3 and self.group.size == 1
+        if whole and self.master.dtype == self.precision.param_dtype:
             return self.master
         return None
 

@@ -7,6 +7,11 @@ autograd function (``_UnitViews``): its backward hands the views' gradients to
 the engine in one call, with no flat parameter or ``AccumulateGrad``. A freed
 buffer goes to another unit, so ``saved_views`` keeps a saved view as its place
 in the buffer, rebuilt from the unit's buffer once gathered again.
+
+A unit's frozen parameters (``requires_grad=False``: LoRA's base weights) are
+sharded and gathered with it, in the same buffer after the trained ones, as
+FSDP2 shards them; they get plain views, so no gradient, reduction or optimizer
+state exists for them.
 """
 
 from __future__ import annotations
@@ -65,22 +70,25 @@ class Unit:
         pool,
         gathered: Gathered,
         on_gradient,
+        frozen=(),
     ):
         self.name, self.modules, self.pool, self.gathered = name, modules, pool, gathered
         self.on_gradient = on_gradient  # called with (unit, grads per parameter, ctx)
-        slots, offset = [], 0
-        for pname, p, _ in params:
-            slots.append(ParamSlot(pname, p.shape, offset, p.numel(), decays(pname, p)))
-            offset += p.numel()
         self.owners = [owners for _, _, owners in params]
-        self.flat = FlatParams(slots, group, 3, precision, device, values)
+        self.flat = FlatParams(_slots(params), group, 3, precision, device, values)
+        self.frozen_owners = [owners for _, _, owners in frozen]
+        self.frozen = (
+            FlatParams(_slots(frozen), group, 3, precision, device, values, frozen=True)
+            if frozen
+            else None
+        )
         self.param_dtype = precision.param_dtype
         self.anchor = torch.zeros(0, device=device, requires_grad=True)
         self._empty = torch.empty(0, dtype=self.param_dtype, device=device)
         self.buffer: torch.Tensor | None = None  # the gathered parameters, while gathered
         self._pooled = False  # the buffer is the pool's (not the shard itself)
-        self._gather = None  # the all-gather in flight
-        self.has_grad = [False] * len(slots)  # per parameter, since zero_grad()
+        self._gather: list = []  # the all-gathers in flight
+        self.has_grad = [False] * len(self.flat.slots)  # per parameter, since zero_grad()
         self.pending = 0  # forwards run with autograd whose backward has not ended
         self.in_backward = False  # between its pre-backward hook and the end of that backward
         self.hide_views()
@@ -100,15 +108,17 @@ class Unit:
         that is the whole unit in the compute dtype (a group of one) is used as it is."""
         if self.buffer is not None:
             return False
-        whole = self.flat.whole_params()
+        whole = self.flat.whole_params() if self.frozen is None else None
         self._pooled = whole is None
         if whole is not None:
             self.buffer = whole
         else:
-            self.buffer = self.pool.acquire(
-                self.flat.plan.padded_numel, self.param_dtype, self.flat.device
-            )
-            self._gather = self.flat.publish(self.buffer)
+            trained = self.flat.plan.padded_numel
+            size = trained + (self.frozen.plan.padded_numel if self.frozen else 0)
+            self.buffer = self.pool.acquire(size, self.param_dtype, self.flat.device)
+            parts = [(self.flat, self.buffer[:trained]), (self.frozen, self.buffer[trained:])]
+            handles = [flat.publish(buf) for flat, buf in parts if flat is not None and flat.numel]
+            self._gather = [h for h in handles if h is not None]
         self.gathered[self.buffer.untyped_storage().data_ptr()] = self
         self.gathered.events.append(("gather_start", self.name))
         live = sum(u.gathered_bytes() for u in self.gathered.values())
@@ -122,9 +132,9 @@ class Unit:
 
     def wait_gather(self) -> None:
         assert self.buffer is not None, f"unit {self.name}: wait_gather() before start_gather()"
-        if self._gather is not None:
-            self._gather.wait()
-            self._gather = None
+        for handle in self._gather:
+            handle.wait()
+        self._gather = []
 
     def free(self, take: bool = False) -> torch.Tensor | None:
         """Give the buffer (if any) back to the pool, or with ``take`` return it."""
@@ -136,8 +146,8 @@ class Unit:
         buffer, pooled = self.buffer, self._pooled
         self.buffer, self._pooled = None, False
         self.hide_views()
-        if take:
-            return buffer
+        if take:  # the trained parameters' part: the frozen ones get no gradient
+            return buffer[: self.flat.plan.padded_numel]
         if pooled:
             self.pool.release(buffer)
         return None
@@ -152,25 +162,30 @@ class Unit:
         )
 
     # -- views ---------------------------------------------------------------------
-    def plain_views(self) -> list[torch.Tensor]:
+    def plain_views(self, frozen: bool = False) -> list[torch.Tensor]:
+        """Views of the trained parameters in the gathered buffer (``frozen``: of the
+        frozen ones, which follow them)."""
         buf = self.buffer
         assert buf is not None, f"unit {self.name}: its views were asked for while freed"
-        return [buf[s.offset : s.offset + s.numel].view(s.shape) for s in self.flat.slots]
+        flat, start = (self.frozen, self.flat.plan.padded_numel) if frozen else (self.flat, 0)
+        slots = flat.slots if flat is not None else []
+        return [buf[start + s.offset : start + s.offset + s.numel].view(s.shape) for s in slots]
 
     def use_views(self) -> None:
-        """Point module attributes at views of the gathered buffer; with autograd on,
-        through ``_UnitViews`` so the unit's gradient is collected in one place."""
-        if torch.is_grad_enabled():
+        """Point module attributes at views of the gathered buffer; with autograd on, the
+        trained ones through ``_UnitViews`` so their gradient is collected in one place."""
+        if torch.is_grad_enabled() and self.flat.slots:
             views = _UnitViews.apply(self.anchor, self)
         else:
             views = self.plain_views()
-        for view, owners in zip(views, self.owners):
+        pairs = zip([*views, *self.plain_views(frozen=True)], self.owners + self.frozen_owners)
+        for view, owners in pairs:
             for module, attr in owners:
                 setattr(module, attr, view)
 
     def hide_views(self) -> None:
         """Empty tensors stand in while freed: a stray use fails on shape, not on freed memory."""
-        for owners in self.owners:
+        for owners in self.owners + self.frozen_owners:
             for module, attr in owners:
                 setattr(module, attr, self._empty)
 
@@ -219,6 +234,15 @@ class Unit:
             elif fresh:
                 part.zero_()
         return full
+
+
+def _slots(params) -> list[ParamSlot]:
+    """``(name, param, owners)`` back to back in a flat buffer."""
+    slots, offset = [], 0
+    for name, p, _ in params:
+        slots.append(ParamSlot(name, p.shape, offset, p.numel(), decays(name, p)))
+        offset += p.numel()
+    return slots
 
 
 def saved_views(gathered: Gathered) -> saved_tensors_hooks:

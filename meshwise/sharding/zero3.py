@@ -9,55 +9,33 @@ Rajbhandari et al. 2020, section 5.3; FSDP, Zhao et al. 2023). A policy frees
 its gathered parameters (FSDP2's ``reshard_after_forward``): ``after-forward``,
 ``after-backward`` (when no micro-batch in flight awaits its backward) or
 ``after-step``, whose gradients add up unsharded and are reduce-scattered once,
-after the step's last backward (torchtitan's pipeline x FSDP).
+after the step's last backward (torchtitan's pipeline x FSDP). When units are
+gathered and freed: ``meshwise.sharding.unit_hooks``; here, the state, the
+gradients' reduction and the step.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.autograd.graph import saved_tensors_hooks
 
 from meshwise.comm import ops, policy
 from meshwise.sharding.adamw import AdamWConfig
 from meshwise.sharding.binding import BufferPool, cut_into_units, device_of, tie_groups, values_of
 from meshwise.sharding.engine import EngineBase
 from meshwise.sharding.flat import Precision
-from meshwise.sharding.units import (
-    ROOT,
-    Gathered,
-    Unit,
-    check_same_units,
-    grad_tensors,
-    saved_views,
-)
+from meshwise.sharding.unit_hooks import RESHARD, Chunk, UnitHooks, reshard_policy
+from meshwise.sharding.units import ROOT, Gathered, Unit
 
-RESHARD = ("after-forward", "after-backward", "after-step")
+__all__ = ["RESHARD", "PipelineZeroStage3", "ZeroStage3", "reshard_policy"]
 
 
-def reshard_policy(pipelined: bool, reshard_after_forward: bool = False) -> str:
-    """The default policy: per step under a pipeline, whose stages run many forwards
-    first, unless ``reshard_after_forward``; else after each forward."""
-    return "after-step" if pipelined and not reshard_after_forward else "after-forward"
-
-
-@dataclass
-class _Chunk:
-    """A module the engine hooks: the model, or one of a rank's pipeline chunks."""
-
-    module: nn.Module
-    root: Unit | None
-    blocks: list[Unit]
-    ran: list[Unit] = field(default_factory=list)  # units run in its latest forward
-    checked: bool = False  # its units compared across dp ranks
-
-
-class ZeroStage3(EngineBase):
+class ZeroStage3(UnitHooks, EngineBase):
     """Fully sharded data parallel around ``model`` (or this rank's pipeline chunks, a
     list; ``units`` then per chunk) with a sharded AdamW.
 
@@ -65,6 +43,8 @@ class ZeroStage3(EngineBase):
     ``unit_cap_mb`` except those in ``alone``. ``prefetch``: start the next unit's
     all-gather ahead of its use. ``reshard``: one of ``RESHARD`` (``reshard_policy``).
     ``values``/``precision``/``device``/``grad_reducer``: as for ``ZeroOptimizer``.
+    Frozen parameters are sharded and gathered with their unit, never reduced or
+    updated; ``exclude``: parameters another engine owns, left alone.
     ``events``: what the latest micro-step did, ``(kind, unit)``, kind one of
     ``gather_start``, ``forward``, ``free``, ``backward``, ``reduce_scatter``.
     """
@@ -79,6 +59,7 @@ class ZeroStage3(EngineBase):
         *,
         reshard: str | None = None,
         alone=(),
+        exclude=(),
         precision: Precision | None = None,
         values=None,
         device=None,
@@ -90,7 +71,9 @@ class ZeroStage3(EngineBase):
         reshard = reshard_policy(pipelined) if reshard is None else reshard
         if reshard not in RESHARD:
             raise ValueError(f"reshard {reshard!r} is not valid; valid: {', '.join(RESHARD)}")
-        named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+        left_out = {id(p) for p in exclude}
+        every = [(n, p) for m in modules for n, p in m.named_parameters() if id(p) not in left_out]
+        named = [(n, p) for n, p in every if p.requires_grad]
         super().__init__(
             dp_group, 3, adamw, precision or Precision.of(named[0][1].dtype), grad_reducer
         )
@@ -100,35 +83,50 @@ class ZeroStage3(EngineBase):
         # Buffers of the request's size where units of unlike sizes (an embedding
         # alone, a layer) are held at once.
         self.pool = BufferPool(exact=pipelined or reshard == "after-step")
+        # The roots are gathered for most of a step, beside the layers: a pool of their
+        # own, so that a root (an embedding and a head) does not size every layer's buffer.
+        self.root_pool = BufferPool(exact=True)
         self.gathered = Gathered()
         make = partial(
             Unit,
             group=dp_group,
             precision=self.precision,
             device=device or device_of(p for _, p in named),
-            values=values or values_of(named),
+            values=values or values_of(every),
             pool=self.pool,
             gathered=self.gathered,
             on_gradient=self._views_backward,
         )
-        self._chunks: list[_Chunk] = []
+        self._chunks: list[Chunk] = []
         for c, module in enumerate(modules):
-            unit_params, root_params = cut_into_units(
+            unit_params, (root_trained, root_frozen) = cut_into_units(
                 module,
                 units[c] if pipelined else units,
                 unit_cap_mb * 2**20 if unit_cap_mb else None,
                 alone,
+                exclude,
             )
             root = (
-                make(f"root{c}" if pipelined else ROOT, [module], root_params)
-                if root_params
+                make(
+                    f"root{c}" if pipelined else ROOT,
+                    [module],
+                    root_trained,
+                    frozen=root_frozen,
+                    pool=self.root_pool,
+                )
+                if root_trained or root_frozen
                 else None
             )
-            self._chunks.append(_Chunk(module, root, [make(*u) for u in unit_params]))
+            blocks = [
+                make(name, mods, trained, frozen=frozen)
+                for name, mods, trained, frozen in unit_params
+            ]
+            self._chunks.append(Chunk(module, root, blocks))
             self._register(self._chunks[-1])
         self.units = [u for ch in self._chunks for u in ([ch.root] if ch.root else []) + ch.blocks]
         self.blocks = [u for ch in self._chunks for u in ch.blocks]
-        self.flats = [unit.flat for unit in self.units]
+        # What trains: a unit of frozen parameters only has an empty flat, left out.
+        self.flats = [unit.flat for unit in self.units if unit.flat.slots]
         self._roots = {ch.root for ch in self._chunks if ch.root is not None}
         self.root = self._chunks[0].root  # the model's (the first chunk's)
         self.events = self.gathered.events
@@ -144,103 +142,6 @@ class ZeroStage3(EngineBase):
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
-
-    def _register(self, chunk: _Chunk) -> None:
-        for unit, following in zip(chunk.blocks, chunk.blocks[1:] + [None]):
-            for j, module in enumerate(unit.modules):
-                module.register_forward_pre_hook(
-                    partial(self._pre_forward, chunk, unit, j == 0, following)
-                )
-            unit.modules[-1].register_forward_hook(partial(self._post_forward, chunk, unit))
-        # The chunk's hooks run first before and last after its forward.
-        chunk.module.register_forward_pre_hook(
-            partial(self._chunk_pre_forward, chunk), prepend=True
-        )
-        chunk.module.register_forward_hook(
-            partial(self._chunk_post_forward, chunk), always_call=True
-        )
-
-    def _frees_now(self, unit: Unit) -> bool:
-        """After a forward or a backward: a root's ``after-forward`` is ``after-backward``."""
-        if self.reshard == "after-forward" and unit not in self._roots:
-            return True
-        return self.reshard != "after-step" and not unit.pending
-
-    # -- hooks -----------------------------------------------------------------------
-    def _chunk_pre_forward(self, chunk: _Chunk, module, args) -> None:
-        if torch.is_grad_enabled() and not any(u.pending for u in self.units):
-            self.events.clear()  # a new micro-step begins
-        chunk.ran = []
-        if self.reshard == "after-forward":  # saved views of freed units: rebuilt when regathered
-            self._saved_hooks = hooks = saved_views(self.gathered)
-            hooks.__enter__()
-        if chunk.root is not None:
-            following = chunk.blocks[0] if chunk.blocks else None
-            self._pre_forward(chunk, chunk.root, True, following, module, args)
-
-    def _chunk_post_forward(self, chunk: _Chunk, module, args, output) -> None:
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
-        if torch.is_grad_enabled() and chunk.blocks and not chunk.checked:
-            check_same_units(chunk.blocks, chunk.ran, self.group)
-            chunk.checked = True
-        if chunk.root is not None:
-            self._post_forward(chunk, chunk.root, module, args, output)
-
-    def _pre_forward(self, chunk: _Chunk, unit: Unit, first: bool, following, module, args) -> None:
-        unit.ensure_gathered()
-        if unit.in_backward or not first:
-            # A recompute (activation checkpointing) inside backward finds the views its
-            # pre-backward hook made; a unit's first module pointed all of them.
-            return
-        if self.prefetch and following is not None:
-            following.start_gather()
-        unit.use_views()
-        inputs = grad_tensors(args) if torch.is_grad_enabled() else None
-        if inputs is not None:
-            chunk.ran.append(unit)
-        if inputs:
-            # The gradient of its input ends the unit's backward, also when each of its
-            # parameters waits for a W (no gradient reaches its views in B).
-            register_multi_grad_hook(inputs, partial(self._input_grad_ready, unit))
-        self.events.append(("forward", unit.name))
-
-    def _post_forward(self, chunk: _Chunk, unit: Unit, module, args, output) -> None:
-        if unit.in_backward:
-            return  # a recompute: the backward still needs the gathered unit
-        tensors = grad_tensors(output)
-        if tensors:
-            unit.pending += 1
-            previous = next((u for u in reversed(chunk.ran) if u is not unit), None)
-            register_multi_grad_hook(
-                tensors, partial(self._pre_backward, unit, previous), mode="any"
-            )
-        if self._frees_now(unit):
-            unit.free()
-
-    def _pre_backward(self, unit: Unit, previous: Unit | None, grads) -> None:
-        unit.ensure_gathered()
-        unit.in_backward = True
-        # The modules point at the gathered unit before any recompute runs: there, under
-        # selective checkpointing's dispatch mode, the replay must meet the model's ops only.
-        with torch.enable_grad():
-            unit.use_views()
-        if self.prefetch and previous is not None and previous.pending:
-            previous.start_gather()  # its backward comes next
-        self.events.append(("backward", unit.name))
-
-    def _input_grad_ready(self, unit: Unit, grads) -> None:
-        self._end_backward(unit, grads)
-
-    def _end_backward(self, unit: Unit, grads=None, take: bool = False) -> torch.Tensor | None:
-        """A backward of ``unit`` ended: free it if its policy says so (``take``: its buffer
-        is returned, to hold the gradient)."""
-        if not unit.in_backward:
-            return None
-        unit.in_backward = False
-        unit.pending -= 1
-        return unit.free(take) if self._frees_now(unit) else None
 
     def _views_backward(self, unit: Unit, grads, ctx) -> None:
         """``_UnitViews``' backward: all of a forward's gradient, or B's or W's part of it."""
@@ -268,16 +169,11 @@ class ZeroStage3(EngineBase):
         self.events.append(("reduce_scatter", unit.name))
         self._pending.append(
             unit.flat.start_reduce(
-                full, self.grad_reducer, key=self.units.index(unit), on_done=self.pool.release
+                full, self.grad_reducer, key=self.flats.index(unit.flat), on_done=unit.pool.release
             )
         )
         while len(self._pending) > self.max_inflight:
             self._pending.popleft().finish()
-
-    def _free_all(self) -> None:
-        for unit in self.units:
-            unit.pending, unit.in_backward = 0, False
-            unit.free()
 
     # -- the engine protocol -------------------------------------------------------
     @contextmanager
@@ -343,15 +239,22 @@ class ZeroStage3(EngineBase):
             "in alone="
         )
 
+    def state_bytes(self) -> int:
+        """The trained parameters' state, and the frozen parameters' shards."""
+        frozen = [u.frozen.master for u in self.units if u.frozen is not None]
+        return super().state_bytes() + sum(t.numel() * t.element_size() for t in frozen)
+
     @property
     def peak_gathered_bytes(self) -> int:
         """Most bytes of gathered parameters alive at once during the last step."""
         return self.gathered.peak if self._last_step_peak is None else self._last_step_peak
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 copies of every managed parameter by name (a collective)."""
+    def full_state_dict(self, frozen: bool = False) -> dict[str, torch.Tensor]:
+        """Full fp32 copies of every trained parameter by name (a collective); with
+        ``frozen``, of the frozen ones instead, in the compute dtype."""
         out = {}
-        for flat in self.flats:
+        frozen_flats = [u.frozen for u in self.units if u.frozen is not None]
+        for flat in frozen_flats if frozen else self.flats:
             full = torch.empty(flat.plan.padded_numel, dtype=flat.master.dtype, device=flat.device)
             ops.all_gather(full, flat.master, self.group, category="param")
             out.update(
@@ -360,7 +263,7 @@ class ZeroStage3(EngineBase):
                     for s in flat.slots
                 }
             )
-        return {name: out[name] for name in self.param_names}
+        return out if frozen else {name: out[name] for name in self.param_names}
 
 
 def PipelineZeroStage3(

@@ -4,7 +4,6 @@ sharding engine (allocating only what this rank keeps), and the dtype of ``--dty
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -84,20 +83,23 @@ def build_engine(
     values,
     device,
     grad_reducer=None,
+    exclude=(),
 ):
     """The gradient synchroniser + optimizer for ``--zero`` (``ZeroOptimizer`` for stages 0-2,
     ``ZeroStage3``), filled from ``values``, reducing over ``mesh.shard_group``, then over
     ``mesh.replicate_group`` (``--dp-shard``); through ``grad_reducer`` when given (its
-    group: the replicate group under ``--dp-shard``, else dp x cp)."""
+    group: the replicate group under ``--dp-shard``, else dp x cp). ``exclude``:
+    parameters held elsewhere, which ZeRO-3 must not shard (stages 0-2 take only trained
+    ones, and those are the caller's to leave out)."""
     if mesh.replicate_group is None:
-        return _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer)
+        return _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer, exclude)
     # Hybrid: native within a replica, the reducer's algorithm / compressor across them.
-    engine = _sharding_engine(model, mesh, cfg, adamw, values, device, None)
+    engine = _sharding_engine(model, mesh, cfg, adamw, values, device, None, exclude)
     engine.replicate_over(mesh.replicate_group, grad_reducer)
     return engine
 
 
-def _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer):
+def _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer, exclude=()):
     precision, p = precision_of(cfg), cfg.parallel
     if model.ep_group is not None:
         return _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer)
@@ -119,6 +121,7 @@ def _sharding_engine(model, mesh, cfg, adamw, values, device, grad_reducer):
             units,
             reshard=reshard_policy(p.pp > 1, p.reshard_after_forward),
             alone=alone,
+            exclude=exclude,
             precision=precision,
             values=values,
             device=device,
@@ -147,22 +150,20 @@ def _dense_and_experts(model, mesh, cfg, adamw, values, device, grad_reducer):
     experts' over their expert-data-parallel group, at the same ZeRO stage."""
     p = cfg.parallel
     named = model.named_parameters()
-    # Frozen experts (LoRA) are held beside the engines, as every frozen weight.
+    # Experts differ across ep ranks: the dense engine's ZeRO-3 must not shard them over
+    # dp x cp. Trained, they have an engine of their own; frozen (LoRA), they are held
+    # beside the engines (``meshwise.train.lora_setup``).
+    every_expert = [q for _, q in named if ep_split(q) is not None]
     experts = [(n, q) for n, q in named if ep_split(q) is not None and q.requires_grad]
+    dense_model = dataclasses.replace(model, ep_group=None)
     if not experts:  # a pipeline stage of dense layers only: its engine as without ep
-        whole = dataclasses.replace(model, ep_group=None)
-        return _sharding_engine(whole, mesh, cfg, adamw, values, device, grad_reducer)
+        return _sharding_engine(
+            dense_model, mesh, cfg, adamw, values, device, grad_reducer, every_expert
+        )
     if p.zero == 3:
-        with _frozen([q for _, q in experts]):  # the dense engine leaves them alone
-            dense = _sharding_engine(
-                dataclasses.replace(model, ep_group=None),
-                mesh,
-                cfg,
-                adamw,
-                values,
-                device,
-                grad_reducer,
-            )
+        dense = _sharding_engine(
+            dense_model, mesh, cfg, adamw, values, device, grad_reducer, every_expert
+        )
         # The dense engine took the rest: this one holds the experts, a unit per layer,
         # gathered from a step's first forward to its end (no freed views to rebuild
         # under the dense engine's saved-tensor hooks).
@@ -212,17 +213,6 @@ def _with_experts(dense, expert_engine, mesh, experts) -> DenseAndExperts:
     if mesh.expert_replicate_group is not None:
         expert_engine.replicate_over(mesh.expert_replicate_group)
     return DenseAndExperts(dense, expert_engine, mesh.ep_group, [n for n, _ in experts])
-
-
-@contextlib.contextmanager
-def _frozen(params):
-    for q in params:
-        q.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for q in params:
-            q.requires_grad_(True)
 
 
 def own_model_shape(model: ParallelModel, data_vocab_size: int) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from meshwise.apply.lora import ADAPTER_NAMES, hold_frozen, targeted_layers, with_adapter_values
 from meshwise.apply.nf4 import BLOCK_SIZE, LINEAR_TYPES, quantize_frozen
 from meshwise.geometry.init import on_meta
+from meshwise.geometry.params import ep_split
 from meshwise.hf import peft
 from meshwise.train.config import TrainConfig, flag_name
 
@@ -74,6 +75,11 @@ def check_lora(cfg: TrainConfig, vocab_size: int) -> None:
     """Before any rank starts: the targets, the rank, and ``--lora-from``'s tensors."""
     if not cfg.lora.enabled:
         return
+    if cfg.lora.lora_from and cfg.model.family != "llama":
+        raise ValueError(
+            f"--lora-from {cfg.lora.lora_from} needs a {peft.FAMILIES} model, not a "
+            f"{cfg.model.family} one (GPT-2's PEFT names differ)"
+        )
     shapes = adapter_shapes(cfg, vocab_size)
     if cfg.lora.lora_from:
         peft.AdapterFile(cfg.lora.lora_from).check(shapes)
@@ -117,11 +123,13 @@ def check_nf4_rows(cfg: TrainConfig, vocab_size: int) -> None:
 
 def lora_values(parallel_model, values, cfg: TrainConfig, dtype, device):
     """The engines' values with the adapters' (drawn, or ``--lora-from``'s); the frozen
-    weights, which no engine holds, given theirs on ``device`` in ``dtype``."""
+    weights no engine holds given theirs on ``device`` in ``dtype``: all of them at ZeRO
+    0-2, the experts' only at ZeRO-3, which shards the rest."""
     lora = cfg.lora
     read = peft.AdapterFile(lora.lora_from).read if lora.lora_from else None
     values = with_adapter_values(parallel_model, values, lora, cfg.data.seed, read)
     if lora.quantize_base == "nf4":  # before hold_frozen: no dense copy of these is made
         quantize_frozen(parallel_model, values, dtype, device, parallel_model.plan.last_stage)
-    hold_frozen(parallel_model, values, dtype, device)
+    experts_only = (lambda p: ep_split(p) is not None) if cfg.parallel.zero == 3 else None
+    hold_frozen(parallel_model, values, dtype, device, experts_only)
     return values

@@ -133,3 +133,15 @@ def test_lora_from_refuses_a_contradicting_flag_and_what_is_not_plain_lora(tmp_p
         _train_config("--lora-from", _adapter(tmp_path), "--lora-rank", "8")
     with pytest.raises(ValueError, match="use_dora True is not supported"):
         _train_config("--lora-from", _adapter(tmp_path / "x", use_dora=True))
+
+
+def test_lora_from_names_the_families_peft_names_alike(tmp_path):
+    """GPT-2's fused Conv1D layers have other PEFT names: refused before any rank starts."""
+    from meshwise.train.lora_setup import check_lora
+
+    args = build_parser().parse_args(
+        ["train", "--model", "tiny", "--lora-from", _adapter(tmp_path)]
+    )
+    cfg = train_config(args)[0]
+    with pytest.raises(ValueError, match="needs a Llama, Mistral, Qwen2, Qwen3, .* not a gpt"):
+        check_lora(cfg, 256)

@@ -25,7 +25,7 @@ def _group(size=1, rank=0):
 
 
 def _reference_adamw(model):
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for n, p in named if decays(n, p)], "weight_decay": CFG.weight_decay},
         {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
@@ -58,7 +58,17 @@ def _gpt_selective():
     return model
 
 
-@pytest.mark.parametrize("make", [_gpt, _gpt_selective, lambda: CheckpointedBlocks().double()])
+def _gpt_frozen():
+    """Frozen weights (LoRA's base) in every unit, and a root of frozen ones only."""
+    model = _gpt()
+    for name, p in model.named_parameters():
+        p.requires_grad_("mlp" in name)
+    return model
+
+
+@pytest.mark.parametrize(
+    "make", [_gpt, _gpt_selective, _gpt_frozen, lambda: CheckpointedBlocks().double()]
+)
 def test_single_rank_matches_adamw(make):
     torch.manual_seed(0)
     model = make()
@@ -88,8 +98,43 @@ def test_single_rank_matches_adamw(make):
         assert losses[0] == losses[1]
         assert all(u.gathered_bytes() == 0 for u in zero.units)
     full = zero.full_state_dict()
+    frozen = zero.full_state_dict(frozen=True)
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(full[name], p, rtol=0, atol=1e-12)
+        if p.requires_grad:
+            torch.testing.assert_close(full[name], p, rtol=0, atol=1e-12)
+        else:
+            assert torch.equal(frozen[name], p)
+    # Frozen: sharded storage only, no gradient, no AdamW state, nothing to checkpoint.
+    assert len(full) + len(frozen) == len(list(ref.parameters()))
+    assert all(u.frozen is None or u.frozen.grad_shard is None for u in zero.units)
+    assert sum(len(run.names) for run in zero.checkpoint_runs()) == len(full)
+
+
+def test_a_frozen_root_is_freed_once_the_head_backward_is_over():
+    """Nothing of the root trains and token ids need no gradient: it is freed once the
+    gradient reaches the last layer, before the layers' backward, not at the step's end."""
+    zero = ZeroStage3(_gpt_frozen(), _group(), CFG)
+    x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+    zero(x).sum().backward()
+    events = zero.events
+    assert events.index(("free", "root")) < events.index(("backward", "blocks.0"))
+    assert zero.root.gathered_bytes() == 0
+
+
+def test_a_root_larger_than_a_layer_does_not_size_the_layers_buffers():
+    """The root is gathered beside the layers for most of a step: from a pool of its own,
+    else every layer's buffer would be the embedding's size."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8, vocab_size=512))
+    for name, p in model.named_parameters():
+        p.requires_grad_("mlp" in name)
+    zero = ZeroStage3(model.double(), _group(), CFG)
+    x = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
+    zero(x).sum().backward()
+    zero.step(CFG.lr)
+    layer = max(u.flat.plan.padded_numel + u.frozen.plan.padded_numel for u in zero.blocks)
+    assert zero.root.frozen.plan.padded_numel > layer
+    pooled = [b.numel() for buffers in zero.pool._free.values() for b in buffers]
+    assert pooled and max(pooled) <= layer
 
 
 def test_tied_embedding_stays_in_root():
@@ -97,6 +142,17 @@ def test_tied_embedding_stays_in_root():
     assert [u.name for u in zero.units] == ["root", "blocks.0", "blocks.1"]
     assert "wte.weight" in [s.name for s in zero.root.flat.slots]
     assert zero.param_names[0] == "wte.weight"
+
+
+def test_excluded_parameters_stay_with_their_module():
+    """Another engine's parameters (experts under ep): neither sharded nor unregistered."""
+    model = _gpt()
+    mlp = model.blocks["0"].mlp
+    kept = list(mlp.parameters())
+    zero = ZeroStage3(model, _group(), CFG, exclude=kept)
+    held = {s.name for u in zero.units for s in u.flat.slots}
+    assert list(mlp.parameters()) == kept and not any(".0.mlp." in n for n in held)
+    assert len(held) == len(list(_gpt().parameters())) - len(kept)
 
 
 def test_eval_forward_frees_everything():
