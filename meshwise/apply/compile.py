@@ -11,6 +11,7 @@ no ``_orig_mod.`` and the engines' module hooks run outside the compiled code.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -154,6 +155,8 @@ def keep_kernels_in(cache_dir: str | None) -> None:
 def compile_seconds() -> float:
     """Seconds this process has spent compiling so far: dynamo with the forward graphs,
     and the backward graphs, which AOTAutograd compiles at their first backward."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled; importing it costs seconds
+        return 0.0
     metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
     keys = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
     return float(sum(sum(metrics.get(key, ())) for key in keys))

@@ -55,7 +55,7 @@ def gpu_peak(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def measured_peak(
-    device: torch.device, dtype: torch.dtype, size: int = 1024, budget_s: float = 0.5
+    device: torch.device, dtype: torch.dtype, size: int = 1024, budget_s: float = 0.1
 ) -> float:
     """FLOP/s of a ``size``-square matrix multiply here: the best of as many as fit in
     ``budget_s`` (at least 5; the best is the least disturbed by other work)."""
