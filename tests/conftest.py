@@ -1,4 +1,5 @@
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,10 @@ ROOT = str(Path(__file__).resolve().parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
 )
+# A suite started in the background of a non-interactive shell inherits SIGINT ignored, and
+# so would every run it starts: the tests of Ctrl-C need Python's own handler.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # This process's view of the GPUs, taken before any test hides them from its children.
 GPUS = torch.cuda.device_count()
 
