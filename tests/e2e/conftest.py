@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import forked_cli
+
 # A small model and corpus so a whole run takes seconds.
 # --peak-tflops spares each run the CPU's start-up measurement for MFU (half a second);
 # the tests of MFU measure it.
@@ -43,7 +45,12 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def run_cli(*args, cwd=None, env_extra=None, timeout=240):
+    """``meshwise ARGS`` as its own process: forked from a server that has imported the
+    CLI (``tests.e2e.forked_cli``), or a fresh interpreter where ``env_extra`` changes
+    what a process reads as it starts."""
     env = dict(os.environ, MESHWISE_CACHE=str(Path(cwd or ".") / "cache"), PYTHONUNBUFFERED="1")
+    if not env_extra and sys.platform.startswith("linux"):
+        return forked_cli.run([str(a) for a in args], cwd, env, timeout)
     for name, value in (env_extra or {}).items():  # None: leave the variable unset
         if value is None:
             env.pop(name, None)
