@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import median, print_json, rel_diff, slowest, spawn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks.common import median, print_json, rel_diff, slowest, spawn  # noqa: E402
 
 VARIANTS = ("meshwise_eager", "meshwise_compiled", "torch_eager", "torch_compiled")
 

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import median, print_json, run_rounds, slowest, spawn
-from meshwise.apply.experts import ExpertParallelExperts
-from meshwise.comm import ops
-from meshwise.mesh import Mesh, ParallelDims
-from meshwise.models.llama import LlamaConfig
-from meshwise.models.moe import MoE
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks.common import median, print_json, run_rounds, slowest, spawn  # noqa: E402
+from meshwise.apply.experts import ExpertParallelExperts  # noqa: E402
+from meshwise.comm import ops  # noqa: E402
+from meshwise.mesh import Mesh, ParallelDims  # noqa: E402
+from meshwise.models.llama import LlamaConfig  # noqa: E402
+from meshwise.models.moe import MoE  # noqa: E402
 
 CATEGORY = "moe"
 

@@ -39,11 +39,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import median, print_json
-from meshwise.data.bpe import save_tokenizer, train_bpe
-from meshwise.data.corpus import build_token_file
-from meshwise.data.files import list_files
-from meshwise.data.tokenizer import load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks.common import median, print_json  # noqa: E402
+from meshwise.data.bpe import save_tokenizer, train_bpe  # noqa: E402
+from meshwise.data.corpus import build_token_file  # noqa: E402
+from meshwise.data.files import list_files  # noqa: E402
+from meshwise.data.tokenizer import load_tokenizer  # noqa: E402
 
 # Runs in a fresh process, so RAYON_NUM_THREADS sizes the pool it creates.
 _REFERENCE = """
