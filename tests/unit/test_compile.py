@@ -12,7 +12,8 @@ from meshwise.models.families import family
 from tests.unit.test_config import parse
 
 
-def _llama():
+def _llama(**sizes):
+    """A tiny Llama (two layers unless ``sizes`` say otherwise)."""
     fam = family("llama")
     sizes = {
         "family": "llama",
@@ -22,6 +23,7 @@ def _llama():
         "d_model": 32,
         "vocab_size": 64,
         "seq_len": 16,
+        **sizes,
     }
     return fam.build(fam.make_config(sizes))
 
@@ -74,20 +76,7 @@ def test_compile_on_a_python_without_dynamo_is_refused(monkeypatch, tmp_path):
 def test_moe_experts_run_eager_around_the_compiled_parts():
     from meshwise.models.moe import Experts
 
-    fam = family("llama")
-    sizes = {
-        "family": "llama",
-        "n_layer": 1,
-        "n_head": 2,
-        "n_kv_head": 2,
-        "d_model": 32,
-        "vocab_size": 64,
-        "seq_len": 16,
-        "n_experts": 4,
-        "experts_per_token": 2,
-        "shared_expert_size": 16,
-    }
-    model = fam.build(fam.make_config(sizes))
+    model = _llama(n_layer=1, n_experts=4, experts_per_token=2, shared_expert_size=16)
     # The experts read their token counts to the host: a graph break, kept out.
     assert compile_blocks(model.layers) == ["RMSNorm", "Attention", "MLP"]
     assert not any(isinstance(m, Experts) and isinstance(m, Compiled) for m in model.modules())
