@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 
@@ -15,3 +16,11 @@ def _groups_end_with_the_file(dist_pools):
     """A file's gloo subgroups end with its last test (``Pools.end_subgroups``)."""
     yield
     dist_pools.end_subgroups()
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> str:
+    """A token file of 20,000 random byte ids that the files' runs train on."""
+    path = tmp_path_factory.mktemp("tokens") / "tokens.bin"
+    np.random.default_rng(2).integers(0, 256, 20_000).astype(np.uint16).tofile(path)
+    return str(path)

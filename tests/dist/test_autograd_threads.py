@@ -32,13 +32,6 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    path = tmp_path_factory.mktemp("threads") / "tokens.bin"
-    np.random.default_rng(2).integers(0, 256, 20_000).astype(np.uint16).tofile(path)
-    return str(path)
-
-
 def _issued(ledger) -> int:
     return sum(count for count, _ in ledger.summary().values())
 

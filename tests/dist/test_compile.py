@@ -4,7 +4,6 @@ the first step, traced as inductor gets them: dynamo and AOTAutograd around the
 engines' hooks, checkpointing and the collectives left eager.
 """
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,13 +30,6 @@ LAYOUTS = {
     for layout, parallel in PARALLEL.items()
 }
 LAYOUTS["moe-dp2-ep2-full"] = (MOE, {"dp": 2, "ep": 2, "activation_checkpointing": "full"})
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    path = tmp_path_factory.mktemp("compile") / "tokens.bin"
-    np.random.default_rng(1).integers(0, 256, 20_000).astype(np.uint16).tofile(path)
-    return str(path)
 
 
 def _train(model: dict, layout: dict, data_path: str, compiled: bool):

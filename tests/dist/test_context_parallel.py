@@ -9,7 +9,6 @@
   step (the correctness invariant, DESIGN section 1).
 """
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,13 +92,6 @@ LAYOUTS = {
 }
 # Relative agreement per step: fp32 round-off; bf16's 8-bit mantissa (tests/e2e/test_bf16.py)
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2}
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cp") / "tokens.bin"
-    np.random.default_rng(1).integers(0, 256, 20_000).astype(np.uint16).tofile(path)
-    return str(path)
 
 
 def _train(model: dict, layout: dict, data_path: str) -> list[tuple[float, float]]:

@@ -38,13 +38,6 @@ LONG = {"dp4 shard2 zero3", "dp4 shard2 pp2 zero3"}
 TOLERANCE = {"bf16": 1e-2, "fp16": 1e-3}
 
 
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hybrid") / "tokens.bin"
-    np.random.default_rng(2).integers(0, 256, 20_000).astype(np.uint16).tofile(path)
-    return str(path)
-
-
 def _config(layout: dict, data_path: str):
     from meshwise.train.config import TrainConfig
 

@@ -112,6 +112,7 @@ WITHOUT_AUX = {"dp2 ep2 pp2 checkpointing", "dp2 ep2 pp2 zero3 dense first stage
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
+    # Its own draw (the bf16 cases' tolerance was set on these batches), not conftest's
     path = tmp_path_factory.mktemp("moe") / "tokens.bin"
     np.random.default_rng(1).integers(0, 256, 20_000).astype(np.uint16).tofile(path)
     return str(path)

@@ -5,7 +5,6 @@ tp 2 (codes quantised again from the same base) as the uninterrupted run; and th
 model that generate and export build is the dequantised base plus the adapters.
 """
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,13 +14,6 @@ STEPS, SEQ, BATCH, SEED = 4, 16, 4, 5
 # rows of 128 and 128 values: whole 64-value blocks, also split in two by tp 2
 MODEL = dict(preset="llama-tiny", n_layer=2, d_model=128, n_head=4, n_kv_head=2)
 LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2), "pp2": dict(pp=2)}
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qlora") / "tokens"
-    np.random.default_rng(2).integers(0, 256, 20_000).astype(np.uint16).tofile(path)
-    return str(path)
 
 
 def _config(tokens: str, layout: dict):
