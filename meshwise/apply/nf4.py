@@ -74,6 +74,11 @@ def quantize_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(-1), absmax
 
 
+# Code bytes looked up at a time on a CPU, where every transient counts in the process's
+# RSS and a loop costs no kernel launch; an accelerator looks a weight up in one go.
+CPU_LOOKUP_BYTES = 1 << 16
+
+
 @torch.no_grad()
 def dequantize_nf4(
     codes: torch.Tensor,
@@ -85,12 +90,15 @@ def dequantize_nf4(
     """The weight of ``shape`` in ``dtype`` that ``codes`` and ``absmax`` stand for (the
     product taken in fp32, then cast)."""
     code = nf4_code(codes.device) if code is None else code
-    pairs = codes.reshape(-1, BLOCK_SIZE // 2)  # (num_blocks, 32)
-    # int32 indices: half the transient bytes of int64 for the layer being dequantised
-    index = torch.stack((pairs >> 4, pairs & 0xF), dim=-1).reshape(-1, BLOCK_SIZE).int()
-    values = code[index]  # (num_blocks, 64)
-    del index  # scaled in place: the transient stays two buffers of the layer's size
-    return values.mul_(absmax.unsqueeze(1)).reshape(shape).to(dtype)
+    # a byte's two values, high nibble first: the lookup's index is one int32 per byte
+    byte_values = torch.stack((code.repeat_interleave(16), code.repeat(16)), dim=1)
+    values = torch.empty(codes.numel(), 2, dtype=torch.float32, device=codes.device)
+    step = CPU_LOOKUP_BYTES if codes.device.type == "cpu" else max(codes.numel(), 1)
+    for start in range(0, codes.numel(), step):
+        index = codes[start : start + step].int()
+        torch.index_select(byte_values, 0, index, out=values[start : start + step])
+    blocks = values.view(-1, BLOCK_SIZE)  # scaled in place: no second buffer of the layer
+    return blocks.mul_(absmax.unsqueeze(1)).reshape(shape).to(dtype)
 
 
 @dataclass

@@ -127,16 +127,12 @@ def check_layout(cfg, own_model: bool = False) -> None:
 
 
 def _check_quantized_base(cfg) -> None:
-    """--quantize-base nf4 holds the frozen weights beside the engines, dequantised by each
-    layer's own forward: not with ZeRO-3 (its engine shards and gathers frozen weights
-    itself) nor --compile (the saved-tensor hooks that keep the codes for backward)."""
+    """--quantize-base nf4 holds the quantised weights beside the engines (whole on every
+    rank, ZeRO-3 included: no engine gathers them), dequantised by each layer's own
+    forward; not with --compile (the saved-tensor hooks that keep the codes for backward)."""
     base = cfg.lora.quantize_base
     if base == "none":
         return
-    if cfg.parallel.zero == 3:
-        raise ValueError(
-            f"--quantize-base {base} with --zero 3 is not supported yet; valid: --zero 0, 1 or 2"
-        )
     if cfg.runtime.compile:
         raise ValueError(
             f"--quantize-base {base} with --compile is not supported yet; valid: leave "

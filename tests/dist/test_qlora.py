@@ -1,8 +1,9 @@
 """QLoRA (``--quantize-base nf4``) on gloo ranks: adapters trained beside NF4 frozen
-weights give, at tp 2, dp 2 and pp 2, the one-process losses and gradient norms; every
-layout holds the same 4-bit codes, unchanged by training; a run saved at dp 2 resumes at
-tp 2 (codes quantised again from the same base) as the uninterrupted run; and the merged
-model that generate and export build is the dequantised base plus the adapters.
+weights give, at tp 2, dp 2 (ZeRO 0 and 3) and pp 2, the one-process losses and gradient
+norms; every layout holds the same 4-bit codes, unchanged by training; a run saved at dp 2
+with ZeRO-3 resumes at tp 2 (codes quantised again from the same base) as the
+uninterrupted run; and the merged model that generate and export build is the dequantised
+base plus the adapters.
 """
 
 import pytest
@@ -13,7 +14,13 @@ pytestmark = pytest.mark.timeout(240)
 STEPS, SEQ, BATCH, SEED = 4, 16, 4, 5
 # rows of 128 and 128 values: whole 64-value blocks, also split in two by tp 2
 MODEL = dict(preset="llama-tiny", n_layer=2, d_model=128, n_head=4, n_kv_head=2)
-LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2), "pp2": dict(pp=2)}
+# ZeRO-3 shards the adapters and the full-precision frozen weights, never the NF4 codes
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "dp2": dict(dp=2),
+    "pp2": dict(pp=2),
+    "dp2 zero3": dict(dp=2, zero=3),
+}
 
 
 def _config(tokens: str, layout: dict):
@@ -99,11 +106,11 @@ def test_layout_trains_as_one_process(dist_pools, tokens, tmp_path_factory, name
         assert got == pytest.approx(ref, rel=1e-4), (name, step)
 
 
-def test_a_run_saved_at_dp2_resumes_at_tp2_as_the_uninterrupted_run(
+def test_a_run_saved_at_dp2_zero3_resumes_at_tp2_as_the_uninterrupted_run(
     dist_pools, tokens, tmp_path_factory, tmp_path
 ):
     want = _one_process(dist_pools, tokens, tmp_path_factory)[0]
-    dist_pools.run(2, _train, tokens, dict(dp=2, save=str(tmp_path)), 2)
+    dist_pools.run(2, _train, tokens, dict(dp=2, zero=3, save=str(tmp_path)), 2)
     checkpoint = str(next(tmp_path.rglob("manifest.json")).parent)
     got = dist_pools.run(2, _train, tokens, dict(tp=2), STEPS, checkpoint)[0][0]
     assert len(got) == STEPS - 2
