@@ -2,7 +2,7 @@
 (``--lora-from``, its B not zero so that every product counts) gives, step by step,
 - on one process: PEFT + transformers + ``torch.optim.AdamW`` on the same batches, over
   20 steps;
-- on dp, tp (with and without sp), pp, cp, dp x tp, tp x pp and ZeRO-1/3 layouts: the
+- on dp, tp (with and without sp), pp, cp, dp x tp x pp and ZeRO-1/3 layouts: the
   one-process losses and gradient norms (bf16: to bf16's precision);
 and the frozen weights are bitwise what the directory holds after training.
 """
@@ -35,10 +35,8 @@ LAYOUTS = {
     "dp2 zero3": dict(dp=2, zero=3),
     "dp2 zero1 checkpointing": dict(dp=2, zero=1, activation_checkpointing="full"),
     "cp2": dict(cp=2),
-    # dp x tp x pp in pairs, on one pool of 4 ranks (8 ranks cost 3x on 2 cores): each
-    # pair meets tensor parallelism's split adapters, which dp reduces and pp sends on.
-    "dp2 tp2": dict(dp=2, tp=2),
-    "tp2 pp2": dict(tp=2, pp=2),
+    # tensor parallelism's split adapters, reduced over dp and sent on by pp
+    "dp2 tp2 pp2": dict(dp=2, tp=2, pp=2),
 }
 
 
