@@ -5,7 +5,9 @@
 Per layout: the median step time, the bytes the link carried per step (read from the
 veth interface's counters from outside the ranks, the difference of a long and a short
 run so start-up traffic cancels) and the peak RSS of the largest rank (``peak_rss_bytes``,
-with ``MALLOC_MMAP_THRESHOLD_`` so freed buffers go back to the kernel). Needs root.
+with ``MALLOC_MMAP_THRESHOLD_`` so freed buffers go back to the kernel). Each hybrid layout
+also runs with its 4 ranks on this machine alone, and its two-node losses are compared
+with that run's. Needs root.
 
     python benchmarks/hybrid_shard.py --rate 200mbit --delay 1ms --zero 3
 
@@ -56,6 +58,21 @@ def run(nodes: TwoNodes, layout: list[str], steps: int, workdir: Path) -> dict:
     return {"records": records, "link_bytes": moved}
 
 
+def one_node_losses(layout: list[str], steps: int, workdir: Path) -> list[float]:
+    """The same run's losses with every rank on this machine (no namespaces, no link)."""
+    metrics = workdir / f"one-node{abs(hash(tuple(layout)))}.jsonl"
+    argv = ["train", *layout, *MODEL, *DATA, "--steps", str(steps), "--metrics", str(metrics)]
+    done = subprocess.run([sys.executable, "-m", "meshwise", *argv, "-q"], cwd=workdir)
+    if done.returncode:
+        raise SystemExit(f"one node: {' '.join(argv)} failed")
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def largest_gap(want: list[float], got: list[float]) -> float:
+    """The largest relative difference between two runs' losses, step by step."""
+    return max(abs(a - b) / abs(a) for a, b in zip(want, got, strict=True))
+
+
 def measure(nodes: TwoNodes, layout: list[str], short: int, long: int, workdir: Path) -> dict:
     first, second = (run(nodes, layout, n, workdir) for n in (short, long))
     records = second["records"]
@@ -99,6 +116,9 @@ def main() -> int:
                 layout = ["--dp", "4", "--zero", str(zero), *extra]
                 rows.append(measure(nodes, layout, *args.steps, Path(tmp)))
                 row = rows[-1]
+                if extra:  # the two-node run against all its ranks on one machine
+                    local = one_node_losses(layout, args.steps[1], Path(tmp))
+                    row["one_node_gap"] = largest_gap(local, row["losses"])
                 print(
                     f"{row['layout']:<48} step {row['step_time_s'] * 1e3:8.1f} ms  "
                     f"link {row['link_bytes_per_step'] / 2**20:8.2f} MiB/step  "
@@ -110,11 +130,12 @@ def main() -> int:
     for at in range(0, len(rows), per_zero):
         full = rows[at]
         for hybrid in rows[at + 1 : at + per_zero]:
-            gap = max(abs(a - b) / abs(a) for a, b in zip(full["losses"], hybrid["losses"]))
+            gap = largest_gap(full["losses"], hybrid["losses"])
             print(
                 f"{hybrid['layout']} / full ZeRO: link bytes "
                 f"{hybrid['link_bytes_per_step'] / full['link_bytes_per_step']:.2f}x, step time "
-                f"{hybrid['step_time_s'] / full['step_time_s']:.2f}x; losses within {gap:.1e}"
+                f"{hybrid['step_time_s'] / full['step_time_s']:.2f}x; losses within {gap:.1e}; "
+                f"two nodes vs one node: losses within {hybrid['one_node_gap']:.1e}"
             )
     if args.json:
         print(json.dumps(rows))
