@@ -5,7 +5,8 @@
   step;
 - bf16, cp, and the cross-replica sum through the ring and tree algorithms and the fp16
   and PowerSGD compressors, over 5 steps;
-- a run saved with --dp-shard 2 resumes with another --dp-shard.
+- a run saved with --dp-shard 2 resumes with another --dp-shard, and a PowerSGD one on
+  the same layout bit-exactly.
 """
 
 import numpy as np
@@ -105,10 +106,11 @@ def test_hybrid_sharding_trains_as_one_process(dist_pools, tokens, name):
         assert row == pytest.approx(ref, rel=rel), (name, step)
 
 
-def test_powersgd_across_replicas_is_powersgd_over_dp(dist_pools, tokens):
+def test_powersgd_across_replicas_is_powersgd_over_dp(dist_pools, tokens, tmp_path):
     """PowerSGD is linear in the summed gradient (P = sum M_i Q, Q' = sum M_i^T P^), and so
     is its error feedback: at ZeRO-1, compressing the replicas' sums equals compressing
-    every rank's gradient over the whole dp group, to round-off (a lossy reference)."""
+    every rank's gradient over the whole dp group, to round-off (a lossy reference). A
+    run saved at step 3 resumes bit-exactly, error feedback and Q included."""
     compressed = dict(dp=4, zero=1, compress="powersgd:1", compress_warmup_steps=1)
     whole = dist_pools.run(4, _train, compressed, tokens, SHORT)[0]
     hybrid = dist_pools.run(4, _train, {**compressed, "dp_shard": 2}, tokens, SHORT)[0]
@@ -116,6 +118,11 @@ def test_powersgd_across_replicas_is_powersgd_over_dp(dist_pools, tokens):
     assert [norm for _, norm in whole] != pytest.approx(norms, rel=1e-2)  # it compressed
     for step, (row, ref) in enumerate(zip(hybrid, whole, strict=True), 1):
         assert row == pytest.approx(ref, rel=1e-4), step
+    layout = {**compressed, "dp_shard": 2}
+    dist_pools.run(4, _train, {**layout, "save": str(tmp_path)}, tokens, 3)
+    checkpoint = str(next(tmp_path.rglob("manifest.json")).parent)
+    resumed = dist_pools.run(4, _train, {**layout, "resume": checkpoint}, tokens, SHORT)[0]
+    assert resumed == hybrid[3:SHORT]
 
 
 def test_resume_across_dp_shard(dist_pools, tokens, tmp_path):
