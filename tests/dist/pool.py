@@ -14,9 +14,9 @@ import queue
 import time
 import traceback
 
-import torch.multiprocessing as mp
 
 from meshwise.cli.launch import free_port
+from tests import forkserver
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -25,14 +25,16 @@ class RankError(RuntimeError):
     pass
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, env: dict, cwd: str) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    os.chdir(cwd)  # the test process's directory and environment, not the fork server's
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     from meshwise.comm import ops
 
@@ -68,12 +70,13 @@ def end_subgroups() -> None:
 class WorkerPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = forkserver.context()  # ranks forked from a process that imported torch once
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        port = free_port()
+        port, env = free_port(), dict(os.environ)
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r],
-                                                        self.results), daemon=True)
+                                                        self.results, env, os.getcwd()),
+                                  daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
             p.start()

@@ -10,7 +10,6 @@ own CPU ranks. Runs whose environment must be in place when a process starts (gl
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -18,14 +17,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests import forkserver
+
 _context = None
 
 
 def _server():
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["meshwise.cli.main", __name__])
+        _context = forkserver.context()
     return _context
 
 
