@@ -15,6 +15,7 @@ from meshwise.planner.layout import Layout
 from meshwise.planner.search import Prediction, Space, memory_limit, predict, search, settings_of
 from meshwise.planner.shapes import ModelShape, model_shape
 from meshwise.train.config import TrainConfig
+from meshwise.train.lora_setup import check_nf4_rows
 
 GIB = 2**30
 MAX_WORLD_FACTOR = 4096  # how far up the smallest fitting world is searched
@@ -45,7 +46,9 @@ class PlanRequest:
                 f"--explain {layout.flags()!r} has dp x cp x tp x pp = "
                 f"{layout.world_size} ranks, not --world {self.world}"
             )
-        layout.apply(self.cfg).validate()
+        laid_out = layout.apply(self.cfg).validate()
+        if laid_out.lora.quantize_base == "nf4":  # each rank's rows whole NF4 blocks
+            check_nf4_rows(laid_out, self.shape.vocab)
         return predict(
             self.shape, layout, settings_of(self.cfg, self.device), self.device, self.limit
         )

@@ -18,6 +18,7 @@ from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.experts import valid_ep
 from meshwise.planner.hybrid import shard_options
 from meshwise.planner.layout import Layout
+from meshwise.planner.lora import nf4_fits_tp
 from meshwise.planner.memory import MemoryBreakdown, Settings, peak_memory
 from meshwise.planner.shapes import ModelShape
 from meshwise.planner.step_time import Pipeline, TimeBreakdown, pipeline, step_time
@@ -122,7 +123,7 @@ def search(
     fitting: list[Prediction] = []
     over: list[Prediction] = []
     stages, modes = _valid_choices(cfg, space)
-    for structure in _structures(cfg, world, space, shape.n_experts):
+    for structure in _structures(cfg, world, space, shape):
         # ZeRO over one rank shards nothing: stage 0 stands for them all
         zeros: Sequence[int] = stages if structure.dp * structure.cp > 1 else stages[:1]
         for mode in modes:
@@ -213,14 +214,15 @@ def _valid(cfg: TrainConfig, layout: Layout) -> bool:
     return True
 
 
-def _structures(cfg: TrainConfig, world: int, space: Space, n_experts: int = 0):
+def _structures(cfg: TrainConfig, world: int, space: Space, shape: ModelShape):
     """Layouts without their ZeRO stage and checkpointing, valid at ZeRO-0; with experts,
-    each expert parallel degree that divides dp x cp and the experts."""
+    each expert parallel degree that divides dp x cp and the experts; under QLoRA, a tp
+    that leaves each rank whole NF4 blocks."""
     for dp, cp, tp, pp in _factorisations(world):
         per_dp = cfg.data.batch_size // dp if cfg.data.batch_size % dp == 0 else 0
-        if not per_dp:
+        if not per_dp or not nf4_fits_tp(shape, tp):
             continue
-        for ep in valid_ep(n_experts, dp * cp):
+        for ep in valid_ep(shape.n_experts, dp * cp):
             axes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
             if any(axes[k] != v for k, v in space.axes.items()):
                 continue
