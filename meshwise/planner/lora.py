@@ -1,6 +1,7 @@
 """LoRA and QLoRA in the planner (pure): the adapters and NF4 weights a model's layer holds
 (counted from the layer itself, as ``meshwise.apply.lora`` and ``meshwise.apply.nf4``
-choose them), the share of them a rank holds, and what dequantising costs.
+choose them), the share of them a rank holds (``shape``: a ``ModelShape``, which holds
+a ``LoraShape``), and what dequantising costs.
 
 Under LoRA only the adapters train (Hu et al. 2021): A (r x in) and B (out x r) per
 targeted linear layer. Under tp a column-parallel layer's B is split and its A
@@ -13,14 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshwise.apply.lora import ALL_LINEAR, LoraConfig, targeted_layers
 from meshwise.apply.nf4 import BLOCK_SIZE, LINEAR_TYPES, quantizable_layers
-
-if TYPE_CHECKING:
-    from meshwise.planner.layout import Layout
-    from meshwise.planner.shapes import ModelShape
+from meshwise.planner.layout import Layout
 
 NF4_BYTES_PER_PARAM = 0.5 + 4 / BLOCK_SIZE  # two codes a byte, an fp32 absmax per block
 # Bytes one dequantise moves per weight value (``meshwise.apply.nf4.dequantize_nf4``'s eager
@@ -109,7 +107,7 @@ def lora_shape(key: tuple, counts: dict[str, Any]) -> LoraShape:
     return LoraShape(rank=key[0], quantized=key[2] == "nf4", nf4_rows=rows, **fields)
 
 
-def rank_lora_params(shape: ModelShape, layout: Layout, is_last: bool) -> tuple[float, float]:
+def rank_lora_params(shape, layout: Layout, is_last: bool) -> tuple[float, float]:
     """(adapter parameters, NF4-held weights) of one rank: its stage's layers' tp share,
     and the adapters outside the blocks on the last stage."""
     lora = shape.lora
@@ -121,7 +119,7 @@ def rank_lora_params(shape: ModelShape, layout: Layout, is_last: bool) -> tuple[
     return adapters, layers * (lora.nf4_split / t + lora.nf4_replicated)
 
 
-def nf4_fits_tp(shape: ModelShape, tp: int) -> bool:
+def nf4_fits_tp(shape, tp: int) -> bool:
     """Whether each rank's row of every quantised weight is whole NF4 blocks under ``tp``
     (the rule ``meshwise.train.lora_setup.check_nf4_rows`` holds a run to)."""
     if shape.lora is None or not shape.lora.quantized:
@@ -129,7 +127,7 @@ def nf4_fits_tp(shape: ModelShape, tp: int) -> bool:
     return all((n // tp if split else n) % BLOCK_SIZE == 0 for n, split in shape.lora.nf4_rows)
 
 
-def dequantize_s(shape: ModelShape, layout: Layout, dtype: str, device) -> float:
+def dequantize_s(shape, layout: Layout, dtype: str, device) -> float:
     """Seconds to dequantise one layer's NF4 weights once (memory-bound, eager kernels)."""
     lora = shape.lora
     if lora is None or not lora.quantized:
