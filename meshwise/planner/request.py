@@ -12,7 +12,15 @@ from pathlib import Path
 
 from meshwise.planner.devices import DeviceProfile, compiled_profile, device_profile
 from meshwise.planner.layout import Layout
-from meshwise.planner.search import Prediction, Space, memory_limit, predict, search, settings_of
+from meshwise.planner.search import (
+    Prediction,
+    Space,
+    memory_limit,
+    predict,
+    search,
+    settings_of,
+    valid_choices,
+)
 from meshwise.planner.shapes import ModelShape, model_shape
 from meshwise.train.config import TrainConfig
 from meshwise.train.lora_setup import check_nf4_rows
@@ -98,13 +106,13 @@ class PlanRequest:
 
     def _smallest_world(self) -> int | None:
         """The smallest multiple of the world (doubling) with a layout that fits, searched
-        with the most frugal choices allowed (highest ZeRO stage, most recomputation)."""
+        with the most frugal choices allowed (highest valid ZeRO stage: QLoRA's is 2; most
+        recomputation)."""
         space = self.space
-        frugal = dataclasses.replace(
-            space,
-            zero=space.zero[-1:],
-            activation_checkpointing=space.activation_checkpointing[-1:],
-        )
+        zeros, modes = valid_choices(self.cfg, space)
+        if not zeros or not modes:
+            return None
+        frugal = dataclasses.replace(space, zero=zeros[-1:], activation_checkpointing=modes[-1:])
         world = self.world * 2
         while world <= self.world * MAX_WORLD_FACTOR:
             found = search(

@@ -122,7 +122,7 @@ def search(
     st = settings_of(cfg, device)
     fitting: list[Prediction] = []
     over: list[Prediction] = []
-    stages, modes = _valid_choices(cfg, space)
+    stages, modes = valid_choices(cfg, space)
     for structure in _structures(cfg, world, space, shape):
         # ZeRO over one rank shards nothing: stage 0 stands for them all
         zeros: Sequence[int] = stages if structure.dp * structure.cp > 1 else stages[:1]
@@ -173,7 +173,7 @@ def _pipe(shape: ModelShape, structure: Layout, st: Settings, device: DeviceProf
     return _pipe_cached(shape, structure, st, id(device))
 
 
-def _valid_choices(cfg: TrainConfig, space: Space) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def valid_choices(cfg: TrainConfig, space: Space) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The ZeRO stages and checkpointing modes of the space that the configuration check
     accepts. The check has no rule that ties either to the axes, so each is checked once
     (tests/unit/test_planner.py validates every layout listed: a rule that ties them

@@ -12,7 +12,7 @@ from meshwise.cli.plan import model_config
 from meshwise.planner.layout import Layout
 from meshwise.planner.lora import NF4_BYTES_PER_PARAM, nf4_fits_tp
 from meshwise.planner.memory import Settings, peak_memory
-from meshwise.planner.request import plan_request
+from meshwise.planner.request import NoLayoutFits, plan_request
 from meshwise.planner.search import Space
 from meshwise.planner.shapes import model_shape
 from meshwise.train.config import TrainConfig
@@ -137,6 +137,10 @@ def test_qlora_dequantises_and_leaves_out_a_tp_that_cuts_blocks():
     assert nf4_fits_tp(qlora.shape, 32) and not nf4_fits_tp(qlora.shape, 64)
     cfg = _config(quantize_base="nf4")
     assert nf4_fits_tp(model_shape(cfg), 2) and not nf4_fits_tp(model_shape(cfg), 4)
+    # where nothing fits, the world that would is searched at QLoRA's highest stage, 2
+    small = plan_request(qlora.cfg, 2, "h100", Space(), memory_gb=1.7)
+    with pytest.raises(NoLayoutFits, match=r"or --world 8$"):
+        small.run()
 
 
 def test_plan_explains_frozen_weights_and_adapters(tmp_path):
