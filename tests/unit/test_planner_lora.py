@@ -143,6 +143,21 @@ def test_qlora_dequantises_and_leaves_out_a_tp_that_cuts_blocks():
         small.run()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_dequantise_is_priced_as_its_ops_move(dtype):
+    import torch
+
+    from benchmarks.planner_traffic import DTYPES, OpBytes
+    from meshwise.apply.nf4 import NF4Weight
+    from meshwise.planner.lora import DEQUANTIZE_BYTES, DEQUANTIZE_KERNELS
+
+    weight = NF4Weight.of(torch.randn(64, 256), DTYPES[dtype])
+    with OpBytes(d_model=1) as ops:
+        weight.dense()
+    assert sum(ops.bytes.values()) / (64 * 256) == pytest.approx(DEQUANTIZE_BYTES[dtype], rel=0.01)
+    assert sum(ops.kernels.values()) == DEQUANTIZE_KERNELS[dtype]
+
+
 def test_plan_explains_frozen_weights_and_adapters(tmp_path):
     flags = [*BIG, "--world", 2, "--lora-rank", 8, "--lora-targets", "q_proj,v_proj"]
     out = run_main("plan", *flags, "--explain", "--dp 2 --zero 1", cwd=tmp_path)
