@@ -1,7 +1,8 @@
 """``meshwise train --layout auto``: the planner's best layout for the launched world.
 
-Resolved in the launcher before any rank starts; the world is torchrun's, else the
-product of the axis flags given, else one rank per GPU, else 2 CPU ranks. Layout flags
+Resolved in the launcher before any rank starts, for the run's model and LoRA settings;
+the world is torchrun's, else the product of the axis flags given, else one rank per GPU,
+else 2 CPU ranks. Layout flags
 given narrow the search; the choice and the next best are logged (docs/choosing-a-layout.md).
 """
 
@@ -88,7 +89,9 @@ def choose_layout(cfg: TrainConfig, origins: dict[str, str]) -> TrainConfig:
         ),
         compress=cfg.comm.compress,
     )
-    base = Layout().apply(cfg)  # the model, data and runtime; the layout is the planner's
+    # the model, data, runtime and LoRA settings (--lora-from's read already); the layout
+    # is the planner's
+    base = Layout().apply(cfg)
     request = plan_request(
         base, world, gpu_profile_name(device), space, cache_dir=cfg.data.cache_dir
     )

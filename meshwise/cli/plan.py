@@ -17,6 +17,10 @@ from meshwise.train.config import DTYPES, GRAD_REDUCE_DTYPES, ZERO_STAGES, Train
 
 PROG = "meshwise plan"
 MODEL_FLAGS = [row for row in TRAIN_FLAGS if row[1] == "model" and row[2] != "dropout"]
+# what of LoRA decides memory and time (alpha, dropout and initial values do not)
+LORA_FLAGS = [
+    row for row in TRAIN_FLAGS if row[2] in ("lora_rank", "lora_targets", "quantize_base")
+]
 PLAN_HELP = {  # where planning reads less than training
     "init_from": "a local Hugging Face directory: the model's sizes come from its config.json "
     "(nothing else is read; no weights needed)",
@@ -30,12 +34,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "List every valid layout of --world ranks that fits the devices' memory, ranked by "
         "predicted tokens/s, with each one's peak memory and step time and where they go. "
         "The model is given as to meshwise train (--model and its overrides, or --init-from "
-        "a Hugging Face directory: only its config.json is read)."
+        "a Hugging Face directory: only its config.json is read); with --lora-rank, a LoRA "
+        "fine-tune of it (frozen weights, trained adapters)."
     )
     parser.add_argument(
         "--world", type=int, metavar="N", help="ranks (devices) to lay the model out on"
     )
-    for flag, section, field, kind, help_text in MODEL_FLAGS:
+    for flag, section, field, kind, help_text in MODEL_FLAGS + LORA_FLAGS:
         help_text = PLAN_HELP.get(field) or f"{help_text} (default: {default_text(section, field)})"
         parser.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=help_text)
     parser.add_argument(
@@ -202,6 +207,9 @@ def model_config(args: argparse.Namespace) -> TrainConfig:
             setattr(cfg.model, field, getattr(args, field))
             origins[field] = "flag"
     apply_init_from(cfg, origins)
+    for _, _, field, _, _ in LORA_FLAGS:
+        if hasattr(args, field):
+            setattr(cfg.lora, field, getattr(args, field))
     cfg.data.seq_len, cfg.data.batch_size = args.seq_len, args.batch_size
     gpu = args.device != "cpu"
     cfg.runtime.dtype = (

@@ -12,6 +12,7 @@ from meshwise.planner.collectives import collective_s, link_kind, p2p_s, sync_wa
 from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.experts import PASSES, RECOMPUTE_PASSES, all_to_all_s
 from meshwise.planner.layout import Layout
+from meshwise.planner.lora import dequantize_s
 from meshwise.planner.memory import DTYPE_BYTES, Settings, activation_bytes_per_token
 from meshwise.planner.shapes import ModelShape
 from meshwise.planner.traffic import LOSS_BACKWARD, LOSS_FORWARD, collect_bytes, layer_traffic
@@ -69,27 +70,47 @@ def action_costs(
     forward = matmul + attention + ew_forward + kernels
     # attention's backward: about 2.5 forwards of it (FlashAttention-2's count)
     backward = matmul + 2.5 * attention + ew_backward + 2 * kernels
+    weights = matmul + _collect_s(shape.layer_split / t + shape.layer_replicated, st, device)
+    if shape.lora is not None:  # frozen weights: their input gradients only
+        forward, backward, weights = _lora_layer(shape, layout, st, device, n, forward, backward)
     mode = layout.activation_checkpointing
     backward += (
         forward if mode == "full" else (ew_recompute + kernels if mode == "selective" else 0.0)
     )
-    weights = matmul + _collect_s(shape.layer_split / t + shape.layer_replicated, st, device)
     factor = device.layer_time_factor.get(shape.family, 1.0)
     layer_compute = factor * (forward + backward + weights)
     f, b, w = (layers * factor * x for x in (forward, backward, weights))
+    trains_root = shape.lora is None  # LoRA: embedding, norms and head frozen
     if first:
         f += n * shape.d_model * a * 2 / device.memory_bandwidth
-        w += _collect_s(shape.embed_split / t + shape.embed_replicated, st, device)
+        if trains_root:
+            w += _collect_s(shape.embed_split / t + shape.embed_replicated, st, device)
     if last:
         vocab = -(-shape.vocab // t)
         head = 2.0 * n * shape.d_model * vocab / rate
         loss_f, loss_b = _loss_s(st, device, n * vocab)
-        f, b, w = f + head + loss_f, b + head + loss_b, w + head
-        w += _collect_s(shape.final_replicated + shape.head_split / t, st, device)
+        f, b = f + head + loss_f, b + head + loss_b
+        if trains_root:
+            w += head + _collect_s(shape.final_replicated + shape.head_split / t, st, device)
     tp = layers * _tp_per_layer(shape, layout, st, device, n, layer_compute)
     cp = layers * _cp_per_layer(shape, layout, st, device, n, attention, layer_compute)
     ep = layers * _ep_per_layer(shape, layout, st, device, n, layer_compute)
     return ActionCosts(f, b, w, tp, cp, ep)
+
+
+def _lora_layer(
+    shape, layout: Layout, st: Settings, device: DeviceProfile, n: int, forward, backward
+) -> tuple[float, float, float]:
+    """One LoRA layer's F, B and W: the frozen weights' input gradients in B and no weight
+    gradient (so B + W about one forward, not two), the adapters' two small matmuls in
+    each, their gradients collected; under QLoRA each pass dequantises the weights (the
+    backward again: the graph keeps the codes, ``meshwise.apply.nf4``)."""
+    lora = shape.lora
+    adapters = lora.adapter_split / layout.tp + lora.adapter_replicated
+    adapter = 2.0 * n * adapters / device.matmul_rate(st.dtype)
+    dequantize = dequantize_s(shape, layout, st.dtype, device)
+    weights = adapter + _collect_s(adapters, st, device)
+    return forward + adapter + dequantize, backward + adapter + dequantize, weights
 
 
 def _elementwise_s(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from meshwise.pipeline.schedules import SPLIT_BACKWARD
 from meshwise.planner.experts import expert_dp
 from meshwise.planner.layout import Layout
+from meshwise.planner.lora import DEQUANTIZE_WORKING_BYTES, NF4_BYTES_PER_PARAM, rank_lora_params
 from meshwise.planner.shapes import ModelShape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -32,13 +33,14 @@ class MemoryBreakdown:
 
     rank: int  # the pipeline rank (the worst one)
     params: int  # parameters this rank holds (its shard of the model before ZeRO)
-    model_state: float
+    model_state: float  # kept between steps: the metrics' model_state_bytes
     pipeline_state: float  # ZeRO-2/3 under a pipeline: full gradients (and parameters)
     buffers: float  # buckets, gathered units, messages in flight
     activations: float
     logits: float
     overhead: float
     in_flight: int  # micro-batches whose activations are kept at once
+    frozen: float | None = None  # LoRA: the frozen weights' part of the model state
 
     @property
     def total(self) -> float:
@@ -52,8 +54,11 @@ class MemoryBreakdown:
         )
 
     def parts(self) -> dict[str, float]:
+        state = {"model state": self.model_state}
+        if self.frozen is not None:
+            state = {"frozen weights": self.frozen, "adapters": self.model_state - self.frozen}
         return {
-            "model state": self.model_state,
+            **state,
             "pipeline ZeRO": self.pipeline_state,
             "buffers": self.buffers,
             "activations": self.activations,
@@ -172,16 +177,15 @@ def _rank_memory(
     layers, first, last = rank_params(shape, layout, rank)
     params = layers + first + last
     n, a = layout.shard_size * layout.cp, DTYPE_BYTES[st.dtype]  # ZeRO's ranks
-    experts = rank_expert_params(shape, layout)  # ZeRO over the expert data parallel ranks
-    n_expert = expert_dp(layout.dp, layout.cp, layout.ep)
-    state = (params - experts) * model_state_bytes_per_param(
-        layout.zero, n, st.dtype, st.grad_reduce_dtype
-    ) + experts * model_state_bytes_per_param(layout.zero, n_expert, st.dtype, st.grad_reduce_dtype)
+    frozen, trained = model_state(shape, layout, st, params, last > 0)
+    state = frozen + trained
+    adapters, quantized = rank_lora_params(shape, layout, last > 0)
+    grads = adapters if shape.lora else params  # what has a gradient
     pipeline = 0.0
     if layout.pp > 1 and layout.zero >= 2 and n > 1:
-        pipeline = params * 4 * (1 - 1 / n)  # the stage's full fp32 gradients
-        if layout.zero == 3:
-            pipeline += params * a  # and its gathered parameters
+        pipeline = grads * 4 * (1 - 1 / n)  # the stage's full fp32 gradients
+        if layout.zero == 3:  # and its gathered parameters (NF4 is held whole)
+            pipeline += (params - quantized) * a
     tokens = (
         st.batch_size
         // (layout.dp * layout.grad_accum * layout.micro_batches)
@@ -195,9 +199,12 @@ def _rank_memory(
     # The layer whose backward runs: its activations whole again under checkpointing,
     # and its gradients of them (about one layer's worth).
     working = per_layer["none"] * tokens * (2 if mode != "none" else 1)
-    buffers = _buffers(shape, layout, st, layers, first + last, n) + (
+    buffers = _buffers(shape, layout, st, layers, first + last, n, grads / max(params, 1)) + (
         2 * tokens * shape.d_model * a if layout.pp > 1 else 0
     )
+    if quantized:  # the layer dequantising: its fp32 values and int32 indices
+        largest = shape.lora.nf4_largest / layout.tp
+        buffers += largest * DEQUANTIZE_WORKING_BYTES
     is_last = last > 0
     logits = 0.0
     if is_last:
@@ -206,19 +213,61 @@ def _rank_memory(
         # its gradient; under a pipeline the last rank keeps one micro-batch's at a time.
         logits = tokens * vocab * (a + 4 + 4)
     return MemoryBreakdown(
-        rank, params, state, pipeline, buffers, kept + working, logits, overhead, in_flight
+        rank,
+        params,
+        state,
+        pipeline,
+        buffers,
+        kept + working,
+        logits,
+        overhead,
+        in_flight,
+        frozen if shape.lora else None,
     )
 
 
+def model_state(
+    shape: ModelShape, layout: Layout, st: Settings, params: float, is_last: bool
+) -> tuple[float, float]:
+    """(frozen, trained) bytes of model state a rank holding ``params`` parameters keeps.
+    Full training: nothing frozen, the README's table (routed experts sharded over their
+    expert data parallel ranks). LoRA: the frozen weights in the compute dtype (ZeRO-3
+    shards them, not the experts' nor NF4's, held whole) or as NF4, and the adapters'
+    state sharded as a trained parameter's."""
+    n = layout.shard_size * layout.cp  # ZeRO's ranks
+    experts = rank_expert_params(shape, layout)
+    if shape.lora is None:
+        n_expert = expert_dp(layout.dp, layout.cp, layout.ep)
+        return 0.0, (params - experts) * model_state_bytes_per_param(
+            layout.zero, n, st.dtype, st.grad_reduce_dtype
+        ) + experts * model_state_bytes_per_param(
+            layout.zero, n_expert, st.dtype, st.grad_reduce_dtype
+        )
+    a = DTYPE_BYTES[st.dtype]
+    adapters, quantized = rank_lora_params(shape, layout, is_last)
+    dense = params - experts - quantized
+    frozen = dense * a / (n if layout.zero == 3 else 1) + experts * a
+    frozen += quantized * NF4_BYTES_PER_PARAM
+    per_adapter = model_state_bytes_per_param(layout.zero, n, st.dtype, st.grad_reduce_dtype)
+    return frozen, adapters * per_adapter
+
+
 def _buffers(
-    shape: ModelShape, layout: Layout, st: Settings, layer_params: int, root_params: int, n: int
+    shape: ModelShape,
+    layout: Layout,
+    st: Settings,
+    layer_params: int,
+    root_params: int,
+    n: int,
+    trained: float = 1.0,
 ) -> float:
-    """Gradient buckets and ZeRO-3's gathered units (transient, reused across steps)."""
+    """Gradient buckets and ZeRO-3's gathered units (transient, reused across steps);
+    ``trained``: the share of the parameters with a gradient (LoRA: the adapters)."""
     if n == 1:
         return 0.0
     a = DTYPE_BYTES[st.dtype]
     bucket = st.bucket_mb * 2**20
-    grads = (layer_params + root_params) * 4
+    grads = (layer_params + root_params) * 4 * trained
     if layout.zero < 3:
         # a bucket being reduced (gloo and NCCL work on a copy) and, at stage 2, the one
         # being filled
@@ -228,6 +277,6 @@ def _buffers(
     unit_layers = max(1, min(layers_here, int(bucket // max(per_layer * 4, 1))))
     unit = per_layer * unit_layers
     if layout.pp > 1:
-        return unit * 4  # one unit's reduce-scatter buffer
+        return unit * 4 * trained  # one unit's reduce-scatter buffer
     # the root unit, the unit running and the one prefetched, one unit's full gradient
-    return root_params * a + 2 * unit * a + unit * 4
+    return root_params * a + 2 * unit * a + unit * 4 * trained

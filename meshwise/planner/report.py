@@ -40,9 +40,22 @@ def header(request) -> list[str]:
     return [
         f"model {m.preset if not m.init_from else m.init_from}: {shape.num_params / 1e6:,.1f}M "
         f"parameters{experts}, {shape.n_layer} layers, d_model {shape.d_model}; global batch "
-        f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens, {cfg.runtime.dtype}",
+        f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens, {cfg.runtime.dtype}{_lora(request)}",
         f"world {request.world} on {device.name} ({where}{nodes}{cores}); {device.source}",
     ]
+
+
+def _lora(request) -> str:
+    """The LoRA fine-tune planned, if any: what trains and how the base is held."""
+    lora, shape = request.shape.lora, request.shape
+    if lora is None:
+        return ""
+    adapters = shape.n_layer * (lora.adapter_split + lora.adapter_replicated) + lora.adapter_root
+    held = " (linear weights NF4)" if lora.quantized else ""
+    return (
+        f"; LoRA rank {lora.rank} on {request.cfg.lora.lora_targets}: {adapters / 1e6:,.2f}M "
+        f"adapter parameters trained, the rest frozen{held}"
+    )
 
 
 def table(request, results: list[Prediction], top: int) -> str:

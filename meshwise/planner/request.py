@@ -12,9 +12,18 @@ from pathlib import Path
 
 from meshwise.planner.devices import DeviceProfile, compiled_profile, device_profile
 from meshwise.planner.layout import Layout
-from meshwise.planner.search import Prediction, Space, memory_limit, predict, search, settings_of
+from meshwise.planner.search import (
+    Prediction,
+    Space,
+    memory_limit,
+    predict,
+    search,
+    settings_of,
+    valid_choices,
+)
 from meshwise.planner.shapes import ModelShape, model_shape
 from meshwise.train.config import TrainConfig
+from meshwise.train.lora_setup import check_nf4_rows
 
 GIB = 2**30
 MAX_WORLD_FACTOR = 4096  # how far up the smallest fitting world is searched
@@ -45,7 +54,9 @@ class PlanRequest:
                 f"--explain {layout.flags()!r} has dp x cp x tp x pp = "
                 f"{layout.world_size} ranks, not --world {self.world}"
             )
-        layout.apply(self.cfg).validate()
+        laid_out = layout.apply(self.cfg).validate()
+        if laid_out.lora.quantize_base == "nf4":  # each rank's rows whole NF4 blocks
+            check_nf4_rows(laid_out, self.shape.vocab)
         return predict(
             self.shape, layout, settings_of(self.cfg, self.device), self.device, self.limit
         )
@@ -95,13 +106,13 @@ class PlanRequest:
 
     def _smallest_world(self) -> int | None:
         """The smallest multiple of the world (doubling) with a layout that fits, searched
-        with the most frugal choices allowed (highest ZeRO stage, most recomputation)."""
+        with the most frugal choices allowed (highest valid ZeRO stage: QLoRA's is 2; most
+        recomputation)."""
         space = self.space
-        frugal = dataclasses.replace(
-            space,
-            zero=space.zero[-1:],
-            activation_checkpointing=space.activation_checkpointing[-1:],
-        )
+        zeros, modes = valid_choices(self.cfg, space)
+        if not zeros or not modes:
+            return None
+        frugal = dataclasses.replace(space, zero=zeros[-1:], activation_checkpointing=modes[-1:])
         world = self.world * 2
         while world <= self.world * MAX_WORLD_FACTOR:
             found = search(

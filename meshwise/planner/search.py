@@ -18,6 +18,7 @@ from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.experts import valid_ep
 from meshwise.planner.hybrid import shard_options
 from meshwise.planner.layout import Layout
+from meshwise.planner.lora import nf4_fits_tp
 from meshwise.planner.memory import MemoryBreakdown, Settings, peak_memory
 from meshwise.planner.shapes import ModelShape
 from meshwise.planner.step_time import Pipeline, TimeBreakdown, pipeline, step_time
@@ -121,8 +122,8 @@ def search(
     st = settings_of(cfg, device)
     fitting: list[Prediction] = []
     over: list[Prediction] = []
-    stages, modes = _valid_choices(cfg, space)
-    for structure in _structures(cfg, world, space, shape.n_experts):
+    stages, modes = valid_choices(cfg, space)
+    for structure in _structures(cfg, world, space, shape):
         # ZeRO over one rank shards nothing: stage 0 stands for them all
         zeros: Sequence[int] = stages if structure.dp * structure.cp > 1 else stages[:1]
         for mode in modes:
@@ -172,7 +173,7 @@ def _pipe(shape: ModelShape, structure: Layout, st: Settings, device: DeviceProf
     return _pipe_cached(shape, structure, st, id(device))
 
 
-def _valid_choices(cfg: TrainConfig, space: Space) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def valid_choices(cfg: TrainConfig, space: Space) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The ZeRO stages and checkpointing modes of the space that the configuration check
     accepts. The check has no rule that ties either to the axes, so each is checked once
     (tests/unit/test_planner.py validates every layout listed: a rule that ties them
@@ -213,14 +214,15 @@ def _valid(cfg: TrainConfig, layout: Layout) -> bool:
     return True
 
 
-def _structures(cfg: TrainConfig, world: int, space: Space, n_experts: int = 0):
+def _structures(cfg: TrainConfig, world: int, space: Space, shape: ModelShape):
     """Layouts without their ZeRO stage and checkpointing, valid at ZeRO-0; with experts,
-    each expert parallel degree that divides dp x cp and the experts."""
+    each expert parallel degree that divides dp x cp and the experts; under QLoRA, a tp
+    that leaves each rank whole NF4 blocks."""
     for dp, cp, tp, pp in _factorisations(world):
         per_dp = cfg.data.batch_size // dp if cfg.data.batch_size % dp == 0 else 0
-        if not per_dp:
+        if not per_dp or not nf4_fits_tp(shape, tp):
             continue
-        for ep in valid_ep(n_experts, dp * cp):
+        for ep in valid_ep(shape.n_experts, dp * cp):
             axes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
             if any(axes[k] != v for k, v in space.axes.items()):
                 continue

@@ -10,6 +10,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from meshwise.apply.lora import ALL_LINEAR, LoraConfig
+from meshwise.planner.lora import PER_LAYER, LoraShape, layer_counts, lora_key, lora_shape
 from meshwise.train.config import TrainConfig
 from meshwise.train.flops import matmul_params
 
@@ -43,6 +45,8 @@ class ModelShape:
     experts_per_token: int = 0
     moe_layers: int = 0
     expert_params: int = 0  # one MoE layer's routed experts, all of them
+    # LoRA: the adapters (trained) and NF4 weights beside the frozen base; None: full training
+    lora: LoraShape | None = None
 
     @property
     def num_params(self) -> int:
@@ -84,8 +88,9 @@ class ModelShape:
 
 
 def model_shape(cfg: TrainConfig) -> ModelShape:
-    """The shape of ``cfg``'s model (its vocabulary: ``--vocab-size``, else byte-level)."""
-    return shape_of(cfg.model.sizes(cfg.model.vocab_size or DEFAULT_VOCAB))
+    """The shape of ``cfg``'s model (its vocabulary: ``--vocab-size``, else byte-level), with
+    its LoRA adapters."""
+    return shape_of(cfg.model.sizes(cfg.model.vocab_size or DEFAULT_VOCAB), cfg.lora)
 
 
 def parameter_count(cfg: TrainConfig, vocab_size: int) -> int:
@@ -93,10 +98,11 @@ def parameter_count(cfg: TrainConfig, vocab_size: int) -> int:
     return shape_of(cfg.model.sizes(vocab_size)).num_params
 
 
-def shape_of(sizes: dict) -> ModelShape:
+def shape_of(sizes: dict, lora: LoraConfig | None = None) -> ModelShape:
     """The shape of the model ``sizes`` defines (``ModelConfig.sizes``: its family and the
-    family config's fields)."""
-    return _shape(tuple(sorted((k, _hashable(v)) for k, v in sizes.items())))
+    family config's fields), with ``lora``'s adapters where given."""
+    items = tuple(sorted((k, _hashable(v)) for k, v in sizes.items()))
+    return _shape(items, lora_key(lora) if lora is not None else None)
 
 
 def _hashable(value):
@@ -104,24 +110,27 @@ def _hashable(value):
 
 
 @functools.lru_cache(maxsize=64)
-def _shape(items: tuple) -> ModelShape:
+def _shape(items: tuple, lora: tuple | None = None) -> ModelShape:
     from meshwise.models.families import family
 
     sizes: dict[str, Any] = {k: dict(v) if isinstance(v, tuple) else v for k, v in items}
     fam = family(sizes["family"])
     full = fam.make_config(sizes)
-    counts = _counts(fam, fam.make_config({**sizes, "n_layer": 1, "n_experts": 0}))
     n_experts = getattr(full, "n_experts", 0)
+    dense_one = fam.make_config({**sizes, "n_layer": 1, "n_experts": 0})
+    counts = _counts(fam, dense_one, lora, strict=not n_experts)
     moe = {"n_experts": 0, "experts_per_token": 0, "moe_layers": 0, "expert_params": 0}
     if n_experts:
         from meshwise.models.moe import is_moe_layer
 
         one = {**sizes, "n_layer": 1, "first_dense_layers": 0, "moe_every": 1}
-        sparse = _counts(fam, fam.make_config(one))
+        sparse = _counts(fam, fam.make_config(one), lora, strict=False)
         moe_layers = sum(is_moe_layer(full, i) for i in range(full.n_layer))
         dense = full.n_layer - moe_layers
         for key in ("layer_split", "layer_replicated", "layer_matmul"):
             counts[key] = (dense * counts[key] + moe_layers * sparse[key]) / full.n_layer
+        if lora:
+            counts["lora"] = _merged(counts["lora"], sparse["lora"], dense / full.n_layer, lora)
         moe = {
             "n_experts": n_experts,
             "experts_per_token": full.experts_per_token,
@@ -132,6 +141,7 @@ def _shape(items: tuple) -> ModelShape:
         active = sparse["layer_experts"] * full.experts_per_token / n_experts
         counts["layer_matmul"] += moe_layers * active / full.n_layer
     del counts["layer_experts"]
+    adapters = lora_shape(lora, counts.pop("lora")) if lora else None
     head_dim = getattr(full, "head_dim", full.d_model // full.n_head)
     return ModelShape(
         family=sizes["family"],
@@ -145,13 +155,30 @@ def _shape(items: tuple) -> ModelShape:
         tied=bool(fam.plan(full).ties),
         **counts,
         **moe,
+        lora=adapters,
     )
 
 
-def _counts(fam, one) -> dict[str, Any]:
+def _merged(dense: dict[str, Any], moe: dict[str, Any], share: float, key: tuple) -> dict:
+    """A mixture of experts' LoRA counts from its dense and MoE layers' (``share``: the
+    dense layers' share of the layers); a target neither has is an error."""
+    merged = {name: share * dense[name] + (1 - share) * moe[name] for name in PER_LAYER}
+    merged["adapter_root"] = dense["adapter_root"]
+    merged["nf4_largest"] = max(dense["nf4_largest"], moe["nf4_largest"])
+    merged["nf4_rows"] = dense["nf4_rows"] | moe["nf4_rows"]
+    if not merged["adapter_split"] + merged["adapter_replicated"] + merged["adapter_root"]:
+        raise ValueError(
+            f"--lora-targets {key[1]!r} matches no linear layer; valid: {ALL_LINEAR} or "
+            "names of the model's linear layers"
+        )
+    return merged
+
+
+def _counts(fam, one, lora: tuple | None = None, strict: bool = True) -> dict[str, Any]:
     """Parameters of the one-layer model ``one`` by where they sit and how tp splits them;
     ``layer_experts``: its routed experts (split over ep); ``layer_matmul``: what its
-    layer multiplies by as ``nn.Linear`` weights (not the routed experts)."""
+    layer multiplies by as ``nn.Linear`` weights (not the routed experts); ``lora``: its
+    LoRA counts under that setting (``meshwise.planner.lora.layer_counts``)."""
     from meshwise.geometry.init import on_meta
 
     plan = fam.plan(one)
@@ -190,4 +217,6 @@ def _counts(fam, one) -> dict[str, Any]:
         key = "head_split" if where == "head" else f"{where}_{'split' if split else 'replicated'}"
         counts[key] += param.numel()
     counts["layer_matmul"] = matmul_params(layer)
+    if lora:
+        counts["lora"] = layer_counts(model, plan, lora, strict)
     return counts

@@ -14,6 +14,7 @@ from meshwise.planner.devices import DeviceProfile
 from meshwise.planner.experts import expert_dp
 from meshwise.planner.hybrid import cross_replica_bytes
 from meshwise.planner.layout import Layout
+from meshwise.planner.lora import rank_lora_params
 from meshwise.planner.memory import DTYPE_BYTES, Settings, rank_expert_params, rank_params
 from meshwise.planner.shapes import ModelShape
 from meshwise.planner.traffic import ADAMW_BYTES
@@ -249,10 +250,15 @@ def _dp_exposed(
         return 0.0
     n = layout.shard_size * layout.cp  # ZeRO's ranks
     # routed experts under ep: reduced (and ZeRO-gathered) over their own expert data
-    # parallel group, by an engine of their own
-    experts = rank_expert_params(shape, layout) if layout.ep > 1 else 0.0
+    # parallel group, by an engine of their own (under LoRA frozen, held whole)
+    experts = rank_expert_params(shape, layout) if layout.ep > 1 or shape.lora else 0.0
     n_expert = expert_dp(layout.dp, layout.cp, layout.ep)
     params = max(sum(r) for r in ranks) - experts
+    gathered = params  # ZeRO-3's gathers
+    if shape.lora is not None:  # only the adapters have gradients and optimizer state
+        adapters, quantized = max(rank_lora_params(shape, layout, last > 0) for *_, last in ranks)
+        gathered = params - quantized if layout.zero == 3 else adapters
+        params, experts = adapters, 0.0
     a = DTYPE_BYTES[st.dtype]
     per_grad = 2.0 if st.dtype == "bf16" and st.grad_reduce_dtype == "bf16" else 4.0
     per_grad *= COMPRESS_RATIO.get(layout.compress.partition(":")[0], 0.05)
@@ -284,7 +290,7 @@ def _dp_exposed(
         counts = {"all_gather": per * (1 if layout.pp > 1 else 2), "reduce_scatter": per}
         # a gather per layer in the forward and again in the backward, without a pipeline
         syncs = 1 if layout.pp > 1 else per * 2 * (shape.n_layer + 1)
-    sizes = {"all_reduce": grad_bytes, "reduce_scatter": grad_bytes, "all_gather": params * a}
+    sizes = {"all_reduce": grad_bytes, "reduce_scatter": grad_bytes, "all_gather": gathered * a}
     share = experts / max(params, 1)  # the experts' bytes beside each
     total = sum(k * coll(kind, sizes[kind], share * sizes[kind]) for kind, k in counts.items())
     # across replicas: blocking all-reduces of the shards (or buffers), after each reduction
@@ -303,7 +309,7 @@ def _dp_exposed(
         tail = max(
             tail,
             coll("all_gather", root * a)
-            + coll("reduce_scatter", grad_bytes * root / max(params, 1)),
+            + coll("reduce_scatter", grad_bytes * root / max(gathered, 1)),
         )
     window = backward_s * (1.5 if z == 3 else 1.0)
     # what is hidden still slows the compute it runs beside
@@ -322,9 +328,12 @@ def _across_replicas_s(layout: Layout, device: DeviceProfile, grad_bytes: float)
 
 def _optimizer_s(shape, layout: Layout, st: Settings, device: DeviceProfile, ranks) -> float:
     """AdamW over the parameters this rank owns, and the gradient norm over its gradients."""
-    params = max(sum(r) for r in ranks)
-    owned = float(params)
-    if layout.zero:  # experts shard over their expert data parallel ranks, the rest over dp x cp
+    params: float = max(sum(r) for r in ranks)
+    owned = params
+    if shape.lora is not None:  # AdamW and the norm over the adapters only
+        params = max(rank_lora_params(shape, layout, last > 0)[0] for *_, last in ranks)
+        owned = params / (layout.shard_size * layout.cp) if layout.zero else params
+    elif layout.zero:  # experts shard over their expert data parallel ranks, the rest over dp x cp
         experts = rank_expert_params(shape, layout)
         n = layout.shard_size * layout.cp
         owned = (params - experts) / n + experts / expert_dp(layout.dp, layout.cp, layout.ep)
