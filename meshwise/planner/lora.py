@@ -22,13 +22,14 @@ from meshwise.planner.layout import Layout
 
 NF4_BYTES_PER_PARAM = 0.5 + 4 / BLOCK_SIZE  # two codes a byte, an fp32 absmax per block
 # Bytes one dequantise moves per weight value (``meshwise.apply.nf4.dequantize_nf4``'s eager
-# kernels, counted by tests/unit/test_planner_lora.py): the codes' two nibbles (1 + 1),
-# stacked (2), widened to int32 indices (1 + 4), looked up in the code book (4 + 4),
-# scaled in place (4 + 4); bf16 adds the cast (4 + 2).
-DEQUANTIZE_BYTES = {"fp32": 25.0, "bf16": 31.0}
+# kernels, counted by tests/unit/test_planner_lora.py): the codes widened to int32 indices,
+# one per byte of two values, each byte's two fp32 values looked up, and scaled in place;
+# bf16 adds the cast (4 + 2).
+DEQUANTIZE_BYTES = {"fp32": 21.1, "bf16": 27.1}
 DEQUANTIZE_KERNELS = {"fp32": 6, "bf16": 7}
-# The transient of the layer dequantising: its fp32 values and int32 indices, per value.
-DEQUANTIZE_WORKING_BYTES = 8
+# The transient of the layer dequantising, per value: its fp32 values and, where the
+# lookup takes a weight at once (an accelerator), an int32 index per byte of two codes.
+DEQUANTIZE_WORKING_BYTES = 6
 # ``LoraShape`` fields counted per layer (averaged over a mixture of experts' layers)
 PER_LAYER = ("adapter_split", "adapter_replicated", "nf4_split", "nf4_replicated", "nf4_linears")
 
