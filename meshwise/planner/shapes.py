@@ -79,12 +79,15 @@ class ModelShape:
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per token of a training step, by ``meshwise.train.flops``'s
-        convention (6 per matmul weight, the head included; attention's 12 L d T): of the
-        active parameters (a token's top-k experts, not all of them)."""
-        return (
-            6.0 * (self.n_layer * self.layer_matmul + self.head_split)
-            + 12.0 * self.n_layer * self.d_model * seq_len
-        )
+        convention (6 per matmul weight, the head included, 4 per frozen one under LoRA,
+        whose adapters count 6; attention's 12 L d T): of the active parameters (a token's
+        top-k experts, not all of them)."""
+        weights = self.n_layer * self.layer_matmul + self.head_split
+        per_weight, adapters = 6.0, 0.0
+        if self.lora is not None:
+            per_layer = self.lora.adapter_split + self.lora.adapter_replicated
+            per_weight, adapters = 4.0, self.n_layer * per_layer + self.lora.adapter_root
+        return per_weight * weights + 6.0 * adapters + 12.0 * self.n_layer * self.d_model * seq_len
 
 
 def model_shape(cfg: TrainConfig) -> ModelShape:

@@ -12,6 +12,7 @@ from torch import nn
 
 from meshwise.apply.activation_checkpointing import apply_activation_checkpointing
 from meshwise.apply.compile import compile_blocks, compile_loss, keep_kernels_in
+from meshwise.apply.lora import add_adapters
 from meshwise.apply.parallelize import ParallelModel
 from meshwise.apply.stages import chunk_layers
 from meshwise.comm import ops
@@ -139,9 +140,12 @@ def build_observer(
     model_cfg,
     parallel_model: ParallelModel,
 ) -> RunObserver:
-    """FLOPs come from the whole model's shapes (built on the meta device)."""
+    """FLOPs come from the whole model's shapes (built on the meta device, with the
+    run's LoRA adapters and frozen weights)."""
     with on_meta():
         whole = fam.build(model_cfg)
+    if cfg.lora.enabled:
+        add_adapters([whole], cfg.lora, parallel_model.plan.last_stage)
     layers = chunk_layers(whole, parallel_model.plan)
     d_model = None if model_cfg else hidden_size(layers[0])
     return RunObserver(cfg, run, mesh, device, whole, layers, record(cfg, run)["config"], d_model)

@@ -22,8 +22,26 @@ GPU_PEAKS = {  # name fragment: {dtype: peak}
 
 def matmul_params(model: nn.Module) -> int:
     """Parameters a forward multiplies by: every ``nn.Linear``'s weight (a tied
-    head counts as the head it is)."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    head counts as the head it is) and the LoRA adapters beside them."""
+    return sum(
+        p.numel() for m in model.modules() if isinstance(m, nn.Linear) for p in _matmul_weights(m)
+    )
+
+
+def frozen_matmul_params(model: nn.Module) -> int:
+    """The part of ``matmul_params`` that does not train (LoRA's frozen base)."""
+    return sum(
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+        for p in _matmul_weights(m)
+        if not p.requires_grad
+    )
+
+
+def _matmul_weights(linear: nn.Module) -> list[torch.Tensor]:
+    adapters = (getattr(linear, name, None) for name in ("lora_A", "lora_B"))
+    return [linear.weight, *(a for a in adapters if a is not None)]
 
 
 def flops_per_token(
@@ -38,10 +56,12 @@ def flops_per_token(
     of ``model`` (the whole, single-process one; the meta device will do) and, with
     ``recomputed``, one more forward of each of its ``layers``."""
     # A multiply-add counts 2 FLOPs forward and 4 backward: 6 per linear-layer parameter
-    # (head included, embedding lookups not). Attention counts the whole T x T product, as
-    # the peers and torch.utils.flop_counter do, though a causal kernel computes about half.
+    # (head included, embedding lookups not), 4 for a frozen one (the input's gradient, not
+    # its own; the first layer's projections, whose input needs none, are counted alike).
+    # Attention counts the whole T x T product, as the peers and torch.utils.flop_counter
+    # do, though a causal kernel computes about half.
     attention = 12 * n_layer * d_model * seq_len
-    model_flops = 6 * matmul_params(model) + attention
+    model_flops = 6 * matmul_params(model) - 2 * frozen_matmul_params(model) + attention
     if not recomputed:
         return float(model_flops), float(model_flops)
     again = 2 * sum(matmul_params(layer) for layer in layers) + attention / 3

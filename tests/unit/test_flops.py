@@ -42,6 +42,33 @@ def test_flops_per_token_match_pytorchs_count_of_a_training_step(name):
     assert hardware == ours
 
 
+def test_lora_counts_no_weight_gradient_for_the_frozen_weights():
+    """Frozen weights cost their forward and their input's gradient (4 per parameter), the
+    adapters all three products (6); PyTorch's count of the step sees only what runs."""
+    from meshwise.apply.lora import LoraConfig, add_adapters
+
+    fam = family("llama")
+    cfg = fam.make_config({**SIZES["llama"], "n_layer": 6})
+    model = fam.create(cfg, seed=0)
+    add_adapters([model], LoraConfig(lora_rank=4), skip=fam.plan(cfg).last_stage)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    batch, seq_len = 2, 48
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    layers = list(getattr(model, fam.plan(cfg).layers).values())
+    ours, _ = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, seq_len)
+    counted = counter.get_total_flops() / (batch * seq_len)
+    # over by the first layer's q, k and v, whose input needs no gradient: 1/6 of them
+    assert abs(ours - counted) <= 0.02 * counted, (ours, counted)
+    model.requires_grad_(True)
+    full, _ = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, seq_len)
+    assert counted < 0.8 * full  # the difference is no round-off
+
+
 def test_recomputation_adds_one_forward_of_the_layers():
     fam = family("gpt")
     cfg = fam.make_config(SIZES["gpt"])

@@ -185,3 +185,23 @@ def test_layout_auto_plans_the_runs_lora(tmp_path, monkeypatch):
     lora = asked[0].shape.lora
     assert lora is not None and lora.rank == 4 and lora.quantized
     assert Layout.of(cfg) == asked[0].run()[0].layout
+
+
+def test_model_flops_are_the_trainers_count_of_the_adapted_model():
+    """4 FLOPs per frozen weight, 6 per adapter weight, in the plan as in the run's MFU."""
+    from meshwise.apply.lora import add_adapters
+    from meshwise.geometry.init import on_meta
+    from meshwise.models.families import family
+    from meshwise.train.flops import flops_per_token
+
+    cfg = _config(targets="q_proj,v_proj,down_proj")
+    fam = family(cfg.model.family)
+    model_cfg = fam.make_config(cfg.model.sizes(256))
+    with on_meta():
+        model = fam.build(model_cfg)
+    plan = fam.plan(model_cfg)
+    add_adapters([model], cfg.lora, plan.last_stage)
+    layers = list(getattr(model, plan.layers).values())
+    counted, _ = flops_per_token(model, layers, model_cfg.n_layer, model_cfg.d_model, 64)
+    cfg.model.vocab_size = 256
+    assert model_shape(cfg).model_flops_per_token(64) == pytest.approx(counted, rel=1e-12)
