@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meshwise.apply.lora import ALL_LINEAR
 from meshwise.planner.hybrid import why
 from meshwise.planner.layout import Layout
 from meshwise.planner.search import Prediction
@@ -85,9 +86,26 @@ def table(request, results: list[Prediction], top: int) -> str:
         lines.append(
             f"run the best: meshwise train {results[0].layout.flags()} "
             f"--seq-len {request.cfg.data.seq_len} --batch-size "
-            f"{request.cfg.data.batch_size} ...; --explain LAYOUT for a breakdown"
+            f"{request.cfg.data.batch_size}{planned_as(request.cfg)} ...; "
+            "--explain LAYOUT for a breakdown"
         )
     return "\n".join(lines)
+
+
+def planned_as(cfg) -> str:
+    """The flags beside the layout that the plan priced (compilation, LoRA), each with a
+    leading space, for the command it suggests."""
+    flags = []
+    if cfg.runtime.compile:
+        flags.append("--compile")
+    lora = cfg.lora
+    if lora.enabled:
+        flags.append(f"--lora-rank {lora.lora_rank}")
+        if lora.lora_targets != ALL_LINEAR:
+            flags.append(f"--lora-targets {lora.lora_targets}")
+        if lora.quantize_base != "none":
+            flags.append(f"--quantize-base {lora.quantize_base}")
+    return "".join(f" {f}" for f in flags)
 
 
 def explain(request, layout: Layout) -> str:

@@ -205,3 +205,14 @@ def test_model_flops_are_the_trainers_count_of_the_adapted_model():
     counted, _ = flops_per_token(model, layers, model_cfg.n_layer, model_cfg.d_model, 64)
     cfg.model.vocab_size = 256
     assert model_shape(cfg).model_flops_per_token(64) == pytest.approx(counted, rel=1e-12)
+
+
+def test_the_suggested_command_carries_what_the_plan_priced():
+    from meshwise.planner.report import planned_as
+
+    cfg = _config(targets="q_proj,v_proj", quantize_base="nf4")
+    assert planned_as(cfg) == " --lora-rank 4 --lora-targets q_proj,v_proj --quantize-base nf4"
+    cfg = TrainConfig()
+    cfg.runtime.compile = True
+    assert planned_as(cfg) == " --compile"
+    assert planned_as(TrainConfig()) == ""
