@@ -41,11 +41,7 @@ from meshwise.train.config import TrainConfig
 from meshwise.train.evaluation import call_model, evaluate
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.memory import PeakMemory
-from meshwise.train.non_finite import (
-    NonFiniteError,
-    handle_non_finite,
-    weights_finite,
-)
+from meshwise.train.non_finite import NonFiniteError, handle_non_finite, weights_finite
 from meshwise.train.routing import RouterBalance
 from meshwise.train.run_records import end_notes, step_record, step_values
 from meshwise.train.run_state import RunState
