@@ -14,7 +14,9 @@ from torch import nn
 from meshwise.geometry.init import Init, init_module
 from meshwise.geometry.plan import ParallelPlan
 from meshwise.models.gpt import GPT, GPTConfig, check_gpt_tp, gpt_init, gpt_plan
-from meshwise.models.llama import Llama, LlamaConfig, check_llama_tp, llama_init, llama_plan
+from meshwise.models.llama import Llama
+from meshwise.models.llama_config import LlamaConfig
+from meshwise.models.llama_plan import check_llama_tp, llama_init, llama_plan
 
 
 @dataclass(frozen=True)

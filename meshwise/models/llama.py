@@ -6,158 +6,31 @@ Mistral as switches. Modules carry Hugging Face's names without ``model.``.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshwise.geometry.init import ONES, ZEROS, Init, init_module, normal
-from meshwise.geometry.plan import ParallelPlan
+from meshwise.geometry.init import init_module
 from meshwise.models.attention import Positions, ScaledDotProductAttention
 from meshwise.models.attention_masks import window_mask  # noqa: F401 - the window's rule
 from meshwise.models.context import ForwardContext
 from meshwise.models.kv_cache import LayerCache
-from meshwise.models.moe import MoE, check_moe_config, is_moe_layer
 
-ROPE_TYPES = ("default", "llama3")
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """The sizes of a Llama; ``rope_scaling``: None, or Hugging Face's ``llama3`` dict."""
-
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int = 2
-    d_model: int = 128
-    ffn_hidden_size: int = 384
-    block_size: int = 256  # the longest context (rotary positions need no table)
-    vocab_size: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    rope_scaling: dict | None = field(default=None, hash=False)
-    dropout: float = 0.0
-    qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3
-    head_size: int = 0  # 0: d_model / n_head
-    sliding_window: int = 0  # 0: full causal attention (Mistral: its window)
-    hf_type: str = "llama"  # the Hugging Face model_type it reads from and exports to
-    # Mixture of experts (docs/moe.md): 0 experts is a dense MLP in every layer.
-    n_experts: int = 0
-    experts_per_token: int = 2  # top-k
-    moe_ffn_hidden_size: int = 0  # each expert's SwiGLU width (0: ffn_hidden_size)
-    norm_topk_prob: bool = True  # the top-k weights renormalised to sum 1
-    router_score: str = "softmax"  # or "sigmoid" (DeepSeek-V3, with a routing bias)
-    shared_expert_size: int = 0  # a shared SwiGLU expert on every token (0: none)
-    shared_expert_gate: bool = False  # Qwen2-MoE: its output times sigmoid(Linear(x))
-    first_dense_layers: int = 0
-    moe_every: int = 1  # layer i is MoE iff i >= first_dense_layers and (i + 1) % moe_every == 0
-    aux_loss_coef: float = 0.0
-    aux_loss_formula: str = "per-layer"  # or "hf-concatenated" (transformers', pp 1 only)
-    bias_update_rate: float = 0.0
-
-    def __post_init__(self):
-        if not self.head_size and self.d_model % self.n_head:
-            raise ValueError(f"--d-model {self.d_model} is not divisible by --n-head {self.n_head}")
-        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
-            valid = [k for k in range(1, self.n_head + 1) if self.n_head % k == 0]
-            raise ValueError(
-                f"--n-kv-head {self.n_kv_head} does not divide --n-head "
-                f"{self.n_head} (each key/value head serves a whole group of "
-                f"query heads); valid: {', '.join(map(str, valid))}"
-            )
-        if self.dropout:
-            raise ValueError(
-                f"--dropout {self.dropout}: the llama family trains without "
-                "dropout, as Llama does; valid: 0"
-            )
-        if self.n_experts:
-            check_moe_config(self)
-        rope_type = rope_type_of(self.rope_scaling)
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"rope_scaling type {rope_type!r} is not supported; valid: "
-                f"{', '.join(ROPE_TYPES)} (or no rope_scaling)"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_size or self.d_model // self.n_head
-
-
-def rope_type_of(scaling: dict | None) -> str:
-    if not scaling:
-        return "default"
-    return scaling.get("rope_type", scaling.get("type", "default"))
-
-
-# ---------------------------------------------------------------- rotary embedding
-def rope_inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
-    """theta^(-2i/d) per pair of dimensions (RoFormer, eq. 15), in float32 on the CPU,
-    computed as Hugging Face computes them so that imported models match it."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    if cfg.rope_scaling and rope_type_of(cfg.rope_scaling) == "llama3":
-        inv_freq = _llama3_scaled(inv_freq, cfg.rope_scaling)
-    return inv_freq  # (head_dim / 2,)
-
-
-def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1's context extension (Meta, "The Llama 3 Herd of Models", 2024):
-    wavelengths longer than ``original / low_freq_factor`` are stretched by
-    ``factor``, those shorter than ``original / high_freq_factor`` are kept, and
-    the band between is interpolated linearly in ``original / wavelength``."""
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq
-    stretched = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
-    blend = (original / wavelength - low) / (high - low)  # 0 at the long end, 1 at the short
-    between = (1 - blend) * stretched / factor + blend * stretched
-    in_band = (wavelength >= original / high) & (wavelength <= original / low)
-    return torch.where(in_band, between, stretched)
-
-
-class Rotary:
-    """cos and sin of each position's rotation angles (not a module: it holds no
-    parameters, and models hold no buffers). The inverse frequencies are
-    computed once per device."""
-
-    def __init__(self, cfg: LlamaConfig):
-        self.cfg = cfg
-        self._inv_freq: dict[str, torch.Tensor] = {}
-
-    def __call__(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, ...]:
-        """``positions``: (T,) positions of the tokens, or (B, T) per sequence (inside
-        each document under document masking); returns (T, hd) each, or (B, 1, T, hd)."""
-        key = str(positions.device)
-        if torch.compiler.is_compiling():
-            # In the graph, not memoised: a memo filled by the first call would change the
-            # compiled code's guards and recompile it at the next step (--compile).
-            inv_freq = rope_inverse_frequencies(self.cfg).to(positions.device)
-        else:
-            if key not in self._inv_freq:
-                self._inv_freq[key] = rope_inverse_frequencies(self.cfg).to(positions.device)
-            inv_freq = self._inv_freq[key]
-        angles = positions.float()[..., None] * inv_freq  # (..., T, hd / 2)
-        angles = torch.cat([angles, angles], dim=-1)  # (..., T, hd): both halves rotate alike
-        if angles.dim() == 3:
-            angles = angles.unsqueeze(1)  # (B, 1, T, hd): the same for every head
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Pairs dimension i with i + hd/2 (the layout of Hugging Face's Llama weights,
-    not RoFormer's interleaved pairs): (x1, x2) -> (-x2, x1)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin  # (B, h, T, hd) with (T, hd) or (B, 1, T, hd)
+# Re-exported: the config, the rotary embedding and the plan are imported from here too.
+from meshwise.models.llama_config import ROPE_TYPES, LlamaConfig, rope_type_of  # noqa: F401
+from meshwise.models.llama_plan import (  # noqa: F401
+    check_llama_tp,
+    llama_init,
+    llama_plan,
+    valid_llama_tp,
+)
+from meshwise.models.moe import MoE, is_moe_layer
+from meshwise.models.rotary import (  # noqa: F401
+    Rotary,
+    apply_rotary,
+    rope_inverse_frequencies,
+    rotate_half,
+)
 
 
 # ---------------------------------------------------------------- layers
@@ -349,88 +222,3 @@ class Llama(nn.Module):
         if self.lm_head is not None:
             x = self.lm_head(x)  # (B, T, V)
         return x
-
-
-def llama_plan(cfg: LlamaConfig) -> ParallelPlan:
-    """Megatron-LM's layout (Shoeybi et al. 2019, section 3) for Llama: whole query and
-    key/value heads per tp rank, the vocabulary split; under cp, positions and a ring.
-    """
-    return ParallelPlan(
-        layers="layers",
-        first_stage=("embed_tokens",),
-        last_stage=("norm", "lm_head"),
-        tp=(
-            ("embed_tokens", "vocab_embedding"),
-            ("layers.*.self_attn.q_proj", "colwise"),
-            ("layers.*.self_attn.k_proj", "colwise"),
-            ("layers.*.self_attn.v_proj", "colwise"),
-            ("layers.*.self_attn.o_proj", "rowwise"),
-            *(
-                (
-                    ("layers.*.mlp.gate_proj", "colwise"),
-                    ("layers.*.mlp.up_proj", "colwise"),
-                    ("layers.*.mlp.down_proj", "rowwise"),
-                )
-                if any(not is_moe_layer(cfg, i) for i in range(cfg.n_layer))
-                else ()
-            ),
-            *(
-                (
-                    ("layers.*.mlp.shared_expert.gate_proj", "colwise"),
-                    ("layers.*.mlp.shared_expert.up_proj", "colwise"),
-                    ("layers.*.mlp.shared_expert.down_proj", "rowwise"),
-                )
-                if cfg.n_experts and cfg.shared_expert_size
-                else ()
-            ),
-            ("lm_head", "vocab_head"),
-            *(
-                (
-                    ("layers.*.self_attn.q_norm", "shard_norm"),
-                    ("layers.*.self_attn.k_norm", "shard_norm"),
-                )
-                if cfg.qk_norm
-                else ()
-            ),
-        ),
-        cp=(("positions", "positions"), ("layers.*.self_attn.sdpa", "ring_attention")),
-        ties=(("embed_tokens.weight", "lm_head.weight"),) if cfg.tie_embeddings else (),
-        ep=(("layers.*.mlp.experts", "experts"),) if cfg.n_experts else (),
-    )
-
-
-def llama_init(cfg: LlamaConfig, name: str) -> Init:
-    """Hugging Face's ``LlamaForCausalLM`` initialisation: N(0, 0.02) for every
-    linear and embedding weight, ones for the RMSNorm weights, zeros for biases."""
-    if name.endswith("norm.weight"):
-        return ONES
-    if name.endswith(".bias") or name.endswith("expert_bias"):
-        return ZEROS
-    return normal(0.02)  # the router and the stacked expert weights too
-
-
-def valid_llama_tp(cfg: LlamaConfig) -> list[int]:
-    """Tensor-parallel degrees that split whole query and key/value heads and the MLP."""
-    return [
-        t
-        for t in range(1, cfg.n_kv_head + 1)
-        if cfg.n_kv_head % t == 0
-        and cfg.n_head % t == 0
-        and cfg.ffn_hidden_size % t == 0
-        and cfg.shared_expert_size % t == 0
-    ]
-
-
-def check_llama_tp(cfg: LlamaConfig, tp: int) -> None:
-    """Each tp rank holds whole key/value heads with their query groups, so tp must
-    divide the key/value heads (a fortiori the query heads) and the MLP width.
-    Replicating key/value heads across ranks (as some frameworks do when tp
-    exceeds them) is not supported."""
-    if tp in valid_llama_tp(cfg):
-        return
-    valid = ", ".join(map(str, valid_llama_tp(cfg)))
-    raise ValueError(
-        f"--tp {tp} cannot split the model's {cfg.n_kv_head} key/value heads, "
-        f"{cfg.n_head} query heads and MLP width {cfg.ffn_hidden_size}: each tp "
-        f"rank must hold whole key/value heads; valid: --tp {valid}"
-    )

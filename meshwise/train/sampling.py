@@ -12,6 +12,7 @@ import torch
 from meshwise.comm import ops
 from meshwise.data.tokenizer import decode_sample
 from meshwise.geometry.sequence import position_owner
+from meshwise.train.evaluation import forward_only
 
 
 @torch.no_grad()
@@ -34,7 +35,7 @@ def end_sample(
         # --compile: every length would compile each region anew, and fullgraph fails at
         # dynamo's recompile limit; a few tokens decode eager.
         with torch.compiler.set_stance("force_eager"):
-            out = trainer._forward(shard.cut(padded))
+            out = forward_only(trainer, shard.cut(padded))
         last = _last_logits(trainer, out, window.shape[1], length)
         nxt = torch.zeros(1, dtype=torch.long, device=trainer.device)
         if last is not None:

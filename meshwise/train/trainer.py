@@ -20,7 +20,6 @@ from meshwise.comm import ops
 from meshwise.comm.checks import strict
 from meshwise.data.batches import BatchSource
 from meshwise.data.dataset import TokenDataset
-from meshwise.data.tokenizer import printable
 from meshwise.device import ranges
 from meshwise.device.choice import rank_device
 from meshwise.geometry.init import Init
@@ -39,18 +38,16 @@ from meshwise.train.batches import StepBatches
 from meshwise.train.build import dtype_resolved
 from meshwise.train.checkpointing import RunCheckpointer
 from meshwise.train.config import TrainConfig
+from meshwise.train.evaluation import call_model, evaluate
 from meshwise.train.grad_sync import GradSync3D
 from meshwise.train.memory import PeakMemory
-from meshwise.train.metrics import RankValues
+from meshwise.train.non_finite import NonFiniteError, handle_non_finite, weights_finite
 from meshwise.train.routing import RouterBalance
+from meshwise.train.run_records import end_notes, step_record, step_values
 from meshwise.train.run_state import RunState
 from meshwise.train.sampling import end_sample
 
 log = logging.getLogger("meshwise")
-
-
-class NonFiniteError(RuntimeError):
-    pass
 
 
 class Trainer:
@@ -105,17 +102,7 @@ class Trainer:
         self.frozen_bytes = frozen_bytes(self.parallel_model.chunks)  # held beside the engine
         micro_per_step = cfg.data.grad_accum * cfg.parallel.num_micro_batches
         self.balance = RouterBalance.of(self.model_cfg, self.mesh, cfg.parallel.sp, micro_per_step)
-        self.checkpointer = RunCheckpointer(
-            cfg,
-            self.run,
-            self.mesh,
-            self.engine,
-            self.parallel_model.pieces(named_params),
-            represented=self.grad_sync.represented,
-            model=self.model_shape,
-            compressor=self.compressor,
-            device=self.device,
-        )
+        self.checkpointer = self._build_checkpointer(named_params)
         self.model, self.pipeline = build_runtime(cfg, self.mesh, self.parallel_model, self.engine)
         self.start_step, self.lr_schedule, self.metrics = start_run(
             cfg, self.run, self.checkpointer, self.is_logging_rank
@@ -148,6 +135,20 @@ class Trainer:
             self.device,
         )
         return data, batches
+
+    def _build_checkpointer(self, named_params) -> RunCheckpointer:
+        """Saves and loads this rank's pieces of the run (its engine's state, the compressor's)."""
+        return RunCheckpointer(
+            self.cfg,
+            self.run,
+            self.mesh,
+            self.engine,
+            self.parallel_model.pieces(named_params),
+            represented=self.grad_sync.represented,
+            model=self.model_shape,
+            compressor=self.compressor,
+            device=self.device,
+        )
 
     @property
     def global_tokens(self) -> int:
@@ -189,16 +190,7 @@ class Trainer:
         finally:
             self.observer.close()
         if self.is_logging_rank:
-            self.metrics.note(self.metrics.summary(val_loss))
-            self.metrics.note(self.observer.summary())
-            if self.batches.source.summary():  # chat data: packing, and what it truncated
-                self.metrics.note(f"data: {self.batches.source.summary()}")
-            if sample is not None:
-                prompt, continuation = sample
-                self.metrics.note(
-                    f"sample (prompt in [brackets]):\n[{printable(prompt)}]"
-                    f"{printable(continuation)}"
-                )
+            end_notes(self, val_loss, sample)
         self.metrics.close()
         self.comm_stats.close()
         return records
@@ -246,6 +238,37 @@ class Trainer:
         if self.balance is not None:  # the step's tokens per expert
             router_table = self.balance.step_table(self.device)
 
+        sq_norm, skip = self._optimizer_step(step, lr, loss_part, router_table)
+
+        values = step_values(
+            self, loss_part, sq_norm, skip, counters.bytes_sent["grad"] - grad_bytes_before
+        )
+        if router_table is not None:
+            self.balance.add_values(values, router_table)
+        combined = values.gather(self.mesh.world_group)  # the step's one host read: waits for it
+        step_time_s = time.perf_counter() - start
+        loss, grad_norm = combined["loss"], math.sqrt(combined["sq_norm"])
+        if combined["skip"]:
+            self.engine.unstep()
+            handle_non_finite(self, step, loss, grad_norm)
+        else:
+            self.skipped_in_a_row = 0
+        record = step_record(self, step, lr, labelled, combined, step_time_s)
+        if router_table is not None:
+            record.update(self.balance.report(combined))
+        # Every rank issued the same operations on every group, or the ledger names the
+        # rank that did not (a desync is wrong before it hangs): every few steps, and
+        # always before results are written (the last step, a checkpoint).
+        ops.check_ledger(
+            self.cfg.comm.timeout_s,
+            step,
+            now=step == self.cfg.optim.steps or self.checkpointer.due(step),
+        )
+        return record
+
+    def _optimizer_step(self, step: int, lr: float, loss_part, router_table):
+        """The global norm, clipping and the optimizer step (skipped where a value is not
+        finite); returns the squared norm and the skip flag, both on the device."""
         # Norm, clipping and the non-finite check stay on the device: the step needs
         # no host read before the optimizer (a skipped step changes nothing there).
         with self.observer.phase("optimizer"):
@@ -261,73 +284,7 @@ class Trainer:
         replicas = self.mesh.dims.tp > 1 or self.mesh.replicate_group is not None
         if every and step % every == 0 and replicas:
             self.grad_sync.check_replica_values()
-
-        values = self._step_values(
-            loss_part, sq_norm, skip, counters.bytes_sent["grad"] - grad_bytes_before
-        )
-        if router_table is not None:
-            self.balance.add_values(values, router_table)
-        combined = values.gather(self.mesh.world_group)  # the step's one host read: waits for it
-        step_time_s = time.perf_counter() - start
-        loss, grad_norm = combined["loss"], math.sqrt(combined["sq_norm"])
-        if combined["skip"]:
-            self.engine.unstep()
-            self._handle_non_finite(step, loss, grad_norm)
-        else:
-            self.skipped_in_a_row = 0
-        record = self._record(step, lr, labelled, combined, step_time_s)
-        if router_table is not None:
-            record.update(self.balance.report(combined))
-        # Every rank issued the same operations on every group, or the ledger names the
-        # rank that did not (a desync is wrong before it hangs): every few steps, and
-        # always before results are written (the last step, a checkpoint).
-        ops.check_ledger(
-            self.cfg.comm.timeout_s,
-            step,
-            now=step == self.cfg.optim.steps or self.checkpointer.due(step),
-        )
-        return record
-
-    def _record(
-        self, step: int, lr: float, labelled: int, combined: dict, step_time_s: float
-    ) -> dict:
-        """The step's metrics line (docs/flags.md) from the values every rank combined."""
-        record = {
-            "step": step,
-            "loss": combined["loss"] if labelled else None,  # no target, no loss: not 0
-            "grad_norm": math.sqrt(combined["sq_norm"]),
-            "lr": lr,
-            "tokens": self.global_tokens,
-            "labelled_tokens": labelled,
-            "step_time_s": step_time_s,
-            "tokens_per_s": self.global_tokens / step_time_s,
-            "grad_sync_bytes": int(combined["grad_sync_bytes"]),
-            "model_state_bytes": int(combined["model_state_bytes"]),
-            "peak_rss_bytes": int(combined["peak_rss_bytes"]),
-            "peak_mem_bytes": int(combined["peak_mem_bytes"]),
-        }
-        if self.cfg.data.data_order == "epochs":
-            record.update(self.batches.source.epoch_position(step, self.cfg.data.batch_size))
-        record.update(self.comm_stats.record(combined))
-        self.observer.record(record)
-        if self.cfg.parallel.zero == 3:
-            # Transient: full parameters gathered at once (unit in use + prefetched).
-            record["zero3_peak_gathered_bytes"] = int(combined["gathered"])
-        return record
-
-    def _step_values(self, loss_part, sq_norm, skip, grad_bytes: float) -> RankValues:
-        """What the metrics need from every rank, combined in one collective."""
-        values = RankValues(self.device)
-        values.add("loss", loss_part if self.reports_loss else 0.0, "sum")
-        values.add("sq_norm", sq_norm, "first")
-        values.add("skip", skip, "max")
-        values.add("grad_sync_bytes", grad_bytes, "sum")
-        values.add("model_state_bytes", self.engine.state_bytes() + self.frozen_bytes, "max")
-        values.add("peak_rss_bytes", self.memory.run_peak_rss_bytes(), "max")
-        values.add("peak_mem_bytes", self.memory.step_peak_bytes(), "max")
-        values.add("gathered", getattr(self.engine, "peak_gathered_bytes", 0), "max")  # ZeRO-3
-        self.comm_stats.add_to(values)
-        return values
+        return sq_norm, skip
 
     # ------------------------------------------------------------- helpers
     def _micro_batches(self, step: int, split: str, num: int | None = None):
@@ -358,7 +315,7 @@ class Trainer:
             sync = contextlib.nullcontext() if i == last else self.engine.no_sync()
             with sync:
                 with ranges.named("forward"):
-                    out = self._call(inputs, contexts[i])
+                    out = call_model(self.model, inputs, contexts[i])
                     loss = self.parallel_model.loss(out, targets) * scale
                 with ranges.named("backward"):
                     extra = self.balance.extra_loss(contexts[i]) if self.balance else 0.0
@@ -366,76 +323,11 @@ class Trainer:
             total += loss.detach()
         return total
 
-    def _reduce(self, values, op: str) -> list[float]:
-        """All-reduce numbers and 0-dim device tensors as one tensor; back on the host."""
-        if any(torch.is_tensor(v) for v in values):
-            t = torch.stack(
-                [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values]
-            )
-        else:  # plain numbers: one copy to the device, not one per number
-            t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        ops.all_reduce(t, self.mesh.world_group, op=op, category="metrics")
-        return t.tolist()
-
-    def _handle_non_finite(self, step: int, loss: float, grad_norm: float) -> None:
-        """Stop, or skip the step; skipping stops too once it cannot help."""
-        message = f"non-finite values at step {step}: loss {loss}, grad_norm {grad_norm}"
-        o = self.cfg.optim
-        if o.on_nan == "stop":
-            raise NonFiniteError(message + " (stopping; --on-nan skip skips such steps)")
-        self.skipped_in_a_row += 1
-        if not self.params_finite():
-            raise NonFiniteError(
-                message + "; the weights themselves are non-finite (an "
-                "earlier update diverged), so skipping cannot recover"
-            )
-        if self.skipped_in_a_row > o.max_skipped_steps:
-            raise NonFiniteError(
-                f"{message}; {self.skipped_in_a_row} steps in a row skipped "
-                f"(--max-skipped-steps {o.max_skipped_steps})"
-            )
-        if self.is_logging_rank:
-            log.warning("%s; step skipped (--on-nan skip)", message)
-
     def params_finite(self) -> bool:
         """Whether every parameter on every rank is finite (a collective)."""
-        ok = all(
-            bool(torch.isfinite(run.tensors["param"][0]).all())
-            for run in self.engine.checkpoint_runs()
-        )
-        return self._reduce([1.0 if ok else 0.0], op="min")[0] == 1.0
+        return weights_finite(self.engine, self.device, self.mesh.world_group)
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean labelled-token loss over ``eval_batches`` held-out global batches (None
         when they hold no labelled token)."""
-        self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        labelled = 0
-        for i in range(self.cfg.data.eval_batches):
-            [(inputs, targets)], contexts, count = self._micro_batches(i + 1, "val", num=1)
-            labelled += count
-            loss = self._forward(inputs, targets, contexts[0])
-            if loss is not None and self.reports_loss:
-                total += loss.detach()
-        self.model.train()
-        sums = self._reduce([total], op="sum")
-        return sums[0] / labelled if labelled else None
-
-    def _forward(self, inputs, targets=None, context=None):
-        """Forward only: the loss sum (or full logits) where the last stage is, else None."""
-        if self.pipeline is None:
-            out = self._call(inputs, context)
-        else:
-            out = self.pipeline.forward_only(inputs, context=context)
-            if out is None:
-                return None
-        return (
-            self.parallel_model.loss(out, targets)
-            if targets is not None
-            else self.parallel_model.full_logits(out)
-        )
-
-    def _call(self, inputs, context):
-        """The model on ``inputs``, told its forward's ``context`` where it takes one."""
-        return self.model(inputs) if context is None else self.model(inputs, context=context)
+        return evaluate(self)

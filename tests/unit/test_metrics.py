@@ -68,7 +68,7 @@ def test_step_peak_is_measured_by_the_os_and_reset_each_step():
 def test_a_step_without_a_labelled_token_reports_no_loss_not_zero(tmp_path):
     from types import SimpleNamespace
 
-    from meshwise.train.trainer import Trainer
+    from meshwise.train.run_records import step_record
 
     trainer = SimpleNamespace(
         global_tokens=64,
@@ -82,7 +82,7 @@ def test_a_step_without_a_labelled_token_reports_no_loss_not_zero(tmp_path):
         ["loss", "sq_norm", "grad_sync_bytes", "model_state_bytes", "peak_rss_bytes"], 0.0
     )
     combined["peak_mem_bytes"] = 0.0
-    record = Trainer._record(trainer, 1, 1e-3, 0, combined, 0.5)
+    record = step_record(trainer, 1, 1e-3, 0, combined, 0.5)
     assert record["loss"] is None and record["labelled_tokens"] == 0
     out = io.StringIO()
     log = MetricsLog(tmp_path / "m.jsonl", total_steps=1, log_every=1, stream=out)

@@ -22,7 +22,15 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(_COMM_DIR))
 # The modules that issue and record operations: never a call site themselves.
 _ISSUING = {
     os.path.join(_COMM_DIR, f"{name}.py")
-    for name in ("ops", "handle", "checks/context", "checks/ledger", "checks/strict")
+    for name in (
+        "ops",
+        "groups",
+        "point_to_point",
+        "handle",
+        "checks/context",
+        "checks/ledger",
+        "checks/strict",
+    )
 }
 SLOT_BYTES = 320  # one entry in the file: a JSON line, space-padded
 CAPACITY = 256
