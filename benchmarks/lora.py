@@ -18,7 +18,10 @@ frozen weights whole on every rank) and ``--dp N --zero 3`` (frozen weights shar
 4 B / N per parameter, gathered a unit at a time), ``--repeats`` times each in rounds
 whose order is reversed every other round (so that drift in the machine's speed hits
 all alike): each row's step time the median over its runs' timed steps, beside LoRA's
-over full fine-tuning's at that layout; its peak RSS the largest over its ranks (the
+over full fine-tuning's at that layout, and the CPU time of a step, all ranks together
+(a whole run's less that of a run of the untimed steps alone, its processes' user and
+system time: the work, which other work on a shared machine stretches less than the
+step's wall-clock time); its peak RSS the largest over its ranks (the
 median over its runs), and also the peak within a step (``peak_mem_bytes``), past
 start-up's reading of the weights.
 """
@@ -28,10 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 # Runnable from a checkout without installing.
@@ -87,15 +92,24 @@ def save_base(args, out: Path) -> None:
 
 
 def meshwise_run(
-    args, base: Path, tokens: Path, work: Path, variant: str, dp: int = 1, zero: int = 0
+    args,
+    base: Path,
+    tokens: Path,
+    work: Path,
+    variant: str,
+    dp: int = 1,
+    zero: int = 0,
+    steps: int | None = None,
 ) -> dict:
-    """``variant``: full, lora or qlora (LoRA with --quantize-base nf4)."""
+    """``variant``: full, lora or qlora (LoRA with --quantize-base nf4); ``cpu_s``: the
+    CPU seconds of the run's processes (start-up included), and with more than 2
+    ``steps`` (default ``--steps``) the timed steps' figures."""
     metrics = work / f"metrics-{variant}-{dp}-{zero}.jsonl"
     metrics.unlink(missing_ok=True)  # a repeat writes its own
     cmd = [sys.executable, "-m", "meshwise", "train", "--init-from", str(base)]
     cmd += ["--data", str(tokens), "--vocab-size", str(args.vocab_size)]
     cmd += ["--dp", str(dp), "--zero", str(zero)]
-    cmd += ["--steps", str(args.steps), "--seq-len", str(args.seq_len)]
+    cmd += ["--steps", str(steps or args.steps), "--seq-len", str(args.seq_len)]
     cmd += ["--batch-size", str(args.batch_size), "--metrics", str(metrics), "-q"]
     cmd += ["--bucket-mb", str(args.bucket_mb)]
     if variant != "full":
@@ -103,9 +117,15 @@ def meshwise_run(
         cmd += ["--lora-targets", TARGETS]
     if variant == "qlora":
         cmd += ["--quantize-base", "nf4"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, env=_env())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    if len(rows) <= 2:
+        return {"cpu_s": cpu_s}
     return {
+        "cpu_s": cpu_s,
         "step_times_s": [r["step_time_s"] for r in rows[2:]],
         "step_time_s": statistics.median(r["step_time_s"] for r in rows[2:]),
         "model_state_bytes_counted": rows[-1]["model_state_bytes"],
@@ -117,20 +137,31 @@ def meshwise_run(
 
 def dp_runs(args, base: Path, tokens: Path, work: Path) -> dict:
     """Full fine-tuning and LoRA at ``--dp N`` with ZeRO-2 and ZeRO-3, ``--repeats``
-    rounds of the four runs, each row pooled over its rounds."""
+    rounds of the four runs, each row pooled over its rounds; then a round of runs of
+    the 2 untimed steps only, whose CPU time taken from a whole run's leaves the timed
+    steps' (all ranks' CPU seconds: the work done, which other work on a shared machine
+    stretches less than the wall-clock time)."""
     names = [f"{variant} dp{args.dp} zero{zero}" for zero in (2, 3) for variant in ("full", "lora")]
     runs: dict[str, list[dict]] = {name: [] for name in names}
+    start_up: dict[str, float] = {}
 
-    def run(name: str, round_: int, i: int) -> None:
+    def run(name: str, round_: int, i: int, steps: int | None = None) -> None:
         variant, _, zero = name.split()
-        runs[name].append(
-            meshwise_run(args, base, tokens, work, variant, dp=args.dp, zero=int(zero[4:]))
+        row = meshwise_run(
+            args, base, tokens, work, variant, dp=args.dp, zero=int(zero[4:]), steps=steps
         )
+        if steps is None:
+            runs[name].append(row)
+        else:
+            start_up[name] = row["cpu_s"]
 
     run_rounds(names, args.repeats, 1, run)
+    run_rounds(names, 1, 1, partial(run, steps=2))
     return {
         name: {
             "step_time_s": statistics.median(t for row in rows for t in row["step_times_s"]),
+            "step_cpu_s": (statistics.median(row["cpu_s"] for row in rows) - start_up[name])
+            / (args.steps - 2),
             "model_state_bytes_counted": rows[-1]["model_state_bytes_counted"],
             **{
                 key: statistics.median(row[key] for row in rows)
@@ -238,7 +269,9 @@ def main(argv=None) -> None:
     }
     for name, row in results.items():
         print(
-            f"{name:15s} step {row['step_time_s'] * 1e3:8.1f} ms  peak RSS "
+            f"{name:15s} step {row['step_time_s'] * 1e3:8.1f} ms"
+            + (f" (CPU {row['step_cpu_s'] * 1e3:6.1f} ms)" if "step_cpu_s" in row else "")
+            + f"  peak RSS "
             f"{row['peak_rss_bytes'] / 2**20:8.1f} MiB"
             + (
                 f" (in a step {row['step_peak_rss_bytes'] / 2**20:7.1f} MiB)"
@@ -254,12 +287,17 @@ def main(argv=None) -> None:
         )
     if "qlora" not in results:
         ratios = {
-            f"zero{zero}": results[f"lora dp{dp} zero{zero}"]["step_time_s"]
-            / results[f"full dp{dp} zero{zero}"]["step_time_s"]
+            f"zero{zero} {key}": results[f"lora dp{dp} zero{zero}"][key]
+            / results[f"full dp{dp} zero{zero}"][key]
             for zero in (2, 3)
+            for key in ("step_time_s", "step_cpu_s")
         }
-        for layout, ratio in ratios.items():
-            print(f"LoRA / full step time at --dp {dp} --{layout[:4]} {layout[4:]}: {ratio:.3f}")
+        for zero in (2, 3):
+            time, cpu = (ratios[f"zero{zero} {key}"] for key in ("step_time_s", "step_cpu_s"))
+            print(
+                f"LoRA / full at --dp {dp} --zero {zero}: step time {time:.3f}, "
+                f"CPU time a step (all ranks) {cpu:.3f}"
+            )
         print(json.dumps({**n, "formula_bytes": formula, "lora_over_full": ratios, **results}))
         return
     fall = results["lora"]["peak_rss_bytes"] - results["qlora"]["peak_rss_bytes"]
