@@ -4,7 +4,7 @@ state meshwise counts (frozen weights + adapters' parameters, gradients and Adam
 and the process's peak RSS, measured by the process.
 
     python benchmarks/lora.py [--model llama-small --n-layer N --rank 8 --steps 12 --seq-len 256]
-    python benchmarks/lora.py --dp 2 --n-layer 12 --vocab-size 4096  # + ZeRO-2 vs ZeRO-3
+    python benchmarks/lora.py --dp 2 --n-layer 12 --vocab-size 4096  # ZeRO-2 and ZeRO-3
 
 Each variant runs in a fresh process (``meshwise train --dp 1`` or a PEFT + transformers
 + ``torch.optim.AdamW`` loop), with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns
@@ -13,10 +13,17 @@ gradients, two AdamW moments); LoRA 4 B per frozen parameter + 16 B per adapter 
 QLoRA the same with the blocks' linear weights at 0.5 B + 4 B / 64 (a code and its share
 of an fp32 block scale). The QLoRA run's frozen linear weights, measured: the LoRA run's 4 B
 per linear parameter less the fall of peak RSS from LoRA to QLoRA, per linear parameter.
-With ``--dp N``, LoRA runs instead at ``--dp N --zero 2`` (frozen weights whole on every
-rank) and ``--dp N --zero 3`` (frozen weights sharded, 4 B / N per parameter, gathered
-a unit at a time), each row's peak RSS the largest over its ranks, and also the peak
-within a step (``peak_mem_bytes``), past start-up's reading of the weights.
+With ``--dp N``, full fine-tuning and LoRA run instead at ``--dp N --zero 2`` (LoRA's
+frozen weights whole on every rank) and ``--dp N --zero 3`` (frozen weights sharded,
+4 B / N per parameter, gathered a unit at a time), ``--repeats`` times each in rounds
+whose order is reversed every other round (so that drift in the machine's speed hits
+all alike): each row's step time the median over its runs' timed steps, beside LoRA's
+over full fine-tuning's at that layout, and the CPU time of a step, all ranks together
+(a whole run's less that of a run of the untimed steps alone, its processes' user and
+system time: the work, which other work on a shared machine stretches less than the
+step's wall-clock time); its peak RSS the largest over its ranks (the
+median over its runs), and also the peak within a step (``peak_mem_bytes``), past
+start-up's reading of the weights.
 """
 
 from __future__ import annotations
@@ -24,13 +31,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
-from meshwise.train.model_config import MODEL_PRESETS
+# Runnable from a checkout without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import run_rounds  # noqa: E402
+from meshwise.train.model_config import MODEL_PRESETS  # noqa: E402
 
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -44,7 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=32000, help="the HF model's vocabulary")
-    p.add_argument("--dp", type=int, default=1, help="above 1: LoRA at ZeRO-2 and ZeRO-3 only")
+    p.add_argument(
+        "--dp", type=int, default=1, help="above 1: full and LoRA at ZeRO-2 and ZeRO-3 only"
+    )
+    p.add_argument("--repeats", type=int, default=2, help="with --dp: runs of each variant")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="also ZeRO-3's unit size cap")
     return p.parse_args(argv)
 
@@ -76,14 +92,24 @@ def save_base(args, out: Path) -> None:
 
 
 def meshwise_run(
-    args, base: Path, tokens: Path, work: Path, variant: str, dp: int = 1, zero: int = 0
+    args,
+    base: Path,
+    tokens: Path,
+    work: Path,
+    variant: str,
+    dp: int = 1,
+    zero: int = 0,
+    steps: int | None = None,
 ) -> dict:
-    """``variant``: full, lora or qlora (LoRA with --quantize-base nf4)."""
+    """``variant``: full, lora or qlora (LoRA with --quantize-base nf4); ``cpu_s``: the
+    CPU seconds of the run's processes (start-up included), and with more than 2
+    ``steps`` (default ``--steps``) the timed steps' figures."""
     metrics = work / f"metrics-{variant}-{dp}-{zero}.jsonl"
+    metrics.unlink(missing_ok=True)  # a repeat writes its own
     cmd = [sys.executable, "-m", "meshwise", "train", "--init-from", str(base)]
     cmd += ["--data", str(tokens), "--vocab-size", str(args.vocab_size)]
     cmd += ["--dp", str(dp), "--zero", str(zero)]
-    cmd += ["--steps", str(args.steps), "--seq-len", str(args.seq_len)]
+    cmd += ["--steps", str(steps or args.steps), "--seq-len", str(args.seq_len)]
     cmd += ["--batch-size", str(args.batch_size), "--metrics", str(metrics), "-q"]
     cmd += ["--bucket-mb", str(args.bucket_mb)]
     if variant != "full":
@@ -91,14 +117,59 @@ def meshwise_run(
         cmd += ["--lora-targets", TARGETS]
     if variant == "qlora":
         cmd += ["--quantize-base", "nf4"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, env=_env())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    if len(rows) <= 2:
+        return {"cpu_s": cpu_s}
     return {
+        "cpu_s": cpu_s,
+        "step_times_s": [r["step_time_s"] for r in rows[2:]],
         "step_time_s": statistics.median(r["step_time_s"] for r in rows[2:]),
         "model_state_bytes_counted": rows[-1]["model_state_bytes"],
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rows),
         # the steps' own peak (VmHWM reset each step), start-up's reading of the weights apart
         "step_peak_rss_bytes": max(r["peak_mem_bytes"] for r in rows[1:]),
+    }
+
+
+def dp_runs(args, base: Path, tokens: Path, work: Path) -> dict:
+    """Full fine-tuning and LoRA at ``--dp N`` with ZeRO-2 and ZeRO-3, ``--repeats``
+    rounds of the four runs, each row pooled over its rounds; then a round of runs of
+    the 2 untimed steps only, whose CPU time taken from a whole run's leaves the timed
+    steps' (all ranks' CPU seconds: the work done, which other work on a shared machine
+    stretches less than the wall-clock time)."""
+    names = [f"{variant} dp{args.dp} zero{zero}" for zero in (2, 3) for variant in ("full", "lora")]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    start_up: dict[str, float] = {}
+
+    def run(name: str, round_: int, i: int, steps: int | None = None) -> None:
+        variant, _, zero = name.split()
+        row = meshwise_run(
+            args, base, tokens, work, variant, dp=args.dp, zero=int(zero[4:]), steps=steps
+        )
+        if steps is None:
+            runs[name].append(row)
+        else:
+            start_up[name] = row["cpu_s"]
+
+    run_rounds(names, args.repeats, 1, run)
+    run_rounds(names, 1, 1, partial(run, steps=2))
+    return {
+        name: {
+            "step_time_s": statistics.median(t for row in rows for t in row["step_times_s"]),
+            "step_cpu_s": (statistics.median(row["cpu_s"] for row in rows) - start_up[name])
+            / (args.steps - 2),
+            "model_state_bytes_counted": rows[-1]["model_state_bytes_counted"],
+            **{
+                key: statistics.median(row[key] for row in rows)
+                for key in ("peak_rss_bytes", "step_peak_rss_bytes")
+            },
+            "run_step_times_s": [row["step_time_s"] for row in rows],
+        }
+        for name, rows in runs.items()
     }
 
 
@@ -173,12 +244,9 @@ def main(argv=None) -> None:
         tokens = work / "tokens.bin"
         rng = np.random.default_rng(0)
         rng.integers(0, args.vocab_size, 400_000).astype(np.uint16).tofile(tokens)
-        results = {}
-        for zero in (2, 3) if args.dp > 1 else ():
-            results[f"lora dp{args.dp} zero{zero}"] = meshwise_run(
-                args, work / "base", tokens, work, "lora", dp=args.dp, zero=zero
-            )
-        if args.dp == 1:
+        if args.dp > 1:
+            results = dp_runs(args, work / "base", tokens, work)
+        else:
             results = {
                 variant: meshwise_run(args, work / "base", tokens, work, variant)
                 for variant in ("full", "lora", "qlora")
@@ -196,10 +264,14 @@ def main(argv=None) -> None:
         # and moments sharded; ZeRO-3: all of it sharded
         f"lora dp{dp} zero2": 4 * n["params"] + (4 + 12 / dp) * n["adapter_params"],
         f"lora dp{dp} zero3": (4 * n["params"] + 16 * n["adapter_params"]) / dp,
+        f"full dp{dp} zero2": (4 + 12 / dp) * n["params"],
+        f"full dp{dp} zero3": 16 * n["params"] / dp,
     }
     for name, row in results.items():
         print(
-            f"{name:15s} step {row['step_time_s'] * 1e3:8.1f} ms  peak RSS "
+            f"{name:15s} step {row['step_time_s'] * 1e3:8.1f} ms"
+            + (f" (CPU {row['step_cpu_s'] * 1e3:6.1f} ms)" if "step_cpu_s" in row else "")
+            + f"  peak RSS "
             f"{row['peak_rss_bytes'] / 2**20:8.1f} MiB"
             + (
                 f" (in a step {row['step_peak_rss_bytes'] / 2**20:7.1f} MiB)"
@@ -214,7 +286,19 @@ def main(argv=None) -> None:
             )
         )
     if "qlora" not in results:
-        print(json.dumps({**n, "formula_bytes": formula, **results}))
+        ratios = {
+            f"zero{zero} {key}": results[f"lora dp{dp} zero{zero}"][key]
+            / results[f"full dp{dp} zero{zero}"][key]
+            for zero in (2, 3)
+            for key in ("step_time_s", "step_cpu_s")
+        }
+        for zero in (2, 3):
+            time, cpu = (ratios[f"zero{zero} {key}"] for key in ("step_time_s", "step_cpu_s"))
+            print(
+                f"LoRA / full at --dp {dp} --zero {zero}: step time {time:.3f}, "
+                f"CPU time a step (all ranks) {cpu:.3f}"
+            )
+        print(json.dumps({**n, "formula_bytes": formula, "lora_over_full": ratios, **results}))
         return
     fall = results["lora"]["peak_rss_bytes"] - results["qlora"]["peak_rss_bytes"]
     measured = 4 - fall / n["linear_params"]

@@ -316,11 +316,23 @@ class FlatParams:
             return None
         return self._all_gather_in_place(buf)
 
+    def own_shard_only(self, buf: torch.Tensor) -> None:
+        """Stage 3: ``buf`` holds this rank's shard (cast from the master) and zeros
+        elsewhere, so that its sum over dp is every parameter (``x + 0`` is exact): the
+        gather as an all-reduce, whose caller may sum several such buffers at once."""
+        s0, s1 = self.shard_range
+        buf[s0:s1].copy_(self.master)
+        self._zero_others(buf)
+
+    def _zero_others(self, buf: torch.Tensor) -> None:
+        s0, s1 = self.shard_range
+        buf[:s0].zero_()
+        buf[s1:].zero_()
+
     def _all_gather_in_place(self, buf: torch.Tensor):
         s0, s1 = self.shard_range
         if policy.all_gather_by_all_reduce(self.group):
-            buf[:s0].zero_()  # x + 0 is exact: the sum is the owners' values
-            buf[s1:].zero_()
+            self._zero_others(buf)  # x + 0 is exact: the sum is the owners' values
             return ops.all_reduce(buf, self.group, category="param", async_op=True)
         # In place: the input is this rank's chunk of the output (NCCL and gloo accept it).
         return ops.all_gather(buf, buf[s0:s1], self.group, category="param", async_op=True)

@@ -229,3 +229,36 @@ def test_an_exact_pool_allocates_what_is_asked():
     assert small._base is None and small.numel() == 10
     exact.release(small)
     assert exact.acquire(10, torch.float32, "cpu").data_ptr() == small.data_ptr()  # reused
+
+
+def test_a_unit_of_trained_and_frozen_parameters_is_one_all_reduce_where_gathers_are(
+    monkeypatch,
+):
+    """gloo gathers by all-reducing a buffer zero but for the rank's shards: the adapters
+    and the frozen weights of a unit then go in one all-reduce, whose sum over the ranks
+    is every parameter where its views read it."""
+    from meshwise.comm import ops, policy
+
+    sent = []
+    done = SimpleNamespace(wait=lambda: None)
+
+    def all_reduce(buf, group, **kwargs):
+        sent.append((buf.clone(), kwargs["category"]))
+        return done
+
+    monkeypatch.delenv("MESHWISE_COMM_CHECK")  # gloo's own formulations
+    monkeypatch.setattr(ops, "backend", lambda group: "gloo")
+    monkeypatch.setattr(ops, "all_reduce", all_reduce)
+    assert policy.all_gather_by_all_reduce(_group(2))
+    model = _gpt_frozen()
+    ref = dict(model.named_parameters())
+    for rank in (0, 1):
+        unit = ZeroStage3(copy.deepcopy(model), _group(2, rank), CFG).blocks[0]
+        unit.start_gather()
+        assert unit.flat.numel and unit.frozen.numel and len(sent) == rank + 1
+    (first, category), (second, _) = sent
+    assert category == "param" and first.shape == second.shape
+    unit.buffer.copy_(first + second)
+    for flat, views in ((unit.flat, unit.plain_views()), (unit.frozen, unit.plain_views(True))):
+        for slot, view in zip(flat.slots, views):
+            assert torch.equal(view, ref[slot.name])
