@@ -33,6 +33,11 @@ MODEL = ["--model", "small", "--n-layer", "4", "--d-model", "256", "--n-head", "
 DATA = ["--seq-len", "64", "--batch-size", "8", "--lr", "1e-3", "--warmup-steps", "1"]
 
 
+def train_argv(layout: list[str], steps: int, metrics: Path) -> list[str]:
+    """``meshwise train``'s arguments for ``layout`` on the benchmark's model and data."""
+    return ["train", *layout, *MODEL, *DATA, "--steps", str(steps), "--metrics", str(metrics)]
+
+
 def link_bytes(nodes: TwoNodes) -> int:
     """Bytes node 0's end of the link has sent and received so far (its counters)."""
     ns, dev, _ = nodes.hosts[0]
@@ -47,7 +52,7 @@ def link_bytes(nodes: TwoNodes) -> int:
 def run(nodes: TwoNodes, layout: list[str], steps: int, workdir: Path) -> dict:
     """One run of ``steps`` steps: its metrics lines and the link's bytes."""
     metrics = workdir / f"m{abs(hash((tuple(layout), steps)))}.jsonl"
-    argv = ["train", *layout, *MODEL, *DATA, "--steps", str(steps), "--metrics", str(metrics)]
+    argv = train_argv(layout, steps, metrics)
     before = link_bytes(nodes)
     results = nodes.run(argv, nproc_per_node=2, timeout_s=900, cwd=workdir)
     moved = link_bytes(nodes) - before
@@ -61,7 +66,7 @@ def run(nodes: TwoNodes, layout: list[str], steps: int, workdir: Path) -> dict:
 def one_node_losses(layout: list[str], steps: int, workdir: Path) -> list[float]:
     """The same run's losses with every rank on this machine (no namespaces, no link)."""
     metrics = workdir / f"one-node{abs(hash(tuple(layout)))}.jsonl"
-    argv = ["train", *layout, *MODEL, *DATA, "--steps", str(steps), "--metrics", str(metrics)]
+    argv = train_argv(layout, steps, metrics)
     done = subprocess.run([sys.executable, "-m", "meshwise", *argv, "-q"], cwd=workdir)
     if done.returncode:
         raise SystemExit(f"one node: {' '.join(argv)} failed")

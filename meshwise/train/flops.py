@@ -10,6 +10,8 @@ import time
 import torch
 from torch import nn
 
+from meshwise.apply.lora import ADAPTER_NAMES
+
 # Dense peaks from the vendors' data sheets (SXM/flagship parts), FLOP/s.
 GPU_PEAKS = {  # name fragment: {dtype: peak}
     "H200": {torch.bfloat16: 989e12, torch.float32: 67e12},
@@ -23,25 +25,19 @@ GPU_PEAKS = {  # name fragment: {dtype: peak}
 def matmul_params(model: nn.Module) -> int:
     """Parameters a forward multiplies by: every ``nn.Linear``'s weight (a tied
     head counts as the head it is) and the LoRA adapters beside them."""
-    return sum(
-        p.numel() for m in model.modules() if isinstance(m, nn.Linear) for p in _matmul_weights(m)
-    )
+    return sum(p.numel() for p in _matmul_weights(model))
 
 
 def frozen_matmul_params(model: nn.Module) -> int:
     """The part of ``matmul_params`` that does not train (LoRA's frozen base)."""
-    return sum(
-        p.numel()
-        for m in model.modules()
-        if isinstance(m, nn.Linear)
-        for p in _matmul_weights(m)
-        if not p.requires_grad
-    )
+    return sum(p.numel() for p in _matmul_weights(model) if not p.requires_grad)
 
 
-def _matmul_weights(linear: nn.Module) -> list[torch.Tensor]:
-    adapters = (getattr(linear, name, None) for name in ("lora_A", "lora_B"))
-    return [linear.weight, *(a for a in adapters if a is not None)]
+def _matmul_weights(model: nn.Module):
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            yield m.weight
+            yield from (a for a in (getattr(m, n, None) for n in ADAPTER_NAMES) if a is not None)
 
 
 def flops_per_token(

@@ -23,21 +23,28 @@ SIZES = {
 }
 
 
+SEQ_LEN = 48
+
+
+def _counted_per_token(model, vocab_size: int, batch: int = 2) -> float:
+    """PyTorch's count of one training step of ``model``, per token. The math attention
+    kernel: PyTorch counts its matrix products (the fused CPU kernel it would otherwise
+    pick has no FLOP formula registered)."""
+    tokens = torch.randint(0, vocab_size, (batch, SEQ_LEN + 1))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return counter.get_total_flops() / (batch * SEQ_LEN)
+
+
 @pytest.mark.parametrize("name", sorted(SIZES))
 def test_flops_per_token_match_pytorchs_count_of_a_training_step(name):
     fam = family(name)
     cfg = fam.make_config(SIZES[name])
     model = fam.create(cfg, seed=0)
-    batch, seq_len = 2, 48
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
-    # The math attention kernel: PyTorch counts its matrix products (the fused CPU
-    # kernel it would otherwise pick has no FLOP formula registered).
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    counted = _counted_per_token(model, cfg.vocab_size)
     layers = list(getattr(model, fam.plan(cfg).layers).values())
-    ours, hardware = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, seq_len)
-    counted = counter.get_total_flops() / (batch * seq_len)
+    ours, hardware = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, SEQ_LEN)
     assert abs(ours - counted) <= 0.02 * counted, (ours, counted)
     assert hardware == ours
 
@@ -54,18 +61,13 @@ def test_lora_counts_no_weight_gradient_for_the_frozen_weights():
     for name, p in model.named_parameters():
         if "lora_" in name:
             torch.nn.init.normal_(p, std=0.02)
-    batch, seq_len = 2, 48
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    counted = _counted_per_token(model, cfg.vocab_size)
     layers = list(getattr(model, fam.plan(cfg).layers).values())
-    ours, _ = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, seq_len)
-    counted = counter.get_total_flops() / (batch * seq_len)
+    ours, _ = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, SEQ_LEN)
     # over by the first layer's q, k and v, whose input needs no gradient: 1/6 of them
     assert abs(ours - counted) <= 0.02 * counted, (ours, counted)
     model.requires_grad_(True)
-    full, _ = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, seq_len)
+    full, _ = flops_per_token(model, layers, cfg.n_layer, cfg.d_model, SEQ_LEN)
     assert counted < 0.8 * full  # the difference is no round-off
 
 
