@@ -70,6 +70,11 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def metrics_written(path: Path) -> int:
+    """Whole metrics lines in ``path`` so far, while a run may be writing its next one."""
+    return path.read_text().count("\n") if path.exists() else 0
+
+
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not), as the kernel's /proc says."""
     try:

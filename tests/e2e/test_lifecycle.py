@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import SMALL, read_metrics
+from tests.e2e.conftest import SMALL, metrics_written
 from tests.e2e.conftest import process_alive as _alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux signals")
@@ -127,7 +127,7 @@ def _start_ranks(tmp_path, corpus, num_ranks, *flags, steps_done: int = 2):
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until every rank trains
-        if metrics.exists() and len(read_metrics(metrics)) >= steps_done:
+        if metrics_written(metrics) >= steps_done:
             ranks = _ranks(proc.pid)
             if len(ranks) == num_ranks:
                 return proc, ranks

@@ -24,7 +24,7 @@ import pytest
 
 from benchmarks.two_nodes import TwoNodes, unavailable
 from meshwise.cli.launch import free_port
-from tests.e2e.conftest import SMALL, read_metrics, run_cli
+from tests.e2e.conftest import SMALL, metrics_written, read_metrics, run_cli
 from tests.e2e.conftest import process_alive as _alive
 
 STEPS = 6
@@ -298,7 +298,7 @@ def test_a_killed_launcher_takes_its_rank_and_the_other_node_ends(tmp_path, corp
     ranks = []
     try:
         deadline = time.monotonic() + 90
-        while not (metrics.exists() and len(read_metrics(metrics)) >= 2):
+        while metrics_written(metrics) < 2:
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
                 p.stderr.read() for p in procs if p.poll() is not None
             ]
