@@ -125,16 +125,24 @@ def _start_ranks(tmp_path, corpus, num_ranks, *flags, steps_done: int = 2):
         text=True,
         start_new_session=True,
     )
+    try:
+        return proc, _wait_for_steps(proc, metrics, num_ranks, steps_done)
+    except BaseException:
+        _kill_group(proc.pid)  # a run of 100,000 steps must not outlive its test
+        raise
+
+
+def _wait_for_steps(proc, metrics, num_ranks: int, steps_done: int) -> list[int]:
+    """The rank pids once every rank trains and ``steps_done`` steps are logged."""
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # wait until every rank trains
+    while time.monotonic() < deadline:
         if metrics_written(metrics) >= steps_done:
             ranks = _ranks(proc.pid)
             if len(ranks) == num_ranks:
-                return proc, ranks
+                return ranks
         if proc.poll() is not None:
             pytest.fail(f"the run ended early:\n{proc.stderr.read()}")
         time.sleep(0.05)
-    _kill_group(proc.pid)
     pytest.fail("the run did not start training within 60 s")
 
 
